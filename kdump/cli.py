@@ -1,0 +1,65 @@
+"""The `kdump` command: a thin click group. Each command lives in `kdump.cmd.<name>` and is
+imported only when used, so `kdump --help` stays fast and torch-free."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+import click
+
+from kdump import __version__
+
+COMMANDS = {
+    "record": ("kdump.cmd.record", "Run a program with recording active in all its processes."),
+    "replay": ("kdump.cmd.replay", "Replay bundles against a kernel and say which step fails."),
+    "info": ("kdump.cmd.info", "Show what is inside a bundle."),
+    "pack": ("kdump.cmd.pack", "Fold a bundle and its shared blobs into one file to attach."),
+    "doctor": (
+        "kdump.cmd.doctor",
+        "Say what this machine can replay, and how to fix what it can't.",
+    ),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        return importlib.import_module(COMMANDS[name][0]).command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(n, h) for n, (_, h) in COMMANDS.items()])
+
+
+EPILOG = """\b
+Exit codes: 0 clean, 1 wrong results, 2 usage error or invalid bundle, 3 kernel error
+(crash, illegal address, hang), 4 memory finding, 5 contract violation, 70 internal error,
+125 cannot run here (no GPU, library missing).
+\b
+Examples:
+  kdump replay captures/contiguous_ue8m0.kdump
+  kdump record --target deep_gemm -- python -m sglang.launch_server ...
+  kdump info dumps/ --json
+"""
+
+
+@click.group(cls=LazyGroup, epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="kdump")
+@click.option("-v", "--verbose", is_flag=True, help="Show tracebacks for errors.")
+@click.pass_context
+def cli(ctx: click.Context, verbose: bool) -> None:
+    """kdump: record the exact arguments of GPU kernel calls and replay them offline."""
+    ctx.ensure_object(dict)
+    ctx.obj["verbose"] = verbose
+
+
+def main(argv: list[str] | None = None) -> Any:
+    from kdump.cmd.common import run_cli
+
+    return run_cli(cli, argv if argv is not None else sys.argv[1:])

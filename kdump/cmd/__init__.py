@@ -1,0 +1,1 @@
+"""One module per `kdump` command; each exposes `command`."""

@@ -1,0 +1,65 @@
+"""What every command shares: error reporting, exit codes, JSON output, the console."""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from typing import Any
+
+import click
+
+from kdump.errors import ExitCode, KdumpError
+
+
+def run_cli(group: click.Group, argv: list[str]) -> None:
+    verbose = "-v" in argv or "--verbose" in argv
+    try:
+        rv = group.main(args=argv, prog_name="kdump", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("kdump: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:  # usage errors: one line, exit 2
+        exc.show()
+        sys.exit(ExitCode.USAGE)
+    except KdumpError as exc:
+        if verbose:
+            traceback.print_exc()
+        click.echo(f"kdump: error: {exc}", err=True)
+        sys.exit(int(exc.exit_code))
+    except KeyboardInterrupt:
+        click.echo("kdump: interrupted", err=True)
+        sys.exit(130)
+    except SystemExit:
+        raise
+    except Exception as exc:
+        if verbose:
+            traceback.print_exc()
+        click.echo(
+            f"kdump: internal error: {type(exc).__name__}: {exc} (run with -v for the traceback "
+            "and report it)",
+            err=True,
+        )
+        sys.exit(ExitCode.INTERNAL)
+    sys.exit(int(rv or 0))
+
+
+def emit_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, default=str))
+
+
+def console() -> Any:
+    from rich.console import Console
+
+    return Console()
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON output.")

@@ -1,0 +1,101 @@
+"""The one place that reads kdump's environment variables.
+
+Every variable is declared here with its meaning; `kdump record --help` lists them and bundles
+record their values (see `envinfo`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    help: str
+    default: str | None = None
+
+
+ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar("KDUMP_RECORD", "set to 1 by `kdump record`: activates recording at interpreter start"),
+    EnvVar(
+        "KDUMP_TARGETS", "comma-separated targets (module:qualname or a preset such as deep_gemm)"
+    ),
+    EnvVar("KDUMP_OUT", "output directory for bundles", "kdump-out"),
+    EnvVar("KDUMP_MODE", "recording mode: sync (ring: the flight recorder, later)", "sync"),
+    EnvVar("KDUMP_CALLS", "call index ranges to dump, e.g. '0-9,100,200-'"),
+    EnvVar("KDUMP_EVERY", "dump every N-th call"),
+    EnvVar(
+        "KDUMP_FIRST_PER_SIGNATURE", "dump the first K calls per (shape, dtype, layout) signature"
+    ),
+    EnvVar("KDUMP_RANKS", "ranks to record, e.g. '0' or '0-3' (others record nothing)"),
+    EnvVar("KDUMP_PREDICATE", "module:function called with the call's arguments; truthy = dump"),
+    EnvVar("KDUMP_MAX_BUNDLES", "at most this many bundles per process"),
+    EnvVar("KDUMP_MAX_BYTES", "at most this many bytes of bundles per process (suffixes K, M, G)"),
+    EnvVar("KDUMP_KEEP", "which bundles survive the limits: oldest or newest", "oldest"),
+    EnvVar("KDUMP_ON_EXCEPTION", "1: dump the arguments of every call that raised", "1"),
+    EnvVar("KDUMP_OUTPUTS", "1: also snapshot in-place outputs after the call (sync mode)", "1"),
+    EnvVar("KDUMP_FLUSH_SIGNAL", "signal name that flushes pending bundles, e.g. USR1"),
+    EnvVar("KDUMP_LOG", "file that kdump's own log lines go to (default: stderr)"),
+    EnvVar("KDUMP_CACHE_DIR", "cache for compiled kernels", "~/.cache/kdump"),
+    EnvVar("KDUMP_SANITIZER", "path of the compute-sanitizer binary to use"),
+)
+
+_BY_NAME = {v.name: v for v in ENV_VARS}
+
+# Prefixes of variables that bundles record because they change what kernels do.
+RECORDED_PREFIXES = (
+    "DG_",
+    "KDUMP_",
+    "CUDA_",
+    "PYTORCH_",
+    "NCCL_",
+    "TORCH_CUDA",
+    "SGLANG_",
+    "VLLM_",
+)
+SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
+
+
+def environ() -> Mapping[str, str]:
+    """The process environment (a seam for tests)."""
+    return os.environ
+
+
+def get(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """Value of a declared kdump variable, or its default."""
+    var = _BY_NAME[name]  # KeyError on undeclared names: every variable must be declared above
+    value = (env if env is not None else environ()).get(name)
+    return value if value not in (None, "") else var.default
+
+
+def get_flag(name: str, env: Mapping[str, str] | None = None) -> bool:
+    value = get(name, env)
+    return value is not None and value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def is_secret(name: str) -> bool:
+    upper = name.upper()
+    return any(marker in upper for marker in SECRET_MARKERS)
+
+
+def recorded_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Variables that bundles record; values of secret-looking names are redacted."""
+    source = env if env is not None else environ()
+    out: dict[str, str] = {}
+    for name in sorted(source):
+        if name.startswith(RECORDED_PREFIXES):
+            out[name] = "<redacted>" if is_secret(name) else source[name]
+    return out
+
+
+def help_table() -> str:
+    """Text listing of every variable, for `--help` epilogs."""
+    width = max(len(v.name) for v in ENV_VARS)
+    lines = []
+    for v in ENV_VARS:
+        default = f" (default: {v.default})" if v.default is not None else ""
+        lines.append(f"{v.name.ljust(width)}  {v.help}{default}")
+    return "\n".join(lines)

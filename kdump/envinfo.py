@@ -1,0 +1,134 @@
+"""The environment manifest a bundle carries: machine, software, GPU, and kernel-library state.
+
+Kernel libraries add their process-global settings through `register_state_provider` (DeepGEMM's
+num_sms, tc_util, pdl, mk alignment are provided by `kdump.kernels.deepgemm`).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from kdump import config
+
+RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TP_RANK", "DP_RANK")
+
+StateProvider = Callable[[], dict[str, Any] | None]
+_PROVIDERS: dict[str, StateProvider] = {}
+
+
+def register_state_provider(library: str, provider: StateProvider) -> None:
+    """Add a function returning a library's global settings (or None when not loaded)."""
+    _PROVIDERS[library] = provider
+
+
+def library_state() -> dict[str, Any]:
+    """Global state of every registered library that is loaded; errors are recorded, not raised."""
+    out: dict[str, Any] = {}
+    for name, provider in _PROVIDERS.items():
+        try:
+            state = provider()
+        except Exception as exc:  # a provider must never break recording
+            state = {"error": f"{type(exc).__name__}: {exc}"}
+        if state is not None:
+            out[name] = state
+    return out
+
+
+def rank_info(env: dict[str, str] | None = None) -> dict[str, Any]:
+    source = env if env is not None else dict(config.environ())
+    out: dict[str, Any] = {}
+    for var in RANK_VARS:
+        if var in source:
+            try:
+                out[var.lower()] = int(source[var])
+            except ValueError:
+                out[var.lower()] = source[var]
+    return out
+
+
+def current_rank(env: dict[str, str] | None = None) -> int | None:
+    info = rank_info(env)
+    for key in ("rank", "tp_rank", "local_rank"):
+        if isinstance(info.get(key), int):
+            return info[key]
+    return None
+
+
+def gpu_info() -> dict[str, Any]:
+    """GPU facts without initialising CUDA when torch has not done so already."""
+    try:
+        import torch
+    except ImportError:
+        return {"torch": None}
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": False,
+    }
+    try:
+        if not torch.cuda.is_available():
+            return info
+        dev = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(dev)
+        info.update(
+            cuda_available=True,
+            device_index=dev,
+            device_count=torch.cuda.device_count(),
+            gpu_name=props.name,
+            compute_capability=f"{props.major}.{props.minor}",
+            sm_count=props.multi_processor_count,
+            total_memory=props.total_memory,
+        )
+        try:
+            info["driver_version"] = (
+                torch.cuda.driver_version()
+                if hasattr(torch.cuda, "driver_version")
+                else _driver_version()
+            )
+        except Exception:
+            info["driver_version"] = _driver_version()
+    except Exception as exc:  # a broken CUDA setup is a fact worth recording, not a crash
+        info["cuda_error"] = f"{type(exc).__name__}: {exc}"
+    return info
+
+
+def _driver_version() -> int | None:
+    try:
+        import ctypes
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        v = ctypes.c_int()
+        if lib.cuDriverGetVersion(ctypes.byref(v)) == 0:
+            return v.value
+    except OSError:
+        pass
+    return None
+
+
+def collect(include_gpu: bool = True) -> dict[str, Any]:
+    """The environment manifest (docs/FORMAT.md, "env")."""
+    env = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "argv": list(sys.argv)[:32],
+        "ranks": rank_info(),
+        "env_vars": config.recorded_environment(),
+        "kdump": _kdump_version(),
+    }
+    if include_gpu:
+        env.update(gpu_info())
+    env["libraries"] = library_state()
+    return env
+
+
+def _kdump_version() -> str:
+    from kdump import __version__
+
+    return __version__

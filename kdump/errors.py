@@ -1,0 +1,71 @@
+"""Typed errors. The library raises these; only the CLI turns them into messages and exit codes."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """Exit codes of every kdump command (docs in README and DESIGN.md)."""
+
+    CLEAN = 0
+    MISMATCH = 1  # wrong results: reference / recorded output mismatch, nondeterminism
+    USAGE = 2  # usage error, unreadable or invalid bundle
+    KERNEL_ERROR = 3  # crash, illegal address, hang
+    MEMORY_FINDING = 4  # sanitizer error, halo or guard violation
+    CONTRACT = 5  # the recorded call violates the kernel's contract
+    INTERNAL = 70  # a bug in kdump
+    CANNOT_RUN = 125  # no GPU, wrong architecture, library missing
+
+
+# With several findings the first code in this order wins.
+EXIT_PRECEDENCE: tuple[ExitCode, ...] = (
+    ExitCode.USAGE,
+    ExitCode.CANNOT_RUN,
+    ExitCode.INTERNAL,
+    ExitCode.CONTRACT,
+    ExitCode.KERNEL_ERROR,
+    ExitCode.MEMORY_FINDING,
+    ExitCode.MISMATCH,
+)
+
+
+def worst_exit_code(codes: list[int] | tuple[int, ...]) -> int:
+    """Combine the exit codes of several findings by DESIGN.md's precedence."""
+    present = set(codes)
+    for code in EXIT_PRECEDENCE:
+        if code in present:
+            return int(code)
+    return 0
+
+
+class KdumpError(Exception):
+    """Base of every error kdump raises on purpose. The message is one line that says what to do."""
+
+    exit_code: ExitCode = ExitCode.INTERNAL
+
+
+class UsageError(KdumpError):
+    exit_code = ExitCode.USAGE
+
+
+class BundleError(KdumpError):
+    """The bundle is unreadable, corrupt, or not something this reader can trust."""
+
+    exit_code = ExitCode.USAGE
+
+
+class CannotRunError(KdumpError):
+    """This machine cannot run the request: no GPU, wrong architecture, library missing."""
+
+    exit_code = ExitCode.CANNOT_RUN
+
+
+class ContractViolation(KdumpError):
+    """The recorded call violates the kernel's documented contract."""
+
+    exit_code = ExitCode.CONTRACT
+
+
+class UnknownTargetError(UsageError):
+    """A target name that resolves to nothing."""

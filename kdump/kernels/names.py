@@ -1,0 +1,72 @@
+"""Canonical entry-point ids and their alias tables (shared by recording and replay).
+
+A recorded call carries the canonical id of what was called plus the name it was called by, so a
+call recorded under any alias replays through the same spec.
+"""
+
+from __future__ import annotations
+
+# Modules that bind DeepGEMM's API: upstream, vLLM's vendored copy.
+DEEPGEMM_MODULES: tuple[str, ...] = ("deep_gemm", "vllm.third_party.deep_gemm")
+
+# canonical function name -> other names of the same entry point (newer fp8_fp4 names, legacy).
+DEEPGEMM_ENTRY_POINTS: dict[str, tuple[str, ...]] = {
+    "m_grouped_fp8_gemm_nt_contiguous": (
+        "m_grouped_fp8_fp4_gemm_nt_contiguous",
+        "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous",
+    ),
+    "m_grouped_fp8_gemm_nn_contiguous": ("m_grouped_fp8_fp4_gemm_nn_contiguous",),
+    "m_grouped_fp8_gemm_nt_masked": (
+        "m_grouped_fp8_fp4_gemm_nt_masked",
+        "fp8_m_grouped_gemm_nt_masked",
+        "m_grouped_gemm_fp8_fp8_bf16_nt_masked",
+    ),
+    "m_grouped_bf16_gemm_nt_contiguous": (),
+    "m_grouped_bf16_gemm_nn_contiguous": (),
+    "m_grouped_bf16_gemm_nt_masked": (),
+    "k_grouped_fp8_gemm_nt_contiguous": (),
+    "k_grouped_fp8_gemm_tn_contiguous": (),
+    "k_grouped_bf16_gemm_tn_contiguous": (),
+}
+
+# DeepGEMM's process-global setters: hooked so that bundles know the settings in force.
+DEEPGEMM_SETTERS: tuple[str, ...] = (
+    "set_num_sms",
+    "set_tc_util",
+    "set_pdl",
+    "set_mk_alignment_for_contiguous_layout",
+    "set_ignore_compile_dims",
+    "set_block_size_multiple_of",
+)
+DEEPGEMM_GETTERS: dict[str, str] = {
+    "num_sms": "get_num_sms",
+    "tc_util": "get_tc_util",
+    "pdl": "get_pdl",
+    "mk_alignment": "get_mk_alignment_for_contiguous_layout",
+}
+
+_ALIAS_TO_CANONICAL: dict[str, str] = {}
+for _canon, _aliases in DEEPGEMM_ENTRY_POINTS.items():
+    _ALIAS_TO_CANONICAL[_canon] = _canon
+    for _a in _aliases:
+        _ALIAS_TO_CANONICAL[_a] = _canon
+
+
+def deepgemm_id(function_name: str) -> str:
+    """'deep_gemm:<canonical name>' for any known DeepGEMM entry-point name."""
+    return f"deep_gemm:{_ALIAS_TO_CANONICAL.get(function_name, function_name)}"
+
+
+def canonical_id(target: str) -> str:
+    """Canonical id of a target given as 'module:qualname' (or 'module.attr' for torch.ops).
+
+    DeepGEMM names in any binding module (deep_gemm, vllm.third_party.deep_gemm,
+    torch.ops.deep_gemm) map to 'deep_gemm:<canonical function name>'; others stay as given.
+    """
+    module, sep, name = target.partition(":")
+    if not sep:
+        module, _, name = target.rpartition(".")
+    if module in DEEPGEMM_MODULES or module == "torch.ops.deep_gemm":
+        if name in _ALIAS_TO_CANONICAL:
+            return deepgemm_id(name)
+    return f"{module}:{name}" if module else name

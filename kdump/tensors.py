@@ -1,0 +1,468 @@
+"""Exact-layout capture and re-materialisation of tensors.
+
+A tensor argument is stored as the bytes of the storage span its views cover (never a
+`.contiguous()` copy) plus the view's dtype, shape, stride and storage offset. Views that shared a
+storage in the call share one buffer after loading, so aliasing (overlapping views, a view and its
+base) survives the round trip. Absolute addresses are kept so fault addresses map back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kdump.errors import BundleError, CannotRunError
+
+# Base addresses are re-created modulo this (TMA needs 16 B, swizzled tiles up to 1024 B).
+ALIGN_MOD = 1024
+
+# Every dtype a bundle may hold, by its stable name in the format.
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e8m0fnu",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float4_e2m1fn_x2",
+        "bfloat16",
+        "float16",
+        "float32",
+        "float64",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+        "complex64",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+# Upper bounds that keep a hostile header from describing absurd objects.
+MAX_NDIM = 16
+MAX_DIM = 1 << 48
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise BundleError(f"dtype {dtype} is not supported by the kdump format") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except (KeyError, TypeError):
+        raise BundleError(f"unknown dtype {name!r} in bundle (this kdump knows {sorted(DTYPES)})")
+
+
+@dataclass(frozen=True)
+class StorageRecord:
+    """One storage span as seen at the call: where it lived and which bytes the views cover."""
+
+    device: str
+    base_ptr: int  # storage's data pointer at the call
+    storage_nbytes: int  # the whole storage's size at the call
+    span_start: int  # byte offset of the stored span inside the storage
+    span_nbytes: int  # bytes stored
+    blob: str = ""  # sha256 of the span's bytes, filled in by the writer
+
+    @property
+    def span_ptr(self) -> int:
+        return self.base_ptr + self.span_start
+
+    @property
+    def alignment(self) -> int:
+        """Address of the span's first byte modulo ALIGN_MOD."""
+        return self.span_ptr % ALIGN_MOD
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One tensor view over a stored storage."""
+
+    storage: int  # index into the call's storage list
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int  # in elements, relative to the original storage's start
+    requires_grad: bool = False
+    data_ptr: int = 0  # absolute address of element 0 at the call
+
+    @property
+    def itemsize(self) -> int:
+        return dtype_from_name(self.dtype).itemsize
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def byte_extent(self) -> tuple[int, int]:
+        """[first, end) byte offsets inside the storage that the view can touch."""
+        return view_byte_extent(self.shape, self.stride, self.storage_offset, self.itemsize)
+
+
+def view_byte_extent(
+    shape: Sequence[int], stride: Sequence[int], offset: int, itemsize: int
+) -> tuple[int, int]:
+    start = offset * itemsize
+    if any(s == 0 for s in shape):
+        return start, start
+    last = offset + sum((n - 1) * st for n, st in zip(shape, stride))
+    return start, (last + 1) * itemsize
+
+
+@dataclass
+class Captured:
+    """Tensors of one call, grouped into storages, with the bytes of each span (CPU uint8)."""
+
+    storages: list[StorageRecord]
+    tensors: list[TensorRecord]
+    data: list[torch.Tensor]  # one contiguous CPU uint8 tensor per storage
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.span_nbytes for s in self.storages)
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def _byte_view(t: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
+    """A uint8 view of `nbytes` bytes of t's storage starting at byte `start`."""
+    out = torch.empty(0, dtype=torch.uint8, device=t.device)
+    out.set_(t.untyped_storage(), start, (nbytes,), (1,))
+    return out
+
+
+def group_storages(
+    tensors: Sequence[torch.Tensor],
+) -> tuple[list[StorageRecord], list[TensorRecord]]:
+    """Group tensors by storage and compute each storage's covered span. Reads no data."""
+    for t in tensors:
+        if t.is_sparse or t.layout != torch.strided:
+            raise BundleError(f"tensor layout {t.layout} is not supported (strided tensors only)")
+        if any(s < 0 for s in t.stride()):
+            raise BundleError("tensors with negative strides are not supported")
+    order: dict[tuple[str, int], int] = {}
+    spans: list[list[int]] = []
+    first: list[torch.Tensor] = []
+    owner: list[int] = []
+    for t in tensors:
+        key = _storage_key(t)
+        lo, hi = view_byte_extent(t.shape, t.stride(), t.storage_offset(), t.element_size())
+        if key not in order:
+            order[key] = len(spans)
+            spans.append([lo, hi])
+            first.append(t)
+        else:
+            span = spans[order[key]]
+            # An empty view adds nothing to the span.
+            if hi > lo:
+                if span[1] <= span[0]:
+                    span[0], span[1] = lo, hi
+                else:
+                    span[0], span[1] = min(span[0], lo), max(span[1], hi)
+        owner.append(order[key])
+    storages = []
+    for (lo, hi), t in zip(spans, first):
+        if hi <= lo:
+            lo = hi = min(lo, t.untyped_storage().nbytes())
+        st = t.untyped_storage()
+        storages.append(
+            StorageRecord(
+                device=str(t.device),
+                base_ptr=st.data_ptr(),
+                storage_nbytes=st.nbytes(),
+                span_start=lo,
+                span_nbytes=hi - lo,
+            )
+        )
+    records = [
+        TensorRecord(
+            storage=idx,
+            dtype=dtype_name(t.dtype),
+            shape=tuple(t.shape),
+            stride=tuple(t.stride()),
+            storage_offset=t.storage_offset(),
+            requires_grad=bool(t.requires_grad),
+            data_ptr=t.data_ptr(),
+        )
+        for t, idx in zip(tensors, owner)
+    ]
+    return storages, records
+
+
+def capture(tensors: Sequence[torch.Tensor], *, copy: bool = True) -> Captured:
+    """Snapshot the storage spans that `tensors` cover, as CPU bytes.
+
+    Device tensors are copied to pinned host memory in one batch and synchronised once. With
+    `copy=False`, CPU spans are views of the live storage (only safe when nothing mutates them
+    before they are written).
+    """
+    storages, records = group_storages(tensors)
+    firsts: dict[int, torch.Tensor] = {}
+    for t, rec in zip(tensors, records):
+        firsts.setdefault(rec.storage, t)
+    data: list[torch.Tensor] = []
+    pending_sync: set[torch.device] = set()
+    for idx, st in enumerate(storages):
+        src = _byte_view(firsts[idx], st.span_start, st.span_nbytes)
+        if src.device.type == "cpu":
+            data.append(src.clone() if copy else src)
+        else:
+            host = torch.empty(st.span_nbytes, dtype=torch.uint8, pin_memory=True)
+            host.copy_(src, non_blocking=True)
+            pending_sync.add(src.device)
+            data.append(host)
+    for dev in pending_sync:
+        torch.cuda.current_stream(dev).synchronize()
+    return Captured(storages=storages, tensors=records, data=data)
+
+
+# ---------------------------------------------------------------------------------------------
+# Re-materialisation
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How storages are laid out in memory when re-materialised.
+
+    align:      the span's first byte gets the recorded address modulo ALIGN_MOD.
+    flush_end:  the span's last byte is the allocation's last byte (what a memory checker needs).
+    halo:       bytes of guard before and after each span (filled with `halo_fill`).
+    """
+
+    align: bool = True
+    flush_end: bool = False
+    halo: int = 0
+    halo_fill: int = 0xFF
+
+
+@dataclass
+class Allocation:
+    """A materialised storage: the buffer that holds it and where the span sits inside it."""
+
+    storage: int
+    buffer: torch.Tensor  # uint8, the whole allocation (halo and alignment slack included)
+    span_offset: int  # byte offset of the span inside `buffer`
+    span_nbytes: int
+    recorded: StorageRecord
+    storage_view: torch.UntypedStorage  # what the tensors are views of; starts `prefix` before span
+    prefix: int  # bytes of the original storage re-created before the span (unrecorded, zero)
+
+    @property
+    def span_ptr(self) -> int:
+        return self.buffer.data_ptr() + self.span_offset
+
+    @property
+    def span(self) -> torch.Tensor:
+        return self.buffer[self.span_offset : self.span_offset + self.span_nbytes]
+
+
+@dataclass
+class Materialized:
+    tensors: list[torch.Tensor]
+    allocations: list[Allocation] = field(default_factory=list)
+
+
+# A view's storage offset is kept exactly by re-creating the unrecorded bytes before its span
+# (zeros), unless that prefix is larger than this.
+PREFIX_LIMIT = 64 << 20
+
+
+class _CudaRegion:
+    """Exposes part of a CUDA buffer through __cuda_array_interface__ (keeps the buffer alive)."""
+
+    def __init__(self, owner: torch.Tensor, ptr: int, nbytes: int) -> None:
+        self._owner = owner
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+def _region_storage(buf: torch.Tensor, offset: int, nbytes: int) -> torch.UntypedStorage:
+    """An untyped storage that starts `offset` bytes into `buf` (so storage offsets stay exact)."""
+    if offset == 0 and nbytes == buf.numel():
+        return buf.untyped_storage()
+    ptr = buf.data_ptr() + offset
+    if buf.device.type == "cuda":
+        if nbytes == 0:
+            return buf[offset:offset].untyped_storage()
+        with torch.cuda.device(buf.device):
+            region = torch.as_tensor(_CudaRegion(buf, ptr, nbytes), device=buf.device)
+        return region.untyped_storage()
+    arr = (ctypes.c_char * nbytes).from_address(ptr)
+    arr._kdump_owner = buf  # type: ignore[attr-defined]  # keeps the allocation alive
+    return (
+        torch.frombuffer(arr, dtype=torch.uint8, count=nbytes).untyped_storage()
+        if nbytes
+        else (torch.empty(0, dtype=torch.uint8).untyped_storage())
+    )
+
+
+def _allocate(
+    nbytes: int, device: torch.device, target_align: int, placement: Placement
+) -> tuple[torch.Tensor, int]:
+    """Allocate a buffer holding `nbytes` at an offset with the wanted alignment."""
+    halo = placement.halo
+    if not placement.align:
+        buf = torch.empty(nbytes + 2 * halo, dtype=torch.uint8, device=device)
+        return buf, halo
+    if not placement.flush_end:
+        buf = torch.empty(nbytes + 2 * halo + ALIGN_MOD, dtype=torch.uint8, device=device)
+        pad = (target_align - (buf.data_ptr() + halo)) % ALIGN_MOD
+        return buf, halo + pad
+    # End flush: the allocation must end exactly at the region's end (+ halo). The allocator's
+    # alignment is unknown until we allocate, so guess, check, and retry with the corrected pad.
+    pad = target_align % ALIGN_MOD
+    buf = torch.empty(0, dtype=torch.uint8, device=device)
+    for _ in range(4):
+        del buf  # let the allocator hand the same block back with the corrected size
+        buf = torch.empty(pad + halo + nbytes + halo, dtype=torch.uint8, device=device)
+        if (buf.data_ptr() + pad + halo) % ALIGN_MOD == target_align:
+            return buf, pad + halo
+        pad = (target_align - buf.data_ptr() - halo) % ALIGN_MOD
+    return buf, buf.numel() - halo - nbytes  # alignment could not be matched; the end stays flush
+
+
+def materialize(
+    storages: Sequence[StorageRecord],
+    tensors: Sequence[TensorRecord],
+    read_span: Callable[[int], torch.Tensor],
+    device: torch.device | str = "cpu",
+    placement: Placement | None = None,
+) -> Materialized:
+    """Re-create `tensors` with their exact layout on `device`.
+
+    `read_span(i)` returns storage i's bytes as a CPU uint8 tensor. With the default placement,
+    storage offsets and base-address alignment are those of the call; with a halo or `flush_end`
+    each storage starts at its span (the span is all a memory checker should see).
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CannotRunError("no CUDA device is available here; materialise on 'cpu' instead")
+    placement = placement or Placement()
+    keep_prefix = placement.halo == 0 and not placement.flush_end
+    allocations: list[Allocation] = []
+    for idx, st in enumerate(storages):
+        prefix = st.span_start if keep_prefix and st.span_start <= PREFIX_LIMIT else 0
+        region = prefix + st.span_nbytes
+        buf, off = _allocate(region, device, (st.span_ptr - prefix) % ALIGN_MOD, placement)
+        if placement.halo:
+            buf[:off].fill_(placement.halo_fill)
+            buf[off + region :].fill_(placement.halo_fill)
+        if prefix:
+            buf[off : off + prefix].zero_()
+        span_off = off + prefix
+        if st.span_nbytes:
+            src = read_span(idx)
+            if src.numel() != st.span_nbytes:
+                raise BundleError(
+                    f"storage {idx}: blob holds {src.numel()} bytes, the manifest says "
+                    f"{st.span_nbytes}"
+                )
+            buf[span_off : span_off + st.span_nbytes].copy_(src)
+        view = _region_storage(buf, off, region)
+        allocations.append(Allocation(idx, buf, span_off, st.span_nbytes, st, view, prefix))
+    out: list[torch.Tensor] = []
+    for i, rec in enumerate(tensors):
+        alloc = allocations[rec.storage]
+        dtype = dtype_from_name(rec.dtype)
+        byte_off = alloc.prefix - alloc.recorded.span_start + rec.storage_offset * dtype.itemsize
+        if rec.numel == 0:
+            byte_off = max(byte_off, 0)
+        if byte_off % dtype.itemsize:
+            raise BundleError(
+                f"tensor {i}: byte offset {byte_off} is not a multiple of {rec.dtype}'s size"
+            )
+        t = torch.empty(0, dtype=dtype, device=device)
+        t.set_(alloc.storage_view, byte_off // dtype.itemsize, rec.shape, rec.stride)
+        if rec.requires_grad and (dtype.is_floating_point or dtype.is_complex):
+            t.requires_grad_(True)
+        out.append(t)
+    return Materialized(out, allocations)
+
+
+def validate_records(storages: Sequence[StorageRecord], tensors: Sequence[TensorRecord]) -> None:
+    """Reject views that reach outside their stored span, absurd shapes and unknown dtypes."""
+    for i, rec in enumerate(tensors):
+        if not 0 <= rec.storage < len(storages):
+            raise BundleError(f"tensor {i} refers to storage {rec.storage}, which does not exist")
+        dtype = dtype_from_name(rec.dtype)
+        if len(rec.shape) != len(rec.stride) or len(rec.shape) > MAX_NDIM:
+            raise BundleError(f"tensor {i}: shape {rec.shape} and stride {rec.stride} do not match")
+        if any(not 0 <= n <= MAX_DIM for n in rec.shape) or any(
+            not 0 <= s <= MAX_DIM for s in rec.stride
+        ):
+            raise BundleError(f"tensor {i}: negative or absurd shape {rec.shape} / {rec.stride}")
+        if not 0 <= rec.storage_offset <= MAX_DIM:
+            raise BundleError(f"tensor {i}: invalid storage offset {rec.storage_offset}")
+        lo, hi = view_byte_extent(rec.shape, rec.stride, rec.storage_offset, dtype.itemsize)
+        st = storages[rec.storage]
+        if hi > lo and (lo < st.span_start or hi > st.span_start + st.span_nbytes):
+            raise BundleError(
+                f"tensor {i} reaches bytes [{lo}, {hi}) of its storage, outside the stored span "
+                f"[{st.span_start}, {st.span_start + st.span_nbytes})"
+            )
+
+
+def locate_address(
+    addr: int,
+    storages: Sequence[StorageRecord],
+    tensors: Sequence[TensorRecord],
+    names: Sequence[str],
+) -> str | None:
+    """Describe which recorded argument an absolute address falls in or near (None if far)."""
+    best: tuple[int, str] | None = None
+    for name, rec in zip(names, tensors):
+        st = storages[rec.storage]
+        lo = st.base_ptr + rec.storage_offset * rec.itemsize
+        _, hi_rel = rec.byte_extent()
+        hi = st.base_ptr + hi_rel
+        if lo <= addr < hi:
+            return describe_element(name, rec, addr - lo)
+        dist = lo - addr if addr < lo else addr - hi + 1
+        where = (
+            f"{dist} bytes before {name}" if addr < lo else f"{dist} bytes past the end of {name}"
+        )
+        if best is None or dist < best[0]:
+            best = (dist, where)
+    return best[1] if best else None
+
+
+def describe_element(name: str, rec: TensorRecord, byte_off: int) -> str:
+    """'name[i, j]' for the element at `byte_off` bytes from the view's first element."""
+    elem = byte_off // rec.itemsize
+    idx = []
+    # Walk dimensions by decreasing stride: exact for non-overlapping dense layouts.
+    dims = sorted(range(len(rec.shape)), key=lambda d: -rec.stride[d])
+    coord = [0] * len(rec.shape)
+    for d in dims:
+        if rec.stride[d] > 0 and rec.shape[d] > 1:
+            coord[d] = min(elem // rec.stride[d], rec.shape[d] - 1)
+            elem -= coord[d] * rec.stride[d]
+    idx = ", ".join(str(c) for c in coord)
+    return f"{name}[{idx}]"
+
+
+def as_tensor_list(values: Sequence[Any]) -> list[torch.Tensor]:
+    return [v for v in values if isinstance(v, torch.Tensor)]
