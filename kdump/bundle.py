@@ -560,7 +560,7 @@ class Bundle:
             self._verified.add(sha)
 
     def read_blob(self, sha: str) -> torch.Tensor:
-        """A blob as a CPU uint8 tensor (verified on first read; a view over copy-on-write memory)."""
+        """A blob as a CPU uint8 tensor (verified on first read; a copy-on-write view)."""
         view = self.blob_bytes(sha)
         self.verify_blob(sha, view)
         if len(view) == 0:
@@ -588,7 +588,7 @@ class Bundle:
 
 
 def load_bundle(path: str | os.PathLike[str]) -> Bundle:
-    """Open a bundle. Validates the header and manifest; blobs load lazily (verified on first use)."""
+    """Open a bundle: header and manifest validated; blobs load lazily, verified on first use."""
     return Bundle(Path(path))
 
 
@@ -795,7 +795,7 @@ def pack(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
     bundle.verify()
     manifest = json.loads(json.dumps(bundle.manifest))
     views = {sha: bundle.blob_bytes(sha) for sha, info in bundle.blobs.items() if info["nbytes"]}
-    for sha, info in manifest["blobs"].items():
+    for info in manifest["blobs"].values():
         info["where"] = "inline"
     out = Path(dst)
     _write_safetensors(out, manifest, views)
