@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import click
+
+from kdump.cmd.common import console, emit_json, json_option
+
+
+@click.command("doctor")
+@click.option(
+    "--selftest",
+    is_flag=True,
+    help="Run the packaged kernel on this GPU against the torch reference.",
+)
+@json_option
+def command(selftest: bool, as_json: bool) -> int:
+    """Say what this machine can replay: GPU, driver, torch, the usable backends (installed
+    DeepGEMM, packaged kernel, reference) and compute-sanitizer — each with the fix when missing.
+    Paste its output into bug reports.
+
+    \b
+    Examples:
+      kdump doctor
+      kdump doctor --selftest --json
+    """
+    from kdump.doctor import diagnose, run_selftest
+
+    report = diagnose()
+    code = 0
+    if selftest:
+        report["selftest"] = run_selftest()
+        code = report["selftest"]["exit_code"]
+    if as_json:
+        emit_json(report)
+        return code
+    con = console()
+    for item in report["checks"]:
+        mark = "[green]ok[/]  " if item["ok"] else "[yellow]--[/]  "
+        line = f"{mark}{item['name']}: {item['detail']}"
+        if not item["ok"] and item.get("fix"):
+            line += f"\n      fix: {item['fix']}"
+        con.print(line)
+    if selftest:
+        st = report["selftest"]
+        con.print(f"selftest: {st['summary']} (exit {st['exit_code']})")
+    return code

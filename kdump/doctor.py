@@ -1,0 +1,136 @@
+"""`kdump doctor`: what this machine can replay, and how to fix what it cannot."""
+
+from __future__ import annotations
+
+import platform
+import sys
+from typing import Any
+
+from kdump import __version__
+from kdump.tools import find_tool, tool_version
+
+
+def _check(name: str, ok: bool, detail: str, fix: str = "") -> dict[str, Any]:
+    return {"name": name, "ok": ok, "detail": detail, "fix": fix}
+
+
+def diagnose() -> dict[str, Any]:
+    checks = [
+        _check(
+            "kdump",
+            True,
+            f"{__version__} on Python {sys.version.split()[0]}, {platform.platform()}",
+        )
+    ]
+    try:
+        import torch
+    except ImportError:
+        checks.append(_check("torch", False, "not installed", "pip install torch"))
+        return {"checks": checks}
+    checks.append(_check("torch", True, f"{torch.__version__} (CUDA {torch.version.cuda})"))
+    gpu = torch.cuda.is_available()
+    if gpu:
+        from kdump.envinfo import gpu_info
+
+        g = gpu_info()
+        checks.append(
+            _check(
+                "gpu",
+                True,
+                f"{g.get('gpu_name')} cc {g.get('compute_capability')}, "
+                f"{g.get('sm_count')} SMs, driver {g.get('driver_version')}",
+            )
+        )
+    else:
+        checks.append(
+            _check(
+                "gpu",
+                False,
+                "no CUDA GPU visible",
+                "replays run on the CPU with --backend reference; GPU backends need "
+                "a CUDA GPU and a CUDA build of torch",
+            )
+        )
+    checks.append(_check("backend reference", True, "torch reference (CPU and GPU)"))
+    from kdump.kernels.backends import import_deep_gemm
+
+    try:
+        mod = import_deep_gemm()
+        checks.append(
+            _check(
+                "backend deep_gemm",
+                gpu,
+                f"DeepGEMM {getattr(mod, '__version__', '?')} at {getattr(mod, '__file__', '?')}",
+                "" if gpu else "needs a CUDA GPU",
+            )
+        )
+    except Exception as exc:
+        checks.append(
+            _check(
+                "backend deep_gemm",
+                False,
+                str(exc).split(";")[0],
+                "pip install the DeepGEMM build the bundle was recorded with (e.g. sgl-deep-gemm)",
+            )
+        )
+    checks.append(_packaged_check(gpu))
+    san = find_tool("compute-sanitizer")
+    if san:
+        checks.append(_check("compute-sanitizer", True, f"{san} ({tool_version(san) or '?'})"))
+    else:
+        checks.append(
+            _check(
+                "compute-sanitizer",
+                False,
+                "not found",
+                "install the CUDA toolkit, pip install nvidia-cuda-sanitizer-api, or "
+                "set KDUMP_SANITIZER=/path/to/compute-sanitizer",
+            )
+        )
+    return {"checks": checks}
+
+
+def _packaged_check(gpu: bool) -> dict[str, Any]:
+    try:
+        from kdump.kernels.sm120 import api
+    except Exception as exc:
+        return _check(
+            "backend packaged", False, f"cannot load: {exc}", "pip install 'kdump-gpu[kernel]'"
+        )
+    ok, why = api.is_available()
+    return _check(
+        "backend packaged",
+        ok and gpu,
+        "NVRTC + CUTLASS headers found" if ok else why,
+        "" if ok and gpu else (why if not ok else "needs a CUDA GPU"),
+    )
+
+
+def run_selftest() -> dict[str, Any]:
+    """Run the packaged kernel against the reference on generated calls (both scale formats)."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from kdump.errors import worst_exit_code
+
+    if not torch.cuda.is_available():
+        return {"exit_code": 125, "summary": "no CUDA GPU: nothing to test", "verdicts": []}
+    from kdump.bundle import capture_call, save_calls
+    from kdump.kernels.registry import spec_for
+    from kdump.replayer import replay
+
+    verdicts = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for fmt in ("ue8m0", "fp32"):
+            spec = spec_for("deep_gemm:m_grouped_fp8_gemm_nt_contiguous")
+            args, kwargs = spec.generate(
+                seed=1, device="cuda", num_groups=8, n=512, k=1024, expected_m=96, scale_format=fmt
+            )
+            path = Path(tmp, f"selftest_{fmt}.kdump")
+            save_calls(path, [capture_call(spec.id, args, kwargs, names=spec.param_names())])
+            verdicts += replay([path], backend="packaged", device="cuda", repeat=2)
+    code = worst_exit_code([v.exit_code for v in verdicts])
+    summary = "; ".join(f"{v.call}: {v.headline()}" for v in verdicts)
+    return {"exit_code": code, "summary": summary, "verdicts": [v.to_json() for v in verdicts]}

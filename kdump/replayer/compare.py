@@ -1,0 +1,163 @@
+"""Comparing a kernel's outputs: with the reference (DeepGEMM's calc_diff and per-element
+tolerances), with the recorded output (bitwise when the setup matches), and with itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kdump.kernels.base import Tolerance
+
+POISON_BYTE = 0xFF  # NaN in every float format (fp32/bf16/fp16: 0xFF.. is a NaN; fp8 e4m3 too)
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DeepGEMM's similarity metric: 1 - 2·Σxy / Σ(x²+y²), in float64 (0 = identical)."""
+    x = x.double()
+    y = y.double()
+    denom = (x * x + y * y).sum()
+    if denom == 0:
+        return 0.0
+    return float(1 - 2 * (x * y).sum() / denom)
+
+
+def poison(t: torch.Tensor) -> None:
+    """Fill an output with a pattern that shows unwritten elements (NaN for floats)."""
+    if t.dtype.is_floating_point:
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(True)
+    else:
+        t.view(torch.uint8).fill_(POISON_BYTE) if t.is_contiguous() else t.fill_(
+            -1 if t.dtype.is_signed else 0
+        )
+
+
+def _coord(flat_index: int, shape: tuple[int, ...]) -> list[int]:
+    out = []
+    for n in reversed(shape):
+        out.append(flat_index % n if n else 0)
+        flat_index = flat_index // n if n else 0
+    return list(reversed(out))
+
+
+def _expand_mask(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    if mask is None:
+        return torch.ones(like.shape, dtype=torch.bool, device=like.device)
+    return mask.to(like.device).bool().expand(like.shape)
+
+
+@dataclass
+class Comparison:
+    ok: bool
+    metrics: dict[str, Any]
+    message: str
+
+
+def compare_to_reference(
+    actual: torch.Tensor, expected: torch.Tensor, mask: torch.Tensor | None, tol: Tolerance
+) -> Comparison:
+    """Meaningful elements of `actual` against `expected`: calc_diff, max errors, NaN/Inf,
+    unwritten elements (poison left), first and worst failing coordinates."""
+    m = _expand_mask(mask, actual)
+    a = actual.float()
+    e = expected.to(actual.device).float()
+    av = a[m]
+    ev = e[m]
+    n = int(av.numel())
+    metrics: dict[str, Any] = {"elements": n}
+    if n == 0:
+        metrics["calc_diff"] = 0.0
+        return Comparison(True, metrics, "no meaningful elements")
+    nan = torch.isnan(av)
+    inf = torch.isinf(av)
+    metrics["nan"] = int(nan.sum())
+    metrics["inf"] = int(inf.sum())
+    finite = ~(nan | inf)
+    diff = (av - ev).abs()
+    diff = torch.where(finite, diff, torch.full_like(diff, float("inf")))
+    rel = diff / ev.abs().clamp_min(1e-6)
+    metrics["max_abs_err"] = float(diff[finite].max()) if bool(finite.any()) else float("inf")
+    metrics["max_rel_err"] = float(rel[finite].max()) if bool(finite.any()) else float("inf")
+    metrics["calc_diff"] = (
+        calc_diff(torch.where(finite, av, 0.0), ev) if bool(finite.any()) else 1.0
+    )
+    bad = diff > (tol.atol + tol.rtol * ev.abs())
+    n_bad = int(bad.sum())
+    metrics["failing_elements"] = n_bad
+    coords = m.nonzero()  # meaningful coordinates, in the same order as av
+    if n_bad:
+        first = int(bad.nonzero()[0, 0])
+        worst = int(torch.argmax(torch.where(finite, diff, torch.full_like(diff, 1e30))))
+        metrics["first_failure"] = _point(coords[first], a, e)
+        metrics["worst"] = _point(coords[worst], a, e)
+    cd_ok = metrics["calc_diff"] <= tol.calc_diff
+    ok = cd_ok and n_bad == 0 and metrics["nan"] == 0 and metrics["inf"] == 0
+    if ok:
+        msg = f"calc_diff {metrics['calc_diff']:.2e}, max abs err {metrics['max_abs_err']:.3g}"
+    elif metrics["nan"] or metrics["inf"]:
+        where = metrics.get("first_failure", {}).get("index")
+        msg = (
+            f"{metrics['nan']} NaN / {metrics['inf']} Inf of {n} meaningful elements "
+            f"(unwritten or poisoned input read); first at {where}"
+        )
+    else:
+        p = metrics.get("first_failure") or metrics.get("worst") or {}
+        msg = (
+            f"calc_diff {metrics['calc_diff']:.2e} (limit {tol.calc_diff:.0e}), {n_bad} of {n} "
+            f"elements out of tolerance; first at {p.get('index')}: got {p.get('actual')}, "
+            f"expected {p.get('expected')}"
+        )
+    return Comparison(ok, metrics, msg)
+
+
+def _point(coord: torch.Tensor, a: torch.Tensor, e: torch.Tensor) -> dict[str, Any]:
+    idx = tuple(int(c) for c in coord)
+    return {"index": list(idx), "actual": float(a[idx]), "expected": float(e[idx])}
+
+
+def bitwise_diff(
+    a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None
+) -> dict[str, Any] | None:
+    """None when the meaningful elements are bit-identical; else count and first difference."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return {
+            "count": -1,
+            "message": f"shape/dtype differ: {tuple(a.shape)} {a.dtype} vs "
+            f"{tuple(b.shape)} {b.dtype}",
+        }
+    b = b.to(a.device)
+    ia = _as_int(a)
+    ib = _as_int(b)
+    neq = ia != ib
+    if mask is not None:
+        neq &= _expand_mask(mask, a)
+    count = int(neq.sum())
+    if count == 0:
+        return None
+    first = neq.nonzero()[0]
+    idx = tuple(int(c) for c in first)
+    return {
+        "count": count,
+        "index": list(idx),
+        "a": _scalar(a[idx]),
+        "b": _scalar(b[idx]),
+        "message": f"{count} element(s) differ bitwise; first at {list(idx)}: "
+        f"{_scalar(a[idx])} vs {_scalar(b[idx])}",
+    }
+
+
+def _as_int(t: torch.Tensor) -> torch.Tensor:
+    size = t.element_size()
+    if t.dtype == torch.bool:
+        return t.to(torch.uint8)
+    int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+    return t.contiguous().view(int_dtype) if t.dtype != int_dtype else t
+
+
+def _scalar(x: torch.Tensor) -> Any:
+    if x.dtype.is_floating_point:
+        return float(x.float())
+    return x.item()

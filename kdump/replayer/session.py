@@ -1,0 +1,283 @@
+"""What every replay mode shares inside the worker process: loading the call, choosing spec,
+backend and device, checking the contract, re-applying library settings, and comparing outputs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kdump.bundle import Bundle, Call, MaterializedCall, load_bundle
+from kdump.errors import CannotRunError, UsageError
+from kdump.kernels.backends import DeepGemmBackend, choose_backend
+from kdump.kernels.base import Backend, GenericSpec, KernelSpec
+from kdump.replayer.compare import bitwise_diff, compare_to_reference, poison
+from kdump.replayer.verdict import Finding, Step, Verdict
+from kdump.tensors import Placement
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class Request:
+    """One replay of one call (what the parent sends to a worker process)."""
+
+    bundle: str
+    call: int
+    mode: str = "eager"
+    backend: str = "auto"
+    device: str = "auto"
+    repeat: int = 2
+    force: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def resolve_device(name: str, backend: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"unknown device {name!r}; use auto, cpu or cuda[:N]")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CannotRunError(
+            "no CUDA GPU is available here; replay with --device cpu --backend reference"
+        )
+    return dev
+
+
+def spec_for(call: Call) -> KernelSpec:
+    try:
+        from kdump.kernels.registry import spec_for as lookup
+    except ImportError:  # registry not present: everything is generic
+        return GenericSpec(call.target, call.names)
+    return lookup(call.target, call.names)
+
+
+class Session:
+    """A call being replayed in this process."""
+
+    def __init__(self, req: Request, progress: Progress) -> None:
+        self.req = req
+        self.progress = progress
+        self.bundle: Bundle = load_bundle(req.bundle)
+        self.call: Call = self.bundle.call(req.call)
+        self.spec = spec_for(self.call)
+        self.device = resolve_device(req.device, req.backend)
+        self.verdict = Verdict(
+            bundle=req.bundle,
+            call=self.call.index,
+            target=self.call.target,
+            mode=req.mode,
+            device=str(self.device),
+        )
+        self.backend: Backend = choose_backend(req.backend, self.spec, self.device)
+        self.verdict.backend = self.backend.name
+
+    # --- steps ---------------------------------------------------------------------------------
+    def step(
+        self, name: str, status: str = "ok", message: str = "", seconds: float = 0.0, **metrics: Any
+    ) -> Step:
+        s = Step(name, status, message, seconds, metrics)
+        self.verdict.steps.append(s)
+        return s
+
+    def finding(
+        self, kind: str, step: str, message: str, details: dict[str, Any] | None = None
+    ) -> None:
+        self.verdict.findings.append(Finding(kind, step, message, dict(details or {})))
+
+    def materialize(self, placement: Placement | None = None) -> MaterializedCall:
+        self.progress(f"{self.req.mode}/materialize")
+        return self.call.materialize(self.device, placement)
+
+    def snapshot(self, mc: MaterializedCall) -> list[torch.Tensor]:
+        """Copies of every materialised span, to restore inputs between runs (same pointers)."""
+        return [a.span.clone() for a in mc.materialized.allocations]
+
+    @staticmethod
+    def restore(mc: MaterializedCall, saved: list[torch.Tensor]) -> None:
+        for alloc, data in zip(mc.materialized.allocations, saved):
+            alloc.span.copy_(data)
+
+    def check_contract(self, bound: dict[str, Any]) -> bool:
+        """Contract check before anything launches. False when the replay must stop."""
+        violations = self.spec.validate(bound)
+        if not violations:
+            self.step("contract", "ok", "the call satisfies the kernel's contract")
+            return True
+        msg = "; ".join(str(v) for v in violations[:5])
+        self.step("contract", "fail", msg)
+        self.finding(
+            "contract",
+            "contract",
+            f"the recorded call violates the contract: {msg}",
+            {"violations": [str(v) for v in violations]},
+        )
+        if not self.req.force:
+            self.verdict.notes.append("nothing was launched (use --force to run it anyway)")
+            return False
+        return True
+
+    def apply_library_settings(self) -> None:
+        env = self.bundle.env
+        here = torch.cuda.get_device_properties(self.device) if self.device.type == "cuda" else None
+        rec_sms = env.get("sm_count")
+        if here is not None and rec_sms and rec_sms != here.multi_processor_count:
+            self.verdict.notes.append(
+                f"SM count differs: recorded {rec_sms}, here {here.multi_processor_count}"
+            )
+        rec_cc = env.get("compute_capability")
+        if here is not None and rec_cc and rec_cc != f"{here.major}.{here.minor}":
+            self.verdict.notes.append(
+                f"GPU architecture differs: recorded cc {rec_cc} ({env.get('gpu_name')}), "
+                f"here cc {here.major}.{here.minor} ({here.name})"
+            )
+        if isinstance(self.backend, DeepGemmBackend):
+            recorded = (env.get("libraries") or {}).get("deep_gemm") or {}
+            self.verdict.notes.extend(self.backend.apply_settings(recorded))
+
+    def output_indices(self, mc: MaterializedCall, bound: dict[str, Any]) -> dict[str, int]:
+        """Output name -> index in the call's tensor table."""
+        out: dict[str, int] = {}
+        if isinstance(self.spec, GenericSpec) or not self.spec.output_names(bound):
+            for inp, _ in self.call.inplace:
+                out[mc.tensor_names[inp]] = inp
+            return out
+        for name in self.spec.output_names(bound):
+            t = bound.get(name)
+            for i, cand in enumerate(mc.tensors):
+                if cand is t:
+                    out[name] = i
+        return out
+
+    def aliases_input(self, mc: MaterializedCall, idx: int) -> bool:
+        """True when output tensor idx shares its storage with another argument tensor."""
+        storage = self.call.tensors[idx].storage
+        return any(rec.storage == storage for j, rec in enumerate(self.call.tensors) if j != idx)
+
+    def same_setup_as_recording(self) -> bool:
+        """Bitwise equality with the recorded output is only expected on the same backend,
+        library version and GPU architecture."""
+        meta = self.call.meta
+        env = self.bundle.env
+        rec_backend = meta.get("backend") or (
+            "deep_gemm" if self.call.target.startswith("deep_gemm:") else "library"
+        )
+        if rec_backend != self.backend.name:
+            return False
+        if self.backend.name == "deep_gemm":
+            rec_version = ((env.get("libraries") or {}).get("deep_gemm") or {}).get("version")
+            if rec_version and rec_version != self.backend.version():
+                return False
+        if self.device.type == "cuda":
+            p = torch.cuda.get_device_properties(self.device)
+            return env.get("compute_capability") == f"{p.major}.{p.minor}"
+        return not env.get("cuda_available") or meta.get("device", "cpu") == "cpu"
+
+    def run_kernel(self, fn: Callable[..., Any], mc: MaterializedCall, step: str) -> float | None:
+        """Call once and synchronise; a raised error becomes a kernel_error finding."""
+        self.progress(step)
+        t0 = time.perf_counter()
+        try:
+            fn(*mc.args, **mc.kwargs)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception as exc:
+            dt = time.perf_counter() - t0
+            text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            self.step(step, "error", text, dt)
+            self.finding("kernel_error", step, _describe_error(text), {"error": text})
+            return None
+        dt = time.perf_counter() - t0
+        return dt
+
+    def compare_outputs(
+        self,
+        step: str,
+        bound: dict[str, Any],
+        outputs: dict[str, int],
+        actual: dict[str, torch.Tensor],
+        expected: dict[str, torch.Tensor] | None,
+        recorded: dict[int, torch.Tensor],
+    ) -> None:
+        tol = self.spec.tolerance(bound)
+        bitwise = self.same_setup_as_recording()
+        for name, idx in outputs.items():
+            mask = self.spec.meaningful(bound, name)
+            got = actual[name]
+            if expected is not None and name in expected and self.backend.name != "reference":
+                cmp = compare_to_reference(got, expected[name], mask, tol)
+                self.step(
+                    f"{step} vs reference",
+                    "ok" if cmp.ok else "fail",
+                    f"{name}: {cmp.message}",
+                    **cmp.metrics,
+                )
+                if not cmp.ok:
+                    self.finding(
+                        "mismatch",
+                        step,
+                        f"{name} differs from the reference: {cmp.message}",
+                        {"output": name, **cmp.metrics},
+                    )
+            if idx in recorded:
+                rec = recorded[idx]
+                if bitwise:
+                    diff = bitwise_diff(got, rec, mask)
+                    ok = diff is None
+                    msg = "bit-identical to the recorded output" if ok else diff["message"]
+                    self.step(
+                        f"{step} vs recorded",
+                        "ok" if ok else "fail",
+                        f"{name}: {msg}",
+                        bitwise=True,
+                    )
+                    if not ok:
+                        self.finding(
+                            "mismatch",
+                            step,
+                            f"{name} differs from the recorded output: {msg}",
+                            {"output": name, **diff},
+                        )
+                else:
+                    cmp = compare_to_reference(got, rec, mask, tol)
+                    self.step(
+                        f"{step} vs recorded",
+                        "ok" if cmp.ok else "fail",
+                        f"{name}: {cmp.message} (tolerance: setup differs from the recording)",
+                        bitwise=False,
+                        **cmp.metrics,
+                    )
+                    if not cmp.ok:
+                        self.finding(
+                            "mismatch",
+                            step,
+                            f"{name} differs from the recorded output: {cmp.message}",
+                            {"output": name, **cmp.metrics},
+                        )
+
+
+def _describe_error(text: str) -> str:
+    low = text.lower()
+    if "illegal memory access" in low or "illegal address" in low:
+        return f"illegal memory access ({text})"
+    if "misaligned" in low:
+        return f"misaligned address ({text})"
+    return text
+
+
+def poison_outputs(session: Session, mc: MaterializedCall, outputs: dict[str, int]) -> list[str]:
+    """Poison every output that does not alias an input; return the names poisoned."""
+    if isinstance(session.spec, GenericSpec):
+        return []  # without argument roles every recorded output is also an input
+    done = []
+    for name, idx in outputs.items():
+        if session.aliases_input(mc, idx):
+            continue
+        poison(mc.tensors[idx])
+        done.append(name)
+    return done

@@ -1,0 +1,100 @@
+"""What a replay says: steps, findings and the exit code they add up to."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kdump.errors import ExitCode, worst_exit_code
+
+
+@dataclass
+class Finding:
+    """One problem found. `kind` decides the exit code."""
+
+    kind: str  # mismatch | nondeterminism | kernel_error | hang | memory | contract | cannot_run
+    #           | usage | internal
+    step: str
+    message: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+    KIND_CODES = {
+        "mismatch": ExitCode.MISMATCH,
+        "nondeterminism": ExitCode.MISMATCH,
+        "kernel_error": ExitCode.KERNEL_ERROR,
+        "hang": ExitCode.KERNEL_ERROR,
+        "memory": ExitCode.MEMORY_FINDING,
+        "contract": ExitCode.CONTRACT,
+        "cannot_run": ExitCode.CANNOT_RUN,
+        "usage": ExitCode.USAGE,
+        "internal": ExitCode.INTERNAL,
+    }
+
+    @property
+    def exit_code(self) -> int:
+        return int(self.KIND_CODES.get(self.kind, ExitCode.INTERNAL))
+
+
+@dataclass
+class Step:
+    name: str  # e.g. "eager/run 1"
+    status: str  # ok | fail | error | skipped
+    message: str = ""
+    seconds: float = 0.0
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Verdict:
+    bundle: str
+    call: int
+    target: str
+    mode: str
+    backend: str = ""
+    device: str = ""
+    steps: list[Step] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return worst_exit_code([f.exit_code for f in self.findings])
+
+    @property
+    def clean(self) -> bool:
+        return not self.findings
+
+    def headline(self) -> str:
+        if not self.findings:
+            return "clean"
+        first = min(self.findings, key=lambda f: _precedence(f.exit_code))
+        return f"{first.kind.replace('_', ' ')}: {first.message} (step {first.step})"
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["exit_code"] = self.exit_code
+        d["headline"] = self.headline()
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Verdict:
+        return cls(
+            bundle=d["bundle"],
+            call=d["call"],
+            target=d["target"],
+            mode=d["mode"],
+            backend=d.get("backend", ""),
+            device=d.get("device", ""),
+            steps=[Step(**s) for s in d.get("steps", [])],
+            findings=[Finding(**f) for f in d.get("findings", [])],
+            notes=list(d.get("notes", [])),
+        )
+
+
+def _precedence(code: int) -> int:
+    from kdump.errors import EXIT_PRECEDENCE
+
+    try:
+        return EXIT_PRECEDENCE.index(ExitCode(code))
+    except ValueError:
+        return len(EXIT_PRECEDENCE)
