@@ -44,11 +44,11 @@ def run_in_child(req: Request, timeout: float | None, env: dict[str, str] | None
             start_new_session=True,
         )
         try:
-            out, err = proc.communicate(timeout=timeout)
+            _, err = proc.communicate(timeout=timeout)
             hung = False
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
+            _, err = proc.communicate()
             hung = True
         last_step = _last_step(progress_path) or f"{req.mode}/setup"
         if result_path.exists() and not hung:

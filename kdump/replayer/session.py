@@ -188,7 +188,8 @@ class Session:
                 torch.cuda.synchronize(self.device)
         except Exception as exc:
             dt = time.perf_counter() - t0
-            text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            lines = str(exc).strip().splitlines()
+            text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
             self.step(step, "error", text, dt)
             self.finding("kernel_error", step, _describe_error(text), {"error": text})
             return None

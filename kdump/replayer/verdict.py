@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from kdump.errors import ExitCode, worst_exit_code
 
@@ -18,7 +18,7 @@ class Finding:
     message: str
     details: dict[str, Any] = field(default_factory=dict)
 
-    KIND_CODES = {
+    KIND_CODES: ClassVar[dict[str, ExitCode]] = {
         "mismatch": ExitCode.MISMATCH,
         "nondeterminism": ExitCode.MISMATCH,
         "kernel_error": ExitCode.KERNEL_ERROR,
