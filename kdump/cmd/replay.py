@@ -9,18 +9,19 @@ from kdump.cmd.common import console, emit_json, json_option
 @click.argument("bundles", nargs=-1, required=True, type=click.Path())
 @click.option(
     "--mode",
-    type=click.Choice(["eager", "graph"]),
+    type=click.Choice(["eager", "graph", "sanitizer", "all"]),
     default="eager",
     show_default=True,
-    help="eager: run and compare; graph: the capture / replay / mutation chain.",
+    help="eager: run and compare; graph: capture, identical replay, replays after in-place "
+    "mutations; sanitizer: compute-sanitizer; all: the three in one summary.",
 )
 @click.option(
     "--backend",
     type=click.Choice(["auto", "reference", "deep_gemm", "packaged", "library"]),
     default="auto",
     show_default=True,
-    help="auto = installed library on a GPU, else packaged kernel on a GPU, else the "
-    "torch reference.",
+    help="auto = installed library on a GPU, else packaged kernel on a GPU, else the torch "
+    "reference.",
 )
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option(
@@ -31,15 +32,56 @@ from kdump.cmd.common import console, emit_json, json_option
     type=click.IntRange(1, 1000),
     default=2,
     show_default=True,
-    help="Runs per call; runs after the first must be bit-identical to it.",
+    help="Eager runs per call; runs after the first must be bit-identical to it.",
 )
+@click.option(
+    "--then",
+    "then",
+    multiple=True,
+    metavar="OTHER.kdump[:CALL]",
+    help="graph: after capturing, replay with this call's inputs written in place (repeatable; "
+    "same shapes, strides and dtypes required).",
+)
+@click.option(
+    "--mutations",
+    type=click.IntRange(0, 1000),
+    default=3,
+    show_default=True,
+    help="graph: random routing draws on top of the fixed synthesised phases.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="graph: seed of the draws.")
+@click.option(
+    "--save-failing",
+    type=click.Path(file_okay=False),
+    help="graph: write a bundle (capture call + failing replay call) for each failing replay.",
+)
+@click.option(
+    "--halo",
+    type=click.IntRange(0, 1 << 30),
+    default=4096,
+    show_default=True,
+    help="eager/graph: bytes of poisoned guard around every tensor (0 = off).",
+)
+@click.option(
+    "--tool",
+    "tools",
+    type=click.Choice(["memcheck", "racecheck", "initcheck", "synccheck", "all"]),
+    multiple=True,
+    help="sanitizer: tool(s) to run (default memcheck).",
+)
+@click.option("--graph", "sanitize_graph", is_flag=True, help="sanitizer: also the graph chain.")
+@click.option("--sanitizer", type=click.Path(dir_okay=False), help="compute-sanitizer binary.")
+@click.option("--kernel-filter", help="sanitizer: check only kernels whose name contains this.")
 @click.option("--force", is_flag=True, help="Launch even when the call violates the contract.")
 @click.option(
     "--timeout",
     type=float,
     default=600.0,
     show_default=True,
-    help="Seconds before a replay step counts as a hang and is killed.",
+    help="Seconds before a replay counts as a hang and is killed.",
+)
+@click.option(
+    "--jobs", type=click.IntRange(1, 64), default=1, help="Replays at once (one per GPU)."
 )
 @click.option("--in-process", is_flag=True, help="Do not isolate replays in a child process.")
 @json_option
@@ -50,15 +92,26 @@ def command(
     device: str,
     calls: tuple[int, ...],
     repeat: int,
+    then: tuple[str, ...],
+    mutations: int,
+    seed: int,
+    save_failing: str | None,
+    halo: int,
+    tools: tuple[str, ...],
+    sanitize_graph: bool,
+    sanitizer: str | None,
+    kernel_filter: str | None,
     force: bool,
     timeout: float,
+    jobs: int,
     in_process: bool,
     as_json: bool,
 ) -> int:
     """Replay the calls in BUNDLES (files or capture folders) and say which step fails and how.
 
-    Each call runs in a child process: outputs are poisoned (NaN) before each run so unwritten
-    elements show, then compared with the reference, with the output recorded in the bundle
+    Each replay runs in a child process, so a crash becomes a verdict. Outputs are poisoned
+    before each run so unwritten elements show, every tensor sits between poisoned guard bytes,
+    and results are compared with the torch reference, with the output recorded in the bundle
     (bitwise when backend, library version and GPU match the recording) and across runs.
 
     \b
@@ -68,10 +121,17 @@ def command(
     Examples:
       kdump replay captures/contiguous_ue8m0.kdump
       kdump replay dumps/ --backend deep_gemm --repeat 5 --json
+      kdump replay a.kdump --mode graph --then b.kdump --save-failing repro/
+      kdump replay a.kdump --mode sanitizer --tool memcheck --tool racecheck
     """
     from kdump.errors import worst_exit_code
     from kdump.replayer import replay
 
+    options = {"then": list(then), "mutations": mutations, "seed": seed, "halo": halo}
+    if save_failing:
+        options["save_failing"] = save_failing
+    if "all" in tools:
+        tools = ("memcheck", "racecheck", "initcheck", "synccheck")
     verdicts = replay(
         bundles,
         mode=mode,
@@ -82,6 +142,12 @@ def command(
         force=force,
         timeout=timeout,
         isolate=not in_process,
+        options=options,
+        tools=tools or ("memcheck",),
+        sanitize_graph=sanitize_graph,
+        sanitizer=sanitizer,
+        kernel_filter=kernel_filter,
+        jobs=jobs,
     )
     code = worst_exit_code([v.exit_code for v in verdicts])
     if as_json:

@@ -10,8 +10,6 @@ import torch
 
 from kdump.kernels.base import Tolerance
 
-POISON_BYTE = 0xFF  # NaN in every float format (fp32/bf16/fp16: 0xFF.. is a NaN; fp8 e4m3 too)
-
 
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     """DeepGEMM's similarity metric: 1 - 2·Σxy / Σ(x²+y²), in float64 (0 = identical)."""
@@ -24,15 +22,20 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def poison(t: torch.Tensor) -> None:
-    """Fill an output with a pattern that shows unwritten elements (NaN for floats)."""
-    if t.dtype.is_floating_point:
-        t.fill_(float("nan"))
-    elif t.dtype == torch.bool:
+    """Fill an output with all-ones bytes: a NaN in every float format whose bit pattern no
+    arithmetic produces (computed NaNs are canonical), so unwritten elements are told apart from
+    NaNs computed from poisoned inputs."""
+    if t.dtype == torch.bool:
         t.fill_(True)
     else:
-        t.view(torch.uint8).fill_(POISON_BYTE) if t.is_contiguous() else t.fill_(
-            -1 if t.dtype.is_signed else 0
-        )
+        _as_int(t, contiguous=False).fill_(-1)
+
+
+def unwritten(t: torch.Tensor) -> torch.Tensor:
+    """Elements that still hold the poison pattern."""
+    if t.dtype == torch.bool:
+        return torch.zeros(t.shape, dtype=torch.bool, device=t.device)
+    return _as_int(t, contiguous=False) == -1
 
 
 def _coord(flat_index: int, shape: tuple[int, ...]) -> list[int]:
@@ -73,6 +76,8 @@ def compare_to_reference(
         return Comparison(True, metrics, "no meaningful elements")
     nan = torch.isnan(av)
     inf = torch.isinf(av)
+    if actual.dtype.is_floating_point:
+        metrics["unwritten"] = int(unwritten(actual)[m].sum())
     metrics["nan"] = int(nan.sum())
     metrics["inf"] = int(inf.sum())
     finite = ~(nan | inf)
@@ -97,11 +102,14 @@ def compare_to_reference(
     ok = cd_ok and n_bad == 0 and metrics["nan"] == 0 and metrics["inf"] == 0
     if ok:
         msg = f"calc_diff {metrics['calc_diff']:.2e}, max abs err {metrics['max_abs_err']:.3g}"
+    elif metrics.get("unwritten"):
+        where = metrics.get("first_failure", {}).get("index")
+        msg = f"{metrics['unwritten']} of {n} meaningful elements never written; first at {where}"
     elif metrics["nan"] or metrics["inf"]:
         where = metrics.get("first_failure", {}).get("index")
         msg = (
-            f"{metrics['nan']} NaN / {metrics['inf']} Inf of {n} meaningful elements "
-            f"(unwritten or poisoned input read); first at {where}"
+            f"{metrics['nan']} NaN / {metrics['inf']} Inf of {n} meaningful elements (computed "
+            f"from a NaN input: an out-of-bounds read of a poisoned halo?); first at {where}"
         )
     else:
         p = metrics.get("first_failure") or metrics.get("worst") or {}
@@ -149,12 +157,14 @@ def bitwise_diff(
     }
 
 
-def _as_int(t: torch.Tensor) -> torch.Tensor:
-    size = t.element_size()
+def _as_int(t: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
+    """Same bytes as a signed integer tensor (a view when `contiguous` is False)."""
     if t.dtype == torch.bool:
         return t.to(torch.uint8)
-    int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
-    return t.contiguous().view(int_dtype) if t.dtype != int_dtype else t
+    int_dtype = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    if t.dtype == int_dtype:
+        return t
+    return (t.contiguous() if contiguous else t).view(int_dtype)
 
 
 def _scalar(x: torch.Tensor) -> Any:

@@ -20,8 +20,8 @@ def run_eager(req: Request, progress: Progress) -> Verdict:
     s.apply_library_settings()
     outputs = s.output_indices(mc, bound)
     expected = None
-    if s.spec.has_reference() and s.backend.name != "reference":
-        progress("eager/reference")
+    if s.wants_reference():
+        progress("begin", "eager/reference")
         expected = {k: v.clone() for k, v in s.spec.reference(bound).items()}
     recorded = s.call.materialize_outputs(s.device)
     fn = s.backend.resolve(s.spec, s.call.target)
@@ -37,6 +37,7 @@ def run_eager(req: Request, progress: Progress) -> Verdict:
         if seconds is None:
             return s.verdict
         s.step(step, "ok", f"poisoned {', '.join(poisoned) or 'nothing'}", seconds)
+        s.check_halos(mc, step)
         actual = {name: mc.tensors[idx].clone() for name, idx in outputs.items()}
         if r == 1:
             first = actual
@@ -55,7 +56,5 @@ def run_eager(req: Request, progress: Progress) -> Verdict:
                     {"output": name, **diff},
                 )
     if not outputs:
-        s.verdict.notes.append(
-            "no outputs to compare: the spec names none and the bundle recorded none"
-        )
+        s.note("no outputs to compare: the spec names none and the bundle recorded none")
     return s.verdict

@@ -1,5 +1,10 @@
 """Run a replay request in a child process so that a crash, an abort or a hang becomes a verdict
-instead of killing kdump."""
+instead of killing kdump.
+
+The child streams events (step begun, step result, finding, note) into a progress file as they
+happen; when it dies, the parent rebuilds the verdict from them and names the step that was
+running. A chain (graph mode) whose process died goes on in a fresh process from the next step.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +14,39 @@ import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from kdump.replayer.session import Request
 from kdump.replayer.verdict import Finding, Step, Verdict
 
 STDERR_TAIL = 1500
+MAX_RESTARTS = 32
 
 
-def run_in_child(req: Request, timeout: float | None, env: dict[str, str] | None = None) -> Verdict:
+@dataclass
+class ChildRun:
+    verdict: Verdict
+    died_at: str | None = None  # step that was running when the process died or hung
+    begun: list[str] = field(default_factory=list)
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    out = []
+    try:
+        text = path.read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut by the crash
+    return out
+
+
+def _run_child(req: Request, timeout: float | None, env: dict[str, str] | None) -> ChildRun:
     with tempfile.TemporaryDirectory(prefix="kdump-replay-") as tmp:
         req_path = Path(tmp, "request.json")
         result_path = Path(tmp, "result.json")
@@ -37,7 +65,7 @@ def run_in_child(req: Request, timeout: float | None, env: dict[str, str] | None
         child_env.pop("KDUMP_RECORD", None)  # a replay is never recorded
         proc = subprocess.Popen(
             cmd,
-            stdout=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
             env=child_env,
@@ -50,31 +78,68 @@ def run_in_child(req: Request, timeout: float | None, env: dict[str, str] | None
             os.killpg(proc.pid, signal.SIGKILL)
             _, err = proc.communicate()
             hung = True
-        last_step = _last_step(progress_path) or f"{req.mode}/setup"
+        events = _events(progress_path)
+        begun = [e["begin"] for e in events if "begin" in e]
         if result_path.exists() and not hung:
-            return Verdict.from_json(json.loads(result_path.read_text()))
+            return ChildRun(Verdict.from_json(json.loads(result_path.read_text())), None, begun)
         v = Verdict(req.bundle, req.call, "", req.mode, req.backend, req.device)
+        for e in events:
+            if "step" in e:
+                v.steps.append(Step(**e["step"]))
+            elif "finding" in e:
+                v.findings.append(Finding(**e["finding"]))
+            elif "note" in e:
+                v.notes.append(e["note"])
+            elif "meta" in e:
+                v.target = e["meta"].get("target", v.target)
+                v.backend = e["meta"].get("backend", v.backend)
+                v.device = e["meta"].get("device", v.device)
+        last = begun[-1] if begun else f"{req.mode}/setup"
         tail = (err or "")[-STDERR_TAIL:].strip()
         if hung:
             msg = f"hang: no result after {timeout:g} s, killed"
-            v.steps.append(Step(last_step, "error", msg))
-            v.findings.append(Finding("hang", last_step, msg, {"stderr_tail": tail}))
-            return v
-        rc = proc.returncode
-        how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}"
-        cause = _cause(tail)
-        msg = f"the replay process died ({how}){': ' + cause if cause else ''}"
-        v.steps.append(Step(last_step, "error", msg))
-        v.findings.append(Finding("kernel_error", last_step, msg, {"stderr_tail": tail}))
-        return v
+            v.steps.append(Step(last, "error", msg))
+            v.findings.append(Finding("hang", last, msg, {"stderr_tail": tail}))
+        else:
+            rc = proc.returncode
+            how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}"
+            cause = _cause(tail)
+            msg = f"the replay process died ({how}){': ' + cause if cause else ''}"
+            v.steps.append(Step(last, "error", msg))
+            v.findings.append(Finding("kernel_error", last, msg, {"stderr_tail": tail}))
+        return ChildRun(v, last, begun)
 
 
-def _last_step(path: Path) -> str | None:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return None
-    return lines[-1] if lines else None
+def _crashed_replay(run: ChildRun) -> str | None:
+    """The graph replay step that killed the CUDA context in this run, if any."""
+    if run.died_at is not None:
+        return run.died_at if run.died_at.startswith("graph/replay") else None
+    for f in run.verdict.findings:
+        if f.kind == "kernel_error" and f.step.startswith("graph/replay"):
+            return f.step
+    return None
+
+
+def run_in_child(req: Request, timeout: float | None, env: dict[str, str] | None = None) -> Verdict:
+    """Run `req`. In graph mode, when a replay kills the CUDA context the chain goes on from the
+    next step in a fresh process (the request's `options["skip_steps"]` lists steps done)."""
+    run = _run_child(req, timeout, env)
+    verdict = run.verdict
+    done = set(req.options.get("skip_steps", []))
+    for _ in range(MAX_RESTARTS):
+        crashed = _crashed_replay(run) if req.mode == "graph" else None
+        if crashed is None:
+            break
+        done |= {b for b in run.begun if b.startswith("graph/replay")} | {crashed}
+        req = replace(req, options={**req.options, "skip_steps": sorted(done)})
+        run = _run_child(req, timeout, env)
+        verdict.steps.append(Step("restart", "ok", f"fresh process after {crashed}"))
+        verdict.steps.extend(s for s in run.verdict.steps if s.name.startswith("graph/replay"))
+        verdict.findings.extend(
+            f for f in run.verdict.findings if f.step.startswith("graph/replay")
+        )
+        verdict.notes.extend(n for n in run.verdict.notes if n not in verdict.notes)
+    return verdict
 
 
 def _cause(stderr: str) -> str:

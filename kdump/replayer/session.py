@@ -14,11 +14,16 @@ from kdump.bundle import Bundle, Call, MaterializedCall, load_bundle
 from kdump.errors import CannotRunError, UsageError
 from kdump.kernels.backends import DeepGemmBackend, choose_backend
 from kdump.kernels.base import Backend, GenericSpec, KernelSpec
+from kdump.replayer import halo
 from kdump.replayer.compare import bitwise_diff, compare_to_reference, poison
 from kdump.replayer.verdict import Finding, Step, Verdict
 from kdump.tensors import Placement
 
-Progress = Callable[[str], None]
+# Reports events to the parent as they happen: ("begin", step name), ("step", Step),
+# ("finding", Finding), ("note", str), ("meta", dict). A crash loses nothing already reported.
+Progress = Callable[[str, Any], None]
+
+DEFAULT_HALO = 4096  # bytes of poisoned guard before and after every storage
 
 
 @dataclass
@@ -76,6 +81,10 @@ class Session:
         )
         self.backend: Backend = choose_backend(req.backend, self.spec, self.device)
         self.verdict.backend = self.backend.name
+        progress(
+            "meta",
+            {"target": self.call.target, "backend": self.backend.name, "device": str(self.device)},
+        )
 
     # --- steps ---------------------------------------------------------------------------------
     def step(
@@ -83,16 +92,69 @@ class Session:
     ) -> Step:
         s = Step(name, status, message, seconds, metrics)
         self.verdict.steps.append(s)
+        self.progress("step", s)
         return s
 
     def finding(
         self, kind: str, step: str, message: str, details: dict[str, Any] | None = None
     ) -> None:
-        self.verdict.findings.append(Finding(kind, step, message, dict(details or {})))
+        f = Finding(kind, step, message, dict(details or {}))
+        self.verdict.findings.append(f)
+        self.progress("finding", f)
 
-    def materialize(self, placement: Placement | None = None) -> MaterializedCall:
-        self.progress(f"{self.req.mode}/materialize")
-        return self.call.materialize(self.device, placement)
+    def note(self, text: str) -> None:
+        self.note(text)
+        self.progress("note", text)
+
+    def placement(self) -> Placement:
+        """Halos around every storage (eager/graph), or flush ends (sanitizer)."""
+        if self.req.options.get("placement") == "flush_end":
+            return Placement(flush_end=True, halo=0)
+        return Placement(halo=int(self.req.options.get("halo", DEFAULT_HALO)))
+
+    def materialize(self) -> MaterializedCall:
+        self.progress("begin", f"{self.req.mode}/materialize")
+        mc = self.call.materialize(self.device, self.placement())
+        allocs = mc.materialized.allocations
+        if self.placement().halo:
+            halo.fill(allocs, self.call.tensors)
+        self.guards = halo.snapshot(allocs)
+        self.progress(
+            "placed",
+            [
+                {
+                    "name": mc.tensor_names[i],
+                    "data_ptr": t.data_ptr(),
+                    "itemsize": t.element_size(),
+                    "shape": list(t.shape),
+                    "stride": list(t.stride()),
+                }
+                for i, t in enumerate(mc.tensors)
+            ],
+        )
+        return mc
+
+    def check_halos(self, mc: MaterializedCall, step: str) -> None:
+        """Report guard bytes that changed (out-of-bounds writes), then re-arm the guards."""
+        allocs = mc.materialized.allocations
+        if not self.placement().halo:
+            return
+        for v in halo.check(allocs, self.guards, self.call.tensors, mc.tensor_names):
+            self.step(f"{step} guards", "fail", v.describe())
+            self.finding(
+                "memory",
+                step,
+                v.describe(),
+                {"storage": v.storage, "side": v.side, "offset": v.offset, "changed": v.changed},
+            )
+        halo.fill(allocs, self.call.tensors)
+
+    def wants_reference(self) -> bool:
+        return (
+            self.spec.has_reference()
+            and self.backend.name != "reference"
+            and self.req.options.get("reference", True)
+        )
 
     def snapshot(self, mc: MaterializedCall) -> list[torch.Tensor]:
         """Copies of every materialised span, to restore inputs between runs (same pointers)."""
@@ -118,7 +180,7 @@ class Session:
             {"violations": [str(v) for v in violations]},
         )
         if not self.req.force:
-            self.verdict.notes.append("nothing was launched (use --force to run it anyway)")
+            self.note("nothing was launched (use --force to run it anyway)")
             return False
         return True
 
@@ -127,18 +189,17 @@ class Session:
         here = torch.cuda.get_device_properties(self.device) if self.device.type == "cuda" else None
         rec_sms = env.get("sm_count")
         if here is not None and rec_sms and rec_sms != here.multi_processor_count:
-            self.verdict.notes.append(
-                f"SM count differs: recorded {rec_sms}, here {here.multi_processor_count}"
-            )
+            self.note(f"SM count differs: recorded {rec_sms}, here {here.multi_processor_count}")
         rec_cc = env.get("compute_capability")
         if here is not None and rec_cc and rec_cc != f"{here.major}.{here.minor}":
-            self.verdict.notes.append(
+            self.note(
                 f"GPU architecture differs: recorded cc {rec_cc} ({env.get('gpu_name')}), "
                 f"here cc {here.major}.{here.minor} ({here.name})"
             )
         if isinstance(self.backend, DeepGemmBackend):
             recorded = (env.get("libraries") or {}).get("deep_gemm") or {}
-            self.verdict.notes.extend(self.backend.apply_settings(recorded))
+            for text in self.backend.apply_settings(recorded):
+                self.note(text)
 
     def output_indices(self, mc: MaterializedCall, bound: dict[str, Any]) -> dict[str, int]:
         """Output name -> index in the call's tensor table."""
@@ -180,7 +241,7 @@ class Session:
 
     def run_kernel(self, fn: Callable[..., Any], mc: MaterializedCall, step: str) -> float | None:
         """Call once and synchronise; a raised error becomes a kernel_error finding."""
-        self.progress(step)
+        self.progress("begin", step)
         t0 = time.perf_counter()
         try:
             fn(*mc.args, **mc.kwargs)

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import traceback
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 from kdump.replayer.verdict import Finding, Verdict
@@ -33,9 +34,10 @@ def run_request(req_dict: dict, progress_path: str | None) -> Verdict:
     req = Request(**req_dict)
     progress_file = open(progress_path, "a", buffering=1) if progress_path else None  # noqa: SIM115
 
-    def progress(step: str) -> None:
+    def progress(kind: str, payload: object) -> None:
         if progress_file:
-            progress_file.write(step + "\n")
+            value = asdict(payload) if is_dataclass(payload) else payload
+            progress_file.write(json.dumps({kind: value}, default=str) + "\n")
             progress_file.flush()
 
     try:

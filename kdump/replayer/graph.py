@@ -1,0 +1,293 @@
+"""Graph replay: the isolation chain for bugs that only show when a captured CUDA graph is replayed
+after the routing metadata changed in place.
+
+Steps: (1) eager run, (2) warm-up on a side stream and capture of a torch.cuda.CUDAGraph,
+(3) replay with identical inputs, (4) one replay per mutation, each after rewriting inputs and
+routing metadata IN PLACE (same pointers, new values): from later calls of the same shape (the
+bundle's following calls and `--then` bundles: the production situation) and from the spec's
+generator (permuted lengths, all empty, one hot group, maximum skew, ±1 around the alignment,
+random draws). Every replay's meaningful output is checked against the reference computed for that
+replay's inputs; outputs are poisoned first and the halos around every tensor are checked for stray
+writes. A replay that kills the CUDA context ends this process; the parent goes on from the next
+step in a fresh one (isolate.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kdump.bundle import Call, MaterializedCall, capture_call, load_bundle, save_calls
+from kdump.errors import CannotRunError, UsageError
+from kdump.replayer.session import Progress, Request, Session, poison_outputs
+from kdump.replayer.verdict import Verdict
+
+
+@dataclass
+class Phase:
+    """One graph replay: a name and how to rewrite the inputs before it."""
+
+    name: str
+    spans: list[torch.Tensor] | None = None  # whole storage spans (from another recorded call)
+    values: dict[str, torch.Tensor] | None = None  # parameter name -> new value (synthesised)
+    recorded_outputs: dict[int, torch.Tensor] | None = None
+
+
+def same_layout(a: Call, b: Call) -> str | None:
+    """None when `b` can be replayed into `a`'s buffers; else what differs."""
+    if len(a.tensors) != len(b.tensors) or len(a.storages) != len(b.storages):
+        return (
+            f"{len(b.tensors)} tensors in {len(b.storages)} storages vs {len(a.tensors)} in "
+            f"{len(a.storages)}"
+        )
+    names = a.tensor_names
+    for i, (x, y) in enumerate(zip(a.tensors, b.tensors)):
+        if (x.dtype, x.shape, x.stride, x.storage) != (y.dtype, y.shape, y.stride, y.storage):
+            return (
+                f"{names[i]}: {y.dtype} {list(y.shape)} stride {list(y.stride)} vs "
+                f"{x.dtype} {list(x.shape)} stride {list(x.stride)}"
+            )
+        rel_x = x.storage_offset * x.itemsize - a.storages[x.storage].span_start
+        rel_y = y.storage_offset * y.itemsize - b.storages[y.storage].span_start
+        if rel_x != rel_y:
+            return f"{names[i]}: different offset inside its storage"
+    for j, (x, y) in enumerate(zip(a.storages, b.storages)):
+        if x.span_nbytes != y.span_nbytes:
+            return f"storage {j}: {y.span_nbytes} bytes vs {x.span_nbytes}"
+    return None
+
+
+def parse_then(spec: str) -> tuple[str, int]:
+    """'OTHER.kdump[:call]' -> (path, call index)."""
+    path, sep, idx = spec.rpartition(":")
+    if sep and idx.isdigit() and path:
+        return path, int(idx)
+    return spec, 0
+
+
+def recorded_phases(s: Session) -> list[Phase]:
+    """Later calls of the same layout in this bundle, then `--then` calls, as phases."""
+    sources: list[tuple[str, Call]] = []
+    for c in s.bundle.calls:
+        if c.index > s.call.index and c.target == s.call.target and same_layout(s.call, c) is None:
+            sources.append((f"call {c.index}", c))
+    for spec in s.req.options.get("then", []):
+        path, idx = parse_then(spec)
+        other = load_bundle(path).call(idx)
+        why = same_layout(s.call, other)
+        if why:
+            raise UsageError(f"--then {spec}: not the same shapes, strides and dtypes ({why})")
+        sources.append((f"{Path(path).name}:{idx}", other))
+    phases = []
+    for label, c in sources:
+        spans = [c._bundle.read_blob(st.blob) for st in c.storages]
+        outs = c.materialize_outputs(s.device) if c.has_outputs else None
+        phases.append(Phase(f"recorded {label}", spans=spans, recorded_outputs=outs))
+    return phases
+
+
+def run_graph(req: Request, progress: Progress) -> Verdict:
+    s = Session(req, progress)
+    if s.device.type != "cuda":
+        raise CannotRunError("graph mode needs a CUDA GPU; on this machine use --mode eager")
+    mc = s.materialize()
+    allocs = mc.materialized.allocations
+    bound = s.spec.bind(mc.args, mc.kwargs)
+    s.step(
+        "materialize",
+        "ok",
+        f"{len(mc.tensors)} tensors on {s.device}, {s.placement().halo}-byte halos",
+    )
+    if not s.check_contract(bound):
+        return s.verdict
+    s.apply_library_settings()
+    outputs = s.output_indices(mc, bound)
+    fn = s.backend.resolve(s.spec, s.call.target)
+    pristine = s.snapshot(mc)
+    skip = set(req.options.get("skip_steps", []))
+    save_dir = req.options.get("save_failing")
+
+    phases = recorded_phases(s)
+    mutations = int(req.options.get("mutations", 3))
+    seed = int(req.options.get("seed", 0))
+    for m in s.spec.mutations(bound, seed=seed, count=mutations):
+        phases.append(Phase(m.name, values=m.values))
+    s.note(f"{len(phases)} mutation(s): {', '.join(p.name for p in phases) or 'none'}")
+
+    def expected_now() -> dict[str, torch.Tensor] | None:
+        if not s.wants_reference():
+            return None
+        return {k: v.clone() for k, v in s.spec.reference(bound).items()}
+
+    def check(
+        step: str,
+        expected: dict[str, torch.Tensor] | None,
+        recorded: dict[int, torch.Tensor] | None,
+        baseline: dict[str, torch.Tensor] | None,
+    ) -> None:
+        actual = {name: mc.tensors[idx].clone() for name, idx in outputs.items()}
+        s.compare_outputs(step, bound, outputs, actual, expected, recorded or {})
+        if expected is None and baseline is not None:
+            from kdump.replayer.compare import bitwise_diff
+
+            for name in outputs:
+                diff = bitwise_diff(actual[name], baseline[name], s.spec.meaningful(bound, name))
+                ok = diff is None
+                s.step(
+                    f"{step} vs eager",
+                    "ok" if ok else "fail",
+                    f"{name}: {'bit-identical' if ok else diff['message']}",
+                )
+                if not ok:
+                    s.finding(
+                        "mismatch",
+                        step,
+                        f"{name} differs from the eager run: {diff['message']}",
+                        {"output": name, **diff},
+                    )
+        s.check_halos(mc, step)
+
+    # (1) eager
+    expected = expected_now()
+    poison_outputs(s, mc, outputs)
+    if "graph/eager" not in skip:
+        dt = s.run_kernel(fn, mc, "graph/eager")
+        if dt is None:
+            return s.verdict
+        s.step("graph/eager", "ok", "", dt)
+        check("graph/eager", expected, s.call.materialize_outputs(s.device), None)
+    else:
+        s.run_kernel(fn, mc, "graph/eager (again)")
+    baseline = {name: mc.tensors[idx].clone() for name, idx in outputs.items()}
+
+    # (2) warm-up on a side stream, then capture
+    s.restore(mc, pristine)
+    s.progress("begin", "graph/capture")
+    t0 = time.perf_counter()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        side = torch.cuda.Stream(s.device)
+        side.wait_stream(torch.cuda.current_stream(s.device))
+        with torch.cuda.stream(side):
+            fn(*mc.args, **mc.kwargs)
+        torch.cuda.current_stream(s.device).wait_stream(side)
+        torch.cuda.synchronize(s.device)
+        s.restore(mc, pristine)
+        poison_outputs(s, mc, outputs)
+        with torch.cuda.graph(graph):
+            fn(*mc.args, **mc.kwargs)
+        torch.cuda.synchronize(s.device)
+    except Exception as exc:
+        text = (
+            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        )
+        s.step("graph/capture", "error", text, time.perf_counter() - t0)
+        s.finding("kernel_error", "graph/capture", f"capture failed: {text}")
+        return s.verdict
+    s.step(
+        "graph/capture", "ok", "warm-up on a side stream, then captured", time.perf_counter() - t0
+    )
+
+    def replay(step: str, phase: Phase | None) -> bool:
+        s.restore(mc, pristine)
+        if phase is not None and phase.spans is not None:
+            for a, data in zip(allocs, phase.spans):
+                a.span.copy_(data)
+        if phase is not None and phase.values is not None:
+            for name, value in phase.values.items():
+                target = bound[name]
+                target.copy_(value.to(target.device))
+        exp = expected_now()
+        poison_outputs(s, mc, outputs)
+        if save_dir:
+            _save_pending(s, mc, save_dir, step)
+        torch.cuda.synchronize(s.device)
+        s.progress("begin", step)
+        t = time.perf_counter()
+        try:
+            graph.replay()
+            torch.cuda.synchronize(s.device)
+        except Exception as exc:
+            lines = str(exc).strip().splitlines()
+            text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+            s.step(step, "error", text, time.perf_counter() - t)
+            s.finding("kernel_error", step, f"replay crashed: {text}")
+            _keep_pending(save_dir, step)
+            return False
+        s.step(step, "ok", "", time.perf_counter() - t)
+        n_before = len(s.verdict.findings)
+        check(
+            step,
+            exp,
+            phase.recorded_outputs if phase else None,
+            baseline if phase is None else None,
+        )
+        if len(s.verdict.findings) > n_before:
+            _keep_pending(save_dir, step)
+        else:
+            _drop_pending(save_dir, step)
+        return True
+
+    # (3) identical inputs, (4) mutations
+    steps = [("graph/replay identical", None)] + [
+        (f"graph/replay {i + 1} ({p.name})", p) for i, p in enumerate(phases)
+    ]
+    for step, phase in steps:
+        if step in skip:
+            continue
+        if not replay(step, phase):
+            return s.verdict  # the context is gone; the parent continues in a fresh process
+    return s.verdict
+
+
+def _pending_path(save_dir: str, step: str) -> Path:
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in step)
+    return Path(save_dir, f"failing-{safe}.kdump.pending")
+
+
+def _save_pending(s: Session, mc: MaterializedCall, save_dir: str, step: str) -> None:
+    """Write the capture call and this replay's inputs before replaying: after a crash nothing
+    can be read from the GPU any more."""
+    first = capture_call(
+        s.call.target,
+        [*_cpu_args(s)],
+        dict(s.call.kwargs),
+        called_as=s.call.called_as,
+        names=s.call.names,
+        meta={**s.call.meta, "graph_role": "capture"},
+    )
+    then = capture_call(
+        s.call.target,
+        mc.args,
+        mc.kwargs,
+        called_as=s.call.called_as,
+        names=s.call.names,
+        meta={"graph_role": f"replay: {step}"},
+    )
+    Path(save_dir).mkdir(parents=True, exist_ok=True)
+    save_calls(
+        _pending_path(save_dir, step),
+        [first, then],
+        env=s.bundle.env,
+        info={"reproduces": "kdump replay THIS --mode graph", "failing_step": step},
+    )
+
+
+def _cpu_args(s: Session) -> list[Any]:
+    return list(s.call.args)
+
+
+def _keep_pending(save_dir: str | None, step: str) -> None:
+    if save_dir:
+        p = _pending_path(save_dir, step)
+        if p.exists():
+            p.rename(p.with_suffix(""))
+
+
+def _drop_pending(save_dir: str | None, step: str) -> None:
+    if save_dir:
+        _pending_path(save_dir, step).unlink(missing_ok=True)

@@ -1,0 +1,90 @@
+"""Poisoned halos and guard regions around every materialised storage.
+
+compute-sanitizer on our driver does not see TMA loads past an allocation (FACTS.md), so kdump
+places each storage inside a larger allocation whose halo before and after holds a sentinel: NaN
+encodings (all-ones bytes) for float and FP8 storages, a marked pattern (0x7F bytes: a huge
+positive value, an impossible label) for integers. An out-of-bounds read shows as NaN or garbage in
+outputs; an out-of-bounds write changes a halo byte, which `check` names by argument and offset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kdump.tensors import Allocation, TensorRecord, dtype_from_name
+
+FLOAT_FILL = 0xFF
+INT_FILL = 0x7F
+
+
+def fill_byte(tensors: Sequence[TensorRecord], storage: int) -> int:
+    for rec in tensors:
+        if rec.storage == storage:
+            dt = dtype_from_name(rec.dtype)
+            return FLOAT_FILL if dt.is_floating_point else INT_FILL
+    return FLOAT_FILL
+
+
+def fill(allocations: Sequence[Allocation], tensors: Sequence[TensorRecord]) -> None:
+    for a in allocations:
+        byte = fill_byte(tensors, a.storage)
+        a.buffer[: a.span_offset].fill_(byte)
+        a.buffer[a.span_offset + a.span_nbytes :].fill_(byte)
+
+
+@dataclass(frozen=True)
+class HaloSnapshot:
+    before: list[torch.Tensor]
+    after: list[torch.Tensor]
+
+
+def snapshot(allocations: Sequence[Allocation]) -> HaloSnapshot:
+    return HaloSnapshot(
+        [a.buffer[: a.span_offset].clone() for a in allocations],
+        [a.buffer[a.span_offset + a.span_nbytes :].clone() for a in allocations],
+    )
+
+
+@dataclass(frozen=True)
+class HaloViolation:
+    storage: int
+    names: tuple[str, ...]
+    side: str  # "before" | "after"
+    offset: int  # bytes from the span's first byte (negative before it) or past its end
+    changed: int  # number of changed bytes
+
+    def describe(self) -> str:
+        who = " / ".join(self.names) or f"storage {self.storage}"
+        if self.side == "after":
+            where = f"{self.offset} bytes past the end of {who}"
+        else:
+            where = f"{-self.offset} bytes before the start of {who}"
+        return f"stray write: {self.changed} guard byte(s) changed, first {where}"
+
+
+def check(
+    allocations: Sequence[Allocation],
+    saved: HaloSnapshot,
+    tensors: Sequence[TensorRecord],
+    names: Sequence[str],
+) -> list[HaloViolation]:
+    """Halo bytes that changed since `saved` (out-of-bounds writes)."""
+    out = []
+    for a, before, after in zip(allocations, saved.before, saved.after):
+        who = tuple(n for n, rec in zip(names, tensors) if rec.storage == a.storage)
+        now_before = a.buffer[: a.span_offset]
+        diff = (now_before != before).nonzero()
+        if diff.numel():
+            # The byte nearest the span is the most telling.
+            first = int(diff[-1, 0])
+            out.append(
+                HaloViolation(a.storage, who, "before", first - a.span_offset, int(diff.shape[0]))
+            )
+        now_after = a.buffer[a.span_offset + a.span_nbytes :]
+        diff = (now_after != after).nonzero()
+        if diff.numel():
+            out.append(HaloViolation(a.storage, who, "after", int(diff[0, 0]), int(diff.shape[0])))
+    return out
