@@ -1,0 +1,28 @@
+"""Small stand-in kernels for replay tests (imported by the replay child process)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+
+def scale_into(x: torch.Tensor, out: torch.Tensor, factor: float = 2.0) -> None:
+    out.copy_(x * factor)
+
+
+def crash(x: torch.Tensor, out: torch.Tensor) -> None:
+    os.abort()  # what a kernel fault does to the process, as far as the parent can tell
+
+
+def hang(x: torch.Tensor, out: torch.Tensor) -> None:
+    time.sleep(3600)
+
+
+def noisy(x: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(x + torch.rand_like(x))  # different on every run
+
+
+def raises(x: torch.Tensor, out: torch.Tensor) -> None:
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
