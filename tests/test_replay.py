@@ -187,3 +187,20 @@ def test_graph_chain_continues_in_fresh_process(monkeypatch: pytest.MonkeyPatch)
     names = [s.name for s in v.steps]
     assert "graph/replay 2 (b)" in names and "restart" in names
     assert len(runs) == 2 and "graph/replay 1 (a)" in runs[1]
+
+
+def test_overread_attributed_to_tensor_by_halo(tmp_path: Path) -> None:
+    from targets import replay_targets
+
+    x = torch.randn(16, 8)
+    out = torch.empty(16, 8)
+    call = capture_call("targets.replay_targets:overread", [x, out], {}, names=["x", "out"])
+    live = input_tensors(call, [x, out], {})
+    replay_targets.scale_into(x, out)
+    attach_outputs(call, live, [1])
+    save_calls(tmp_path / "o.kdump", [call])
+    [v] = replay([tmp_path / "o.kdump"], repeat=1)
+    mem = [f for f in v.findings if f.kind == "memory"]
+    assert mem and mem[0].details == {"tensors": ["x"], "side": "after"}
+    assert "past the end of x" in mem[0].message
+    assert v.exit_code == ExitCode.MEMORY_FINDING

@@ -88,3 +88,17 @@ def check(
         if diff.numel():
             out.append(HaloViolation(a.storage, who, "after", int(diff[0, 0]), int(diff.shape[0])))
     return out
+
+
+def neutralize(allocations: Sequence[Allocation]) -> None:
+    """Zero every halo (a benign value in every format)."""
+    for a in allocations:
+        a.buffer[: a.span_offset].zero_()
+        a.buffer[a.span_offset + a.span_nbytes :].zero_()
+
+
+def poison_side(a: Allocation, side: str) -> None:
+    if side == "before":
+        a.buffer[: a.span_offset].fill_(FLOAT_FILL)
+    else:
+        a.buffer[a.span_offset + a.span_nbytes :].fill_(FLOAT_FILL)

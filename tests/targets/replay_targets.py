@@ -26,3 +26,13 @@ def noisy(x: torch.Tensor, out: torch.Tensor) -> None:
 
 def raises(x: torch.Tensor, out: torch.Tensor) -> None:
     raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def overread(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Reads one row past the end of x (through a raw pointer, as a TMA descriptor that claims
+    too many rows would)."""
+    import ctypes
+
+    n = x.numel() + x.shape[1]
+    raw = torch.frombuffer((ctypes.c_float * n).from_address(x.data_ptr()), dtype=torch.float32)
+    out.copy_(raw[x.shape[1] :].view(x.shape) * 2.0)
