@@ -23,6 +23,7 @@ import torch
 
 from kdump.bundle import Call, MaterializedCall, capture_call, load_bundle, save_calls
 from kdump.errors import CannotRunError, UsageError
+from kdump.tensors import capture
 from kdump.replayer.session import Progress, Request, Session, poison_outputs
 from kdump.replayer.verdict import Verdict
 
@@ -204,7 +205,7 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
         exp = expected_now()
         poison_outputs(s, mc, outputs)
         if save_dir:
-            _save_pending(s, mc, save_dir, step)
+            _save_pending(s, mc, save_dir, step, phase)
         torch.cuda.synchronize(s.device)
         s.progress("begin", step)
         t = time.perf_counter()
@@ -249,9 +250,12 @@ def _pending_path(save_dir: str, step: str) -> Path:
     return Path(save_dir, f"failing-{safe}.kdump.pending")
 
 
-def _save_pending(s: Session, mc: MaterializedCall, save_dir: str, step: str) -> None:
+def _save_pending(
+    s: Session, mc: MaterializedCall, save_dir: str, step: str, phase: Phase | None
+) -> None:
     """Write the capture call and this replay's inputs before replaying: after a crash nothing
-    can be read from the GPU any more."""
+    can be read from the GPU any more. Outputs recorded for the replay's inputs go with it, so
+    targets without a reference still show the mismatch when the bundle is replayed."""
     first = capture_call(
         s.call.target,
         [*_cpu_args(s)],
@@ -268,6 +272,10 @@ def _save_pending(s: Session, mc: MaterializedCall, save_dir: str, step: str) ->
         names=s.call.names,
         meta={"graph_role": f"replay: {step}"},
     )
+    if phase is not None and phase.recorded_outputs:
+        idx = sorted(phase.recorded_outputs)
+        then.outputs = capture([phase.recorded_outputs[i] for i in idx])
+        then.inplace = [(i, k) for k, i in enumerate(idx)]
     Path(save_dir).mkdir(parents=True, exist_ok=True)
     save_calls(
         _pending_path(save_dir, step),

@@ -1,0 +1,161 @@
+"""GPU replay tests: planted bugs that kdump's modes must catch, and real DeepGEMM calls."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdump.bundle import attach_outputs, capture_call, input_tensors, save_calls
+from kdump.errors import ExitCode
+from kdump.replayer import replay
+
+pytestmark = pytest.mark.gpu
+TESTS = Path(__file__).parent
+ARTIFACTS = os.environ.get("KDUMP_TEST_ARTIFACTS")
+
+
+@pytest.fixture(autouse=True)
+def _child_can_import_targets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(TESTS))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+    )
+
+
+def _save(
+    path: Path,
+    target: str,
+    args: list,
+    names: list[str],
+    outputs: list[int],
+    expected: dict[int, torch.Tensor],
+) -> Path:
+    call = capture_call(target, args, {}, names=names)
+    live = input_tensors(call, args, {})
+    for i, value in expected.items():
+        live[i].copy_(value)
+    attach_outputs(call, live, outputs)
+    save_calls(path, [call])
+    return path
+
+
+def test_planted_tma_overread_is_caught_by_halo(tmp_path: Path) -> None:
+    x = torch.randn(64, 32, device="cuda")
+    out = torch.zeros(64, 32, device="cuda")
+    want = torch.zeros_like(out)
+    want[:63] = 2 * x[1:]
+    path = _save(
+        tmp_path / "tma.kdump",
+        "targets.tma_overread:shifted_double",
+        [x, out],
+        ["x", "out"],
+        [1],
+        {1: want},
+    )
+    [v] = replay([path], repeat=1)
+    mem = [f for f in v.findings if f.kind == "memory"]
+    assert mem, v.headline()
+    assert mem[0].details["tensors"] == ["x"] and mem[0].details["side"] == "after"
+    assert v.exit_code == ExitCode.MEMORY_FINDING
+    from kdump.tools import find_tool
+
+    if find_tool("compute-sanitizer"):
+        [s] = replay([path], mode="sanitizer", timeout=300)
+        print("memcheck on the planted TMA over-read:", s.headline())
+        for step in s.steps:
+            print("  ", step.name, step.status, step.message)
+
+
+def test_stale_schedule_caught_at_changed_batch_replay(tmp_path: Path) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(256, 64, device="cuda", generator=gen)
+    labels_a = torch.full((256,), -1, dtype=torch.int32, device="cuda")
+    labels_a[:100] = 0
+    labels_b = torch.full((256,), -1, dtype=torch.int32, device="cuda")
+    labels_b[:200] = 1
+    out = torch.zeros(256, 64, device="cuda")
+    bundles = []
+    for name, labels in (("a", labels_a), ("b", labels_b)):
+        want = torch.zeros_like(out)
+        rows = labels >= 0
+        want[rows] = 2 * x[rows]
+        bundles.append(
+            _save(
+                tmp_path / f"{name}.kdump",
+                "targets.stale:stale_double",
+                [x, labels.clone(), out.clone()],
+                ["x", "labels", "out"],
+                [2],
+                {2: want},
+            )
+        )
+    [eager] = replay([bundles[0]], repeat=2)
+    assert eager.exit_code == 0, eager.headline()
+    save = tmp_path / "repro"
+    [v] = replay(
+        [bundles[0]], mode="graph", options={"then": [str(bundles[1])], "save_failing": str(save)}
+    )
+    by_name = {s.name: s for s in v.steps}
+    assert by_name["graph/capture"].status == "ok"
+    assert all(
+        s.status == "ok" for n, s in by_name.items() if n.startswith("graph/replay identical")
+    )
+    failing = [f for f in v.findings if f.kind == "mismatch"]
+    assert failing and failing[0].step.startswith("graph/replay 1 (recorded b.kdump:0)")
+    assert v.exit_code == ExitCode.MISMATCH
+    # the saved bundle (capture call + failing replay call) reproduces on its own
+    [saved] = list(save.glob("*.kdump"))
+    [again] = replay([saved], mode="graph")
+    assert again.exit_code == ExitCode.MISMATCH, again.headline()
+
+
+def _deep_gemm():
+    return pytest.importorskip("deep_gemm")
+
+
+@pytest.mark.parametrize("n,k", [(512, 4096), (4096, 256)])
+def test_deepgemm_recorded_call_replays_clean(tmp_path: Path, n: int, k: int) -> None:
+    """A real DeepGEMM call at the reference shapes replays clean against deep_gemm and the
+    reference, through the graph chain (identical + synthesised mutations) and memcheck."""
+    dg = _deep_gemm()
+    os.environ.setdefault("DG_JIT_CACHE_DIR", "/tmp/dg-jit")
+    from kdump.kernels.registry import spec_for
+
+    spec = spec_for("deep_gemm:m_grouped_fp8_gemm_nt_contiguous")
+    args, kwargs = spec.generate(
+        seed=3, device="cuda", num_groups=288, n=n, k=k, expected_m=32, scale_format="fp32"
+    )
+    fn = (
+        getattr(dg, "m_grouped_fp8_gemm_nt_contiguous", None)
+        or dg.m_grouped_fp8_fp4_gemm_nt_contiguous
+    )
+    call = capture_call(
+        spec.id,
+        args,
+        kwargs,
+        names=spec.param_names(),
+        called_as="deep_gemm.m_grouped_fp8_gemm_nt_contiguous",
+    )
+    live = input_tensors(call, args, kwargs)
+    fn(*args, **kwargs)
+    torch.cuda.synchronize()
+    d_index = next(i for i, t in enumerate(live) if t is args[2])
+    attach_outputs(call, live, [d_index])
+    from kdump.envinfo import collect
+
+    path = tmp_path / "dg.kdump"
+    save_calls(path, [call], env=collect())
+    for backend in ("deep_gemm", "reference"):
+        [v] = replay([path], backend=backend)
+        assert v.exit_code == 0, f"{backend}: {v.headline()}"
+    [g] = replay([path], mode="graph", backend="deep_gemm", options={"mutations": 2})
+    assert g.exit_code == 0, g.headline()
+    assert sum(s.name.startswith("graph/replay") and s.status == "ok" for s in g.steps) >= 5
+    from kdump.tools import find_tool
+
+    if find_tool("compute-sanitizer") and n == 512:
+        [m] = replay([path], mode="sanitizer", backend="deep_gemm", timeout=500)
+        assert m.exit_code == 0, m.headline()
