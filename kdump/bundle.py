@@ -47,6 +47,7 @@ MAX_HEADER = 100 * 1000 * 1000  # safetensors' own cap
 STORE_DIRNAME = "blobs"
 STORE_SEARCH_DEPTH = 3  # a bundle looks for the shared store in its folder and this many parents
 _HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
+_COPY_CHUNK = 1 << 20  # copy-and-hash granularity: small enough to stay in cache
 
 
 def _kdump_version() -> str:
@@ -390,13 +391,7 @@ class Call:
         self, device: torch.device | str = "cpu", placement: Placement | None = None
     ) -> MaterializedCall:
         """A fresh copy of the call's arguments on `device` (exact layout)."""
-        mat = materialize(
-            self.storages,
-            self.tensors,
-            lambda i: self._bundle.read_blob(self.storages[i].blob),
-            device,
-            placement,
-        )
+        mat = self._bundle.materialize_records(self.storages, self.tensors, device, placement)
         args = [argtree.decode(a, mat.tensors.__getitem__) for a in self.encoded_args]
         kwargs = {
             k: argtree.decode(v, mat.tensors.__getitem__) for k, v in self.encoded_kwargs.items()
@@ -420,12 +415,7 @@ class Call:
         """Recorded post-call values, keyed by the input tensor index they belong to."""
         if not self.has_outputs:
             return {}
-        mat = materialize(
-            self.output_storages,
-            self.output_tensors,
-            lambda i: self._bundle.read_blob(self.output_storages[i].blob),
-            device,
-        )
+        mat = self._bundle.materialize_records(self.output_storages, self.output_tensors, device)
         return {inp: mat.tensors[out] for inp, out in self.inplace}
 
     @property
@@ -502,12 +492,13 @@ class Bundle:
         return sum(b["nbytes"] for b in self.blobs.values())
 
     def _mapped(self) -> mmap.mmap:
-        if self._map is None:
-            if self._file is None:
-                self._file = open(self.path, "rb")  # noqa: SIM115
-            # Copy-on-write: tensors built over it can never write into the file.
-            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
-        return self._map
+        with self._lock:  # blobs are read from several threads
+            if self._map is None:
+                if self._file is None:
+                    self._file = open(self.path, "rb")  # noqa: SIM115
+                # Copy-on-write: tensors built over it can never write into the file.
+                self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
+            return self._map
 
     def _store_path(self, sha: str) -> Path:
         if self._store_root is None:
@@ -566,6 +557,68 @@ class Bundle:
         if len(view) == 0:
             return torch.empty(0, dtype=torch.uint8)
         return torch.frombuffer(view, dtype=torch.uint8)
+
+    def copy_blob_into(self, sha: str, dest: torch.Tensor) -> None:
+        """Copy a blob into `dest` (contiguous CPU uint8), verifying its SHA-256 in the same pass
+        (each chunk is hashed right after it was copied, while it is still in cache)."""
+        view = self.blob_bytes(sha)
+        n = len(view)
+        if dest.numel() != n:
+            raise BundleError(
+                f"{self.path}: blob {sha[:12]}… holds {n} bytes, the manifest says {dest.numel()}"
+            )
+        if n == 0:
+            self.verify_blob(sha, view)
+            return
+        src = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        dst = dest.data_ptr()
+        h = hashlib.sha256() if sha not in self._verified else None
+        for off in range(0, n, _COPY_CHUNK):
+            k = min(_COPY_CHUNK, n - off)
+            ctypes.memmove(dst + off, src + off, k)  # releases the GIL, like hashlib below
+            if h is not None:
+                h.update((ctypes.c_char * k).from_address(dst + off))
+        if h is not None:
+            got = h.hexdigest()
+            if got != sha:
+                raise BundleError(
+                    f"{self.path}: checksum mismatch in blob {sha[:12]}… (got {got[:12]}…): the "
+                    "bundle is corrupt; record it again or restore the file"
+                )
+            with self._lock:
+                self._verified.add(sha)
+
+    def materialize_records(
+        self,
+        storages: Sequence[StorageRecord],
+        tensors: Sequence[TensorRecord],
+        device: torch.device | str = "cpu",
+        placement: Placement | None = None,
+    ) -> Materialized:
+        """Re-create tensor records from this bundle's blobs (verified), blobs in parallel."""
+
+        def fill(batch: Sequence[tuple[int, torch.Tensor]]) -> None:
+            jobs = [(storages[i].blob, dest) for i, dest in batch]
+            if len(jobs) == 1 or sum(d.numel() for _, d in jobs) < (8 << 20):
+                for sha, dest in jobs:
+                    self.copy_blob_into(sha, dest)
+                return
+            with ThreadPoolExecutor(min(_HASH_THREADS, len(jobs))) as pool:
+                list(pool.map(lambda job: self.copy_blob_into(*job), jobs))
+
+        if torch.device(device).type != "cpu":  # verify in parallel first, then copy one by one
+            todo = sorted({s.blob for s in storages if s.blob not in self._verified})
+            if len(todo) > 1:
+                with ThreadPoolExecutor(min(_HASH_THREADS, len(todo))) as pool:
+                    list(pool.map(self.verify_blob, todo))
+        return materialize(
+            storages,
+            tensors,
+            lambda i: self.read_blob(storages[i].blob),
+            device,
+            placement,
+            fill_spans=fill,
+        )
 
     def verify(self, progress: Callable[[int], None] | None = None) -> None:
         """Check every blob's SHA-256 (parallel over blobs)."""
@@ -747,6 +800,9 @@ def _validate_call(c: Any, i: int, blobs: dict[str, Any], path: Path) -> None:
     for key in ("target", "called_as"):
         if not isinstance(c.get(key), str):
             raise BundleError(f"{path}: {where} lacks its {key}")
+    for key in ("names", "outputs"):  # both may be null, neither may be missing
+        if key not in c:
+            raise BundleError(f"{path}: {where} lacks its {key!r} field")
     names = c.get("names")
     if names is not None and (
         not isinstance(names, list) or not all(isinstance(n, str) for n in names)

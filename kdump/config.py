@@ -35,8 +35,17 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("KDUMP_MAX_BUNDLES", "at most this many bundles per process"),
     EnvVar("KDUMP_MAX_BYTES", "at most this many bytes of bundles per process (suffixes K, M, G)"),
     EnvVar("KDUMP_KEEP", "which bundles survive the limits: oldest or newest", "oldest"),
-    EnvVar("KDUMP_ON_EXCEPTION", "1: dump the arguments of every call that raised", "1"),
-    EnvVar("KDUMP_OUTPUTS", "1: also snapshot in-place outputs after the call (sync mode)", "1"),
+    EnvVar(
+        "KDUMP_ON_EXCEPTION",
+        "1: dump the arguments of every call that raised (snapshots every call: costly)",
+        "0",
+    ),
+    EnvVar(
+        "KDUMP_OUTPUTS",
+        "outputs snapshot after the call (sync mode): default (the spec's, e.g. DeepGEMM's d), "
+        "none, all (every tensor argument), or comma-separated parameter names / positions",
+        "default",
+    ),
     EnvVar("KDUMP_FLUSH_SIGNAL", "signal name that flushes pending bundles, e.g. USR1"),
     EnvVar("KDUMP_LOG", "file that kdump's own log lines go to (default: stderr)"),
     EnvVar("KDUMP_CACHE_DIR", "cache for compiled kernels", "~/.cache/kdump"),

@@ -281,7 +281,8 @@ class Materialized:
 
 
 # A view's storage offset is kept exactly by re-creating the unrecorded bytes before its span
-# (zeros), unless that prefix is larger than this.
+# (zeros), as long as the prefixes of one call's storages add up to at most this (so a small
+# hostile file cannot make the reader zero-fill gigabytes).
 PREFIX_LIMIT = 64 << 20
 
 
@@ -350,12 +351,15 @@ def materialize(
     read_span: Callable[[int], torch.Tensor],
     device: torch.device | str = "cpu",
     placement: Placement | None = None,
+    fill_spans: Callable[[Sequence[tuple[int, torch.Tensor]]], None] | None = None,
 ) -> Materialized:
     """Re-create `tensors` with their exact layout on `device`.
 
     `read_span(i)` returns storage i's bytes as a CPU uint8 tensor. With the default placement,
     storage offsets and base-address alignment are those of the call; with a halo or `flush_end`
     each storage starts at its span (the span is all a memory checker should see).
+    On CPU, `fill_spans([(i, dest), ...])`, when given, fills every non-empty span in one batch
+    instead of `read_span` (so a reader can copy and verify all spans in parallel, in one pass).
     """
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -363,8 +367,11 @@ def materialize(
     placement = placement or Placement()
     keep_prefix = placement.halo == 0 and not placement.flush_end
     allocations: list[Allocation] = []
+    batch: list[tuple[int, torch.Tensor]] = []
+    prefix_budget = PREFIX_LIMIT
     for idx, st in enumerate(storages):
-        prefix = st.span_start if keep_prefix and st.span_start <= PREFIX_LIMIT else 0
+        prefix = st.span_start if keep_prefix and st.span_start <= prefix_budget else 0
+        prefix_budget -= prefix
         region = prefix + st.span_nbytes
         buf, off = _allocate(region, device, (st.span_ptr - prefix) % ALIGN_MOD, placement)
         if placement.halo:
@@ -373,7 +380,9 @@ def materialize(
         if prefix:
             buf[off : off + prefix].zero_()
         span_off = off + prefix
-        if st.span_nbytes:
+        if st.span_nbytes and fill_spans is not None and device.type == "cpu":
+            batch.append((idx, buf[span_off : span_off + st.span_nbytes]))
+        elif st.span_nbytes:
             src = read_span(idx)
             if src.numel() != st.span_nbytes:
                 raise BundleError(
@@ -383,6 +392,8 @@ def materialize(
             buf[span_off : span_off + st.span_nbytes].copy_(src)
         view = _region_storage(buf, off, region)
         allocations.append(Allocation(idx, buf, span_off, st.span_nbytes, st, view, prefix))
+    if batch and fill_spans is not None:
+        fill_spans(batch)
     out: list[torch.Tensor] = []
     for i, rec in enumerate(tensors):
         alloc = allocations[rec.storage]

@@ -146,6 +146,12 @@ class KernelSpec:
         """Name of the kernel library whose global settings matter (for envinfo), if any."""
         return None
 
+    def with_settings(self, settings: Mapping[str, Any] | None) -> KernelSpec:
+        """This spec configured with the library's recorded global settings (the bundle's
+        env["libraries"][spec.library()], e.g. DeepGEMM's mk alignment); self when they change
+        nothing."""
+        return self
+
 
 class GenericSpec(KernelSpec):
     """Any target without a dedicated spec: no reference; outputs are the tensors the bundle

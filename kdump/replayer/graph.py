@@ -23,9 +23,9 @@ import torch
 
 from kdump.bundle import Call, MaterializedCall, capture_call, load_bundle, save_calls
 from kdump.errors import CannotRunError, UsageError
-from kdump.tensors import capture
 from kdump.replayer.session import Progress, Request, Session, poison_outputs
 from kdump.replayer.verdict import Verdict
+from kdump.tensors import capture
 
 
 @dataclass

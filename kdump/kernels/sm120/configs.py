@@ -15,7 +15,7 @@ ALIGN_SLACK = 1024
 # Static __shared__ in the kernel: two mbarriers per stage (8 B each), TileJob (16 B), a counter.
 STATIC_SMEM_BASE = 32
 
-# Opt-in maximum dynamic shared memory per block, in bytes (cudaDevAttrMaxSharedMemoryPerBlockOptin).
+# Opt-in maximum shared memory per block in bytes (cudaDevAttrMaxSharedMemoryPerBlockOptin).
 SMEM_BUDGET: dict[int, int] = {
     90: 232_448,  # H100 / H200: 227 KiB
     120: 101_376,  # RTX PRO / GeForce Blackwell (sm_120): 99 KiB
@@ -31,6 +31,7 @@ class TileConfig:
     stages: int
     warps_m: int
     warps_n: int
+    kk_unroll: int = 4  # unroll of the four k32 steps per K block (1 on sm_90: avoids spills)
 
     @property
     def threads(self) -> int:
@@ -55,6 +56,7 @@ class TileConfig:
             f"KD_STAGES={self.stages}",
             f"KD_WARPS_M={self.warps_m}",
             f"KD_WARPS_N={self.warps_n}",
+            f"KD_KK_UNROLL={self.kk_unroll}",
         ]
 
     def check(self) -> None:
@@ -75,7 +77,7 @@ class TileConfig:
 # The default configuration per compute-capability major*10+minor family. sm_120's 99 KiB allow
 # three 32 KiB stages; Hopper's 227 KiB allow six.
 CONFIGS: dict[int, TileConfig] = {
-    90: TileConfig(bm=128, bn=128, stages=6, warps_m=2, warps_n=4),
+    90: TileConfig(bm=128, bn=128, stages=6, warps_m=2, warps_n=4, kk_unroll=1),
     120: TileConfig(bm=128, bn=128, stages=3, warps_m=2, warps_n=4),
 }
 

@@ -7,12 +7,14 @@
 //
 // Every routing decision (which expert an M-tile belongs to, whether it is active, how many rows it
 // may write) is read from device memory inside the kernel on every launch. The grid is sized from
-// the shapes alone, so a captured CUDA graph stays correct when the routing changes in place.
+// the shapes and the SM count alone (persistent CTAs stride over all M x N tiles and skip the
+// inactive ones), so a captured CUDA graph stays correct when the routing changes in place.
 //
 // Compile-time parameters (set with -D by kdump.kernels.sm120.build):
 //   KD_BM, KD_BN   tile rows (M) and columns (N); KD_BK is fixed at 128 (one scale block)
 //   KD_STAGES      depth of the shared-memory pipeline
 //   KD_WARPS_M, KD_WARPS_N   math-warp grid; thread 0 also issues the TMA loads
+//   KD_KK_UNROLL   unroll factor of the four k32 MMA steps of one K block
 
 #include <cuda/std/type_traits>
 // CUTLASS/CuTe refer to these std:: names; NVRTC has no host standard library, cccl has them.
@@ -35,6 +37,9 @@ using cuda::std::void_t;
 #endif
 #ifndef KD_STAGES
 #define KD_STAGES 3
+#endif
+#ifndef KD_KK_UNROLL
+#define KD_KK_UNROLL 4
 #endif
 #ifndef KD_WARPS_M
 #define KD_WARPS_M 2
@@ -181,45 +186,43 @@ __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r
 
 // Stale-schedule workspace (fault injection): [0] = active tiles when planned, [1, 1+cap) = tile
 // index per slot, [1+cap, 1+2cap) = expert per slot, cap = number of M-tiles.
+template <int LAYOUT, bool STALE>
+__device__ __forceinline__ TileJob job_for(const Params& p, int m_slot, int active_now) {
+  if constexpr (STALE) {
+    // Fault injection. The number of slots to run is recounted from the CURRENT labels
+    // (active_now), but which tile each slot runs comes from the schedule planned at the first
+    // call. Slots beyond the planned count hold "past the end" sentinel tiles assumed unreachable.
+    TileJob j{0, 0, 0, 0};
+    if (m_slot < active_now) {
+      j.active = 1;
+      j.row0 = __ldg(p.sched + 1 + m_slot) * BM;
+      j.group = __ldg(p.sched + 1 + p.m_tiles + m_slot);
+      j.row_end = 0x7fffffff;  // the planned tiles were trusted to lie inside D: no row clamp
+    }
+    return j;
+  } else {
+    return decide_tile<LAYOUT>(p, m_slot);
+  }
+}
+
+// Persistent CTAs: CTA b handles tiles b, b + gridDim.x, ... (tile t = M-slot t / n_tiles, N-tile
+// t % n_tiles), skipping inactive ones. The K blocks of all its active tiles form one flat stream
+// of loads through the stage ring, so the next tile's loads overlap this tile's epilogue.
 template <int LAYOUT, bool UE8M0, bool STALE>
 __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorMap* tmap_b,
                                           const Params& p) {
   extern __shared__ uint8_t smem_raw[];
-  __shared__ TileJob job_s;
   __shared__ int active_count_s;
   __shared__ alignas(8) uint64_t full_bar[STAGES];
   __shared__ alignas(8) uint64_t empty_bar[STAGES];
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int m_slot = blockIdx.x / p.n_tiles;
-  const int n_tile = blockIdx.x % p.n_tiles;
+  const int slots = LAYOUT == kMasked ? p.num_groups * p.m_tiles : p.m_tiles;
+  const int total_tiles = slots * p.n_tiles;
 
-  if constexpr (STALE) {
-    // Fault injection. The number of tiles to run is recounted from the CURRENT labels, but which
-    // tile each slot runs comes from the schedule planned at the first call. Slots beyond the
-    // planned count hold "past the end" sentinel tiles that were assumed unreachable.
-    if (threadIdx.x == 0) active_count_s = 0;
-    __syncthreads();
-    int mine = 0;
-    for (int t = threadIdx.x; t < p.m_tiles; t += THREADS) mine += __ldg(p.layout + t * BM) >= 0;
-    if (mine) atomicAdd(&active_count_s, mine);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      const int cap = p.m_tiles;
-      TileJob j{0, 0, 0, 0};
-      if (m_slot < active_count_s) {
-        j.active = 1;
-        j.row0 = p.sched[1 + m_slot] * BM;
-        j.group = p.sched[1 + cap + m_slot];
-        j.row_end = 0x7fffffff;  // the planned tiles were trusted to lie inside D: no row clamp
-      }
-      job_s = j;
-    }
-  } else {
-    if (threadIdx.x == 0) job_s = decide_tile<LAYOUT>(p, m_slot);
-  }
   if (threadIdx.x == 0) {
+    active_count_s = 0;
     for (int s = 0; s < STAGES; ++s) {
       cutlass::arch::ClusterTransactionBarrier::init(&full_bar[s], 1);
       cutlass::arch::ClusterBarrier::init(&empty_bar[s], MATH_WARPS);
@@ -227,160 +230,190 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
-  const TileJob job = job_s;
-  if (!job.active) return;  // inactive tile: nothing loaded, nothing written
+  int active_now = 0;
+  if constexpr (STALE) {
+    int mine = 0;
+    for (int t = threadIdx.x; t < p.m_tiles; t += THREADS) mine += __ldg(p.layout + t * BM) >= 0;
+    if (mine) atomicAdd(&active_count_s, mine);
+    __syncthreads();
+    active_now = active_count_s;
+  }
+
+  // Every thread walks the same deterministic sequence of active tiles (routing metadata does not
+  // change while the kernel runs), so no per-tile broadcast or block barrier is needed.
+  auto next_active = [&](int t, TileJob& job) -> int {
+    for (; t < total_tiles; t += gridDim.x) {
+      job = job_for<LAYOUT, STALE>(p, t / p.n_tiles, active_now);
+      if (job.active) return t;
+    }
+    return total_tiles;
+  };
 
   // TMA with 128B swizzle needs 1024-byte aligned destinations.
-  const uint32_t smem_base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) &
-                             ~1023u;
-  uint8_t* smem = smem_raw + (smem_base - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)));
-  const int n0 = n_tile * BN;
-  // A's third TMA coordinate is the group only for the masked layout (A is [G, max_m, K]).
-  const int a_group = LAYOUT == kMasked ? job.group : 0;
+  const uint32_t raw_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t smem_base = (raw_base + 1023u) & ~1023u;
+  uint8_t* smem = smem_raw + (smem_base - raw_base);
 
-  // Thread 0 doubles as the TMA producer; a separate producer warp would make 9 warps, and with
-  // 3 warps on one SM sub-partition the register cap (168) forces the accumulators to spill.
+  // Producer state (used by thread 0 only, which also computes): position in the load stream.
+  TileJob pjob{0, 0, 0, 0};
+  int ptile = 0, pkb = 0;
   constexpr uint64_t kEvictNormal = 0x1000000000000000ull;
-  auto issue_loads = [&](int kb) {
-    const int s = kb % STAGES;
+  auto issue_next_load = [&](int load_index) {
+    const int s = load_index % STAGES;
     // The whole box is always transferred (out-of-bounds parts are zero-filled): constant bytes.
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full_bar[s], STAGE_BYTES);
     uint8_t* sa = smem + s * STAGE_BYTES;
-    cute::SM90_TMA_LOAD_3D::copy(tmap_a, &full_bar[s], kEvictNormal, sa, kb * BK, job.row0,
+    const int a_group = LAYOUT == kMasked ? pjob.group : 0;
+    cute::SM90_TMA_LOAD_3D::copy(tmap_a, &full_bar[s], kEvictNormal, sa, pkb * BK, pjob.row0,
                                  a_group);
-    cute::SM90_TMA_LOAD_3D::copy(tmap_b, &full_bar[s], kEvictNormal, sa + A_TILE_BYTES, kb * BK,
-                                 n0, job.group);
+    cute::SM90_TMA_LOAD_3D::copy(tmap_b, &full_bar[s], kEvictNormal, sa + A_TILE_BYTES, pkb * BK,
+                                 (ptile % p.n_tiles) * BN, pjob.group);
+    if (++pkb == p.k_blocks) {
+      pkb = 0;
+      ptile = next_active(ptile + gridDim.x, pjob);
+    }
   };
   if (threadIdx.x == 0) {
     cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_a));
     cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_b));
-    for (int kb = 0; kb < min(STAGES, p.k_blocks); ++kb) issue_loads(kb);
+    ptile = next_active(blockIdx.x, pjob);
+    for (int l = 0; l < STAGES && ptile < total_tiles; ++l) issue_next_load(l);
   }
 
   const int wm0 = (warp / WARPS_N) * WM;
   const int wn0 = (warp % WARPS_N) * WN;
   const int g = lane / 4;  // MMA "groupID"
   const int t = lane % 4;  // MMA "threadID_in_group"
-
-  float acc[MI][NI][4];
-#pragma unroll
-  for (int i = 0; i < MI; ++i)
-#pragma unroll
-    for (int j = 0; j < NI; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
-
-  // Rows/columns whose scales this thread needs; clamped so scale reads stay inside the tensors
-  // (the clamped values only ever multiply zero-filled or never-stored results).
-  const int rows_in_a = LAYOUT == kMasked ? p.m : p.m;
-  int srow[MI][2];
-  int scol[NI][2];
-#pragma unroll
-  for (int i = 0; i < MI; ++i)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) srow[i][h] = min(job.row0 + wm0 + i * 16 + g + h * 8, rows_in_a - 1);
-#pragma unroll
-  for (int j = 0; j < NI; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) scol[j][h] = min(n0 + wn0 + j * 8 + 2 * t + h, p.n - 1);
-
   // ldmatrix source rows/chunks for this lane (see the fragment layouts of m16n8k32).
   const int a_ld_row = wm0 + (lane % 8) + ((lane / 8) % 2) * 8;  // + i*16
   const int a_ld_chunk = lane / 16;                              // + 2*kk
   const int b_ld_row = wn0 + (lane % 8) + (lane / 16) * 8;       // + j*8 (pairs of n8 tiles)
   const int b_ld_chunk = (lane / 8) % 2;                         // + 2*kk
 
-  for (int kb = 0; kb < p.k_blocks; ++kb) {
-    const int s = kb % STAGES;
-    // Refill the stage that K block kb-1 used once every warp released it. Lagging one block
-    // behind keeps warp 0 from waiting on the slowest warp's current block.
-    if (threadIdx.x == 0 && kb >= 1 && kb - 1 + STAGES < p.k_blocks) {
-      const int prev = kb - 1;
-      cutlass::arch::ClusterBarrier::wait(&empty_bar[prev % STAGES], (prev / STAGES) & 1);
-      issue_loads(prev + STAGES);
-    }
-    __syncwarp();
-    // Issue this block's scale loads first; their latency hides behind the MMAs.
-    float sa[MI][2];
-    float sb[NI][2];
-#pragma unroll
-    for (int i = 0; i < MI; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) sa[i][h] = load_scale_a<UE8M0>(p, a_group, srow[i][h], kb);
-    if constexpr (UE8M0) {
-#pragma unroll
-      for (int j = 0; j < NI; ++j)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) sb[j][h] = load_scale_b<true>(p, job.group, scol[j][h], kb);
-    } else {
-      // 128x128 B blocks: one scale per 128 columns; BN <= 128 and n0 % BN == 0 keep it uniform.
-      const float b = load_scale_b<false>(p, job.group, scol[0][0], kb);
-#pragma unroll
-      for (int j = 0; j < NI; ++j) sb[j][0] = sb[j][1] = b;
-    }
+  int load = 0;  // index of the next load to consume in the flat stream
+  TileJob job;
+  for (int tile = next_active(blockIdx.x, job); tile < total_tiles;
+       tile = next_active(tile + gridDim.x, job)) {
+    const int n0 = (tile % p.n_tiles) * BN;
+    const int a_group = LAYOUT == kMasked ? job.group : 0;
 
-    cutlass::arch::ClusterBarrier::wait(&full_bar[s], (kb / STAGES) & 1);
-    const uint32_t sa_base = smem_base + s * STAGE_BYTES;
-    const uint32_t sb_base = sa_base + A_TILE_BYTES;
-
-    float part[MI][NI][4];
+    float acc[MI][NI][4];
 #pragma unroll
     for (int i = 0; i < MI; ++i)
 #pragma unroll
       for (int j = 0; j < NI; ++j)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) part[i][j][c] = 0.f;
+        for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
 
-#pragma unroll 1
-    for (int kk = 0; kk < BK / 32; ++kk) {
-      uint32_t af[MI][4];
-      uint32_t bf[NI][2];
+    // Rows/columns whose scales this thread needs; clamped so scale reads stay inside the
+    // tensors (the clamped values only ever multiply zero-filled or never-stored results).
+    int srow[MI][2];
+    int scol[NI][2];
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) srow[i][h] = min(job.row0 + wm0 + i * 16 + g + h * 8, p.m - 1);
+#pragma unroll
+    for (int j = 0; j < NI; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) scol[j][h] = min(n0 + wn0 + j * 8 + 2 * t + h, p.n - 1);
+
+    for (int kb = 0; kb < p.k_blocks; ++kb, ++load) {
+      const int s = load % STAGES;
+      // Refill the stage that the previous load used once every warp released it. Lagging one
+      // block behind keeps warp 0 from waiting on the slowest warp's current block.
+      if (threadIdx.x == 0 && load >= 1 && ptile < total_tiles) {
+        const int prev = load - 1;
+        cutlass::arch::ClusterBarrier::wait(&empty_bar[prev % STAGES], (prev / STAGES) & 1);
+        issue_next_load(prev + STAGES);
+      }
+      __syncwarp();
+      // Issue this block's scale loads first; their latency hides behind the MMAs.
+      float sa[MI][2];
+      float sb[NI][2];
 #pragma unroll
       for (int i = 0; i < MI; ++i)
-        ldsm_x4(sa_base + swz(a_ld_row + i * 16, 2 * kk + a_ld_chunk), af[i][0], af[i][1],
-                af[i][2], af[i][3]);
 #pragma unroll
-      for (int j = 0; j < NI; j += 2)
-        ldsm_x4(sb_base + swz(b_ld_row + j * 8, 2 * kk + b_ld_chunk), bf[j][0], bf[j][1],
-                bf[j + 1][0], bf[j + 1][1]);
+        for (int h = 0; h < 2; ++h) sa[i][h] = load_scale_a<UE8M0>(p, a_group, srow[i][h], kb);
+      if constexpr (UE8M0) {
+#pragma unroll
+        for (int j = 0; j < NI; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) sb[j][h] = load_scale_b<true>(p, job.group, scol[j][h], kb);
+      } else {
+        // 128x128 B blocks: one scale per 128 columns; BN <= 128 and n0 % BN == 0 keep it
+        // uniform across the tile.
+        const float b = load_scale_b<false>(p, job.group, scol[0][0], kb);
+#pragma unroll
+        for (int j = 0; j < NI; ++j) sb[j][0] = sb[j][1] = b;
+      }
+
+      cutlass::arch::ClusterBarrier::wait(&full_bar[s], (load / STAGES) & 1);
+      const uint32_t sa_base = smem_base + s * STAGE_BYTES;
+      const uint32_t sb_base = sa_base + A_TILE_BYTES;
+
+      float part[MI][NI][4];
 #pragma unroll
       for (int i = 0; i < MI; ++i)
 #pragma unroll
         for (int j = 0; j < NI; ++j)
-          cute::SM89_16x8x32_F32E4M3E4M3F32_TN::fma(
-              part[i][j][0], part[i][j][1], part[i][j][2], part[i][j][3], af[i][0], af[i][1],
-              af[i][2], af[i][3], bf[j][0], bf[j][1], part[i][j][0], part[i][j][1], part[i][j][2],
-              part[i][j][3]);
+#pragma unroll
+          for (int c = 0; c < 4; ++c) part[i][j][c] = 0.f;
+
+      // sm_90 emulates each FP8 MMA with FP16 ones plus unpack instructions; unrolling the k32
+      // steps there lets the scheduler hoist unpacks until the accumulators spill (unroll 1).
+#pragma unroll KD_KK_UNROLL
+      for (int kk = 0; kk < BK / 32; ++kk) {
+        uint32_t af[MI][4];
+        uint32_t bf[NI][2];
+#pragma unroll
+        for (int i = 0; i < MI; ++i)
+          ldsm_x4(sa_base + swz(a_ld_row + i * 16, 2 * kk + a_ld_chunk), af[i][0], af[i][1],
+                  af[i][2], af[i][3]);
+#pragma unroll
+        for (int j = 0; j < NI; j += 2)
+          ldsm_x4(sb_base + swz(b_ld_row + j * 8, 2 * kk + b_ld_chunk), bf[j][0], bf[j][1],
+                  bf[j + 1][0], bf[j + 1][1]);
+#pragma unroll
+        for (int i = 0; i < MI; ++i)
+#pragma unroll
+          for (int j = 0; j < NI; ++j)
+            cute::SM89_16x8x32_F32E4M3E4M3F32_TN::fma(
+                part[i][j][0], part[i][j][1], part[i][j][2], part[i][j][3], af[i][0], af[i][1],
+                af[i][2], af[i][3], bf[j][0], bf[j][1], part[i][j][0], part[i][j][1],
+                part[i][j][2], part[i][j][3]);
+      }
+      // This warp is done reading the stage: hand it back to the producer.
+      __syncwarp();
+      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&empty_bar[s]);
+
+      // Promote the 128-K partial sums with their block scales in fp32.
+#pragma unroll
+      for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int j = 0; j < NI; ++j)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            acc[i][j][c] = fmaf(part[i][j][c], sa[i][c / 2] * sb[j][c % 2], acc[i][j][c]);
     }
-    // This warp is done reading the stage: hand it back to the producer.
-    __syncwarp();
-    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&empty_bar[s]);
 
-    // Promote the 128-K partial sums with their block scales in fp32.
+    // Epilogue: bf16 pairs straight from registers; rows past row_end and columns past N are
+    // left untouched.
+    __nv_bfloat16* d = p.d + (LAYOUT == kMasked ? job.group * p.d_stride_g : 0ll);
 #pragma unroll
-    for (int i = 0; i < MI; ++i)
+    for (int i = 0; i < MI; ++i) {
 #pragma unroll
-      for (int j = 0; j < NI; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const int row = job.row0 + wm0 + i * 16 + g + h * 8;
+        if (row >= job.row_end || (!STALE && row >= p.m)) continue;
+        __nv_bfloat16* drow = d + row * p.d_stride_m;
 #pragma unroll
-        for (int c = 0; c < 4; ++c)
-          acc[i][j][c] = fmaf(part[i][j][c], sa[i][c / 2] * sb[j][c % 2], acc[i][j][c]);
-  }
-
-  // Epilogue: bf16 pairs straight from registers; rows past row_end and columns past N untouched.
-  __nv_bfloat16* d = p.d + (LAYOUT == kMasked ? job.group * p.d_stride_g : 0ll);
-#pragma unroll
-  for (int i = 0; i < MI; ++i) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = job.row0 + wm0 + i * 16 + g + h * 8;
-      if (row >= job.row_end || (!STALE && row >= p.m)) continue;
-      __nv_bfloat16* drow = d + row * p.d_stride_m;
-#pragma unroll
-      for (int j = 0; j < NI; ++j) {
-        const int col = n0 + wn0 + j * 8 + 2 * t;
-        if (col >= p.n) continue;
-        *reinterpret_cast<__nv_bfloat162*>(drow + col) =
-            __floats2bfloat162_rn(acc[i][j][h * 2], acc[i][j][h * 2 + 1]);
+        for (int j = 0; j < NI; ++j) {
+          const int col = n0 + wn0 + j * 8 + 2 * t;
+          if (col >= p.n) continue;
+          *reinterpret_cast<__nv_bfloat162*>(drow + col) =
+              __floats2bfloat162_rn(acc[i][j][h * 2], acc[i][j][h * 2 + 1]);
+        }
       }
     }
   }
