@@ -17,11 +17,12 @@ from kdump.cmd.common import console, emit_json, json_option
 )
 @click.option(
     "--backend",
-    type=click.Choice(["auto", "reference", "deep_gemm", "packaged", "library"]),
+    type=click.Choice(["auto", "reference", "deep_gemm", "packaged", "library", "packaged-faulty"]),
     default="auto",
     show_default=True,
     help="auto = installed library on a GPU, else packaged kernel on a GPU, else the torch "
-    "reference.",
+    "reference. packaged-faulty: the packaged kernel with a planted stale-schedule bug (fault "
+    "injection, to prove graph/sanitizer modes catch it).",
 )
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option(
@@ -72,6 +73,11 @@ from kdump.cmd.common import console, emit_json, json_option
 @click.option("--graph", "sanitize_graph", is_flag=True, help="sanitizer: also the graph chain.")
 @click.option("--sanitizer", type=click.Path(dir_okay=False), help="compute-sanitizer binary.")
 @click.option("--kernel-filter", help="sanitizer: check only kernels whose name contains this.")
+@click.option(
+    "--sanitizer-logs",
+    type=click.Path(file_okay=False),
+    help="sanitizer: keep compute-sanitizer's raw reports in this folder.",
+)
 @click.option("--force", is_flag=True, help="Launch even when the call violates the contract.")
 @click.option(
     "--timeout",
@@ -101,6 +107,7 @@ def command(
     sanitize_graph: bool,
     sanitizer: str | None,
     kernel_filter: str | None,
+    sanitizer_logs: str | None,
     force: bool,
     timeout: float,
     jobs: int,
@@ -130,6 +137,8 @@ def command(
     options = {"then": list(then), "mutations": mutations, "seed": seed, "halo": halo}
     if save_failing:
         options["save_failing"] = save_failing
+    if sanitizer_logs:
+        options["sanitizer_log_dir"] = sanitizer_logs
     if "all" in tools:
         tools = ("memcheck", "racecheck", "initcheck", "synccheck")
     verdicts = replay(

@@ -13,7 +13,7 @@ from kdump.errors import CannotRunError, UsageError
 from kdump.kernels.base import Backend, KernelSpec
 from kdump.kernels.names import DEEPGEMM_ENTRY_POINTS, DEEPGEMM_MODULES
 
-BACKEND_NAMES = ("auto", "reference", "deep_gemm", "packaged", "library")
+BACKEND_NAMES = ("auto", "reference", "deep_gemm", "packaged", "library", "packaged-faulty")
 
 
 def _function_name(spec: KernelSpec) -> str:
@@ -176,6 +176,28 @@ class PackagedBackend(Backend):
         return f"kdump {__version__}"
 
 
+class FaultyPackagedBackend(PackagedBackend):
+    """Fault injection, never chosen by `auto`: the packaged contiguous kernel with a tile
+    schedule planned from the FIRST call's routing labels and reused afterwards (see
+    `kdump.kernels.sm120.api.StaleScheduleContiguous`). Eager with fresh buffers and identical
+    graph replays are clean; a replay after the labels changed to more active tiles writes past
+    the end of d. It exists to prove that graph and sanitizer modes catch this bug class."""
+
+    name = "packaged-faulty"
+    _instance: Any = None
+
+    def available(self, spec: KernelSpec, device: torch.device) -> tuple[bool, str]:
+        ok, why = super().available(spec, device)
+        if ok and not spec.id.endswith(":m_grouped_fp8_gemm_nt_contiguous"):
+            return False, "the fault-injection variant implements the contiguous layout only"
+        return ok, why
+
+    def resolve(self, spec: KernelSpec, target: str) -> Callable[..., Any]:
+        if FaultyPackagedBackend._instance is None:
+            FaultyPackagedBackend._instance = self._api().make_faulty_contiguous()
+        return FaultyPackagedBackend._instance
+
+
 class LibraryBackend(Backend):
     """The recorded target itself, imported by its 'module:qualname' (generic targets)."""
 
@@ -206,7 +228,14 @@ class LibraryBackend(Backend):
 
 
 _BACKENDS: dict[str, Backend] = {
-    b.name: b for b in (ReferenceBackend(), DeepGemmBackend(), PackagedBackend(), LibraryBackend())
+    b.name: b
+    for b in (
+        ReferenceBackend(),
+        DeepGemmBackend(),
+        PackagedBackend(),
+        LibraryBackend(),
+        FaultyPackagedBackend(),
+    )
 }
 
 

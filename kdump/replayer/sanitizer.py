@@ -237,6 +237,11 @@ def run_sanitizer(
         except subprocess.TimeoutExpired:
             rc, stderr = None, ""
         log = log_path.read_text(errors="replace") if log_path.exists() else ""
+        keep = req.options.get("sanitizer_log_dir")
+        if keep and log:
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            name = f"{Path(req.bundle).stem}-call{req.call}-{req.mode}-{tool}.log"
+            Path(keep, name).write_text(log)
         events = _events(progress_path)
         if result_path.exists():
             v = Verdict.from_json(json.loads(result_path.read_text()))
