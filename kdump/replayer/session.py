@@ -103,7 +103,7 @@ class Session:
         self.progress("finding", f)
 
     def note(self, text: str) -> None:
-        self.note(text)
+        self.verdict.notes.append(text)
         self.progress("note", text)
 
     def placement(self) -> Placement:

@@ -1,0 +1,106 @@
+"""Eager replay of DeepGEMM-spec bundles on the CPU reference: the README's main job, altered
+outputs, contract violations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdump.bundle import attach_outputs, capture_call, input_tensors, load_bundle, save_calls
+from kdump.errors import ExitCode
+from kdump.kernels.registry import spec_for
+from kdump.replayer import replay
+
+CAPTURES = Path(__file__).parents[1] / "captures"
+SPEC_ID = "deep_gemm:m_grouped_fp8_gemm_nt_contiguous"
+
+
+@pytest.mark.parametrize("name", ["contiguous_ue8m0", "contiguous_fp32", "masked_ue8m0"])
+def test_sample_captures_replay_clean(name: str) -> None:
+    [v] = replay([CAPTURES / f"{name}.kdump"], device="cpu")
+    assert v.exit_code == 0, v.headline()
+    assert v.backend == "reference"
+    assert any(s.name == "eager/run 1 vs recorded" and s.status == "ok" for s in v.steps)
+
+
+def _rerecord(src: Path, dst: Path, alter: tuple[int, int] | None) -> None:
+    """Copy a capture's call, optionally altering one element of its recorded output."""
+    call = load_bundle(src).calls[0]
+    args, kwargs = call.args, call.kwargs
+    rec = capture_call(
+        call.target, args, kwargs, called_as=call.called_as, names=call.names, meta=call.meta
+    )
+    live = input_tensors(rec, args, kwargs)
+    outputs = call.materialize_outputs("cpu")
+    for i, value in outputs.items():
+        live[i].copy_(value)
+        if alter is not None:
+            live[i][alter] = live[i][alter] * 3 + 1
+    attach_outputs(rec, live, list(outputs))
+    save_calls(dst, [rec], env=load_bundle(src).env)
+
+
+def test_altered_recorded_output_is_a_mismatch_naming_the_element(tmp_path: Path) -> None:
+    src = CAPTURES / "contiguous_ue8m0.kdump"
+    call = load_bundle(src).calls[0]
+    spec = spec_for(call.target, call.names)
+    bound = spec.bind(call.args, call.kwargs)
+    row = int(spec.meaningful(bound, "d").reshape(-1).nonzero()[5])  # a meaningful row
+    bad = tmp_path / "altered.kdump"
+    _rerecord(src, bad, (row, 17))
+    [v] = replay([bad], device="cpu")
+    assert v.exit_code == ExitCode.MISMATCH
+    f = next(f for f in v.findings if f.kind == "mismatch")
+    assert f"[{row}, 17]" in f.message
+
+
+def _violating(tmp_path: Path, how: str) -> Path:
+    spec = spec_for(SPEC_ID)
+    args, kwargs = spec.generate(
+        seed=2, num_groups=4, n=256, k=512, expected_m=40, scale_format="fp32"
+    )
+    layout = args[3]
+    if how == "label":
+        layout[layout.argmax()] = 4  # label == G
+    else:
+        first = int((layout >= 0).nonzero()[0])
+        g = int(layout[first])
+        layout[first : first + 1] = -1  # the group now starts one row late: misaligned
+        assert int(layout[first + 1]) == g
+    path = tmp_path / f"{how}.kdump"
+    save_calls(path, [capture_call(spec.id, args, kwargs, names=spec.param_names())])
+    return path
+
+
+@pytest.mark.parametrize("how", ["label", "misaligned"])
+def test_contract_violation_launches_nothing(tmp_path: Path, how: str) -> None:
+    [v] = replay([_violating(tmp_path, how)], device="cpu")
+    assert v.exit_code == ExitCode.CONTRACT, v.headline()
+    assert not any(s.name.startswith("eager/run") for s in v.steps)
+    [forced] = replay([_violating(tmp_path, how)], device="cpu", force=True, repeat=1)
+    assert any(s.name.startswith("eager/run") for s in forced.steps)
+
+
+def test_alias_recorded_call_replays(tmp_path: Path) -> None:
+    """A call recorded under an alias resolves to the same spec and replays."""
+    spec = spec_for("deep_gemm:m_grouped_fp8_fp4_gemm_nt_contiguous")
+    assert spec.id == SPEC_ID
+    args, kwargs = spec.generate(seed=4, num_groups=3, n=128, k=256, expected_m=30)
+    torch.manual_seed(0)
+    path = tmp_path / "alias.kdump"
+    save_calls(
+        path,
+        [
+            capture_call(
+                spec.id,
+                args,
+                kwargs,
+                names=spec.param_names(),
+                called_as="deep_gemm.m_grouped_fp8_fp4_gemm_nt_contiguous",
+            )
+        ],
+    )
+    [v] = replay([path], device="cpu", repeat=1)
+    assert v.exit_code == 0, v.headline()
