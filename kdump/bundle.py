@@ -216,75 +216,140 @@ def save_calls(
             if cap is not None:
                 sources.extend(zip(cap.storages, cap.data))
     views = [_blob_view(d) for _, d in sources]
+    where = "store" if store is not None else "inline"
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+    def make_manifest(shas: Sequence[str]) -> dict[str, Any]:
+        it = iter(shas)
+
+        def storages_json(cap: Captured) -> list[dict[str, Any]]:
+            out = []
+            for st in cap.storages:
+                d = _storage_json(st)
+                d["blob"] = next(it)
+                out.append(d)
+            return out
+
+        calls_json = []
+        for i, call in enumerate(calls):
+            entry: dict[str, Any] = {
+                "index": i,
+                "target": call.target,
+                "called_as": call.called_as,
+                "names": call.names,
+                "args": call.args,
+                "kwargs": call.kwargs,
+                "storages": storages_json(call.inputs),
+                "tensors": [_tensor_json(t) for t in call.inputs.tensors],
+                "outputs": None,
+                "meta": call.meta,
+            }
+            if call.outputs is not None:
+                entry["outputs"] = {
+                    "storages": storages_json(call.outputs),
+                    "tensors": [_tensor_json(t) for t in call.outputs.tensors],
+                    "inplace": [list(p) for p in call.inplace],
+                    "returned": call.returned,
+                }
+            calls_json.append(entry)
+        blob_table: dict[str, dict[str, Any]] = {}
+        for sha, view in zip(shas, views):
+            blob_table.setdefault(sha, {"nbytes": len(view), "where": where})
+        return {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "writer": f"kdump {_kdump_version()}",
+            "created": created,
+            "env": env or {},
+            "info": info or {},
+            "blobs": blob_table,
+            "calls": calls_json,
+        }
+
+    if store is None and _write_pipelined(path, views, make_manifest):
+        return path
     shas = _hash_all(views)
     blobs: dict[str, memoryview] = {}
     for sha, view in zip(shas, views):
         blobs.setdefault(sha, view)
-    it = iter(shas)
-
-    def storages_json(cap: Captured) -> list[dict[str, Any]]:
-        out = []
-        for st in cap.storages:
-            d = _storage_json(st)
-            d["blob"] = next(it)
-            out.append(d)
-        return out
-
-    calls_json = []
-    for i, call in enumerate(calls):
-        entry: dict[str, Any] = {
-            "index": i,
-            "target": call.target,
-            "called_as": call.called_as,
-            "names": call.names,
-            "args": call.args,
-            "kwargs": call.kwargs,
-            "storages": storages_json(call.inputs),
-            "tensors": [_tensor_json(t) for t in call.inputs.tensors],
-            "outputs": None,
-            "meta": call.meta,
-        }
-        if call.outputs is not None:
-            entry["outputs"] = {
-                "storages": storages_json(call.outputs),
-                "tensors": [_tensor_json(t) for t in call.outputs.tensors],
-                "inplace": [list(p) for p in call.inplace],
-                "returned": call.returned,
-            }
-        calls_json.append(entry)
-
-    where = "store" if store is not None else "inline"
-    manifest = {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "writer": f"kdump {_kdump_version()}",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "env": env or {},
-        "info": info or {},
-        "blobs": {sha: {"nbytes": len(v), "where": where} for sha, v in blobs.items()},
-        "calls": calls_json,
-    }
     if store is not None:
         for sha, view in blobs.items():
             store.put(sha, view)
-        _write_safetensors(path, manifest, {})
+        _write_safetensors(path, make_manifest(shas), {})
     else:
-        _write_safetensors(path, manifest, blobs)
+        _write_safetensors(path, make_manifest(shas), blobs)
     return path
 
 
+def _header_json(manifest: dict[str, Any], layout: dict[str, tuple[int, int]]) -> bytes:
+    header: dict[str, Any] = {
+        sha: {"dtype": "U8", "shape": [e - b], "data_offsets": [b, e]}
+        for sha, (b, e) in layout.items()
+    }
+    header["__metadata__"] = {MANIFEST_KEY: json.dumps(manifest, separators=(",", ":"))}
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
+def _write_pipelined(
+    path: Path,
+    views: Sequence[memoryview],
+    make_manifest: Callable[[Sequence[str]], dict[str, Any]],
+) -> bool:
+    """Write an inline bundle while its blobs are still being hashed (False: header too big).
+
+    The header goes first in the file but names blobs by their hashes, so its space is reserved
+    from an upper bound (every blob unique: de-duplication only shortens it) and the real header
+    is padded with spaces to that size. Blobs are written in order while a thread pool hashes
+    them all; a blob whose hash turns out to repeat an earlier one is overwritten by the next.
+    """
+    placeholders = [f"{i:064x}" for i in range(len(views))]
+    upper: dict[str, tuple[int, int]] = {}
+    off = 0
+    for name, view in zip(placeholders, views):
+        upper[name] = (off, off + len(view))
+        off += len(view)
+    reserved = len(_header_json(make_manifest(placeholders), upper))
+    reserved += -reserved % 8  # safetensors pads the header to 8 bytes
+    if reserved > MAX_HEADER:
+        return False
+    data_start = 8 + reserved
+
+    def write(f: Any) -> None:
+        layout: dict[str, tuple[int, int]] = {}
+        shas: list[str] = []
+        pos = 0
+        with ThreadPoolExecutor(_HASH_THREADS) as pool:
+            futures = [pool.submit(_sha256, v) for v in views]
+            for view, fut in zip(views, futures):
+                if fut.done() and fut.result() in layout:
+                    shas.append(fut.result())
+                    continue
+                f.seek(data_start + pos)
+                f.write(view)
+                sha = fut.result()
+                shas.append(sha)
+                if sha not in layout:
+                    layout[sha] = (pos, pos + len(view))
+                    pos += len(view)
+        f.truncate(data_start + pos)
+        raw = _header_json(make_manifest(shas), layout)
+        if len(raw) > reserved:  # cannot happen: dedup only removes entries and digits
+            raise BundleError("internal error: bundle header outgrew its reserved space")
+        f.seek(0)
+        f.write(struct.pack("<Q", reserved))
+        f.write(raw + b" " * (reserved - len(raw)))
+
+    _atomic_write(path, write)
+    return True
+
+
 def _write_safetensors(path: Path, manifest: dict[str, Any], blobs: dict[str, memoryview]) -> None:
-    header: dict[str, Any] = {}
+    layout: dict[str, tuple[int, int]] = {}
     offset = 0
     for sha, view in blobs.items():
-        header[sha] = {
-            "dtype": "U8",
-            "shape": [len(view)],
-            "data_offsets": [offset, offset + len(view)],
-        }
+        layout[sha] = (offset, offset + len(view))
         offset += len(view)
-    header["__metadata__"] = {MANIFEST_KEY: json.dumps(manifest, separators=(",", ":"))}
-    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw = _header_json(manifest, layout)
     raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
     if len(raw) > MAX_HEADER:
         raise BundleError(

@@ -1,0 +1,234 @@
+"""Bundle write / load throughput against safetensors and a raw file write of the same bytes.
+
+    python bench/bench_bundle.py                 # 2 GB: 8 tensors x 256 MB of mixed dtypes
+    python bench/bench_bundle.py --gb 0.25       # smoke run
+    python bench/bench_bundle.py --record        # also append the table to bench/RESULTS.md
+
+Write: kdump `save_calls` of a captured call (SHA-256 of every blob + the file) vs
+`safetensors.torch.save_file` of the same tensors vs one raw `write` of the same bytes. Capturing
+(the snapshot a recorder takes before the kernel runs) is timed separately. Load: `load_bundle` +
+`materialize("cpu")` (checksums verified) vs `safetensors.torch.load_file`; both sides are timed
+until every byte has been touched (a sum over a uint8 view). The page cache cannot be dropped
+here, so each side runs alternately and the best of `--repeat` runs counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+DTYPES = [
+    torch.float8_e4m3fn,
+    torch.bfloat16,
+    torch.float32,
+    torch.int32,
+    torch.uint8,
+    torch.float16,
+    torch.int64,
+    torch.float8_e8m0fnu,
+]
+
+
+def make_tensors(total_bytes: int, count: int) -> dict[str, torch.Tensor]:
+    """`count` contiguous tensors of mixed dtypes, `total_bytes` in all, random bits."""
+    per = total_bytes // count
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for i in range(count):
+        dtype = DTYPES[i % len(DTYPES)]
+        n = per // dtype.itemsize // 1024 * 1024
+        raw = torch.randint(-(2**62), 2**62, (n * dtype.itemsize // 8,), generator=gen)
+        out[f"t{i}"] = raw.view(dtype).reshape(-1, 1024)
+    return out
+
+
+def touch(tensors: list[torch.Tensor]) -> int:
+    """Read every byte (so lazily mapped data really is loaded)."""
+    total = 0
+    for t in tensors:
+        st = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+        n8 = st.numel() // 8 * 8  # sum 8-byte words (fast), then the tail bytes
+        total += int(st[:n8].view(torch.int64).sum()) + int(st[n8:].sum())
+    return total
+
+
+def best_of(repeat: int, fns: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Run the functions alternately `repeat` times; the best time of each."""
+    best = {k: float("inf") for k in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def machine() -> str:
+    cpu = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (
+        f"{platform.node()}: {cpu}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
+        f"torch {torch.__version__}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gb", type=float, default=2.0, help="total bytes in GB (default 2)")
+    ap.add_argument("--tensors", type=int, default=8, help="number of tensors (default 8)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per side; best counts")
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the files go")
+    ap.add_argument("--record", action="store_true", help="append results to --results")
+    ap.add_argument(
+        "--results", default=str(Path(__file__).with_name("RESULTS.md")), help="results file"
+    )
+    args = ap.parse_args(argv)
+
+    from safetensors.torch import load_file, save_file
+
+    from kdump.bundle import capture_call, load_bundle, save_calls
+
+    total = int(args.gb * 1e9)
+    need = 3 * total + (1 << 30)
+    free = shutil.disk_usage(args.dir).free
+    if free < need:
+        print(f"bench_bundle: {args.dir} has {free / 1e9:.1f} GB free, needs {need / 1e9:.1f} GB")
+        return 2
+    tensors = make_tensors(total, args.tensors)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    names = list(tensors)
+    work = Path(tempfile.mkdtemp(prefix="kdump-bench-", dir=args.dir))
+    f_kd, f_st, f_raw = work / "b.kdump", work / "b.safetensors", work / "b.raw"
+    try:
+        t0 = time.perf_counter()
+        rec = capture_call("bench:fn", [tensors[n] for n in names])
+        t_capture = time.perf_counter() - t0
+
+        def raw_write() -> None:
+            with open(f_raw, "wb") as f:
+                for t in tensors.values():
+                    f.write(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+
+        writes = best_of(
+            args.repeat,
+            {
+                "safetensors": lambda: save_file(tensors, str(f_st)),
+                "kdump": lambda: save_calls(f_kd, [rec]),
+                "raw": raw_write,
+            },
+        )
+
+        def kd_load() -> None:
+            mc = load_bundle(f_kd).calls[0].materialize("cpu")
+            touch(mc.tensors)
+
+        def st_load() -> None:
+            touch(list(load_file(str(f_st)).values()))
+
+        def copy_only() -> None:  # what any loader that copies pays (fresh memory + memcpy)
+            touch([torch.empty_like(t).copy_(t) for t in tensors.values()])
+
+        def sha_only() -> None:  # what verifying every checksum costs (one thread per blob)
+            views = [memoryview(t.view(torch.uint8).reshape(-1).numpy()) for t in tensors.values()]
+            with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+                list(pool.map(lambda v: hashlib.sha256(v).digest(), views))
+
+        loads = best_of(
+            args.repeat,
+            {"safetensors": st_load, "kdump": kd_load, "copy": copy_only, "sha": sha_only},
+        )
+        # correctness of what was timed
+        mc = load_bundle(f_kd).calls[0].materialize("cpu")
+        assert all(
+            torch.equal(a.view(torch.uint8), tensors[n].view(torch.uint8))
+            for a, n in zip(mc.tensors, names)
+        )
+        del mc
+        size_kd, size_st = f_kd.stat().st_size, f_st.stat().st_size
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    gbps = {k: nbytes / v / 1e9 for k, v in writes.items()}
+    lgbps = {k: nbytes / v / 1e9 for k, v in loads.items()}
+    rows = [
+        ("write", "safetensors save_file", writes["safetensors"], gbps["safetensors"], 1.0),
+        (
+            "write",
+            "kdump save_calls",
+            writes["kdump"],
+            gbps["kdump"],
+            writes["safetensors"] / writes["kdump"],
+        ),
+        (
+            "write",
+            "raw file write",
+            writes["raw"],
+            gbps["raw"],
+            writes["safetensors"] / writes["raw"],
+        ),
+        ("load", "safetensors load_file + touch", loads["safetensors"], lgbps["safetensors"], 1.0),
+        (
+            "load",
+            "kdump load+materialize+verify+touch",
+            loads["kdump"],
+            lgbps["kdump"],
+            loads["safetensors"] / loads["kdump"],
+        ),
+        (
+            "load",
+            "ref: copy to fresh memory + touch",
+            loads["copy"],
+            lgbps["copy"],
+            loads["safetensors"] / loads["copy"],
+        ),
+        (
+            "load",
+            "ref: SHA-256 of every byte (parallel)",
+            loads["sha"],
+            lgbps["sha"],
+            loads["safetensors"] / loads["sha"],
+        ),
+    ]
+    dtypes = ", ".join(str(t.dtype).removeprefix("torch.") for t in tensors.values())
+    lines = [
+        f"{nbytes / 1e9:.2f} GB in {len(tensors)} tensors ({dtypes}); best of {args.repeat}; "
+        f"files in {args.dir}; kdump file {size_kd} B, safetensors {size_st} B",
+        "",
+        "| op | what | seconds | GB/s | speed vs safetensors |",
+        "|---|---|---:|---:|---:|",
+        *(f"| {op} | {what} | {s:.3f} | {g:.2f} | {r:.2f}× |" for op, what, s, g, r in rows),
+        f"| write | kdump capture_call (snapshot, once) | {t_capture:.3f} | "
+        f"{nbytes / t_capture / 1e9:.2f} | |",
+        "",
+        f"kdump write = {writes['safetensors'] / writes['kdump']:.2f}× safetensors, "
+        f"{writes['raw'] / writes['kdump']:.2f}× raw write; "
+        f"kdump load = {loads['safetensors'] / loads['kdump']:.2f}× safetensors (goal ≥ 0.9×)",
+    ]
+    print("\n".join(lines))
+    if args.record:
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        out = Path(args.results)
+        with open(out, "a") as f:
+            f.write(f"\n## bench_bundle\n\n{stamp} — {machine()}\n\n" + "\n".join(lines) + "\n")
+        print(f"appended to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

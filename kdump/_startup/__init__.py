@@ -1,0 +1,1 @@
+"""Holds kdump's sitecustomize.py; this folder (not the package) goes on PYTHONPATH."""

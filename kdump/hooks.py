@@ -1,0 +1,668 @@
+"""Patch and unpatch targets, with every reference to them, in loaded and later-imported modules.
+
+Targets:
+  'module:qualname'        any Python callable: function, method ('mod:Class.method', also static
+                           and class methods), builtin / pybind function, callable object
+  'torch.ops.ns.op'        a torch operator (also 'torch.ops.ns:op')
+  'deep_gemm'              preset: every DeepGEMM entry point and alias in each module of
+                           kdump.kernels.names.DEEPGEMM_MODULES, plus its global setters
+
+How a target is patched. A call is identified by the ORIGINAL OBJECT, never by its name:
+  1. The object is looked up where the target names it and replaced there by a wrapper.
+  2. Every loaded module's globals are scanned (sys.modules) and each entry that IS the original
+     object is replaced too: aliases (`m_grouped_fp8_gemm_nt_contiguous` is
+     `m_grouped_fp8_fp4_gemm_nt_contiguous`), `from deep_gemm import X` copies, functions that
+     vLLM caches in `vllm.utils.deep_gemm` globals on first use, pybind functions of `deep_gemm._C`.
+  3. A target whose module is not imported yet is never imported by kdump: a meta-path finder
+     watches for that module and patches (steps 1-2) right after it finished executing. Modules
+     imported later that copy the function get the wrapper, since the source attribute is patched.
+Each reference gets its own wrapper object, so the bundle knows the name a call was made by
+(`called_as`), while all of them share one state (counter, trigger): an alias pair is recorded
+once per call. A thread-local guard records only the outermost of nested hooked calls (a Python
+wrapper calling a hooked `_C` function is one call). Patching twice wraps once; `unpatch` puts the
+original back into every reference that still holds our wrapper.
+
+Not covered: references held outside module globals (class attributes other than the target's
+own, instance attributes, closures, functools.partial, containers) that were taken before
+patching; calls made from C++.
+
+torch.ops operators. The OpOverloadPacket attribute of the `torch.ops.<ns>` namespace is replaced
+by a callable proxy (module globals holding the packet are rebound as in step 2). Seen:
+`torch.ops.ns.op(...)` and `torch.ops.ns.op.<overload>(...)` (e.g. `.default`) looked up through
+the namespace after patching, and packets cached in module globals. NOT seen: OpOverload objects
+taken before patching, calls from C++ or from other operators' kernels, torch.compile / dynamo
+graphs (they trace through the dispatcher), and autograd-internal calls. The dispatcher itself is
+left alone (no impl override, no dispatch mode), so no other operator pays anything.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import itertools
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kdump import config
+from kdump.errors import UsageError
+from kdump.kernels import names as knames
+
+# ---------------------------------------------------------------------------------------------
+# kdump's own log: one line per event, prefixed "kdump:", to KDUMP_LOG or stderr. Never raises.
+
+_logged: set[str] = set()
+_log_lock = threading.Lock()
+
+
+def log(message: str) -> None:
+    line = f"kdump: {message}\n"
+    try:
+        path = config.get("KDUMP_LOG")
+        if path:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(line)
+            return
+    except Exception:
+        pass  # fall back to stderr
+    try:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+    except Exception:
+        pass
+
+
+def log_once(key: str, message: str) -> None:
+    with _log_lock:
+        if key in _logged:
+            return
+        _logged.add(key)
+    log(message)
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets
+
+PRESETS = ("deep_gemm",)
+
+# DeepGEMM's parameter names by entry-point family (FACTS.md); bundles carry them so tensors get
+# readable names even when the pybind binding hides its signature.
+_DG_PARAMS = {
+    "contiguous": (
+        "a",
+        "b",
+        "d",
+        "grouped_layout",
+        "recipe",
+        "recipe_a",
+        "recipe_b",
+        "compiled_dims",
+        "disable_ue8m0_cast",
+        "use_psum_layout",
+        "ensure_zero_padding",
+        "expected_m_for_psum_layout",
+    ),
+    "masked": (
+        "a",
+        "b",
+        "d",
+        "masked_m",
+        "expected_m",
+        "recipe",
+        "recipe_a",
+        "recipe_b",
+        "compiled_dims",
+        "disable_ue8m0_cast",
+    ),
+    "k_grouped": ("a", "b", "d", "ks", "ks_tensor", "c", "recipe", "compiled_dims"),
+}
+
+
+def _dg_family(name: str) -> str:
+    if name.startswith("k_grouped"):
+        return "k_grouped"
+    return "masked" if "masked" in name else "contiguous"
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """One thing to patch: an attribute path inside a module (or torch.ops namespace)."""
+
+    module: str
+    qualname: str
+    id: str  # canonical id (kdump.kernels.names)
+    kind: str = "call"  # "call": recorded; "setter": only its latest arguments are kept
+    optional: bool = False  # preset members that a given build may lack: missing is not an error
+    output_names: tuple[str, ...] = ()  # parameters written in place (default outputs)
+    param_names: tuple[str, ...] | None = None  # positional parameter names, when known
+
+    @property
+    def text(self) -> str:
+        return f"{self.module}:{self.qualname}"
+
+    @property
+    def is_op(self) -> bool:
+        return self.module == "torch.ops" or self.module.startswith("torch.ops.")
+
+
+def _deep_gemm_specs() -> list[TargetSpec]:
+    out: list[TargetSpec] = []
+    for mod in knames.DEEPGEMM_MODULES:
+        for canon, aliases in knames.DEEPGEMM_ENTRY_POINTS.items():
+            for name in (canon, *aliases):
+                out.append(
+                    TargetSpec(
+                        mod,
+                        name,
+                        knames.deepgemm_id(name),
+                        optional=True,
+                        output_names=("d",),
+                        param_names=_DG_PARAMS[_dg_family(canon)],
+                    )
+                )
+        for setter in knames.DEEPGEMM_SETTERS:
+            out.append(TargetSpec(mod, setter, f"deep_gemm:{setter}", kind="setter", optional=True))
+    return out
+
+
+def parse_target(text: str) -> list[TargetSpec]:
+    """Expand one target string (a preset or 'module:qualname' / 'torch.ops.ns.op')."""
+    text = text.strip()
+    if text in PRESETS:
+        return _deep_gemm_specs()
+    if text.startswith("torch.ops.") and ":" not in text:
+        module, _, name = text.rpartition(".")
+    else:
+        module, sep, name = text.partition(":")
+        if not sep:
+            raise UsageError(
+                f"target {text!r}: give 'module:qualname' (e.g. mypkg.ops:gemm), "
+                f"'torch.ops.<ns>.<op>', or a preset ({', '.join(PRESETS)})"
+            )
+    if not module or not name or any(not p.isidentifier() for p in name.split(".")):
+        raise UsageError(f"target {text!r}: {name!r} is not a valid qualified name")
+    if module.startswith("torch.ops") and (module.count(".") != 2 or "." in name):
+        raise UsageError(f"target {text!r}: torch operators are named torch.ops.<namespace>.<op>")
+    canon = knames.canonical_id(f"{module}:{name}")
+    outputs: tuple[str, ...] = ()
+    params = None
+    if canon.startswith("deep_gemm:") and canon.split(":", 1)[1] in knames.DEEPGEMM_ENTRY_POINTS:
+        outputs = ("d",)
+        params = _DG_PARAMS[_dg_family(canon.split(":", 1)[1])]
+    return [TargetSpec(module, name, canon, output_names=outputs, param_names=params)]
+
+
+def parse_targets(texts: str | Iterable[str]) -> list[TargetSpec]:
+    if isinstance(texts, str):
+        texts = [t for t in texts.split(",") if t.strip()]
+    out: list[TargetSpec] = []
+    seen: set[tuple[str, str]] = set()
+    for t in texts:
+        for spec in parse_target(t):
+            if (spec.module, spec.qualname) not in seen:
+                seen.add((spec.module, spec.qualname))
+                out.append(spec)
+    if not out:
+        raise UsageError("no targets given")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Hook state and wrappers
+
+# Handler(state, index, called_as, fn, args, kwargs) -> fn's result. Only called on the slow path.
+_Args = tuple[Any, ...]
+Handler = Callable[["HookState", int, str, Callable[..., Any], _Args, dict[str, Any]], Any]
+# SetterHandler(state, called_as, args, kwargs): after a setter returned normally.
+SetterHandler = Callable[["HookState", str, tuple[Any, ...], dict[str, Any]], None]
+
+
+class _Busy(threading.local):
+    flag = False  # inside a hooked call on this thread (nested hooked calls pass through)
+
+
+busy = _Busy()
+
+
+def _never(i: int) -> bool:
+    return False
+
+
+@dataclass(eq=False)
+class HookState:
+    """Everything one patched original object shares across its wrappers."""
+
+    spec: TargetSpec
+    original: Any
+    handler: Handler | SetterHandler
+    owner: Any = None  # the PatchSet that patched it
+    armed: bool = True
+    counter: Any = field(default_factory=itertools.count)  # next(counter) -> call index
+    consider: Callable[[int], bool] = _never
+    refs: list[_Ref] = field(default_factory=list)
+    wrappers: list[Any] = field(default_factory=list)  # every wrapper object made for it
+    param_names: tuple[str, ...] | None = None
+    _names_known: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    def names(self) -> tuple[str, ...] | None:
+        """Positional parameter names from the real signature, else the spec's table."""
+        if not self._names_known:
+            self._names_known = True
+            self.param_names = _signature_names(self.original) or self.spec.param_names
+        return self.param_names
+
+    def disarm(self) -> None:
+        self.armed = False
+
+
+def _signature_names(fn: Any) -> tuple[str, ...] | None:
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)  # pybind functions and odd callables raise here
+    except Exception:
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in sig.parameters.values() if p.kind in kinds)
+
+
+@dataclass(eq=False)
+class _Ref:
+    container: Any  # module, class, or torch.ops namespace
+    name: str
+    wrapper: Any  # what we stored (staticmethod/classmethod object for class members)
+    previous: Any  # what was there
+
+
+def _copy_metadata(wrapper: Any, original: Any) -> None:
+    try:
+        functools.update_wrapper(wrapper, original)
+    except Exception:
+        try:
+            wrapper.__wrapped__ = original
+        except Exception:
+            pass
+
+
+def make_call_wrapper(st: HookState, called_as: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The hot path: count, check a precomputed cheap trigger, call through."""
+    handler = st.handler
+
+    def kdump_hook(*args: Any, **kwargs: Any) -> Any:
+        if st.armed:
+            i = next(st.counter)
+            if st.consider(i) and not busy.flag:
+                return handler(st, i, called_as, fn, args, kwargs)  # type: ignore[call-arg]
+        return fn(*args, **kwargs)
+
+    _copy_metadata(kdump_hook, fn)
+    kdump_hook.__kdump_state__ = st  # type: ignore[attr-defined]
+    return kdump_hook
+
+
+def make_setter_wrapper(
+    st: HookState, called_as: str, fn: Callable[..., Any]
+) -> Callable[..., Any]:
+    handler = st.handler
+
+    def kdump_setter_hook(*args: Any, **kwargs: Any) -> Any:
+        result = fn(*args, **kwargs)  # a setter that raised changed nothing: nothing to note
+        if st.armed:
+            try:
+                handler(st, called_as, args, kwargs)  # type: ignore[call-arg]
+            except Exception as exc:
+                st.disarm()
+                log_once(f"setter:{st.id}", f"cannot note {called_as}: {exc}; no longer noted")
+        return result
+
+    _copy_metadata(kdump_setter_hook, fn)
+    kdump_setter_hook.__kdump_state__ = st  # type: ignore[attr-defined]
+    return kdump_setter_hook
+
+
+class OpHook:
+    """Callable stand-in for a torch OpOverloadPacket (or one of its overloads)."""
+
+    def __init__(self, st: HookState, called_as: str, op: Any) -> None:
+        self._st = st
+        self._called_as = called_as
+        self._op = op
+        self._overloads: dict[str, OpHook] = {}
+        self.__kdump_state__ = st
+        self.__wrapped__ = op
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        st = self._st
+        if st.armed:
+            i = next(st.counter)
+            if st.consider(i) and not busy.flag:
+                return st.handler(st, i, self._called_as, self._op, args, kwargs)  # type: ignore[call-arg]
+        return self._op(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._op, name)
+        if name.startswith("_") or name in self._overloads:
+            return self._overloads.get(name, value)
+        from torch._ops import OpOverload
+
+        if isinstance(value, OpOverload):
+            hook = OpHook(self._st, f"{self._called_as}.{name}", value)
+            self._st.wrappers.append(hook)
+            self._overloads[name] = hook
+            return hook
+        return value
+
+    def __repr__(self) -> str:
+        return f"<kdump hook of {self._op!r}>"
+
+
+def is_hook(obj: Any) -> bool:
+    try:
+        return isinstance(obj.__dict__.get("__kdump_state__"), HookState)
+    except Exception:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolving and patching
+
+_STATES: dict[int, HookState] = {}  # id(original) -> state, across all patch sets
+_lock = threading.RLock()
+
+
+def _lookup(spec: TargetSpec) -> tuple[Any, str, Any] | None:
+    """(container, attribute name, current value) of a target, or None when not loaded yet.
+    Never imports anything."""
+    if spec.is_op:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return None
+        ns_name = spec.module.split(".")[2]
+        try:
+            ns = getattr(torch.ops, ns_name)
+            return ns, spec.qualname, getattr(ns, spec.qualname)
+        except (AttributeError, RuntimeError):
+            return None  # operator not registered (yet)
+    mod = sys.modules.get(spec.module)
+    if mod is None:
+        return None
+    container: Any = mod
+    parts = spec.qualname.split(".")
+    try:
+        for p in parts[:-1]:
+            container = getattr(container, p)
+        if isinstance(container, type):
+            # Class members: the raw descriptor, so static/class methods keep their kind.
+            for klass in container.__mro__:
+                if parts[-1] in vars(klass):
+                    return klass, parts[-1], vars(klass)[parts[-1]]
+            return None
+        return container, parts[-1], getattr(container, parts[-1])
+    except AttributeError:
+        return None
+
+
+def _unwrap_descriptor(value: Any) -> tuple[Any, type | None]:
+    if isinstance(value, (staticmethod, classmethod)):
+        return value.__func__, type(value)
+    return value, None
+
+
+def _display(container: Any, name: str) -> str:
+    mod = getattr(container, "__name__", None) or type(container).__name__
+    if isinstance(container, type):
+        return f"{container.__module__}:{container.__qualname__}.{name}"
+    return f"{mod}:{name}"
+
+
+class PatchSet:
+    """The targets one recording session patched. `patch()` is idempotent; `unpatch()` undoes it."""
+
+    def __init__(
+        self,
+        specs: list[TargetSpec],
+        on_call: Handler,
+        on_setter: SetterHandler,
+        on_patched: Callable[[HookState], None] = lambda st: None,
+    ) -> None:
+        self.specs = specs
+        self.on_call = on_call
+        self.on_setter = on_setter
+        self.on_patched = on_patched  # lets the session set counter / trigger for a new state
+        self.states: list[HookState] = []
+        self.pending: list[TargetSpec] = list(specs)
+        self._watcher: _ImportWatcher | None = None
+        self.active = False
+
+    # -- public ----------------------------------------------------------------------------------
+    def patch(self) -> None:
+        with _lock:
+            self.active = True
+            self._resolve_pending()
+            if self.pending:
+                self._watch()
+
+    def unpatch(self) -> None:
+        with _lock:
+            self.active = False
+            if self._watcher is not None:
+                self._watcher.remove()
+                self._watcher = None
+            for st in self.states:
+                st.disarm()
+                for ref in reversed(st.refs):
+                    try:
+                        current = vars(ref.container).get(ref.name, _MISSING)
+                        if current is ref.wrapper:  # someone else rebound it since: leave theirs
+                            setattr(ref.container, ref.name, ref.previous)
+                    except Exception as exc:
+                        log_once(
+                            f"unpatch:{id(ref)}",
+                            f"cannot restore {_display(ref.container, ref.name)}: {exc}",
+                        )
+                st.refs.clear()
+                _STATES.pop(id(st.original), None)
+            self._restore_copies()
+            self.states.clear()
+            self.pending = list(self.specs)
+
+    def rescan(self) -> None:
+        """Resolve targets whose module appeared and rebind new references (import hook)."""
+        with _lock:
+            if self.active:
+                self._resolve_pending()
+
+    # -- internals -------------------------------------------------------------------------------
+    def _resolve_pending(self) -> None:
+        still: list[TargetSpec] = []
+        new_states = False
+        for spec in self.pending:
+            found = _lookup(spec)
+            if found is None:
+                if spec.module in sys.modules and not spec.optional and not spec.is_op:
+                    log_once(
+                        f"missing:{spec.text}",
+                        f"target {spec.text}: module is loaded but has no {spec.qualname!r} "
+                        "(will retry when more modules load)",
+                    )
+                still.append(spec)
+                continue
+            container, name, value = found
+            raw, deco = _unwrap_descriptor(value)
+            if is_hook(raw):
+                if raw.__kdump_state__.owner is not self:
+                    raise UsageError(f"target {spec.text} is already being recorded")
+                continue  # already patched (by us, through an alias, or twice): wrap once
+            if not callable(raw):
+                log_once(f"notcallable:{spec.text}", f"target {spec.text} is not callable")
+                continue
+            st = _STATES.get(id(raw))
+            if st is not None and st.owner is not self:
+                raise UsageError(f"target {spec.text} is already being recorded")
+            if st is None:
+                handler = self.on_setter if spec.kind == "setter" else self.on_call
+                st = HookState(spec, raw, handler, owner=self)  # type: ignore[arg-type]
+                _STATES[id(raw)] = st
+                self.states.append(st)
+                self.on_patched(st)
+                new_states = True
+            self._replace(st, container, name, value, deco)
+        self.pending = still
+        if new_states:
+            self._scan_modules()
+
+    def _replace(
+        self, st: HookState, container: Any, name: str, previous: Any, deco: type | None
+    ) -> None:
+        called_as = f"{st.spec.module}.{name}" if st.spec.is_op else _display(container, name)
+        fn = st.original
+        if st.spec.is_op:
+            wrapper: Any = OpHook(st, called_as, fn)
+        elif st.spec.kind == "setter":
+            wrapper = make_setter_wrapper(st, called_as, fn)
+        else:
+            wrapper = make_call_wrapper(st, called_as, fn)
+        st.wrappers.append(wrapper)
+        stored = deco(wrapper) if deco is not None else wrapper
+        try:
+            setattr(container, name, stored)
+        except Exception as exc:  # read-only types (C classes), frozen namespaces
+            log_once(
+                f"patch:{called_as}",
+                f"cannot patch {called_as} ({type(exc).__name__}: {exc}); calls through it are "
+                "not recorded",
+            )
+            return
+        st.refs.append(_Ref(container, name, stored, previous))
+
+    def _scan_modules(self) -> None:
+        """Rebind every module global that IS one of our originals (aliases, copies, caches)."""
+        mine = {id(st.original): st for st in self.states}
+        for mod_name, mod in list(sys.modules.items()):
+            if mod is None or mod_name == "kdump" or mod_name.startswith("kdump."):
+                continue
+            try:
+                d = vars(mod)
+            except TypeError:
+                continue
+            if not isinstance(d, dict):
+                continue
+            try:
+                hits = [(k, v) for k, v in d.items() if id(v) in mine and isinstance(k, str)]
+            except RuntimeError:  # dict changed size (another thread importing): one retry
+                hits = [(k, v) for k, v in list(d.items()) if id(v) in mine and isinstance(k, str)]
+            for k, v in hits:
+                st = mine[id(v)]
+                if st.original is v:
+                    self._replace(st, mod, k, v, None)
+
+    def _restore_copies(self) -> None:
+        """Module globals that copied one of our wrappers while patched (vLLM's first-use cache
+        during recording) get the original back."""
+        mine = {id(w): st for st in self.states for w in st.wrappers}
+        if not mine:
+            return
+        for mod_name, mod in list(sys.modules.items()):
+            if mod is None or mod_name == "kdump" or mod_name.startswith("kdump."):
+                continue
+            try:
+                d = vars(mod)
+                hits = [(k, v) for k, v in list(d.items()) if id(v) in mine]
+            except Exception:
+                continue
+            for k, v in hits:
+                st = mine[id(v)]
+                if getattr(v, "__kdump_state__", None) is st:
+                    try:
+                        setattr(mod, k, st.original)
+                    except Exception:
+                        pass
+        for st in self.states:
+            st.wrappers.clear()
+
+    def _watch(self) -> None:
+        if self._watcher is None:
+            self._watcher = _ImportWatcher(self)
+            self._watcher.install()
+        self._watcher.names = {s.module for s in self.pending if not s.is_op}
+        if any(s.is_op for s in self.pending):
+            # An operator may be registered by any library: retry at torch's import and at every
+            # watched import (documented: register it before recording starts to be sure).
+            self._watcher.names.add("torch")
+
+
+_MISSING = object()
+
+
+class _ImportWatcher(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for a watched module it finds the real spec through the other finders
+    and wraps that loader's `exec_module` (on the loader instance, so its class is unchanged) to
+    patch right after the module executed."""
+
+    def __init__(self, patch_set: PatchSet) -> None:
+        self.patch_set = patch_set
+        self.names: set[str] = set()
+        self._inside = threading.local()
+
+    def install(self) -> None:
+        sys.meta_path.insert(0, self)
+
+    def remove(self) -> None:
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in self.names or getattr(self._inside, "on", False):
+            return None
+        self._inside.on = True
+        try:
+            spec = None
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+        except Exception:
+            return None  # let the normal machinery report it
+        finally:
+            self._inside.on = False
+        loader = getattr(spec, "loader", None) if spec is not None else None
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        real_exec = loader.exec_module
+        watcher = self
+
+        def exec_module(module: Any) -> None:
+            try:
+                real_exec(module)
+            finally:
+                try:
+                    del loader.exec_module  # back to the class's method
+                except AttributeError:
+                    pass
+            watcher.after_import(fullname)
+
+        try:
+            loader.exec_module = exec_module
+        except Exception:
+            return spec  # cannot hook this loader: the import proceeds untouched
+        return spec
+
+    def after_import(self, fullname: str) -> None:
+        try:
+            self.patch_set.rescan()
+            if self.patch_set.pending:
+                self.patch_set._watch()
+            else:
+                self.remove()
+        except Exception as exc:
+            log_once(f"import:{fullname}", f"patching after import of {fullname} failed: {exc}")

@@ -1,0 +1,454 @@
+"""DeepGEMM-compatible entry points of kdump's packaged m-grouped FP8 GEMM.
+
+Semantics implemented (what a replay against this kernel can rely on):
+
+* Contiguous, label layout: `grouped_layout` int32 [M] holds the expert of every row, -1 for
+  padding. Each 128-row M-tile takes the expert of its FIRST row (groups start on multiples of
+  128). A tile whose first label is -1 (or out of range) is skipped and its D rows are left
+  untouched, as DeepGEMM's SM120 kernels do (DeepGEMM on SM90 writes zeros there instead). An
+  active tile is written whole: -1 rows at the end of a group's last tile get A_row x B[expert].
+* Contiguous, psum layout (`use_psum_layout=True`): `grouped_layout` int32 [G] holds cumulative END
+  rows in the padded row space; group g owns rows [align_up(end[g-1], 128), end[g]) (group 0 starts
+  at 0). Only those rows are written; padding rows between groups are left untouched.
+* Masked: A [G, max_m, K], D [G, max_m, N], `masked_m` int32 [G]: rows < min(masked_m[g], max_m)
+  of group g are computed and written, the others left untouched. `expected_m` is a hint only.
+* Scales: float32 tensors select the SM90 format (A per row per 128-K block, B per 128x128 block),
+  int32 tensors the packed UE8M0 format of SM100/SM120 (4 exponents per int32, 1x128 granularity on
+  both operands). Any strides are accepted for scales (read with ordinary loads); DeepGEMM's
+  MN-major TMA-aligned layouts are simply one case. fp32 scales are used as they are, never rounded
+  to UE8M0, i.e. like DeepGEMM with `disable_ue8m0_cast=True`.
+* All routing metadata is read on the device at every launch; the grid depends on shapes and the
+  SM count only (persistent CTAs, one per SM, stride over all M x N tiles and skip inactive ones),
+  so the call is safe to capture in a CUDA graph and replay after the metadata changed in place.
+  No host synchronisation and no allocation happen in a call (the fault variant allocates its
+  workspace on its first call per buffer pair). The first call per device builds (or loads from
+  the cubin cache) and loads the module: make it before capturing, as any warm-up does.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .build import PackagedKernelError
+from .launch import KdParams, encode_tma_3d, get_module, launch_gemm, launch_plan
+
+if TYPE_CHECKING:
+    import torch
+
+BM = 128  # rows per M-tile; the grid covers ceil(rows / BM) tiles
+GROUP_ALIGN = 128  # DeepGEMM's mk alignment for contiguous layouts
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def is_available() -> tuple[bool, str]:
+    """Whether the packaged kernel can run on the current CUDA device, and if not, why."""
+    try:
+        import torch
+    except ImportError:
+        return False, "torch is not installed"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device is visible to torch"
+    cc = torch.cuda.get_device_capability()
+    try:
+        from .build import (
+            check_nvrtc_vs_driver,
+            cuda_include_dir,
+            cutlass_include_dir,
+            nvrtc_version,
+        )
+        from .configs import arch_family
+
+        arch_family(cc)
+        nvrtc_version()
+        cutlass_include_dir()
+        cuda_include_dir()
+        check_nvrtc_vs_driver()
+        import cuda.core  # noqa: F401
+    except (PackagedKernelError, ValueError, ImportError) as exc:
+        return False, str(exc)
+    return True, f"sm_{cc[0]}{cc[1]}a"
+
+
+# ----------------------------------------------------------------------------- argument checks
+
+
+def _fail(msg: str) -> None:
+    raise ValueError(f"packaged grouped GEMM: {msg}")
+
+
+def _check_fp8(name: str, t: torch.Tensor, ndim: int) -> None:
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.float8_e4m3fn:
+        _fail(f"{name} must be float8_e4m3fn, got {t.dtype}")
+    if t.dim() != ndim:
+        _fail(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if not t.is_cuda:
+        _fail(f"{name} must be on a CUDA device")
+    if t.stride(-1) != 1:
+        _fail(f"{name} must be K-major (stride(-1) == 1), got strides {t.stride()}")
+    for i in range(ndim - 1):
+        if t.size(i) > 1 and t.stride(i) % 16:
+            _fail(f"{name}.stride({i}) = {t.stride(i)} bytes is not a multiple of 16 (TMA)")
+    if t.data_ptr() % 16:
+        _fail(f"{name} base address is not 16-byte aligned (TMA)")
+
+
+def _check_int32(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
+    import torch
+
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+        _fail(f"{name} must be an int32 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    if tuple(t.shape) != shape:
+        _fail(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.device != device:
+        _fail(f"{name} is on {t.device}, expected {device}")
+    if t.numel() > 1 and t.stride(0) != 1:
+        _fail(f"{name} must be contiguous, got stride {t.stride()}")
+
+
+def _check_d(d: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
+    import torch
+
+    if not isinstance(d, torch.Tensor) or d.dtype != torch.bfloat16:
+        _fail(f"d must be a bfloat16 tensor, got {getattr(d, 'dtype', type(d).__name__)}")
+    if tuple(d.shape) != shape:
+        _fail(f"d must have shape {shape}, got {tuple(d.shape)}")
+    if d.device != device:
+        _fail(f"d is on {d.device}, expected {device}")
+    if d.stride(-1) != 1:
+        _fail(f"d must be row-major (stride(-1) == 1), got strides {d.stride()}")
+    # bf16 pairs are stored as 4-byte words.
+    if d.data_ptr() % 4 or any(d.stride(i) % 2 for i in range(d.dim() - 1)) or shape[-1] % 2:
+        _fail("d needs a 4-byte aligned base, even row strides and an even N")
+
+
+def _scale_format(sfa: torch.Tensor, sfb: torch.Tensor) -> bool:
+    """True for packed UE8M0 (int32), False for SM90 fp32."""
+    import torch
+
+    for name, t in (("a scale", sfa), ("b scale", sfb)):
+        if not isinstance(t, torch.Tensor):
+            _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if sfa.dtype == torch.float32 and sfb.dtype == torch.float32:
+        return False
+    if sfa.dtype == torch.int32 and sfb.dtype == torch.int32:
+        return True
+    _fail(
+        f"scales must both be float32 (SM90 format) or both int32 (packed UE8M0), "
+        f"got {sfa.dtype} and {sfb.dtype}"
+    )
+    return False  # unreachable
+
+
+def _check_scale(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
+    if tuple(t.shape) != shape:
+        _fail(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.device != device:
+        _fail(f"{name} is on {t.device}, expected {device}")
+    if any(s < 0 for s in t.stride()):
+        _fail(f"{name} has a negative stride {t.stride()}")
+
+
+def _check_recipe(recipe: Any, recipe_a: Any, recipe_b: Any, ue8m0: bool) -> None:
+    def norm(r: Any) -> tuple[int, ...] | None:
+        return None if r is None else tuple(int(x) for x in r)
+
+    ok_recipe = {None, (1, 1, 128)} if ue8m0 else {None, (1, 128, 128)}
+    if norm(recipe) not in ok_recipe:
+        _fail(f"recipe {recipe} does not match the {'UE8M0' if ue8m0 else 'fp32'} scales")
+    if norm(recipe_a) not in (None, (1, 128)):
+        _fail(f"recipe_a {recipe_a} is not supported (only (1, 128))")
+    ok_b = {None, (1, 128)} if ue8m0 else {None, (128, 128)}
+    if norm(recipe_b) not in ok_b:
+        _fail(f"recipe_b {recipe_b} does not match the {'UE8M0' if ue8m0 else 'fp32'} scales")
+
+
+def _unpack(name: str, pair: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        _fail(f"{name} must be a (fp8 tensor, scale tensor) pair")
+    return pair[0], pair[1]
+
+
+# ----------------------------------------------------------------------------- launch plumbing
+
+
+def _params(
+    sfa: torch.Tensor, sfb: torch.Tensor, layout: torch.Tensor, d: torch.Tensor, masked: bool
+) -> KdParams:
+    p = KdParams()
+    p.sfa, p.sfb, p.layout, p.d = sfa.data_ptr(), sfb.data_ptr(), layout.data_ptr(), d.data_ptr()
+    p.sched = None
+    if masked:
+        p.sfa_stride_g, p.sfa_stride_m, p.sfa_stride_k = sfa.stride()
+        p.d_stride_g, p.d_stride_m = d.stride(0), d.stride(1)
+    else:
+        p.sfa_stride_g = 0
+        p.sfa_stride_m, p.sfa_stride_k = sfa.stride()
+        p.d_stride_g, p.d_stride_m = 0, d.stride(0)
+    p.sfb_stride_g, p.sfb_stride_n, p.sfb_stride_k = sfb.stride()
+    return p
+
+
+def _tmaps(a: torch.Tensor, b: torch.Tensor, bn: int) -> tuple[Any, Any]:
+    k = a.size(-1)
+    if a.dim() == 2:
+        ta = encode_tma_3d(
+            a.data_ptr(), (k, a.size(0), 1), (a.stride(0), a.stride(0) * a.size(0)), (128, BM)
+        )
+    else:
+        ta = encode_tma_3d(
+            a.data_ptr(), (k, a.size(1), a.size(0)), (a.stride(1), a.stride(0)), (128, BM)
+        )
+    tb = encode_tma_3d(
+        b.data_ptr(), (k, b.size(1), b.size(0)), (b.stride(1), b.stride(0)), (128, bn)
+    )
+    return ta, tb
+
+
+def _stream(device: torch.device) -> int:
+    import torch
+
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _grid(device: torch.device, total_tiles: int) -> int:
+    """Persistent grid: one CTA per SM (the kernels use ~240 registers x 256 threads), never
+    more CTAs than tiles. Depends on shapes and the device only, never on routing metadata."""
+    import torch
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(0, min(total_tiles, sms))
+
+
+def _on_device(device: torch.device):  # -> context manager
+    """The module's context must be current when launching; torch keeps one per device."""
+    import torch
+
+    return torch.cuda.device(device)
+
+
+# ----------------------------------------------------------------------------- contiguous
+
+
+def _prepare_contiguous(
+    a: Any,
+    b: Any,
+    d: torch.Tensor,
+    grouped_layout: torch.Tensor,
+    recipe: Any,
+    recipe_a: Any,
+    recipe_b: Any,
+    use_psum_layout: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool, KdParams]:
+    a_fp8, sfa = _unpack("a", a)
+    b_fp8, sfb = _unpack("b", b)
+    _check_fp8("a", a_fp8, 2)
+    _check_fp8("b", b_fp8, 3)
+    m, k = a_fp8.shape
+    g, n, kb_ = b_fp8.shape
+    if kb_ != k:
+        _fail(f"K mismatch: a has K={k}, b has K={kb_}")
+    if g < 1 or n < 1 or k < 1:
+        _fail(f"empty problem: G={g}, N={n}, K={k}")
+    dev = a_fp8.device
+    if b_fp8.device != dev:
+        _fail(f"a is on {dev}, b on {b_fp8.device}")
+    _check_d(d, (m, n), dev)
+    _check_int32("grouped_layout", grouped_layout, (g,) if use_psum_layout else (m,), dev)
+    ue8m0 = _scale_format(sfa, sfb)
+    _check_recipe(recipe, recipe_a, recipe_b, ue8m0)
+    if ue8m0:
+        _check_scale("a scale", sfa, (m, _ceil_div(k, 512)), dev)
+        _check_scale("b scale", sfb, (g, n, _ceil_div(k, 512)), dev)
+    else:
+        _check_scale("a scale", sfa, (m, _ceil_div(k, 128)), dev)
+        _check_scale("b scale", sfb, (g, _ceil_div(n, 128), _ceil_div(k, 128)), dev)
+    p = _params(sfa, sfb, grouped_layout, d, masked=False)
+    p.m, p.n, p.k, p.num_groups = m, n, k, g
+    p.m_tiles = _ceil_div(m, BM)
+    p.k_blocks = _ceil_div(k, 128)
+    return a_fp8, b_fp8, sfa, sfb, ue8m0, p
+
+
+def m_grouped_fp8_gemm_nt_contiguous(
+    a: Any,
+    b: Any,
+    d: torch.Tensor,
+    grouped_layout: torch.Tensor,
+    recipe: Any = None,
+    recipe_a: Any = None,
+    recipe_b: Any = None,
+    compiled_dims: str = "nk",
+    disable_ue8m0_cast: bool = False,
+    use_psum_layout: bool = False,
+    ensure_zero_padding: bool = True,
+    expected_m_for_psum_layout: int | None = None,
+) -> None:
+    """d[M, N] = a[M, K] @ b[group(m), N, K]^T with block scales; see the module docstring.
+
+    `compiled_dims`, `disable_ue8m0_cast`, `ensure_zero_padding` and `expected_m_for_psum_layout`
+    are accepted for signature compatibility; they do not change what this kernel computes.
+    """
+    a_fp8, b_fp8, _, _, ue8m0, p = _prepare_contiguous(
+        a, b, d, grouped_layout, recipe, recipe_a, recipe_b, use_psum_layout
+    )
+    if expected_m_for_psum_layout is not None and not use_psum_layout:
+        _fail("expected_m_for_psum_layout is only meaningful with use_psum_layout=True")
+    if p.m == 0:
+        return
+    mod = get_module(a_fp8.device)
+    p.n_tiles = _ceil_div(p.n, mod.config.bn)
+    ta, tb = _tmaps(a_fp8, b_fp8, mod.config.bn)
+    kernel = f"kd_gemm_{'psum' if use_psum_layout else 'labels'}_{'ue8m0' if ue8m0 else 'fp32'}"
+    dev = a_fp8.device
+    with _on_device(dev):
+        launch_gemm(mod, kernel, ta, tb, p, _grid(dev, p.m_tiles * p.n_tiles), _stream(dev))
+
+
+# ----------------------------------------------------------------------------- masked
+
+
+def m_grouped_fp8_gemm_nt_masked(
+    a: Any,
+    b: Any,
+    d: torch.Tensor,
+    masked_m: torch.Tensor,
+    expected_m: int,
+    recipe: Any = None,
+    recipe_a: Any = None,
+    recipe_b: Any = None,
+    compiled_dims: str = "nk",
+    disable_ue8m0_cast: bool = False,
+) -> None:
+    """d[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g]^T with block scales; other rows untouched."""
+    a_fp8, sfa = _unpack("a", a)
+    b_fp8, sfb = _unpack("b", b)
+    _check_fp8("a", a_fp8, 3)
+    _check_fp8("b", b_fp8, 3)
+    g, max_m, k = a_fp8.shape
+    gb, n, kb_ = b_fp8.shape
+    if gb != g or kb_ != k:
+        _fail(f"shape mismatch: a is {tuple(a_fp8.shape)}, b is {tuple(b_fp8.shape)}")
+    if g < 1 or n < 1 or k < 1:
+        _fail(f"empty problem: G={g}, N={n}, K={k}")
+    dev = a_fp8.device
+    if b_fp8.device != dev:
+        _fail(f"a is on {dev}, b on {b_fp8.device}")
+    _check_d(d, (g, max_m, n), dev)
+    _check_int32("masked_m", masked_m, (g,), dev)
+    if not isinstance(expected_m, int):
+        _fail(f"expected_m must be an int, got {type(expected_m).__name__}")
+    ue8m0 = _scale_format(sfa, sfb)
+    _check_recipe(recipe, recipe_a, recipe_b, ue8m0)
+    kdiv = 512 if ue8m0 else 128
+    _check_scale("a scale", sfa, (g, max_m, _ceil_div(k, kdiv)), dev)
+    if ue8m0:
+        _check_scale("b scale", sfb, (g, n, _ceil_div(k, 512)), dev)
+    else:
+        _check_scale("b scale", sfb, (g, _ceil_div(n, 128), _ceil_div(k, 128)), dev)
+    if max_m == 0:
+        return
+    p = _params(sfa, sfb, masked_m, d, masked=True)
+    p.m, p.n, p.k, p.num_groups = max_m, n, k, g
+    p.m_tiles = _ceil_div(max_m, BM)
+    p.k_blocks = _ceil_div(k, 128)
+    mod = get_module(dev)
+    p.n_tiles = _ceil_div(n, mod.config.bn)
+    ta, tb = _tmaps(a_fp8, b_fp8, mod.config.bn)
+    kernel = f"kd_gemm_masked_{'ue8m0' if ue8m0 else 'fp32'}"
+    with _on_device(dev):
+        launch_gemm(mod, kernel, ta, tb, p, _grid(dev, g * p.m_tiles * p.n_tiles), _stream(dev))
+
+
+# ----------------------------------------------------------------------------- fault injection
+
+
+class StaleScheduleContiguous:
+    """Fault-injection twin of `m_grouped_fp8_gemm_nt_contiguous` (label layout only).
+
+    The bug, deliberately: on the FIRST call for a given (d.data_ptr(), grouped_layout.data_ptr())
+    pair a planning kernel compacts the active M-tiles (first label >= 0) into a device workspace
+    `[count, tile[0..T), expert[0..T)]` (T = number of M-tiles) and fills the unused slots with
+    "unreachable" sentinels: tile T, T+1, ... i.e. tiles just past the end of D. Later calls with
+    the same buffers reuse that schedule without replanning. The GEMM kernel recounts the active
+    tiles from the CURRENT labels on every launch (count_now) and runs slots [0, count_now) of the
+    stale schedule, and it trusts scheduled tiles to lie inside D (no row clamp). Consequences:
+
+    * eager call with fresh buffers: planned from the current labels -> correct;
+    * graph capture after an eager warm-up, identical replay: same labels -> correct;
+    * replay (or eager re-call) after the labels changed in place:
+      - same or fewer active tiles: stale tiles/experts -> wrong rows and values, no OOB;
+      - MORE active tiles (count_now > count_planned): slot count_planned + j writes D rows
+        [M + 128*j, M + 128*(j+1)) for every N tile, i.e. 128 * N bf16 values per extra tile
+        written past d's end (out-of-bounds global stores; A loads there are TMA zero-filled, so
+        those rows hold zeros; scale reads are clamped and stay in bounds).
+
+    Never the default: construct it explicitly (`make_faulty_contiguous()`).
+    """
+
+    def __init__(self) -> None:
+        self._schedules: dict[tuple[int, int, int], torch.Tensor] = {}
+
+    def workspace(self, d: torch.Tensor, grouped_layout: torch.Tensor) -> torch.Tensor | None:
+        """The cached schedule for this buffer pair (for inspection in tests), or None."""
+        for (dp, lp, _), ws in self._schedules.items():
+            if dp == d.data_ptr() and lp == grouped_layout.data_ptr():
+                return ws
+        return None
+
+    def __call__(
+        self,
+        a: Any,
+        b: Any,
+        d: torch.Tensor,
+        grouped_layout: torch.Tensor,
+        recipe: Any = None,
+        recipe_a: Any = None,
+        recipe_b: Any = None,
+        compiled_dims: str = "nk",
+        disable_ue8m0_cast: bool = False,
+        use_psum_layout: bool = False,
+        ensure_zero_padding: bool = True,
+        expected_m_for_psum_layout: int | None = None,
+    ) -> None:
+        import torch
+
+        if use_psum_layout:
+            _fail("the stale-schedule fault variant supports the label layout only")
+        a_fp8, b_fp8, _, _, ue8m0, p = _prepare_contiguous(
+            a, b, d, grouped_layout, recipe, recipe_a, recipe_b, False
+        )
+        if p.m == 0:
+            return
+        dev = a_fp8.device
+        mod = get_module(dev)
+        stream = _stream(dev)
+        key = (d.data_ptr(), grouped_layout.data_ptr(), p.m_tiles)
+        ws = self._schedules.get(key)
+        p.n_tiles = _ceil_div(p.n, mod.config.bn)
+        ta, tb = _tmaps(a_fp8, b_fp8, mod.config.bn)
+        kernel = f"kd_gemm_labels_{'ue8m0' if ue8m0 else 'fp32'}_stale"
+        with _on_device(dev):
+            if ws is None:
+                # First call for this buffer pair: plan from the current labels (and never again).
+                ws = torch.empty(1 + 2 * p.m_tiles, dtype=torch.int32, device=dev)
+                launch_plan(mod, grouped_layout.data_ptr(), p.m_tiles, ws.data_ptr(), stream)
+                self._schedules[key] = ws
+            p.sched = ws.data_ptr()
+            launch_gemm(mod, kernel, ta, tb, p, _grid(dev, p.m_tiles * p.n_tiles), stream)
+
+
+def make_faulty_contiguous() -> StaleScheduleContiguous:
+    """A callable with the contiguous signature that carries the stale-schedule bug."""
+    return StaleScheduleContiguous()
+
+
+# DeepGEMM exposes the same function objects under both names.
+m_grouped_fp8_fp4_gemm_nt_contiguous = m_grouped_fp8_gemm_nt_contiguous
+m_grouped_fp8_fp4_gemm_nt_masked = m_grouped_fp8_gemm_nt_masked

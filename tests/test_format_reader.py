@@ -1,0 +1,216 @@
+"""An independent reader written from docs/FORMAT.md alone (struct + json + hashlib + torch).
+
+It must not import kdump.bundle or kdump.tensors: it proves the document is enough to read a
+bundle. Only the writing side of the test uses kdump.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+# ---------------------------------------------------------------------------------------------
+# The reader (FORMAT.md §2–§8)
+
+MAX_HEADER = 100_000_000
+
+
+class FormatError(Exception):
+    pass
+
+
+def read_container(path: Path) -> tuple[dict[str, Any], bytes, dict[str, Any]]:
+    raw = path.read_bytes()
+    if len(raw) < 8:
+        raise FormatError("short file")
+    (n,) = struct.unpack("<Q", raw[:8])
+    if n == 0 or n > MAX_HEADER or n > len(raw) - 8:
+        raise FormatError("bad header length")
+    header = json.loads(raw[8 : 8 + n].decode("utf-8"))
+    data = raw[8 + n :]
+    manifest = json.loads(header["__metadata__"]["kdump.manifest"])
+    if manifest["format"] != "kdump" or manifest["version"] != 1:
+        raise FormatError("not a kdump v1 manifest")
+    return header, data, manifest
+
+
+def read_blob(path: Path, header: dict[str, Any], data: bytes, manifest: dict, sha: str) -> bytes:
+    info = manifest["blobs"][sha]
+    if info["nbytes"] == 0:
+        out = b""
+    elif info["where"] == "inline":
+        entry = header[sha]
+        assert entry["dtype"] == "U8"
+        b, e = entry["data_offsets"]
+        assert 0 <= b <= e <= len(data) and e - b == entry["shape"][0] == info["nbytes"]
+        out = data[b:e]
+    else:
+        folder = path.resolve().parent
+        for cand in [folder, *list(folder.parents)[:3]]:
+            if (cand / "blobs").is_dir():
+                out = (cand / "blobs" / sha[:2] / sha).read_bytes()
+                break
+        else:
+            raise FormatError("store not found")
+    if hashlib.sha256(out).hexdigest() != sha:
+        raise FormatError("checksum")
+    return out
+
+
+def extent(shape: list[int], stride: list[int], offset: int, itemsize: int) -> tuple[int, int]:
+    if any(n == 0 for n in shape):
+        return offset * itemsize, offset * itemsize
+    last = offset + sum((n - 1) * s for n, s in zip(shape, stride))
+    return offset * itemsize, (last + 1) * itemsize
+
+
+def decode(node: Any, tensors: list[torch.Tensor]) -> Any:
+    if node is None or isinstance(node, (bool, int, str)):
+        return node
+    if isinstance(node, list):
+        return [decode(v, tensors) for v in node]
+    if "$tensor" in node:
+        return tensors[node["$tensor"]]
+    if "$float" in node:
+        return float(node["$float"])
+    if "$tuple" in node:
+        return tuple(decode(v, tensors) for v in node["$tuple"])
+    if "$dict" in node:
+        return {decode(k, tensors): decode(v, tensors) for k, v in node["$dict"]}
+    if "$dtype" in node:
+        return getattr(torch, node["$dtype"])
+    if "$device" in node:
+        return torch.device(node["$device"])
+    if "$enum" in node:
+        return ("enum", node["$enum"], node["name"])
+    return ("opaque", node["$opaque"])
+
+
+def read_call(path: Path, index: int) -> tuple[list[Any], dict[str, Any], list[torch.Tensor]]:
+    """Positional args, kwargs and the tensor table of call `index`."""
+    header, data, manifest = read_container(path)
+    call = manifest["calls"][index]
+    assert call["index"] == index
+    buffers = []
+    for st in call["storages"]:
+        # Re-create the storage from its original start: unrecorded prefix, then the span.
+        blob = read_blob(path, header, data, manifest, st["blob"])
+        assert len(blob) == st["span_nbytes"]
+        buf = bytearray(st["span_start"]) + bytearray(blob)
+        buffers.append((st, torch.frombuffer(buf, dtype=torch.uint8) if buf else None))
+    tensors = []
+    for rec in call["tensors"]:
+        st, buf = buffers[rec["storage"]]
+        dtype = getattr(torch, rec["dtype"])
+        lo, hi = extent(rec["shape"], rec["stride"], rec["storage_offset"], dtype.itemsize)
+        if hi > lo:
+            assert st["span_start"] <= lo and hi <= st["span_start"] + st["span_nbytes"]
+        view = torch.empty(0, dtype=dtype)
+        if buf is not None:
+            view.set_(buf.untyped_storage(), rec["storage_offset"], rec["shape"], rec["stride"])
+        else:
+            view = torch.empty(rec["shape"], dtype=dtype)
+        tensors.append(view)
+    args = [decode(a, tensors) for a in call["args"]]
+    kwargs = {k: decode(v, tensors) for k, v in call["kwargs"].items()}
+    return args, kwargs, tensors
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests (the writer is kdump)
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    """Bytes of the logical values (bitwise, so NaN and fp8 compare exactly)."""
+    c = t.detach().contiguous()
+    return c.view(torch.uint8).numpy().tobytes() if c.numel() else b""
+
+
+def _sample_args() -> tuple[list[Any], dict[str, Any], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(64, 48, generator=g)
+    m, kb = 30, 3
+    scale = torch.empty_strided((m, kb), (1, 32), dtype=torch.float32)
+    scale.copy_(torch.rand(m, kb, generator=g) + 0.5)
+    a8 = (torch.randn(m, 256, generator=g) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    labels = torch.randint(-1, 8, (m,), dtype=torch.int32, generator=g)
+    bf = torch.randn(4, 6, generator=g).to(torch.bfloat16)
+    tensors = [base[3:40:2, 5:], base.t(), a8, scale, labels, bf.expand(3, 4, 6), bf[1]]
+    args = [(a8, scale), base[3:40:2, 5:], labels, 1.5, torch.bfloat16]
+    kwargs = {"d": base.t(), "b": (bf.expand(3, 4, 6), bf[1]), "n": 3}
+    return args, kwargs, tensors
+
+
+def test_independent_reader_reconstructs_every_tensor(tmp_path: Path) -> None:
+    from kdump import capture_call, save_calls
+
+    args, kwargs, _ = _sample_args()
+    rec = capture_call("pkg.mod:fn", args, kwargs, names=["a", "x", "labels", "alpha", "dt"])
+    path = save_calls(tmp_path / "b.kdump", [rec, rec])
+
+    from kdump.bundle import input_tensors
+
+    originals = input_tensors(rec, args, kwargs)
+    for index in (0, 1):
+        got_args, got_kwargs, got = read_call(path, index)
+        assert len(got) == len(originals)
+        for o, t in zip(originals, got):
+            assert t.dtype == o.dtype
+            assert t.shape == o.shape
+            assert t.stride() == o.stride()
+            assert t.storage_offset() == o.storage_offset()
+            assert _bits(t) == _bits(o)
+        assert got_args[3] == 1.5 and got_args[4] is torch.bfloat16
+        assert got_kwargs["n"] == 3
+        # aliasing: x and d are views of one storage, so writing through one shows in the other
+        got_args[1][0, 0] = 1234.0
+        assert got_kwargs["d"][5, 3] == 1234.0
+
+
+def test_independent_reader_store_bundle(tmp_path: Path) -> None:
+    from kdump import capture_call, save_calls
+    from kdump.bundle import BlobStore
+
+    t = torch.arange(1, 1001, dtype=torch.int64).reshape(10, 100)[:, 7:90]
+    rec = capture_call("m:f", [t], {})
+    capdir = tmp_path / "cap"
+    path = save_calls(capdir / "rank0" / "c.kdump", [rec], store=BlobStore(capdir))
+    _, _, got = read_call(path, 0)
+    assert torch.equal(got[0], t) and got[0].stride() == t.stride()
+
+
+def test_independent_reader_detects_corruption(tmp_path: Path) -> None:
+    from kdump import capture_call, save_calls
+
+    rec = capture_call("m:f", [torch.randn(100)], {})
+    path = save_calls(tmp_path / "b.kdump", [rec])
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match="checksum"):
+        read_call(path, 0)
+
+
+def test_safetensors_opens_the_bundle(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    from kdump import capture_call, save_calls
+
+    args, kwargs, _ = _sample_args()
+    path = save_calls(tmp_path / "b.kdump", [capture_call("m:f", args, kwargs)])
+    header, _, manifest = read_container(path)
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        assert keys == {k for k in header if k != "__metadata__"}
+        assert "kdump.manifest" in f.metadata()
+        for sha in keys:
+            t = f.get_tensor(sha)
+            assert t.dtype == torch.uint8 and t.dim() == 1
+            assert hashlib.sha256(t.numpy().tobytes()).hexdigest() == sha
+            assert manifest["blobs"][sha]["nbytes"] == t.numel()

@@ -1,0 +1,253 @@
+"""CPU tests of the packaged grouped GEMM: NVRTC build, SASS, configs, cache, error paths."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kdump.kernels.sm120 import build, configs
+from kdump.kernels.sm120.build import BuildRequest, PackagedKernelError
+
+
+def _compiler_ready() -> str | None:
+    try:
+        import cuda.core  # noqa: F401
+
+        build.nvrtc_version()
+        build.cutlass_include_dir()
+        build.cuda_include_dir()
+    except (ImportError, PackagedKernelError) as exc:
+        return str(exc)
+    return None
+
+
+_why_not = _compiler_ready()
+needs_nvrtc = pytest.mark.skipif(_why_not is not None, reason=f"cannot compile: {_why_not}")
+
+
+def _cuobjdump() -> str | None:
+    spec = importlib.util.find_spec("nvidia")
+    for loc in spec.submodule_search_locations if spec else []:
+        exe = Path(loc) / "cu13" / "bin" / "cuobjdump"
+        if exe.is_file():
+            return str(exe)
+    return shutil.which("cuobjdump")
+
+
+@pytest.fixture(scope="module", params=["sm_90a", "sm_120a"])
+def cubin(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    if _why_not is not None:
+        pytest.skip(f"cannot compile: {_why_not}")
+    arch = request.param
+    cfg = configs.CONFIGS[90 if arch == "sm_90a" else 120]
+    result = build.build_cubin(BuildRequest(arch, cfg), use_cache=False)
+    path = tmp_path_factory.mktemp(arch) / "grouped_gemm.cubin"
+    path.write_bytes(result.cubin)
+    print(f"{arch}: compiled in {result.seconds:.1f} s, {len(result.cubin)} bytes")
+    return arch, path
+
+
+def _sass(path: Path) -> str:
+    exe = _cuobjdump()
+    if exe is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    run = subprocess.run([exe, "-sass", str(path)], check=True, capture_output=True, text=True)
+    return run.stdout
+
+
+def _functions(sass: str) -> dict[str, str]:
+    parts = re.split(r"\n\s*Function : (\S+)\n", sass)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def test_cubin_has_every_kernel_and_fp8_mma(cubin) -> None:
+    arch, path = cubin
+    funcs = _functions(_sass(path))
+    assert set(build.KERNEL_NAMES) <= set(funcs), sorted(funcs)
+    # sm_120a runs FP8 warp MMA natively (QMMA); sm_90a emulates it with FP16 HMMA + unpacks.
+    mma = "QMMA.16832.F32.E4M3.E4M3" if arch == "sm_120a" else "HMMA.16816.F32"
+    for name in build.KERNEL_NAMES:
+        if name.startswith("kd_gemm"):
+            assert mma in funcs[name], f"{name} on {arch} lacks {mma}"
+            assert "UTMALDG" in funcs[name], f"{name} on {arch} does not use TMA loads"
+            assert "HGMMA" not in funcs[name] and "QGMMA" not in funcs[name], "no wgmma allowed"
+
+
+def test_sm120a_has_no_local_memory(cubin) -> None:
+    arch, path = cubin
+    if arch != "sm_120a":
+        pytest.skip("sm_90a emulates FP8 MMA and may spill a few bytes in UE8M0 variants")
+    sass = _sass(path)
+    spills = re.findall(r"\b(LDL|STL)(\.\w+)*\b", sass)
+    assert not spills, f"{len(spills)} local-memory accesses in sm_120a SASS"
+
+
+def test_resource_usage_fits_budget(cubin) -> None:
+    arch, path = cubin
+    exe = _cuobjdump()
+    if exe is None:
+        pytest.skip("cuobjdump not found")
+    out = subprocess.run([exe, "-res-usage", str(path)], capture_output=True, text=True).stdout
+    cfg = configs.CONFIGS[90 if arch == "sm_90a" else 120]
+    budget = configs.SMEM_BUDGET[90 if arch == "sm_90a" else 120]
+    found = 0
+    for name, shared in re.findall(r"Function (\w+):\s*\n\s*REG:\d+ STACK:\d+ SHARED:(\d+)", out):
+        if name.startswith("kd_gemm"):
+            found += 1
+            # The reported figure includes the 1 KiB the hardware reserves per block.
+            static = int(shared) - 1024
+            assert 0 <= static <= cfg.static_smem, (name, static)
+            assert cfg.dynamic_smem + static <= budget, (name, cfg.dynamic_smem + static)
+    assert found == sum(n.startswith("kd_gemm") for n in build.KERNEL_NAMES)
+
+
+@pytest.mark.parametrize("family", sorted(configs.CONFIGS))
+def test_tile_configs_fit_shared_memory(family: int) -> None:
+    cfg = configs.CONFIGS[family]
+    cfg.check()
+    assert cfg.total_smem <= configs.SMEM_BUDGET[family]
+    assert cfg.threads % 32 == 0 and cfg.threads <= 1024
+
+
+def test_config_lookup() -> None:
+    assert configs.config_for((12, 0)) is configs.CONFIGS[120]
+    assert configs.config_for((9, 0)) is configs.CONFIGS[90]
+    with pytest.raises(ValueError, match="not supported"):
+        configs.config_for((8, 0))
+
+
+_CTYPE_OF = {
+    ctypes.c_void_p: {"const void*", "const int*", "__nv_bfloat16*", "int*"},
+    ctypes.c_int64: {"long long"},
+    ctypes.c_int32: {"int"},
+}
+
+
+def test_params_struct_fields_match_source() -> None:
+    """The ctypes mirror lists kd::Params' fields in the same order with matching types."""
+    from kdump.kernels.sm120.launch import KdParams
+
+    src = build.kernel_source()
+    body = re.search(r"struct Params \{(.*?)\n\};", src, re.S).group(1)
+    declared: list[tuple[str, str]] = []
+    for line in body.splitlines():
+        code = line.split("//")[0].strip().rstrip(";")
+        if not code:
+            continue
+        m = re.match(r"(const \w+\*|\w+\*|long long|int)\s+(.*)", code)
+        assert m, line
+        declared += [(m.group(1), name.strip()) for name in m.group(2).split(",")]
+    mirror = list(KdParams._fields_)
+    assert [n for _, n in declared] == [n for n, _ in mirror]
+    for (ctype_decl, name), (_, ctype_py) in zip(declared, mirror):
+        assert ctype_decl in _CTYPE_OF[ctype_py], (name, ctype_decl, ctype_py)
+
+
+@needs_nvrtc
+def test_params_struct_size_matches_cuda() -> None:
+    """NVRTC agrees with ctypes on sizeof(kd::Params)."""
+    from cuda.core import Program
+
+    from kdump.kernels.sm120.launch import KdParams
+
+    check = f'static_assert(sizeof(kd::Params) == {ctypes.sizeof(KdParams)}, "KdParams size");'
+    source = build.kernel_source() + "\n" + check + "\n"
+    opts = build._program_options(BuildRequest("sm_120a", configs.CONFIGS[120]))
+    Program(source, "c++", opts).compile("cubin")
+
+
+@needs_nvrtc
+def test_cache_roundtrip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(build.CACHE_ENV_VAR, str(tmp_path))
+    assert build.cache_dir() == tmp_path / "sm120"
+    # A tiny config keeps this compile fast; it only has to be valid for the cache key.
+    req = BuildRequest("sm_120a", configs.CONFIGS[120])
+    first = build.build_cubin(req)
+    assert not first.from_cache and first.path.is_file()
+    assert first.path.parent == tmp_path / "sm120"
+    second = build.build_cubin(req)
+    assert second.from_cache and second.cubin == first.cubin
+    assert not list(first.path.parent.glob("*.tmp")), "temporary files left behind"
+
+
+def test_cache_dir_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(build.CACHE_ENV_VAR, raising=False)
+    assert build.cache_dir() == Path.home() / ".cache" / "kdump" / "sm120"
+
+
+def test_cache_key_depends_on_options() -> None:
+    if _why_not is not None:
+        pytest.skip(_why_not)
+    src = build.kernel_source()
+    k120 = build.cache_key(src, BuildRequest("sm_120a", configs.CONFIGS[120]))
+    k90 = build.cache_key(src, BuildRequest("sm_90a", configs.CONFIGS[120]))
+    k_src = build.cache_key(src + "\n", BuildRequest("sm_120a", configs.CONFIGS[120]))
+    assert len({k120, k90, k_src}) == 3
+
+
+def test_missing_cutlass_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "cutlass_library" else real(n, *a)
+    )
+    with pytest.raises(PackagedKernelError, match="nvidia-cutlass"):
+        build.cutlass_include_dir()
+
+
+def test_missing_cuda_headers_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "nvidia" else real(n, *a)
+    )
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(Path, "is_file", lambda self: False)
+    with pytest.raises(PackagedKernelError, match="CUDA headers not found"):
+        build.cuda_include_dir()
+
+
+def test_nvrtc_newer_than_driver_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(build, "driver_version", lambda: (12, 8))
+    monkeypatch.setattr(build, "nvrtc_version", lambda: (13, 0))
+    with pytest.raises(PackagedKernelError, match=r"NVRTC 13\.0 is newer than the driver"):
+        build.check_nvrtc_vs_driver()
+    monkeypatch.setattr(build, "driver_version", lambda: (13, 0))
+    build.check_nvrtc_vs_driver()
+    monkeypatch.setattr(build, "driver_version", lambda: None)  # no GPU: compiling is fine
+    build.check_nvrtc_vs_driver()
+
+
+def test_compile_error_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    if _why_not is not None:
+        pytest.skip(_why_not)
+    monkeypatch.setattr(build, "kernel_source", lambda: "this is not C++;")
+    with pytest.raises(PackagedKernelError, match="NVRTC failed to compile"):
+        build.build_cubin(BuildRequest("sm_120a", configs.CONFIGS[120]), use_cache=False)
+
+
+def test_api_rejects_bad_arguments_on_cpu() -> None:
+    torch = pytest.importorskip("torch")
+    from kdump.kernels import sm120
+
+    a = torch.zeros(128, 256, dtype=torch.float8_e4m3fn)
+    sa = torch.ones(128, 2)
+    b = torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn)
+    sb = torch.ones(2, 1, 2)
+    d = torch.zeros(128, 128, dtype=torch.bfloat16)
+    lab = torch.zeros(128, dtype=torch.int32)
+    with pytest.raises(ValueError, match="CUDA device"):
+        sm120.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), d, lab)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        sm120.m_grouped_fp8_gemm_nt_contiguous((a.float(), sa), (b, sb), d, lab)
+    with pytest.raises(ValueError, match="pair"):
+        sm120.m_grouped_fp8_gemm_nt_masked(a, (b, sb), d, lab, 1)
+    assert sm120.m_grouped_fp8_fp4_gemm_nt_contiguous is sm120.m_grouped_fp8_gemm_nt_contiguous
+    assert sm120.m_grouped_fp8_fp4_gemm_nt_masked is sm120.m_grouped_fp8_gemm_nt_masked
+    ok, why = sm120.is_available()
+    assert isinstance(ok, bool) and why
