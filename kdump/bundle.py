@@ -174,11 +174,21 @@ class BlobStore:
         _atomic_write(p, lambda f: f.write(data))
 
 
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _current_umask()
+
+
 def _atomic_write(path: Path, write: Callable[[Any], Any]) -> None:
     """Write through a temporary file in the same folder, then rename over `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; bundles are ordinary files
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -25,11 +25,13 @@ NAMES = [
 
 
 def _assert_same_result(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Equal up to BLAS differences between machines: the fp32 sums may round differently in the
-    last bit, which moves a bf16 value by at most one ulp; almost all values are bit-identical."""
+    """Equal up to BLAS differences between machines (seen: AMD + torch 2.13 vs Intel + torch
+    2.11): fp32 sums may round differently in the last bits, which moves a bf16 value by at most
+    one ulp (or a little, absolutely, where the sum cancels); almost all values are identical."""
     g, w = got.double(), want.double()
     assert calc_diff(g, w) < 1e-6
-    assert bool(((g - w).abs() <= 2.0**-7 * w.abs() + 1e-6).all())
+    atol = 1e-4 * w.pow(2).mean().sqrt().item()  # fp32 sums that cancel to near zero
+    assert bool(((g - w).abs() <= 2.0**-7 * w.abs() + atol).all())
     assert (got == want).double().mean().item() > 0.99
 
 

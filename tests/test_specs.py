@@ -110,6 +110,9 @@ def test_library_state_reads_getters_of_a_loaded_module(monkeypatch):
 
     fake.get_tc_util = broken
     monkeypatch.setitem(sys.modules, "deep_gemm", fake)
+    from kdump.kernels import deepgemm_state
+
+    deepgemm_state.reset()
     state = library_state()
     assert state["num_sms"] == 132 and state["mk_alignment"] == 128
     assert "no CUDA" in state["tc_util"]["error"] and "pdl" not in state

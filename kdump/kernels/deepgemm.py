@@ -28,22 +28,24 @@ from __future__ import annotations
 
 import copy
 import inspect
-import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kdump.envinfo import register_state_provider
 from kdump.errors import ContractViolation
 from kdump.kernels import generators as gen_
 from kdump.kernels import reference as ref_
 from kdump.kernels.base import KernelSpec, Mutation, Param, Role, Tolerance, Violation
+
+# DeepGEMM's global settings in the environment manifest: one provider, shared with recording
+# (importing it registers it).
+# DeepGEMM's global settings in the environment manifest: one provider, shared with recording
+# (importing it registers it); re-exported as `library_state`.
+from kdump.kernels.deepgemm_state import state as library_state  # noqa: F401
 from kdump.kernels.names import (
     DEEPGEMM_ENTRY_POINTS,
-    DEEPGEMM_GETTERS,
-    DEEPGEMM_MODULES,
     deepgemm_id,
 )
 from kdump.kernels.scales import (
@@ -910,30 +912,3 @@ SPEC_CLASSES: tuple[type[_MGroupedSpec], ...] = (
     MGroupedBF16NNContiguous,
     MGroupedBF16NTMasked,
 )
-
-
-# ------------------------------------------------------------------------------------------------
-# Library state for the environment manifest
-
-
-def library_state() -> dict[str, Any] | None:
-    """DeepGEMM's process-global settings, from the getters of an already imported module (never
-    imports it). None when no DeepGEMM module is loaded."""
-    for modname in DEEPGEMM_MODULES:
-        mod = sys.modules.get(modname)
-        if mod is None:
-            continue
-        state: dict[str, Any] = {"module": modname}
-        for key, getter in DEEPGEMM_GETTERS.items():
-            fn = getattr(mod, getter, None)
-            if fn is None:
-                continue
-            try:
-                state[key] = fn()
-            except Exception as exc:  # a getter may need CUDA; record why it failed
-                state[key] = {"error": f"{type(exc).__name__}: {exc}"}
-        return state
-    return None
-
-
-register_state_provider("deep_gemm", library_state)

@@ -20,7 +20,6 @@ import torch
 from kdump.kernels.scales import (
     ScaleFormat,
     align,
-    ceil_div,
     pack_ue8m0,
     round_up_to_ue8m0,
     to_mn_major,
@@ -159,7 +158,3 @@ def empty_output(
     else:
         base = torch.full(full, fill, dtype=torch.bfloat16, device=device)
     return base[..., :n] if pad_cols else base
-
-
-def ceil_blocks(k: int, gran_k: int = 128) -> int:
-    return ceil_div(k, gran_k)

@@ -70,7 +70,9 @@ class Session:
         self.progress = progress
         self.bundle: Bundle = load_bundle(req.bundle)
         self.call: Call = self.bundle.call(req.call)
-        self.spec = spec_for(self.call)
+        spec = spec_for(self.call)
+        # The recorded library settings (e.g. DeepGEMM's mk alignment) shape the contract.
+        self.spec = spec.with_settings((self.bundle.env.get("libraries") or {}).get(spec.library()))
         self.device = resolve_device(req.device, req.backend)
         self.verdict = Verdict(
             bundle=req.bundle,

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU evidence run on the project's H200 (see ../shared/docs/DEVICE.md): wheels the machine
+# lacks come from .whl/ (nvidia-cutlass, tokenspeed-deepgemm, hypothesis and its needs), then the
+# GPU tests and benchmarks named by STAGE. Logs and raw sanitizer reports go to $OUT.
+#   STAGE=tests  : pytest -m gpu (replay, recording, bundle, reference; sm120 with SM120=1)
+#   STAGE=bench  : replay / reference / hooks benchmarks, and the planted-bug CLI demos
+set -o pipefail
+OUT=${OUT:-/tmp/kdump-gpu-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=$PWD:/tmp/site KDUMP_CACHE_DIR=/tmp/kdc DG_JIT_CACHE_DIR=/tmp/dgjit
+export PYTHONUNBUFFERED=1
+nvidia-smi -L
+python3 -c "import torch, deep_gemm; print('torch', torch.__version__, 'deep_gemm', deep_gemm.__version__)"
+python3 -m kdump doctor
+case "${STAGE:-tests}" in
+tests)
+  files="tests/test_replay_gpu.py tests/test_record_gpu.py tests/test_bundle_gpu.py tests/test_reference.py"
+  [ -n "$SM120" ] && files="$files tests/test_sm120_gpu.py"
+  timeout 540 python3 -m pytest -m gpu -q -rA -s $files 2>&1 | tee "$OUT/pytest-gpu.log"
+  ;;
+bench)
+  # planted bug (packaged kernel's stale-schedule variant) and a clean DeepGEMM call through the
+  # CLI; their raw sanitizer reports become tests/data fixtures for the parser tests
+  python3 - <<'PY'
+from kdump.bundle import capture_call, save_calls
+from kdump.kernels.registry import spec_for
+spec = spec_for("deep_gemm:m_grouped_fp8_gemm_nt_contiguous")
+for name, fmt, kw in (("fault", "ue8m0", dict(num_groups=8, n=256, k=512, expected_m=100,
+                                                empty_groups=3)),
+                      ("dg", "fp32", dict(num_groups=32, n=512, k=1024, expected_m=64))):
+    args, kwargs = spec.generate(seed=5, device="cuda", scale_format=fmt, **kw)
+    save_calls(f"/tmp/{name}.kdump", [capture_call(spec.id, args, kwargs, names=spec.param_names())])
+PY
+  timeout 120 python3 -m kdump replay /tmp/fault.kdump --backend packaged-faulty --mode graph 2>&1 | tee "$OUT/cli-fault-graph.log"
+  timeout 200 python3 -m kdump replay /tmp/fault.kdump --backend packaged-faulty --mode sanitizer --graph --sanitizer-logs "$OUT/san" 2>&1 | tee "$OUT/cli-fault-sanitizer.log"
+  timeout 200 python3 -m kdump replay /tmp/dg.kdump --backend deep_gemm --mode all --sanitizer-logs "$OUT/san" 2>&1 | tee "$OUT/cli-dg-all.log"
+  timeout 200 python3 bench/bench_replay.py --backend deep_gemm --tokens 32 2>&1 | tee "$OUT/bench-replay.log"
+  timeout 150 python3 bench/bench_reference.py 2>&1 | tee "$OUT/bench-reference.log"
+  timeout 100 python3 bench/bench_hooks.py 2>&1 | tee "$OUT/bench-hooks.log"
+  cp bench/RESULTS.md "$OUT/RESULTS.md"
+  ;;
+esac
