@@ -163,44 +163,50 @@ def test_deepgemm_recorded_call_replays_clean(tmp_path: Path, n: int, k: int) ->
 
 def test_packaged_fault_variant_caught_by_graph_and_memcheck(tmp_path: Path) -> None:
     """The packaged kernel's stale-schedule variant: clean in eager and at identical replay,
-    caught at the replay whose routing has more active tiles (stray writes past d)."""
+    caught when the graph is replayed with a distribution that has more active tiles (the
+    production bug: stray writes past d, which the guards and memcheck attribute to d)."""
     from kdump.kernels.registry import spec_for
 
     spec = spec_for("deep_gemm:m_grouped_fp8_gemm_nt_contiguous")
-    # 8 experts, 3 of them empty: 5 active M-tiles at capture; the synthesised "one hot" and
-    # "max skew" phases activate more tiles.
+    # B: 8 experts of up to 128 tokens, one 128-row tile each, all active. A: the same buffers
+    # with only 3 experts holding tokens (5 tiles of -1 padding).
     args, kwargs = spec.generate(
-        seed=5,
-        device="cuda",
-        num_groups=8,
-        n=256,
-        k=512,
-        expected_m=100,
-        empty_groups=3,
-        scale_format="ue8m0",
+        seed=5, device="cuda", num_groups=8, n=256, k=512, expected_m=100, scale_format="ue8m0"
     )
-    path = tmp_path / "fault.kdump"
-    save_calls(path, [capture_call(spec.id, args, kwargs, names=spec.param_names())])
+    layout = args[3]
+    assert layout.numel() == 8 * 128
+    names = spec.param_names()
+    save_calls(tmp_path / "b.kdump", [capture_call(spec.id, args, kwargs, names=names)])
+    layout[3 * 128 :] = -1
+    save_calls(tmp_path / "a.kdump", [capture_call(spec.id, args, kwargs, names=names)])
+    path = tmp_path / "a.kdump"
     [eager] = replay([path], backend="packaged-faulty", repeat=2)
     assert eager.exit_code == 0, eager.headline()
-    [v] = replay([path], mode="graph", backend="packaged-faulty", options={"mutations": 2})
-    steps = {s.name: s for s in v.steps}
-    assert steps["graph/capture"].status == "ok"
-    assert steps["graph/replay identical"].status == "ok"
-    assert any(
-        f.step.startswith("graph/replay ") and f.kind in ("memory", "kernel_error", "mismatch")
-        for f in v.findings
+    [v] = replay(
+        [path],
+        mode="graph",
+        backend="packaged-faulty",
+        options={"then": [str(tmp_path / "b.kdump")], "mutations": 0},
     )
-    stray = [f for f in v.findings if f.kind == "memory"]
     print("graph verdict:", v.headline())
     for f in v.findings[:6]:
         print("  ", f.kind, f.step, f.message)
-    assert stray and "past the end of d" in stray[0].message
+    steps = {s.name: s for s in v.steps}
+    assert steps["graph/capture"].status == "ok"
+    assert steps["graph/replay identical"].status == "ok"
+    stray = [f for f in v.findings if f.kind == "memory"]
+    assert stray and stray[0].step.startswith("graph/replay 1 (recorded b.kdump:0)")
+    assert "past the end of d" in stray[0].message
     from kdump.tools import find_tool
 
     if find_tool("compute-sanitizer"):
         [m] = replay(
-            [path], mode="sanitizer", backend="packaged-faulty", sanitize_graph=True, timeout=500
+            [path],
+            mode="sanitizer",
+            backend="packaged-faulty",
+            sanitize_graph=True,
+            options={"then": [str(tmp_path / "b.kdump")], "mutations": 0},
+            timeout=500,
         )
         print("memcheck verdict:", m.headline())
         writes = [f for f in m.findings if f.kind == "memory" and "write" in f.message]

@@ -272,6 +272,11 @@ def _save_pending(
         names=s.call.names,
         meta={"graph_role": f"replay: {step}"},
     )
+    recorded = s.call.materialize_outputs("cpu")
+    if recorded:  # the capture call's outputs tell which tensors are outputs (generic targets)
+        idx = sorted(recorded)
+        first.outputs = capture([recorded[i] for i in idx])
+        first.inplace = [(i, k) for k, i in enumerate(idx)]
     if phase is not None and phase.recorded_outputs:
         idx = sorted(phase.recorded_outputs)
         then.outputs = capture([phase.recorded_outputs[i] for i in idx])
