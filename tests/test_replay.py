@@ -147,7 +147,7 @@ def test_halo_detects_stray_write_and_names_argument() -> None:
     a.buffer[a.span_offset + a.span_nbytes + 16] = 0  # 16 bytes past d's end
     [v] = halo.check(mat.allocations, saved, cap.tensors, ["d"])
     assert v.side == "after" and v.offset == 16
-    assert "16 bytes past the end of d" in v.describe()
+    assert "guard after d (first 16 bytes past its end)" in v.describe()
 
 
 def test_graph_restart_logic_picks_crashed_replay() -> None:

@@ -57,12 +57,14 @@ class HaloViolation:
     changed: int  # number of changed bytes
 
     def describe(self) -> str:
+        """Where stray bytes landed. The guard names the victim, not the writer: a kernel that
+        writes far past its own output can land in the guard of any allocation."""
         who = " / ".join(self.names) or f"storage {self.storage}"
         if self.side == "after":
-            where = f"{self.offset} bytes past the end of {who}"
+            where = f"the guard after {who} (first {self.offset} bytes past its end)"
         else:
-            where = f"{-self.offset} bytes before the start of {who}"
-        return f"stray write: {self.changed} guard byte(s) changed, first {where}"
+            where = f"the guard before {who} (first {-self.offset} bytes before its start)"
+        return f"stray write: {self.changed} byte(s) changed in {where}"
 
 
 def check(
@@ -87,7 +89,8 @@ def check(
         diff = (now_after != after).nonzero()
         if diff.numel():
             out.append(HaloViolation(a.storage, who, "after", int(diff[0, 0]), int(diff.shape[0])))
-    return out
+    # Writes running past an end are the common bug: report those first, nearest first.
+    return sorted(out, key=lambda v: (v.side != "after", abs(v.offset)))
 
 
 def neutralize(allocations: Sequence[Allocation]) -> None:
