@@ -84,3 +84,21 @@ def test_parse_real_reports(log: Path) -> None:
         assert any(r.address is not None for r in rep.records)
     else:
         assert rep.records == []
+
+
+def test_real_fault_report_fields() -> None:
+    rep = parse_report((DATA / "memcheck-sm120-faulty.log").read_text())
+    assert rep.errors == 1340 and len(rep.records) == 4
+    r = rep.records[0]
+    assert (r.access, r.size, r.kernel) == ("write", 4, "kd_gemm_labels_fp32_stale")
+    assert (r.thread, r.block) == ("64,0,0", "17,0,0")
+    assert r.address == 0x7F6F4ED00190
+    assert r.nearest == {
+        "distance": 401,
+        "direction": "after",
+        "allocation": 0x7F6F4EC00000,
+        "allocation_size": 1048576,
+    }
+    # D of the script: 2048 x 256 bf16 = 1 MiB at the nearest allocation's address
+    d = PlacedTensor("d", 0x7F6F4EC00000, 2, (2048, 256), (256, 1))
+    assert locate(r.address, [d]) == "401 bytes past the end of d"

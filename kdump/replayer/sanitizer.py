@@ -42,8 +42,8 @@ _AT = re.compile(
 _THREAD = re.compile(r"by thread \((?P<t>\d+,\d+,\d+)\) in block \((?P<b>\d+,\d+,\d+)\)")
 _ADDRESS = re.compile(r"^(?:Address|Access to) (?P<addr>0x[0-9a-fA-F]+) (?P<what>.*)$")
 _NEAREST = re.compile(
-    r"and is (?P<dist>\d+) bytes (?P<dir>after|before) the nearest allocation at "
-    r"(?P<alloc>0x[0-9a-fA-F]+) of size (?P<asize>\d+) bytes"
+    r"and is (?P<dist>[\d,]+) bytes (?P<dir>after|before) the nearest allocation at "
+    r"(?P<alloc>0x[0-9a-fA-F]+) of size (?P<asize>[\d,]+) bytes"
 )
 
 
@@ -120,10 +120,10 @@ def parse_report(text: str, tool: str = "memcheck") -> SanitizerReport:
             cur.address_note = m.group("what")
         elif m := _NEAREST.search(line):
             cur.nearest = {
-                "distance": int(m.group("dist")),
+                "distance": int(m.group("dist").replace(",", "")),
                 "direction": m.group("dir"),
                 "allocation": int(m.group("alloc"), 16),
-                "allocation_size": int(m.group("asize")),
+                "allocation_size": int(m.group("asize").replace(",", "")),
             }
     summary = _SUMMARY.findall(text)
     errors = int(re.sub(r"[,.]", "", summary[-1])) if summary else None
