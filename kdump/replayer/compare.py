@@ -9,16 +9,7 @@ from typing import Any
 import torch
 
 from kdump.kernels.base import Tolerance
-
-
-def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """DeepGEMM's similarity metric: 1 - 2·Σxy / Σ(x²+y²), in float64 (0 = identical)."""
-    x = x.double()
-    y = y.double()
-    denom = (x * x + y * y).sum()
-    if denom == 0:
-        return 0.0
-    return float(1 - 2 * (x * y).sum() / denom)
+from kdump.metrics import calc_diff
 
 
 def poison(t: torch.Tensor) -> None:

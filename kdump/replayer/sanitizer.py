@@ -22,6 +22,7 @@ from kdump.errors import CannotRunError
 from kdump.replayer.isolate import _events
 from kdump.replayer.session import Request
 from kdump.replayer.verdict import Finding, Step, Verdict
+from kdump.tensors import StorageRecord, TensorRecord, locate_address
 from kdump.tools import find_tool, tool_version
 
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
@@ -143,29 +144,17 @@ class PlacedTensor:
 
 def locate(addr: int, tensors: list[PlacedTensor]) -> str:
     """'d[4097, 12]' or '16 bytes past the end of d' for the nearest argument."""
-    best: tuple[int, str] | None = None
-    for t in tensors:
-        if any(n == 0 for n in t.shape):
-            continue
-        hi = t.data_ptr + (sum((n - 1) * s for n, s in zip(t.shape, t.stride)) + 1) * t.itemsize
-        if t.data_ptr <= addr < hi:
-            return f"{t.name}[{', '.join(map(str, _coord(t, (addr - t.data_ptr) // t.itemsize)))}]"
-        if addr < t.data_ptr:
-            dist, text = t.data_ptr - addr, f"{t.data_ptr - addr} bytes before {t.name}"
-        else:
-            dist, text = addr - hi + 1, f"{addr - hi + 1} bytes past the end of {t.name}"
-        if best is None or dist < best[0]:
-            best = (dist, text)
-    return best[1] if best else "no argument nearby"
+    storages = [StorageRecord("cuda", t.data_ptr, 0, 0, 0) for t in tensors]
+    records = [
+        TensorRecord(i, _DTYPE_BY_SIZE[t.itemsize], t.shape, t.stride, 0, data_ptr=t.data_ptr)
+        for i, t in enumerate(tensors)
+    ]
+    found = locate_address(addr, storages, records, [t.name for t in tensors])
+    return found or "no argument nearby"
 
 
-def _coord(t: PlacedTensor, elem: int) -> list[int]:
-    coord = [0] * len(t.shape)
-    for d in sorted(range(len(t.shape)), key=lambda d: -t.stride[d]):
-        if t.stride[d] > 0 and t.shape[d] > 1:
-            coord[d] = min(elem // t.stride[d], t.shape[d] - 1)
-            elem -= coord[d] * t.stride[d]
-    return coord
+# locate_address needs only the element size of a placed tensor, not its real dtype.
+_DTYPE_BY_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 
 def find_sanitizer(explicit: str | None = None) -> Path:
