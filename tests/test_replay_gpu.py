@@ -222,3 +222,43 @@ def test_packaged_fault_variant_caught_by_graph_and_memcheck(tmp_path: Path) -> 
         assert any(s.name.startswith("sanitizer/memcheck") for s in m.steps)
         writes = [f for f in m.findings if f.kind == "memory" and "write" in f.message]
         assert all(f.details["kernel"].startswith("kd_gemm_labels") for f in writes)
+
+
+def test_deepgemm_graph_then_second_recorded_distribution(tmp_path: Path) -> None:
+    """The production sequence with the real library: capture with one recorded call, replay
+    with a second recorded call of another per-expert distribution (same buffers' shapes)."""
+    dg = _deep_gemm()
+    os.environ.setdefault("DG_JIT_CACHE_DIR", "/tmp/dg-jit")
+    from kdump.envinfo import collect
+    from kdump.kernels.registry import spec_for
+
+    spec = spec_for("deep_gemm:m_grouped_fp8_gemm_nt_contiguous")
+    args, kwargs = spec.generate(
+        seed=7, device="cuda", num_groups=64, n=512, k=1024, expected_m=64, scale_format="fp32"
+    )
+    fn = getattr(dg, "m_grouped_fp8_gemm_nt_contiguous", None) or (
+        dg.m_grouped_fp8_fp4_gemm_nt_contiguous
+    )
+    bound = spec.bind(args, kwargs)
+    second = next(m for m in spec.mutations(bound, seed=1) if m.name == "max_skew")
+    paths = []
+    for name, layout in (("a", None), ("b", second.values["grouped_layout"])):
+        if layout is not None:
+            args[3].copy_(layout)
+        call = capture_call(spec.id, args, kwargs, names=spec.param_names())
+        live = input_tensors(call, args, kwargs)
+        fn(*args, **kwargs)
+        torch.cuda.synchronize()
+        attach_outputs(call, live, [next(i for i, t in enumerate(live) if t is args[2])])
+        paths.append(save_calls(tmp_path / f"{name}.kdump", [call], env=collect()))
+    [v] = replay(
+        [paths[0]],
+        mode="graph",
+        backend="deep_gemm",
+        options={"then": [str(paths[1])], "mutations": 0},
+    )
+    for s in v.steps:
+        print("  ", s.name, s.status, s.message)
+    assert v.exit_code == 0, v.headline()
+    names = [s.name for s in v.steps]
+    assert "graph/replay 1 (recorded b.kdump:0) vs recorded" in names
