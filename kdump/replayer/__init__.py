@@ -7,8 +7,9 @@ one Verdict per call.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kdump.bundle import iter_bundles, load_bundle
@@ -44,11 +45,11 @@ def replay(
     options = dict(options or {})
     if options.get("then"):
         check_then([str(p) for p in paths], options["then"])
-    san_path = None
+    plan = SanitizerPlan(tuple(tools), sanitize_graph, sanitizer, timeout, kernel_filter)
     if mode == "sanitizer":
         from kdump.replayer.sanitizer import find_sanitizer
 
-        san_path = find_sanitizer(sanitizer)
+        plan = replace(plan, binary=str(find_sanitizer(sanitizer)))
     work: list[tuple[str, int]] = []
     for path in iter_bundles(paths):
         bundle = load_bundle(path)  # validate in the parent: a bad bundle is exit 2, not a crash
@@ -61,46 +62,19 @@ def replay(
 
     def one(item: tuple[str, int], gpu: int | None) -> Verdict:
         path, i = item
-        env = None
-        if gpu is not None:
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
+        env = None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
+        base = Request(path, i, mode, backend, device, repeat, force, options)
 
         def run(m: str) -> Verdict:
-            req = Request(path, i, m, backend, device, repeat, force, options)
-            if not isolate:
-                return run_in_process(req)
-            return run_in_child(req, timeout, env)
+            req = replace(base, mode=m)
+            return run_in_child(req, timeout, env) if isolate else run_in_process(req)
 
         if mode in ("eager", "graph"):
             v = run(mode)
         elif mode == "sanitizer":
-            v = _sanitize(
-                path,
-                i,
-                backend,
-                device,
-                force,
-                options,
-                tools,
-                sanitize_graph,
-                san_path,
-                timeout,
-                kernel_filter,
-            )
+            v = _sanitize(base, plan, env)
         else:
-            v = _all(
-                path,
-                i,
-                run,
-                backend,
-                device,
-                force,
-                options,
-                tools,
-                sanitizer,
-                timeout,
-                kernel_filter,
-            )
+            v = _all(base, plan, run, env)
         if not v.target:
             v.target = load_bundle(path).call(i).target
         return v
@@ -128,27 +102,26 @@ def _gpu_count() -> int:
     return torch.cuda.device_count()
 
 
-def _sanitize(
-    path,
-    i,
-    backend,
-    device,
-    force,
-    options,
-    tools,
-    sanitize_graph,
-    san_path,
-    timeout,
-    kernel_filter,
-) -> Verdict:
-    from kdump.replayer.sanitizer import run_sanitizer
+@dataclass(frozen=True)
+class SanitizerPlan:
+    """How sanitizer replays run: tools, whether the graph chain runs too, which binary."""
 
+    tools: tuple[str, ...]
+    graph: bool
+    binary: str | None
+    timeout: float | None
+    kernel_filter: str | None
+
+
+def _sanitize(base: Request, plan: SanitizerPlan, env: dict[str, str] | None) -> Verdict:
+    from kdump.replayer.sanitizer import find_sanitizer, run_sanitizer
+
+    binary = find_sanitizer(plan.binary)
     combined: Verdict | None = None
-    modes = ["eager"] + (["graph"] if sanitize_graph else [])
-    for m in modes:
-        for tool in tools:
-            req = Request(path, i, m, backend, device, 1, force, options)
-            v = run_sanitizer(req, tool, san_path, timeout, kernel_filter)
+    for m in ["eager"] + (["graph"] if plan.graph else []):
+        for tool in plan.tools:
+            req = replace(base, mode=m, repeat=1)
+            v = run_sanitizer(req, tool, binary, plan.timeout, plan.kernel_filter, env)
             combined = _merge(combined, v, f"sanitizer/{tool}" + ("/graph" if m == "graph" else ""))
     assert combined is not None
     combined.mode = "sanitizer"
@@ -156,7 +129,10 @@ def _sanitize(
 
 
 def _all(
-    path, i, run, backend, device, force, options, tools, sanitizer, timeout, kernel_filter
+    base: Request,
+    plan: SanitizerPlan,
+    run: Callable[[str], Verdict],
+    env: dict[str, str] | None,
 ) -> Verdict:
     """eager, graph (on a GPU) and sanitizer (when found) in one verdict."""
     from kdump.errors import CannotRunError
@@ -166,27 +142,12 @@ def _all(
     if combined.device.startswith("cuda"):
         combined = _merge(combined, run("graph"), "graph")
         try:
-            san = find_sanitizer(sanitizer)
+            binary = find_sanitizer(plan.binary)
         except CannotRunError as exc:
             combined.notes.append(f"sanitizer skipped: {exc}")
         else:
-            combined = _merge(
-                combined,
-                _sanitize(
-                    path,
-                    i,
-                    backend,
-                    device,
-                    force,
-                    options,
-                    tools,
-                    False,
-                    san,
-                    timeout,
-                    kernel_filter,
-                ),
-                "sanitizer",
-            )
+            sanitized = _sanitize(base, replace(plan, binary=str(binary), graph=False), env)
+            combined = _merge(combined, sanitized, "sanitizer")
     else:
         combined.notes.append("graph and sanitizer modes skipped: no CUDA GPU")
     combined.mode = "all"

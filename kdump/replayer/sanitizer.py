@@ -174,7 +174,12 @@ def find_sanitizer(explicit: str | None = None) -> Path:
 
 
 def run_sanitizer(
-    req: Request, tool: str, sanitizer: Path, timeout: float | None, kernel_filter: str | None
+    req: Request,
+    tool: str,
+    sanitizer: Path,
+    timeout: float | None,
+    kernel_filter: str | None,
+    base_env: dict[str, str] | None = None,
 ) -> Verdict:
     """Run one eager (or graph, `req.mode`) replay under `tool`; findings are exit 4."""
     child_req = replace(
@@ -213,7 +218,7 @@ def run_sanitizer(
             str(result_path),
             str(progress_path),
         ]
-        env = dict(os.environ)
+        env = dict(os.environ if base_env is None else base_env)
         env.update(
             PYTORCH_NO_CUDA_MEMORY_CACHING="1",
             DG_USE_TEMP_CUBLASLT_WORKSPACE="1",
