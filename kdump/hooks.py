@@ -87,44 +87,6 @@ def log_once(key: str, message: str) -> None:
 
 PRESETS = ("deep_gemm",)
 
-# DeepGEMM's parameter names by entry-point family (FACTS.md); bundles carry them so tensors get
-# readable names even when the pybind binding hides its signature.
-_DG_PARAMS = {
-    "contiguous": (
-        "a",
-        "b",
-        "d",
-        "grouped_layout",
-        "recipe",
-        "recipe_a",
-        "recipe_b",
-        "compiled_dims",
-        "disable_ue8m0_cast",
-        "use_psum_layout",
-        "ensure_zero_padding",
-        "expected_m_for_psum_layout",
-    ),
-    "masked": (
-        "a",
-        "b",
-        "d",
-        "masked_m",
-        "expected_m",
-        "recipe",
-        "recipe_a",
-        "recipe_b",
-        "compiled_dims",
-        "disable_ue8m0_cast",
-    ),
-    "k_grouped": ("a", "b", "d", "ks", "ks_tensor", "c", "recipe", "compiled_dims"),
-}
-
-
-def _dg_family(name: str) -> str:
-    if name.startswith("k_grouped"):
-        return "k_grouped"
-    return "masked" if "masked" in name else "contiguous"
-
 
 @dataclass(frozen=True)
 class TargetSpec:
@@ -159,7 +121,7 @@ def _deep_gemm_specs() -> list[TargetSpec]:
                         knames.deepgemm_id(name),
                         optional=True,
                         output_names=("d",),
-                        param_names=_DG_PARAMS[_dg_family(canon)],
+                        param_names=knames.deepgemm_params(canon),
                     )
                 )
         for setter in knames.DEEPGEMM_SETTERS:
@@ -190,7 +152,7 @@ def parse_target(text: str) -> list[TargetSpec]:
     params = None
     if canon.startswith("deep_gemm:") and canon.split(":", 1)[1] in knames.DEEPGEMM_ENTRY_POINTS:
         outputs = ("d",)
-        params = _DG_PARAMS[_dg_family(canon.split(":", 1)[1])]
+        params = knames.deepgemm_params(canon.split(":", 1)[1])
     return [TargetSpec(module, name, canon, output_names=outputs, param_names=params)]
 
 

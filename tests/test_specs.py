@@ -331,3 +331,12 @@ def test_tolerance_accepts_rounding_and_rejects_a_wrong_group():
     wrong = ref.clone()
     wrong[128:198] = ref[0:70]  # group 1's rows computed with group 0's data
     assert not passes(wrong)
+
+
+def test_recording_param_names_match_the_specs() -> None:
+    """Recording names DeepGEMM arguments from a torch-free table; it must agree with the specs."""
+    from kdump.kernels.names import deepgemm_params
+    from kdump.kernels.registry import spec_for
+
+    for name in ("m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked"):
+        assert tuple(spec_for(f"deep_gemm:{name}").param_names()) == deepgemm_params(name)

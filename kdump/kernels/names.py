@@ -45,6 +45,47 @@ DEEPGEMM_GETTERS: dict[str, str] = {
     "mk_alignment": "get_mk_alignment_for_contiguous_layout",
 }
 
+# DeepGEMM's parameter names by entry-point family (FACTS.md). Recording needs them without
+# importing torch (pybind bindings hide their signatures); the specs in kernels/deepgemm.py carry
+# the same names with roles and defaults (a test keeps the two in step).
+DEEPGEMM_PARAMS: dict[str, tuple[str, ...]] = {
+    "contiguous": (
+        "a",
+        "b",
+        "d",
+        "grouped_layout",
+        "recipe",
+        "recipe_a",
+        "recipe_b",
+        "compiled_dims",
+        "disable_ue8m0_cast",
+        "use_psum_layout",
+        "ensure_zero_padding",
+        "expected_m_for_psum_layout",
+    ),
+    "masked": (
+        "a",
+        "b",
+        "d",
+        "masked_m",
+        "expected_m",
+        "recipe",
+        "recipe_a",
+        "recipe_b",
+        "compiled_dims",
+        "disable_ue8m0_cast",
+    ),
+    "k_grouped": ("a", "b", "d", "ks", "ks_tensor", "c", "recipe", "compiled_dims"),
+}
+
+
+def deepgemm_params(function_name: str) -> tuple[str, ...]:
+    """Positional parameter names of a DeepGEMM entry point (canonical name)."""
+    if function_name.startswith("k_grouped"):
+        return DEEPGEMM_PARAMS["k_grouped"]
+    return DEEPGEMM_PARAMS["masked" if "masked" in function_name else "contiguous"]
+
+
 _ALIAS_TO_CANONICAL: dict[str, str] = {}
 for _canon, _aliases in DEEPGEMM_ENTRY_POINTS.items():
     _ALIAS_TO_CANONICAL[_canon] = _canon

@@ -32,7 +32,7 @@ class ChildRun:
     begun: list[str] = field(default_factory=list)
 
 
-def _events(path: Path) -> list[dict[str, Any]]:
+def read_events(path: Path) -> list[dict[str, Any]]:
     out = []
     try:
         text = path.read_text()
@@ -46,54 +46,77 @@ def _events(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def worker_command(req_path: Path, result_path: Path, progress_path: Path) -> list[str]:
+    """The replay worker's command line (kdump.replayer.worker)."""
+    return [
+        sys.executable,
+        "-m",
+        "kdump.replayer.worker",
+        str(req_path),
+        str(result_path),
+        str(progress_path),
+    ]
+
+
+def child_environment(base: dict[str, str] | None, **extra: str) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.pop("KDUMP_RECORD", None)  # a replay is never recorded
+    env.update(extra)
+    return env
+
+
+def run_group(cmd: list[str], env: dict[str, str], timeout: float | None) -> tuple[int | None, str]:
+    """Run `cmd` in its own process group; (exit status, stderr), status None after a hang (the
+    whole group is killed: a sanitizer's child too)."""
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=timeout)
+        return proc.returncode, err or ""
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        return None, err or ""
+
+
+def verdict_from_events(req: Request, events: list[dict[str, Any]]) -> Verdict:
+    """What a child reported before it died: its steps, findings, notes and setup."""
+    v = Verdict(req.bundle, req.call, "", req.mode, req.backend, req.device)
+    for e in events:
+        if "step" in e:
+            v.steps.append(Step(**e["step"]))
+        elif "finding" in e:
+            v.findings.append(Finding(**e["finding"]))
+        elif "note" in e:
+            v.notes.append(e["note"])
+        elif "meta" in e:
+            v.target = e["meta"].get("target", v.target)
+            v.backend = e["meta"].get("backend", v.backend)
+            v.device = e["meta"].get("device", v.device)
+    return v
+
+
 def _run_child(req: Request, timeout: float | None, env: dict[str, str] | None) -> ChildRun:
     with tempfile.TemporaryDirectory(prefix="kdump-replay-") as tmp:
         req_path = Path(tmp, "request.json")
         result_path = Path(tmp, "result.json")
         progress_path = Path(tmp, "progress")
         req_path.write_text(json.dumps(asdict(req)))
-        cmd = [
-            sys.executable,
-            "-m",
-            "kdump.replayer.worker",
-            str(req_path),
-            str(result_path),
-            str(progress_path),
-        ]
-        child_env = dict(os.environ if env is None else env)
-        child_env.setdefault("PYTHONUNBUFFERED", "1")
-        child_env.pop("KDUMP_RECORD", None)  # a replay is never recorded
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=child_env,
-            start_new_session=True,
-        )
-        try:
-            _, err = proc.communicate(timeout=timeout)
-            hung = False
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            _, err = proc.communicate()
-            hung = True
-        events = _events(progress_path)
+        cmd = worker_command(req_path, result_path, progress_path)
+        rc, err = run_group(cmd, child_environment(env), timeout)
+        hung = rc is None
+        events = read_events(progress_path)
         begun = [e["begin"] for e in events if "begin" in e]
         if result_path.exists() and not hung:
             return ChildRun(Verdict.from_json(json.loads(result_path.read_text())), None, begun)
-        v = Verdict(req.bundle, req.call, "", req.mode, req.backend, req.device)
-        for e in events:
-            if "step" in e:
-                v.steps.append(Step(**e["step"]))
-            elif "finding" in e:
-                v.findings.append(Finding(**e["finding"]))
-            elif "note" in e:
-                v.notes.append(e["note"])
-            elif "meta" in e:
-                v.target = e["meta"].get("target", v.target)
-                v.backend = e["meta"].get("backend", v.backend)
-                v.device = e["meta"].get("device", v.device)
+        v = verdict_from_events(req, events)
         last = begun[-1] if begun else f"{req.mode}/setup"
         tail = (err or "")[-STDERR_TAIL:].strip()
         if hung:
@@ -101,7 +124,7 @@ def _run_child(req: Request, timeout: float | None, env: dict[str, str] | None) 
             v.steps.append(Step(last, "error", msg))
             v.findings.append(Finding("hang", last, msg, {"stderr_tail": tail}))
         else:
-            rc = proc.returncode
+            assert rc is not None
             how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}"
             cause = _cause(tail)
             msg = f"the replay process died ({how}){': ' + cause if cause else ''}"

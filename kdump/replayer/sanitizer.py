@@ -9,17 +9,20 @@ mapped back to the argument and element they fall in or near.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kdump.errors import CannotRunError
-from kdump.replayer.isolate import _events
+from kdump.replayer.isolate import (
+    child_environment,
+    read_events,
+    run_group,
+    verdict_from_events,
+    worker_command,
+)
 from kdump.replayer.session import Request
 from kdump.replayer.verdict import Finding, Step, Verdict
 from kdump.tensors import StorageRecord, TensorRecord, locate_address
@@ -210,42 +213,25 @@ def run_sanitizer(
             cmd += ["--kernel-name", f"kns={kernel_filter}"]
         else:
             cmd += ["--kernel-name-exclude", "kns=at::native"]  # torch's own kernels
-        cmd += [
-            sys.executable,
-            "-m",
-            "kdump.replayer.worker",
-            str(req_path),
-            str(result_path),
-            str(progress_path),
-        ]
-        env = dict(os.environ if base_env is None else base_env)
-        env.update(
+        cmd += worker_command(req_path, result_path, progress_path)
+        env = child_environment(
+            base_env,
             PYTORCH_NO_CUDA_MEMORY_CACHING="1",
             DG_USE_TEMP_CUBLASLT_WORKSPACE="1",
             DG_JIT_WITH_LINEINFO="1",
         )
-        env.pop("KDUMP_RECORD", None)
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-            rc, stderr = proc.returncode, proc.stderr
-        except subprocess.TimeoutExpired:
-            rc, stderr = None, ""
+        rc, stderr = run_group(cmd, env, timeout)
         log = log_path.read_text(errors="replace") if log_path.exists() else ""
         keep = req.options.get("sanitizer_log_dir")
         if keep and log:
             Path(keep).mkdir(parents=True, exist_ok=True)
             name = f"{Path(req.bundle).stem}-call{req.call}-{req.mode}-{tool}.log"
             Path(keep, name).write_text(log)
-        events = _events(progress_path)
+        events = read_events(progress_path)
         if result_path.exists():
             v = Verdict.from_json(json.loads(result_path.read_text()))
         else:
-            v = Verdict(req.bundle, req.call, "", f"sanitizer/{tool}", req.backend, req.device)
-            for e in events:
-                if "step" in e:
-                    v.steps.append(Step(**e["step"]))
-                elif "finding" in e:
-                    v.findings.append(Finding(**e["finding"]))
+            v = verdict_from_events(req, events)
         placed = next((e["placed"] for e in events if "placed" in e), [])
         tensors = [
             PlacedTensor(
