@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from tensor_data import ROUND_TRIP_DTYPES, bits, random_bits
 
 import kdump
 from kdump.argtree import Opaque, RecordedEnum
@@ -29,31 +30,11 @@ from kdump.tensors import ALIGN_MOD
 
 GEN = torch.Generator().manual_seed(99)
 
-DTYPES = [
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-    torch.float8_e8m0fnu,
-    torch.bfloat16,
-    torch.float16,
-    torch.float32,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-    torch.bool,
-]
+DTYPES = ROUND_TRIP_DTYPES
 
 
 def rand(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Random bits of `dtype` (every bit pattern, NaNs included); bool as 0/1."""
-    n = math.prod(shape)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, (n,), dtype=torch.uint8, generator=GEN).bool().reshape(shape)
-    raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=GEN)
-    return raw.view(dtype).reshape(shape)
-
-
-def bits(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return random_bits(shape, dtype, generator=GEN)
 
 
 def assert_exact(got: Any, want: torch.Tensor) -> None:

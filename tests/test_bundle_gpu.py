@@ -6,38 +6,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensor_data import ROUND_TRIP_DTYPES, bits, random_bits
 
 from kdump.bundle import Placement, capture_call, load_bundle, save_calls
 from kdump.tensors import ALIGN_MOD
 
 pytestmark = pytest.mark.gpu
 
-DTYPES = [
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-    torch.float8_e8m0fnu,
-    torch.bfloat16,
-    torch.float16,
-    torch.float32,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-    torch.bool,
-]
+DTYPES = ROUND_TRIP_DTYPES
 
 
 def rand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    n = 1
-    for s in shape:
-        n *= s
-    if dtype == torch.bool:
-        return torch.randint(0, 2, (n,), dtype=torch.uint8, device="cuda").bool().reshape(shape)
-    raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, device="cuda")
-    return raw.view(dtype).reshape(shape)
-
-
-def bits(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+    return random_bits(shape, dtype, device="cuda")
 
 
 def cuda_layouts(dtype: torch.dtype) -> list[torch.Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tensor_data import ROUND_TRIP_DTYPES, bits, random_bits
 
 from kdump.errors import BundleError
 from kdump.tensors import (
@@ -23,35 +24,9 @@ from kdump.tensors import (
 
 GEN = torch.Generator().manual_seed(1234)
 
-ROUND_TRIP_DTYPES = [
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-    torch.float8_e8m0fnu,
-    torch.bfloat16,
-    torch.float16,
-    torch.float32,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-    torch.bool,
-]
-
 
 def rand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Random bits of `dtype` (NaN, inf and every fp8 code included); bool as 0/1 bytes."""
-    n = 1
-    for s in shape:
-        n *= s
-    if dtype == torch.bool:
-        return torch.randint(0, 2, (n,), dtype=torch.uint8, generator=GEN).bool().reshape(shape)
-    raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=GEN)
-    return raw.view(dtype).reshape(shape)
-
-
-def bits(t: torch.Tensor) -> bytes:
-    """Logical values as bytes, so NaN payloads and fp8 codes compare bitwise."""
-    c = t.detach().contiguous().reshape(-1)
-    return c.view(torch.uint8).numpy().tobytes()
+    return random_bits(shape, dtype, generator=GEN)
 
 
 def assert_same_layout_and_bits(got: torch.Tensor, want: torch.Tensor) -> None:
