@@ -616,7 +616,10 @@ class Bundle:
     def verify_blob(self, sha: str, view: memoryview | None = None) -> None:
         if sha in self._verified:
             return
-        got = _sha256(view if view is not None else self.blob_bytes(sha))
+        self._accept(sha, _sha256(view if view is not None else self.blob_bytes(sha)))
+
+    def _accept(self, sha: str, got: str) -> None:
+        """Remember a blob whose SHA-256 matched its name; a mismatch means a corrupt bundle."""
         if got != sha:
             raise BundleError(
                 f"{self.path}: checksum mismatch in blob {sha[:12]}… (got {got[:12]}…): the "
@@ -654,14 +657,7 @@ class Bundle:
             if h is not None:
                 h.update((ctypes.c_char * k).from_address(dst + off))
         if h is not None:
-            got = h.hexdigest()
-            if got != sha:
-                raise BundleError(
-                    f"{self.path}: checksum mismatch in blob {sha[:12]}… (got {got[:12]}…): the "
-                    "bundle is corrupt; record it again or restore the file"
-                )
-            with self._lock:
-                self._verified.add(sha)
+            self._accept(sha, h.hexdigest())
 
     def materialize_records(
         self,
