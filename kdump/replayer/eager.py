@@ -10,7 +10,6 @@ import torch
 
 from kdump.bundle import MaterializedCall
 from kdump.replayer import halo
-from kdump.replayer.compare import bitwise_diff
 from kdump.replayer.session import Progress, Request, Session, poison_outputs
 from kdump.replayer.verdict import Verdict
 
@@ -51,18 +50,9 @@ def run_eager(req: Request, progress: Progress) -> Verdict:
             if nan_seen:
                 attribute_overreads(s, mc, fn, outputs, bound, pristine, nan_seen)
             continue
-        for name in outputs:
-            diff = bitwise_diff(actual[name], first[name], s.spec.meaningful(bound, name))
-            if diff is None:
-                s.step(f"{step} vs run 1", "ok", f"{name}: bit-identical")
-            else:
-                s.step(f"{step} vs run 1", "fail", f"{name}: {diff['message']}")
-                s.finding(
-                    "nondeterminism",
-                    step,
-                    f"{name} is not deterministic: {diff['message']}",
-                    {"output": name, **diff},
-                )
+        s.compare_bitwise(
+            step, bound, actual, first, "run 1", "nondeterminism", "is not deterministic"
+        )
     if not outputs:
         s.note("no outputs to compare: the spec names none and the bundle recorded none")
     return s.verdict

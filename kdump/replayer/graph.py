@@ -133,23 +133,9 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
         actual = {name: mc.tensors[idx].clone() for name, idx in outputs.items()}
         s.compare_outputs(step, bound, outputs, actual, expected, recorded or {})
         if expected is None and baseline is not None:
-            from kdump.replayer.compare import bitwise_diff
-
-            for name in outputs:
-                diff = bitwise_diff(actual[name], baseline[name], s.spec.meaningful(bound, name))
-                ok = diff is None
-                s.step(
-                    f"{step} vs eager",
-                    "ok" if ok else "fail",
-                    f"{name}: {'bit-identical' if ok else diff['message']}",
-                )
-                if not ok:
-                    s.finding(
-                        "mismatch",
-                        step,
-                        f"{name} differs from the eager run: {diff['message']}",
-                        {"output": name, **diff},
-                    )
+            s.compare_bitwise(
+                step, bound, actual, baseline, "eager", "mismatch", "differs from the eager run"
+            )
         s.check_halos(mc, step)
 
     # (1) eager

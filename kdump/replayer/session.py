@@ -259,6 +259,26 @@ class Session:
         dt = time.perf_counter() - t0
         return dt
 
+    def compare_bitwise(
+        self,
+        step: str,
+        bound: dict[str, Any],
+        actual: dict[str, torch.Tensor],
+        baseline: dict[str, torch.Tensor],
+        label: str,
+        kind: str,
+        verb: str,
+    ) -> None:
+        """Meaningful elements of every output must be bit-identical to `baseline` (another run
+        of the same inputs); a difference is a `kind` finding ("{name} {verb}: ...")."""
+        for name, got in actual.items():
+            diff = bitwise_diff(got, baseline[name], self.spec.meaningful(bound, name))
+            if diff is None:
+                self.step(f"{step} vs {label}", "ok", f"{name}: bit-identical")
+                continue
+            self.step(f"{step} vs {label}", "fail", f"{name}: {diff['message']}")
+            self.finding(kind, step, f"{name} {verb}: {diff['message']}", {"output": name, **diff})
+
     def compare_outputs(
         self,
         step: str,
