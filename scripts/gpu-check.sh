@@ -4,6 +4,7 @@
 # GPU tests and benchmarks named by STAGE. Logs and raw sanitizer reports go to $OUT.
 #   STAGE=tests  : pytest -m gpu (replay, recording, bundle, reference; sm120 with SM120=1)
 #   STAGE=bench  : replay / reference / hooks benchmarks, and the planted-bug CLI demos
+#   STAGE=sm120  : the packaged kernel: its GPU tests, `kdump doctor --selftest`, its benchmark
 set -o pipefail
 OUT=${OUT:-/tmp/kdump-gpu-out}
 mkdir -p "$OUT"
@@ -39,5 +40,11 @@ PY
   timeout 150 python3 bench/bench_reference.py 2>&1 | tee "$OUT/bench-reference.log"
   timeout 100 python3 bench/bench_hooks.py 2>&1 | tee "$OUT/bench-hooks.log"
   cp bench/RESULTS.md "$OUT/RESULTS.md"
+  ;;
+sm120)
+  timeout 300 python3 -m pytest -m gpu -q -x tests/test_sm120_gpu.py 2>&1 | tee "$OUT/pytest-sm120.log"
+  timeout 120 python3 -m kdump doctor --selftest 2>&1 | tee "$OUT/doctor-selftest.log"
+  timeout 300 python3 bench/bench_sm120.py 2>&1 | tee "$OUT/bench-sm120.log"
+  cp bench/RESULTS_sm120.md "$OUT/RESULTS_sm120.md"
   ;;
 esac

@@ -35,6 +35,8 @@ from .launch import KdParams, encode_tma_3d, get_module, launch_gemm, launch_pla
 if TYPE_CHECKING:
     import torch
 
+    from .configs import TileConfig
+
 BM = 128  # rows per M-tile; the grid covers ceil(rows / BM) tiles
 GROUP_ALIGN = 128  # DeepGEMM's mk alignment for contiguous layouts
 
@@ -195,18 +197,21 @@ def _params(
     return p
 
 
-def _tmaps(a: torch.Tensor, b: torch.Tensor, bn: int) -> tuple[Any, Any]:
+def _tmaps(a: torch.Tensor, b: torch.Tensor, config: TileConfig) -> tuple[Any, Any]:
     k = a.size(-1)
     if a.dim() == 2:
         ta = encode_tma_3d(
-            a.data_ptr(), (k, a.size(0), 1), (a.stride(0), a.stride(0) * a.size(0)), (128, BM)
+            a.data_ptr(),
+            (k, a.size(0), 1),
+            (a.stride(0), a.stride(0) * a.size(0)),
+            (128, config.a_box),
         )
     else:
         ta = encode_tma_3d(
-            a.data_ptr(), (k, a.size(1), a.size(0)), (a.stride(1), a.stride(0)), (128, BM)
+            a.data_ptr(), (k, a.size(1), a.size(0)), (a.stride(1), a.stride(0)), (128, config.a_box)
         )
     tb = encode_tma_3d(
-        b.data_ptr(), (k, b.size(1), b.size(0)), (b.stride(1), b.stride(0)), (128, bn)
+        b.data_ptr(), (k, b.size(1), b.size(0)), (b.stride(1), b.stride(0)), (128, config.bn)
     )
     return ta, tb
 
@@ -304,7 +309,7 @@ def m_grouped_fp8_gemm_nt_contiguous(
         return
     mod = get_module(a_fp8.device)
     p.n_tiles = _ceil_div(p.n, mod.config.bn)
-    ta, tb = _tmaps(a_fp8, b_fp8, mod.config.bn)
+    ta, tb = _tmaps(a_fp8, b_fp8, mod.config)
     kernel = f"kd_gemm_{'psum' if use_psum_layout else 'labels'}_{'ue8m0' if ue8m0 else 'fp32'}"
     dev = a_fp8.device
     with _on_device(dev):
@@ -360,7 +365,7 @@ def m_grouped_fp8_gemm_nt_masked(
     p.k_blocks = _ceil_div(k, 128)
     mod = get_module(dev)
     p.n_tiles = _ceil_div(n, mod.config.bn)
-    ta, tb = _tmaps(a_fp8, b_fp8, mod.config.bn)
+    ta, tb = _tmaps(a_fp8, b_fp8, mod.config)
     kernel = f"kd_gemm_masked_{'ue8m0' if ue8m0 else 'fp32'}"
     with _on_device(dev):
         launch_gemm(mod, kernel, ta, tb, p, _grid(dev, g * p.m_tiles * p.n_tiles), _stream(dev))
@@ -432,7 +437,7 @@ class StaleScheduleContiguous:
         key = (d.data_ptr(), grouped_layout.data_ptr(), p.m_tiles)
         ws = self._schedules.get(key)
         p.n_tiles = _ceil_div(p.n, mod.config.bn)
-        ta, tb = _tmaps(a_fp8, b_fp8, mod.config.bn)
+        ta, tb = _tmaps(a_fp8, b_fp8, mod.config)
         kernel = f"kd_gemm_labels_{'ue8m0' if ue8m0 else 'fp32'}_stale"
         with _on_device(dev):
             if ws is None:

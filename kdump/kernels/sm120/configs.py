@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 BK_BYTES = 128  # one 128-element FP8 K block per stage == one scale block == one swizzle row
 ALIGN_SLACK = 1024
-# Static __shared__ in the kernel: two mbarriers per stage (8 B each), TileJob (16 B), a counter.
-STATIC_SMEM_BASE = 32
+# Static __shared__ in the kernel: per stage two mbarriers (8 B each) and a StageJob (24 B), plus a
+# counter (with padding).
+STATIC_SMEM_BASE = 16
+STATIC_SMEM_PER_STAGE = 40
 
 # Opt-in maximum shared memory per block in bytes (cudaDevAttrMaxSharedMemoryPerBlockOptin).
 SMEM_BUDGET: dict[int, int] = {
@@ -32,10 +34,11 @@ class TileConfig:
     warps_m: int
     warps_n: int
     kk_unroll: int = 4  # unroll of the four k32 steps per K block (1 on sm_90: avoids spills)
+    a_box: int = 16  # rows per A TMA box; a tile loads only the boxes that hold its rows
 
     @property
     def threads(self) -> int:
-        return self.warps_m * self.warps_n * 32  # thread 0 also issues the TMA loads
+        return (self.warps_m * self.warps_n + 1) * 32  # math warps + one producer warp
 
     @property
     def dynamic_smem(self) -> int:
@@ -43,7 +46,7 @@ class TileConfig:
 
     @property
     def static_smem(self) -> int:
-        return STATIC_SMEM_BASE + 16 * self.stages
+        return STATIC_SMEM_BASE + STATIC_SMEM_PER_STAGE * self.stages
 
     @property
     def total_smem(self) -> int:
@@ -57,6 +60,7 @@ class TileConfig:
             f"KD_WARPS_M={self.warps_m}",
             f"KD_WARPS_N={self.warps_n}",
             f"KD_KK_UNROLL={self.kk_unroll}",
+            f"KD_A_BOX={self.a_box}",
         ]
 
     def check(self) -> None:
@@ -70,6 +74,8 @@ class TileConfig:
             raise ValueError(f"{self}: BN must divide or be a multiple of 128 (B scale blocks)")
         if self.bn > 128:
             raise ValueError(f"{self}: the fp32 B-scale path assumes one scale block per N tile")
+        if self.bm % self.a_box or self.a_box % 16:
+            raise ValueError(f"{self}: A boxes must be whole m16 blocks that tile BM")
         if self.bm != 128:
             raise ValueError(f"{self}: M tiles must match the 128-row group alignment")
 

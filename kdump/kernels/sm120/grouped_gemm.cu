@@ -13,7 +13,8 @@
 // Compile-time parameters (set with -D by kdump.kernels.sm120.build):
 //   KD_BM, KD_BN   tile rows (M) and columns (N); KD_BK is fixed at 128 (one scale block)
 //   KD_STAGES      depth of the shared-memory pipeline
-//   KD_WARPS_M, KD_WARPS_N   math-warp grid; thread 0 also issues the TMA loads
+//   KD_WARPS_M, KD_WARPS_N   math-warp grid; warp 0 also decides tiles and issues the TMA loads
+//   KD_A_BOX       rows per A TMA box (only the boxes holding a tile's rows are loaded)
 //   KD_KK_UNROLL   unroll factor of the four k32 MMA steps of one K block
 
 #include <cuda/std/type_traits>
@@ -41,6 +42,9 @@ using cuda::std::void_t;
 #ifndef KD_KK_UNROLL
 #define KD_KK_UNROLL 4
 #endif
+#ifndef KD_A_BOX
+#define KD_A_BOX 16
+#endif
 #ifndef KD_WARPS_M
 #define KD_WARPS_M 2
 #endif
@@ -57,7 +61,8 @@ constexpr int STAGES = KD_STAGES;
 constexpr int WARPS_M = KD_WARPS_M;
 constexpr int WARPS_N = KD_WARPS_N;
 constexpr int MATH_WARPS = WARPS_M * WARPS_N;
-constexpr int THREADS = MATH_WARPS * 32;
+constexpr int THREADS = MATH_WARPS * 32;  // warp 0 also decides tiles and issues the TMA loads
+constexpr int A_BOX = KD_A_BOX;  // rows per A TMA box: a tile loads ceil(rows / A_BOX) boxes
 constexpr int WM = BM / WARPS_M;  // rows per math warp
 constexpr int WN = BN / WARPS_N;  // columns per math warp
 constexpr int MI = WM / 16;       // m16 MMA tiles per warp
@@ -68,6 +73,7 @@ constexpr int B_TILE_BYTES = BN * BK;
 constexpr int STAGE_BYTES = A_TILE_BYTES + B_TILE_BYTES;
 static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tile must hold whole m16 / pairs of n8 tiles");
 static_assert(BM <= 256 && BN <= 256, "a TMA box dimension is at most 256");
+static_assert(BM % A_BOX == 0 && A_BOX % 16 == 0, "A boxes: whole m16 blocks, 1 KiB aligned");
 
 enum Layout : int { kLabels = 0, kPsum = 1, kMasked = 2 };
 
@@ -94,12 +100,23 @@ struct alignas(64) TensorMap {
   unsigned long long opaque[16];
 };
 
-// What one CTA works on, decided from device-resident routing metadata.
+// What one tile of work is, decided by warp 0 from device-resident routing metadata.
 struct TileJob {
   int active;
-  int group;     // expert index: B / scale_b group, and A / D group for the masked layout
-  int row0;      // first row of the tile (global for contiguous, within the group for masked)
-  int row_end;   // rows >= row_end are not written
+  int group;    // expert index: B / scale_b group, and A / D group for the masked layout
+  int row0;     // first row of the tile (global for contiguous, within the group for masked)
+  int rows;     // rows [row0, row0 + rows) are loaded, computed and written; the rest are skipped
+  int row_end;  // rows >= row_end are never written
+};
+
+// What the producer tells the math warps about one stage, next to the bytes TMA put there.
+struct StageJob {
+  int n0;  // first column of the tile; -1 marks the end of this CTA's stream
+  int group;
+  int row0;
+  int rows;
+  int row_end;
+  int kb;  // K block of this stage; 0 starts a tile, k_blocks - 1 ends it
 };
 
 __device__ __forceinline__ int ceil_align(int x, int a) { return (x + a - 1) / a * a; }
@@ -116,9 +133,10 @@ __device__ __forceinline__ int psum_group_of(const int* ends, int num_groups, in
   return lo;
 }
 
+// Called by all 32 lanes of warp 0 (the label layout scans the tile's labels).
 template <int LAYOUT>
-__device__ __forceinline__ TileJob decide_tile(const Params& p, int m_slot) {
-  TileJob job{0, 0, 0, 0};
+__device__ __forceinline__ TileJob decide_tile(const Params& p, int m_slot, int lane) {
+  TileJob job{0, 0, 0, 0, 0};
   if constexpr (LAYOUT == kLabels) {
     job.row0 = m_slot * BM;
     job.group = __ldg(p.layout + job.row0);
@@ -126,18 +144,31 @@ __device__ __forceinline__ TileJob decide_tile(const Params& p, int m_slot) {
     // corrupt label cannot make the kernel read scales out of bounds.
     job.active = job.group >= 0 && job.group < p.num_groups;
     job.row_end = p.m;
+    if (job.active) {
+      // Rows past the tile's last labelled row are padding: neither loaded, computed nor written
+      // (decode batches fill a few rows of each 128-row tile).
+      int last = -1;
+#pragma unroll
+      for (int r = lane; r < BM; r += 32)
+        if (job.row0 + r < p.m && __ldg(p.layout + job.row0 + r) >= 0) last = r;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
+      job.rows = last + 1;
+    }
   } else if constexpr (LAYOUT == kPsum) {
     job.row0 = m_slot * BM;
     job.group = psum_group_of(p.layout, p.num_groups, job.row0);
     const int end = min(__ldg(p.layout + job.group), p.m);
     job.active = job.row0 < end;
     job.row_end = end;
+    job.rows = min(BM, end - job.row0);
   } else {
     job.group = m_slot / p.m_tiles;
     job.row0 = (m_slot % p.m_tiles) * BM;
     const int valid = min(__ldg(p.layout + job.group), p.m);
     job.active = job.row0 < valid;
     job.row_end = valid;
+    job.rows = min(BM, valid - job.row0);
   }
   return job;
 }
@@ -147,28 +178,30 @@ __device__ __forceinline__ float ue8m0_to_float(unsigned int byte) {
   return byte == 0 ? __int_as_float(0x00400000) : __int_as_float(static_cast<int>(byte << 23));
 }
 
+// Scale "words": for UE8M0 one int32 holding the exponents of four K blocks, for fp32 the scale
+// itself. word_* load one, scale_of turns it into the fp32 scale of K block kb.
 template <bool UE8M0>
-__device__ __forceinline__ float load_scale_a(const Params& p, int group, int row, int kb) {
+__device__ __forceinline__ unsigned int word_a(const Params& p, int group, int row, int kb) {
   const long long base = group * p.sfa_stride_g + row * p.sfa_stride_m;
-  if constexpr (UE8M0) {
-    const unsigned int w = __ldg(static_cast<const unsigned int*>(p.sfa) + base +
-                                 (kb >> 2) * p.sfa_stride_k);
-    return ue8m0_to_float((w >> ((kb & 3) * 8)) & 0xffu);
-  } else {
-    return __ldg(static_cast<const float*>(p.sfa) + base + kb * p.sfa_stride_k);
-  }
+  const unsigned int* sfa = static_cast<const unsigned int*>(p.sfa);
+  return __ldg(sfa + base + (UE8M0 ? kb >> 2 : kb) * p.sfa_stride_k);
 }
 
 template <bool UE8M0>
-__device__ __forceinline__ float load_scale_b(const Params& p, int group, int col, int kb) {
-  if constexpr (UE8M0) {
-    const unsigned int w = __ldg(static_cast<const unsigned int*>(p.sfb) + group * p.sfb_stride_g +
-                                 col * p.sfb_stride_n + (kb >> 2) * p.sfb_stride_k);
-    return ue8m0_to_float((w >> ((kb & 3) * 8)) & 0xffu);
-  } else {
-    return __ldg(static_cast<const float*>(p.sfb) + group * p.sfb_stride_g +
-                 (col / 128) * p.sfb_stride_n + kb * p.sfb_stride_k);
-  }
+__device__ __forceinline__ unsigned int word_b(const Params& p, int group, int col, int kb) {
+  const unsigned int* sfb = static_cast<const unsigned int*>(p.sfb);
+  if constexpr (UE8M0)
+    return __ldg(sfb + group * p.sfb_stride_g + col * p.sfb_stride_n + (kb >> 2) * p.sfb_stride_k);
+  else
+    return __ldg(sfb + group * p.sfb_stride_g + (col / 128) * p.sfb_stride_n + kb * p.sfb_stride_k);
+}
+
+template <bool UE8M0>
+__device__ __forceinline__ float scale_of(unsigned int word, int kb) {
+  if constexpr (UE8M0)
+    return ue8m0_to_float((word >> ((kb & 3) * 8)) & 0xffu);
+  else
+    return __uint_as_float(word);
 }
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile written by TMA with 128B swizzle:
@@ -187,27 +220,29 @@ __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r
 // Stale-schedule workspace (fault injection): [0] = active tiles when planned, [1, 1+cap) = tile
 // index per slot, [1+cap, 1+2cap) = expert per slot, cap = number of M-tiles.
 template <int LAYOUT, bool STALE>
-__device__ __forceinline__ TileJob job_for(const Params& p, int m_slot, int active_now) {
+__device__ __forceinline__ TileJob job_for(const Params& p, int m_slot, int active_now, int lane) {
   if constexpr (STALE) {
     // Fault injection. The number of slots to run is recounted from the CURRENT labels
     // (active_now), but which tile each slot runs comes from the schedule planned at the first
     // call. Slots beyond the planned count hold "past the end" sentinel tiles assumed unreachable.
-    TileJob j{0, 0, 0, 0};
+    TileJob j{0, 0, 0, 0, 0};
     if (m_slot < active_now) {
       j.active = 1;
       j.row0 = __ldg(p.sched + 1 + m_slot) * BM;
       j.group = __ldg(p.sched + 1 + p.m_tiles + m_slot);
+      j.rows = BM;
       j.row_end = 0x7fffffff;  // the planned tiles were trusted to lie inside D: no row clamp
     }
     return j;
   } else {
-    return decide_tile<LAYOUT>(p, m_slot);
+    return decide_tile<LAYOUT>(p, m_slot, lane);
   }
 }
 
 // Persistent CTAs: CTA b handles tiles b, b + gridDim.x, ... (tile t = M-slot t / n_tiles, N-tile
-// t % n_tiles), skipping inactive ones. The K blocks of all its active tiles form one flat stream
-// of loads through the stage ring, so the next tile's loads overlap this tile's epilogue.
+// t % n_tiles), skipping inactive ones. Warp 0 decides the tiles and streams the K blocks of all
+// of them through the stage ring, so the next tile's loads overlap this tile's epilogue; every
+// warp learns which tile a stage belongs to from its StageJob.
 template <int LAYOUT, bool UE8M0, bool STALE>
 __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorMap* tmap_b,
                                           const Params& p) {
@@ -215,6 +250,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
   __shared__ int active_count_s;
   __shared__ alignas(8) uint64_t full_bar[STAGES];
   __shared__ alignas(8) uint64_t empty_bar[STAGES];
+  __shared__ StageJob stage_job[STAGES];
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -239,47 +275,69 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
     active_now = active_count_s;
   }
 
-  // Every thread walks the same deterministic sequence of active tiles (routing metadata does not
-  // change while the kernel runs), so no per-tile broadcast or block barrier is needed.
-  auto next_active = [&](int t, TileJob& job) -> int {
-    for (; t < total_tiles; t += gridDim.x) {
-      job = job_for<LAYOUT, STALE>(p, t / p.n_tiles, active_now);
-      if (job.active) return t;
-    }
-    return total_tiles;
-  };
-
   // TMA with 128B swizzle needs 1024-byte aligned destinations.
   const uint32_t raw_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t smem_base = (raw_base + 1023u) & ~1023u;
   uint8_t* smem = smem_raw + (smem_base - raw_base);
 
-  // Producer state (used by thread 0 only, which also computes): position in the load stream.
-  TileJob pjob{0, 0, 0, 0};
-  int ptile = 0, pkb = 0;
+  // The producer is warp 0, which also computes. All its lanes keep the same state: the tile being
+  // streamed (ptile, pjob), its next K block, the index of the next load and whether the end
+  // marker went out. A separate producer warp would cost the math warps registers (nine warps
+  // cap every thread at 168), which they need for the accumulators.
   constexpr uint64_t kEvictNormal = 0x1000000000000000ull;
-  auto issue_next_load = [&](int load_index) {
-    const int s = load_index % STAGES;
-    // The whole box is always transferred (out-of-bounds parts are zero-filled): constant bytes.
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full_bar[s], STAGE_BYTES);
-    uint8_t* sa = smem + s * STAGE_BYTES;
-    const int a_group = LAYOUT == kMasked ? pjob.group : 0;
-    cute::SM90_TMA_LOAD_3D::copy(tmap_a, &full_bar[s], kEvictNormal, sa, pkb * BK, pjob.row0,
-                                 a_group);
-    cute::SM90_TMA_LOAD_3D::copy(tmap_b, &full_bar[s], kEvictNormal, sa + A_TILE_BYTES, pkb * BK,
-                                 (ptile % p.n_tiles) * BN, pjob.group);
-    if (++pkb == p.k_blocks) {
-      pkb = 0;
-      ptile = next_active(ptile + gridDim.x, pjob);
+  int ptile = blockIdx.x, pkb = 0, pload = 0;
+  bool pdone = false;
+  TileJob pjob{0, 0, 0, 0, 0};
+  auto advance = [&]() {  // warp 0: move ptile to the next active tile (or past the end)
+    for (; ptile < total_tiles; ptile += gridDim.x) {
+      pjob = job_for<LAYOUT, STALE>(p, ptile / p.n_tiles, active_now, lane);
+      if (pjob.active) return;
     }
   };
-  if (threadIdx.x == 0) {
-    cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_a));
-    cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_b));
-    ptile = next_active(blockIdx.x, pjob);
-    for (int l = 0; l < STAGES && ptile < total_tiles; ++l) issue_next_load(l);
+  auto produce = [&]() {  // warp 0: issue load pload into its (free) stage, or the end marker
+    const int s = pload % STAGES;
+    if (ptile >= total_tiles) {
+      if (lane == 0) {
+        stage_job[s].n0 = -1;
+        cutlass::arch::ClusterBarrier::arrive(&full_bar[s]);
+      }
+      pdone = true;
+    } else {
+      if (lane == 0) {
+        const int n0 = (ptile % p.n_tiles) * BN;
+        const int a_group = LAYOUT == kMasked ? pjob.group : 0;
+        // Only the boxes holding the tile's rows are loaded; the whole of each box is always
+        // transferred (out-of-bounds parts are zero-filled), so the byte count is exact.
+        const int a_boxes = (pjob.rows + A_BOX - 1) / A_BOX;
+        const uint32_t bytes = static_cast<uint32_t>(a_boxes * A_BOX * BK + B_TILE_BYTES);
+        stage_job[s] = StageJob{n0, pjob.group, pjob.row0, pjob.rows, pjob.row_end, pkb};
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full_bar[s], bytes);
+        uint8_t* sa = smem + s * STAGE_BYTES;
+        for (int b = 0; b < a_boxes; ++b)
+          cute::SM90_TMA_LOAD_3D::copy(tmap_a, &full_bar[s], kEvictNormal, sa + b * A_BOX * BK,
+                                       pkb * BK, pjob.row0 + b * A_BOX, a_group);
+        cute::SM90_TMA_LOAD_3D::copy(tmap_b, &full_bar[s], kEvictNormal, sa + A_TILE_BYTES,
+                                     pkb * BK, n0, pjob.group);
+      }
+      if (++pkb == p.k_blocks) {
+        pkb = 0;
+        ptile += gridDim.x;
+        advance();
+      }
+    }
+    ++pload;
+    __syncwarp();
+  };
+  if (warp == 0) {
+    if (lane == 0) {
+      cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_a));
+      cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_b));
+    }
+    advance();
+    while (pload < STAGES && !pdone) produce();
   }
 
+  // -------------------------------------------------------------------- math warps
   const int wm0 = (warp / WARPS_N) * WM;
   const int wn0 = (warp % WARPS_N) * WN;
   const int g = lane / 4;  // MMA "groupID"
@@ -290,126 +348,146 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
   const int b_ld_row = wn0 + (lane % 8) + (lane / 16) * 8;       // + j*8 (pairs of n8 tiles)
   const int b_ld_chunk = (lane / 8) % 2;                         // + 2*kk
 
-  int load = 0;  // index of the next load to consume in the flat stream
-  TileJob job;
-  for (int tile = next_active(blockIdx.x, job); tile < total_tiles;
-       tile = next_active(tile + gridDim.x, job)) {
-    const int n0 = (tile % p.n_tiles) * BN;
-    const int a_group = LAYOUT == kMasked ? job.group : 0;
+  float acc[MI][NI][4];
+  unsigned int wa[MI][2];  // scale words of this thread's rows / columns (see word_a / word_b)
+  unsigned int wb[NI][2];
+  for (int load = 0;; ++load) {
+    const int s = load % STAGES;
+    // Warp 0 refills the stage that load - 1 used once every warp released it (pload is then
+    // load - 1 + STAGES). Lagging one block behind keeps it from waiting on the slowest warp.
+    if (warp == 0 && load >= 1 && !pdone) {
+      __syncwarp();
+      const int prev = load - 1;
+      cutlass::arch::ClusterBarrier::wait(&empty_bar[prev % STAGES], (prev / STAGES) & 1);
+      produce();
+    }
+    cutlass::arch::ClusterBarrier::wait(&full_bar[s], (load / STAGES) & 1);
+    const StageJob sj = stage_job[s];
+    if (sj.n0 < 0) break;
+    const int kb = sj.kb;
+    const int a_group = LAYOUT == kMasked ? sj.group : 0;
+    // m16 row blocks of this warp that hold rows of the tile (warp-uniform).
+    const int mi_on = max(0, min(MI, (sj.rows - wm0 + 15) / 16));
+    if (kb == 0) {
+#pragma unroll
+      for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int j = 0; j < NI; ++j)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
+    }
+    if (mi_on == 0) {
+      // Nothing of this tile in this warp's rows: release the stage at once.
+      __syncwarp();
+      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&empty_bar[s]);
+      continue;
+    }
+    // Scale words: fp32 ones every block, UE8M0 ones every fourth block (a word holds four).
+    // Rows/columns are clamped so the loads stay inside the tensors; the clamped values only
+    // scale results that are never stored. The loads' latency hides behind this block's MMAs.
+    if (!UE8M0 || (kb & 3) == 0) {
+#pragma unroll
+      for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          if (i < mi_on)
+            wa[i][h] = word_a<UE8M0>(p, a_group, min(sj.row0 + wm0 + i * 16 + g + h * 8, p.m - 1),
+                                     kb);
+      if constexpr (UE8M0) {
+#pragma unroll
+        for (int j = 0; j < NI; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            wb[j][h] = word_b<true>(p, sj.group, min(sj.n0 + wn0 + j * 8 + 2 * t + h, p.n - 1), kb);
+      } else {
+        // 128x128 B blocks: one scale per 128 columns; BN <= 128 and n0 % BN == 0 keep it
+        // uniform across the tile.
+        wb[0][0] = word_b<false>(p, sj.group, min(sj.n0, p.n - 1), kb);
+      }
+    }
 
-    float acc[MI][NI][4];
+    const uint32_t sa_base = smem_base + s * STAGE_BYTES;
+    const uint32_t sb_base = sa_base + A_TILE_BYTES;
+    float part[MI][NI][4];
 #pragma unroll
     for (int i = 0; i < MI; ++i)
 #pragma unroll
       for (int j = 0; j < NI; ++j)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
+        for (int c = 0; c < 4; ++c) part[i][j][c] = 0.f;
 
-    // Rows/columns whose scales this thread needs; clamped so scale reads stay inside the
-    // tensors (the clamped values only ever multiply zero-filled or never-stored results).
-    int srow[MI][2];
-    int scol[NI][2];
-#pragma unroll
-    for (int i = 0; i < MI; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) srow[i][h] = min(job.row0 + wm0 + i * 16 + g + h * 8, p.m - 1);
-#pragma unroll
-    for (int j = 0; j < NI; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) scol[j][h] = min(n0 + wn0 + j * 8 + 2 * t + h, p.n - 1);
-
-    for (int kb = 0; kb < p.k_blocks; ++kb, ++load) {
-      const int s = load % STAGES;
-      // Refill the stage that the previous load used once every warp released it. Lagging one
-      // block behind keeps warp 0 from waiting on the slowest warp's current block.
-      if (threadIdx.x == 0 && load >= 1 && ptile < total_tiles) {
-        const int prev = load - 1;
-        cutlass::arch::ClusterBarrier::wait(&empty_bar[prev % STAGES], (prev / STAGES) & 1);
-        issue_next_load(prev + STAGES);
-      }
-      __syncwarp();
-      // Issue this block's scale loads first; their latency hides behind the MMAs.
-      float sa[MI][2];
-      float sb[NI][2];
-#pragma unroll
-      for (int i = 0; i < MI; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) sa[i][h] = load_scale_a<UE8M0>(p, a_group, srow[i][h], kb);
-      if constexpr (UE8M0) {
-#pragma unroll
-        for (int j = 0; j < NI; ++j)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) sb[j][h] = load_scale_b<true>(p, job.group, scol[j][h], kb);
-      } else {
-        // 128x128 B blocks: one scale per 128 columns; BN <= 128 and n0 % BN == 0 keep it
-        // uniform across the tile.
-        const float b = load_scale_b<false>(p, job.group, scol[0][0], kb);
-#pragma unroll
-        for (int j = 0; j < NI; ++j) sb[j][0] = sb[j][1] = b;
-      }
-
-      cutlass::arch::ClusterBarrier::wait(&full_bar[s], (load / STAGES) & 1);
-      const uint32_t sa_base = smem_base + s * STAGE_BYTES;
-      const uint32_t sb_base = sa_base + A_TILE_BYTES;
-
-      float part[MI][NI][4];
-#pragma unroll
-      for (int i = 0; i < MI; ++i)
-#pragma unroll
-        for (int j = 0; j < NI; ++j)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) part[i][j][c] = 0.f;
-
-      // sm_90 emulates each FP8 MMA with FP16 ones plus unpack instructions; unrolling the k32
-      // steps there lets the scheduler hoist unpacks until the accumulators spill (unroll 1).
+    // sm_90 emulates each FP8 MMA with FP16 ones plus unpack instructions; unrolling the k32
+    // steps there lets the scheduler hoist unpacks until the accumulators spill (unroll 1).
+    // Full tiles take a branch-free copy: a branch per m16 block would make sm_90 unpack the B
+    // fragments once per block.
+    auto mma_steps = [&](auto partial) {
+      constexpr bool PARTIAL = decltype(partial)::value;
 #pragma unroll KD_KK_UNROLL
       for (int kk = 0; kk < BK / 32; ++kk) {
         uint32_t af[MI][4];
         uint32_t bf[NI][2];
 #pragma unroll
-        for (int i = 0; i < MI; ++i)
-          ldsm_x4(sa_base + swz(a_ld_row + i * 16, 2 * kk + a_ld_chunk), af[i][0], af[i][1],
-                  af[i][2], af[i][3]);
-#pragma unroll
         for (int j = 0; j < NI; j += 2)
           ldsm_x4(sb_base + swz(b_ld_row + j * 8, 2 * kk + b_ld_chunk), bf[j][0], bf[j][1],
                   bf[j + 1][0], bf[j + 1][1]);
 #pragma unroll
-        for (int i = 0; i < MI; ++i)
+        for (int i = 0; i < MI; ++i) {
+          if (PARTIAL && i >= mi_on) continue;
+          ldsm_x4(sa_base + swz(a_ld_row + i * 16, 2 * kk + a_ld_chunk), af[i][0], af[i][1],
+                  af[i][2], af[i][3]);
 #pragma unroll
           for (int j = 0; j < NI; ++j)
             cute::SM89_16x8x32_F32E4M3E4M3F32_TN::fma(
                 part[i][j][0], part[i][j][1], part[i][j][2], part[i][j][3], af[i][0], af[i][1],
                 af[i][2], af[i][3], bf[j][0], bf[j][1], part[i][j][0], part[i][j][1],
                 part[i][j][2], part[i][j][3]);
+        }
       }
-      // This warp is done reading the stage: hand it back to the producer.
-      __syncwarp();
-      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&empty_bar[s]);
+    };
+    if (mi_on == MI)
+      mma_steps(cuda::std::false_type{});
+    else
+      mma_steps(cuda::std::true_type{});
+    // This warp is done reading the stage: hand it back to the producer.
+    __syncwarp();
+    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&empty_bar[s]);
 
-      // Promote the 128-K partial sums with their block scales in fp32.
+    // Promote the 128-K partial sums with their block scales in fp32.
+    float sb[NI][2];
 #pragma unroll
-      for (int i = 0; i < MI; ++i)
+    for (int j = 0; j < NI; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        sb[j][h] = UE8M0 ? scale_of<true>(wb[j][h], kb) : scale_of<false>(wb[0][0], kb);
+#pragma unroll
+    for (int i = 0; i < MI; ++i) {
+      if (i < mi_on) {
+        const float sa0 = scale_of<UE8M0>(wa[i][0], kb);
+        const float sa1 = scale_of<UE8M0>(wa[i][1], kb);
 #pragma unroll
         for (int j = 0; j < NI; ++j)
 #pragma unroll
           for (int c = 0; c < 4; ++c)
-            acc[i][j][c] = fmaf(part[i][j][c], sa[i][c / 2] * sb[j][c % 2], acc[i][j][c]);
+            acc[i][j][c] =
+                fmaf(part[i][j][c], (c < 2 ? sa0 : sa1) * sb[j][c % 2], acc[i][j][c]);
+      }
     }
 
-    // Epilogue: bf16 pairs straight from registers; rows past row_end and columns past N are
-    // left untouched.
-    __nv_bfloat16* d = p.d + (LAYOUT == kMasked ? job.group * p.d_stride_g : 0ll);
+    if (kb != p.k_blocks - 1) continue;
+    // Epilogue: bf16 pairs straight from registers. Rows past the tile's extent or row_end and
+    // columns past N are left untouched.
+    __nv_bfloat16* d = p.d + (LAYOUT == kMasked ? sj.group * p.d_stride_g : 0ll);
+    const int row_lim = min(sj.row0 + sj.rows, sj.row_end);
 #pragma unroll
     for (int i = 0; i < MI; ++i) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int row = job.row0 + wm0 + i * 16 + g + h * 8;
-        if (row >= job.row_end || (!STALE && row >= p.m)) continue;
+        const int row = sj.row0 + wm0 + i * 16 + g + h * 8;
+        if (row >= row_lim || (!STALE && row >= p.m)) continue;
         __nv_bfloat16* drow = d + row * p.d_stride_m;
 #pragma unroll
         for (int j = 0; j < NI; ++j) {
-          const int col = n0 + wn0 + j * 8 + 2 * t;
+          const int col = sj.n0 + wn0 + j * 8 + 2 * t;
           if (col >= p.n) continue;
           *reinterpret_cast<__nv_bfloat162*>(drow + col) =
               __floats2bfloat162_rn(acc[i][j][h * 2], acc[i][j][h * 2 + 1]);
