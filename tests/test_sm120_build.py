@@ -163,6 +163,23 @@ def test_params_struct_size_matches_cuda() -> None:
 
 
 @needs_nvrtc
+@pytest.mark.parametrize("family", sorted(configs.CONFIGS))
+def test_launch_shape_matches_kernel(family: int) -> None:
+    """The block size and shared memory the launcher uses are the ones the kernel was built for."""
+    from cuda.core import Program
+
+    cfg = configs.CONFIGS[family]
+    checks = [
+        f'static_assert(kd::THREADS == {cfg.threads}, "threads per block");',
+        f'static_assert(kd::STAGES * kd::STAGE_BYTES + 1024 == {cfg.dynamic_smem}, "smem");',
+        f'static_assert(kd::A_BOX == {cfg.a_box}, "A box rows");',
+    ]
+    source = build.kernel_source() + "\n" + "\n".join(checks) + "\n"
+    arch = "sm_90a" if family == 90 else "sm_120a"
+    Program(source, "c++", build._program_options(BuildRequest(arch, cfg))).compile("cubin")
+
+
+@needs_nvrtc
 def test_cache_roundtrip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(build.CACHE_ENV_VAR, str(tmp_path))
     assert build.cache_dir() == tmp_path / "sm120"

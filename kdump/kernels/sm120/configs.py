@@ -38,7 +38,7 @@ class TileConfig:
 
     @property
     def threads(self) -> int:
-        return (self.warps_m * self.warps_n + 1) * 32  # math warps + one producer warp
+        return self.warps_m * self.warps_n * 32  # warp 0 also decides tiles and issues TMA
 
     @property
     def dynamic_smem(self) -> int:
