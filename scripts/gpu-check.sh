@@ -44,7 +44,8 @@ PY
 sm120)
   timeout 220 python3 -m pytest -m gpu -q -x tests/test_sm120_gpu.py 2>&1 | tee "$OUT/pytest-sm120.log"
   timeout 60 python3 -m kdump doctor --selftest 2>&1 | tee "$OUT/doctor-selftest.log"
-  timeout 280 python3 bench/bench_sm120.py 2>&1 | tee "$OUT/bench-sm120.log"
+  [ -n "$SWEEP" ] && timeout 200 python3 bench/sweep_sm120.py 2>&1 | tee "$OUT/sweep-sm120.log"
+  [ -z "$NOBENCH" ] && timeout 280 python3 bench/bench_sm120.py 2>&1 | tee "$OUT/bench-sm120.log"
   cp bench/RESULTS_sm120.md "$OUT/RESULTS_sm120.md"
   ;;
 esac

@@ -13,7 +13,8 @@
 // Compile-time parameters (set with -D by kdump.kernels.sm120.build):
 //   KD_BM, KD_BN   tile rows (M) and columns (N); KD_BK is fixed at 128 (one scale block)
 //   KD_STAGES      depth of the shared-memory pipeline
-//   KD_WARPS_M, KD_WARPS_N   math-warp grid; warp 0 also decides tiles and issues the TMA loads
+//   KD_WARPS_M, KD_WARPS_N   math-warp grid
+//   KD_SPECIALIZED 1: a producer warpgroup decides tiles and issues TMA loads; 0: math warp 0 does
 //   KD_A_BOX       rows per A TMA box (only the boxes holding a tile's rows are loaded)
 //   KD_KK_UNROLL   unroll factor of the four k32 MMA steps of one K block
 
@@ -45,6 +46,9 @@ using cuda::std::void_t;
 #ifndef KD_A_BOX
 #define KD_A_BOX 16
 #endif
+#ifndef KD_SPECIALIZED
+#define KD_SPECIALIZED 1
+#endif
 #ifndef KD_WARPS_M
 #define KD_WARPS_M 2
 #endif
@@ -61,7 +65,15 @@ constexpr int STAGES = KD_STAGES;
 constexpr int WARPS_M = KD_WARPS_M;
 constexpr int WARPS_N = KD_WARPS_N;
 constexpr int MATH_WARPS = WARPS_M * WARPS_N;
-constexpr int THREADS = MATH_WARPS * 32;  // warp 0 also decides tiles and issues the TMA loads
+// KD_SPECIALIZED: a producer warpgroup in front of the math warps (its registers move to them
+// with setmaxnreg); otherwise warp 0 produces between its own math steps.
+constexpr bool SPECIALIZED = KD_SPECIALIZED;
+constexpr int PRODUCER_WARPS = SPECIALIZED ? 4 : 0;
+constexpr int THREADS = (PRODUCER_WARPS + MATH_WARPS) * 32;
+constexpr int PRODUCER_REGS = 48;
+// What is left of the 64K registers per SM for each math thread, in steps of 8, at most 256.
+constexpr int MATH_REGS_RAW = (65536 - PRODUCER_WARPS * 32 * PRODUCER_REGS) / (MATH_WARPS * 32);
+constexpr int MATH_REGS = (MATH_REGS_RAW > 256 ? 256 : MATH_REGS_RAW) / 8 * 8;
 constexpr int A_BOX = KD_A_BOX;  // rows per A TMA box: a tile loads ceil(rows / A_BOX) boxes
 constexpr int WM = BM / WARPS_M;  // rows per math warp
 constexpr int WN = BN / WARPS_N;  // columns per math warp
@@ -100,7 +112,7 @@ struct alignas(64) TensorMap {
   unsigned long long opaque[16];
 };
 
-// What one tile of work is, decided by warp 0 from device-resident routing metadata.
+// What one tile of work is, decided by the producer warp from device-resident routing metadata.
 struct TileJob {
   int active;
   int group;    // expert index: B / scale_b group, and A / D group for the masked layout
@@ -133,7 +145,7 @@ __device__ __forceinline__ int psum_group_of(const int* ends, int num_groups, in
   return lo;
 }
 
-// Called by all 32 lanes of warp 0 (the label layout scans the tile's labels).
+// Called by all 32 lanes of the producer warp (the label layout scans the tile's labels).
 template <int LAYOUT>
 __device__ __forceinline__ TileJob decide_tile(const Params& p, int m_slot, int lane) {
   TileJob job{0, 0, 0, 0, 0};
@@ -240,9 +252,9 @@ __device__ __forceinline__ TileJob job_for(const Params& p, int m_slot, int acti
 }
 
 // Persistent CTAs: CTA b handles tiles b, b + gridDim.x, ... (tile t = M-slot t / n_tiles, N-tile
-// t % n_tiles), skipping inactive ones. Warp 0 decides the tiles and streams the K blocks of all
-// of them through the stage ring, so the next tile's loads overlap this tile's epilogue; every
-// warp learns which tile a stage belongs to from its StageJob.
+// t % n_tiles), skipping inactive ones. A producer warp decides the tiles and streams the K blocks
+// of all of them through the stage ring, so the next tile's loads overlap this tile's epilogue;
+// the math warps learn which tile a stage belongs to from its StageJob.
 template <int LAYOUT, bool UE8M0, bool STALE>
 __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorMap* tmap_b,
                                           const Params& p) {
@@ -275,26 +287,26 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
     active_now = active_count_s;
   }
 
-  // TMA with 128B swizzle needs 1024-byte aligned destinations.
-  const uint32_t raw_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-  const uint32_t smem_base = (raw_base + 1023u) & ~1023u;
-  uint8_t* smem = smem_raw + (smem_base - raw_base);
+  // TMA with 128B swizzle needs 1024-byte aligned destinations. (Computed where used: a value
+  // live across setmaxnreg is spilled.)
+  auto aligned_smem = [&]() -> uint32_t {
+    return (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
+  };
 
-  // The producer is warp 0, which also computes. All its lanes keep the same state: the tile being
-  // streamed (ptile, pjob), its next K block, the index of the next load and whether the end
-  // marker went out. A separate producer warp would cost the math warps registers (nine warps
-  // cap every thread at 168), which they need for the accumulators.
+  // Producer state; all lanes of the producer warp keep the same copy: the tile being streamed
+  // (ptile, pjob), its next K block, the index of the next load and whether the end marker went
+  // out.
   constexpr uint64_t kEvictNormal = 0x1000000000000000ull;
   int ptile = blockIdx.x, pkb = 0, pload = 0;
   bool pdone = false;
   TileJob pjob{0, 0, 0, 0, 0};
-  auto advance = [&]() {  // warp 0: move ptile to the next active tile (or past the end)
+  auto advance = [&]() {  // move ptile to the next active tile (or past the end)
     for (; ptile < total_tiles; ptile += gridDim.x) {
       pjob = job_for<LAYOUT, STALE>(p, ptile / p.n_tiles, active_now, lane);
       if (pjob.active) return;
     }
   };
-  auto produce = [&]() {  // warp 0: issue load pload into its (free) stage, or the end marker
+  auto produce = [&]() {  // issue load pload into its (free) stage, or the end marker
     const int s = pload % STAGES;
     if (ptile >= total_tiles) {
       if (lane == 0) {
@@ -312,7 +324,9 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
         const uint32_t bytes = static_cast<uint32_t>(a_boxes * A_BOX * BK + B_TILE_BYTES);
         stage_job[s] = StageJob{n0, pjob.group, pjob.row0, pjob.rows, pjob.row_end, pkb};
         cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full_bar[s], bytes);
-        uint8_t* sa = smem + s * STAGE_BYTES;
+        const uint32_t base = aligned_smem();
+        uint8_t* sa = smem_raw + (base - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw))) +
+                      s * STAGE_BYTES;
         for (int b = 0; b < a_boxes; ++b)
           cute::SM90_TMA_LOAD_3D::copy(tmap_a, &full_bar[s], kEvictNormal, sa + b * A_BOX * BK,
                                        pkb * BK, pjob.row0 + b * A_BOX, a_group);
@@ -328,18 +342,47 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
     ++pload;
     __syncwarp();
   };
-  if (warp == 0) {
-    if (lane == 0) {
-      cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_a));
-      cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_b));
+  // The stage load l goes to is free once every math warp released load l - STAGES.
+  auto wait_free = [&](int l) {
+    if (l >= STAGES)
+      cutlass::arch::ClusterBarrier::wait(&empty_bar[l % STAGES], ((l / STAGES) + 1) & 1);
+  };
+
+  if constexpr (SPECIALIZED) {
+    // Warpgroup 0 produces (one warp works, the other three leave) and gives its registers to
+    // the math warpgroups, which need them for the accumulators.
+    if (warp < PRODUCER_WARPS) {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
+      if (warp != 0) return;
+      if (lane == 0) {
+        cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_a));
+        cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_b));
+      }
+      advance();
+      while (!pdone) {
+        wait_free(pload);
+        produce();
+      }
+      return;
     }
-    advance();
-    while (pload < STAGES && !pdone) produce();
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(MATH_REGS));
+  } else {
+    // Warp 0 produces between its own math steps.
+    if (warp == 0) {
+      if (lane == 0) {
+        cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_a));
+        cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_b));
+      }
+      advance();
+      while (pload < STAGES && !pdone) produce();
+    }
   }
 
   // -------------------------------------------------------------------- math warps
-  const int wm0 = (warp / WARPS_N) * WM;
-  const int wn0 = (warp % WARPS_N) * WN;
+  const uint32_t smem_base = aligned_smem();
+  const int mwarp = warp - PRODUCER_WARPS;
+  const int wm0 = (mwarp / WARPS_N) * WM;
+  const int wn0 = (mwarp % WARPS_N) * WN;
   const int g = lane / 4;  // MMA "groupID"
   const int t = lane % 4;  // MMA "threadID_in_group"
   // ldmatrix source rows/chunks for this lane (see the fragment layouts of m16n8k32).
@@ -353,13 +396,14 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
   unsigned int wb[NI][2];
   for (int load = 0;; ++load) {
     const int s = load % STAGES;
-    // Warp 0 refills the stage that load - 1 used once every warp released it (pload is then
-    // load - 1 + STAGES). Lagging one block behind keeps it from waiting on the slowest warp.
-    if (warp == 0 && load >= 1 && !pdone) {
-      __syncwarp();
-      const int prev = load - 1;
-      cutlass::arch::ClusterBarrier::wait(&empty_bar[prev % STAGES], (prev / STAGES) & 1);
-      produce();
+    if constexpr (!SPECIALIZED) {
+      // Warp 0 refills the stage that load - 1 used (pload is then load - 1 + STAGES). Lagging
+      // one block behind keeps it from waiting on the slowest warp.
+      if (warp == 0 && load >= 1 && !pdone) {
+        __syncwarp();
+        wait_free(pload);
+        produce();
+      }
     }
     cutlass::arch::ClusterBarrier::wait(&full_bar[s], (load / STAGES) & 1);
     const StageJob sj = stage_job[s];
