@@ -70,10 +70,15 @@ constexpr int MATH_WARPS = WARPS_M * WARPS_N;
 constexpr bool SPECIALIZED = KD_SPECIALIZED;
 constexpr int PRODUCER_WARPS = SPECIALIZED ? 4 : 0;
 constexpr int THREADS = (PRODUCER_WARPS + MATH_WARPS) * 32;
-constexpr int PRODUCER_REGS = 48;
-// What is left of the 64K registers per SM for each math thread, in steps of 8, at most 256.
-constexpr int MATH_REGS_RAW = (65536 - PRODUCER_WARPS * 32 * PRODUCER_REGS) / (MATH_WARPS * 32);
+// Every warp starts with the launch-bounds share of the register file (168 for 384 threads).
+// setmaxnreg.inc only takes what the CTA's own warps gave back with setmaxnreg.dec, so the math
+// warps may grow by exactly what the producer warpgroup releases: asking for more hangs.
+constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
+constexpr int PRODUCER_REGS = 40;
+constexpr int MATH_REGS_RAW =
+    LAUNCH_REGS + (LAUNCH_REGS - PRODUCER_REGS) * PRODUCER_WARPS / (MATH_WARPS > 0 ? MATH_WARPS : 1);
 constexpr int MATH_REGS = (MATH_REGS_RAW > 256 ? 256 : MATH_REGS_RAW) / 8 * 8;
+static_assert(!SPECIALIZED || MATH_REGS >= LAUNCH_REGS, "setmaxnreg would shrink the math warps");
 constexpr int A_BOX = KD_A_BOX;  // rows per A TMA box: a tile loads ceil(rows / A_BOX) boxes
 constexpr int WM = BM / WARPS_M;  // rows per math warp
 constexpr int WN = BN / WARPS_N;  // columns per math warp
