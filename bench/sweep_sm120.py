@@ -22,12 +22,7 @@ from bench_sm120 import bench_ours, make_case
 from kdump.kernels.sm120 import configs, launch
 
 CASES = (("w13", 1), ("w13", 32), ("w13", 113), ("w2", 1), ("w2", 113))
-DEFAULT_VARIANTS = (
-    "specialized=1,a_box=16",
-    "specialized=1,a_box=128",
-    "specialized=0,a_box=16",
-    "specialized=0,a_box=128",
-)
+DEFAULT_VARIANTS = ("", "stages=7", "a_box=128", "specialized=0")
 
 
 def parse(spec: str) -> dict[str, int]:
@@ -55,7 +50,9 @@ def main() -> None:
         configs.CONFIGS[family] = cfg
         launch._modules.clear()
         times = [bench_ours(c, True, args.iters) for c in cases]
-        print(f"| {spec} | " + " | ".join(f"{t:.1f}" for t in times) + " |", flush=True)
+        print(
+            f"| {spec or 'default'} | " + " | ".join(f"{t:.1f}" for t in times) + " |", flush=True
+        )
     configs.CONFIGS[family] = base
     launch._modules.clear()
 

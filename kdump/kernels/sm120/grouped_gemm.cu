@@ -150,6 +150,19 @@ __device__ __forceinline__ int psum_group_of(const int* ends, int num_groups, in
   return lo;
 }
 
+// One past the last row of the tile at row0 that carries a label >= 0 (0 if none); rows past it are
+// padding: neither loaded, computed nor written (decode batches fill a few rows of each tile).
+// All 32 lanes of a warp call it.
+__device__ __forceinline__ int label_extent(const Params& p, int row0, int lane) {
+  int last = -1;
+#pragma unroll
+  for (int r = lane; r < BM; r += 32)
+    if (row0 + r < p.m && __ldg(p.layout + row0 + r) >= 0) last = r;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
+  return last + 1;
+}
+
 // Called by all 32 lanes of the producer warp (the label layout scans the tile's labels).
 template <int LAYOUT>
 __device__ __forceinline__ TileJob decide_tile(const Params& p, int m_slot, int lane) {
@@ -161,17 +174,7 @@ __device__ __forceinline__ TileJob decide_tile(const Params& p, int m_slot, int 
     // corrupt label cannot make the kernel read scales out of bounds.
     job.active = job.group >= 0 && job.group < p.num_groups;
     job.row_end = p.m;
-    if (job.active) {
-      // Rows past the tile's last labelled row are padding: neither loaded, computed nor written
-      // (decode batches fill a few rows of each 128-row tile).
-      int last = -1;
-#pragma unroll
-      for (int r = lane; r < BM; r += 32)
-        if (job.row0 + r < p.m && __ldg(p.layout + job.row0 + r) >= 0) last = r;
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
-      job.rows = last + 1;
-    }
+    if (job.active) job.rows = label_extent(p, job.row0, lane);
   } else if constexpr (LAYOUT == kPsum) {
     job.row0 = m_slot * BM;
     job.group = psum_group_of(p.layout, p.num_groups, job.row0);
@@ -247,8 +250,11 @@ __device__ __forceinline__ TileJob job_for(const Params& p, int m_slot, int acti
       j.active = 1;
       j.row0 = __ldg(p.sched + 1 + m_slot) * BM;
       j.group = __ldg(p.sched + 1 + p.m_tiles + m_slot);
-      j.rows = BM;
-      j.row_end = 0x7fffffff;  // the planned tiles were trusted to lie inside D: no row clamp
+      // Tiles inside D get their extent from the current labels, as in the clean kernel; the
+      // plan's tiles past the end were trusted to be unreachable, so they are computed whole
+      // and nothing clamps their rows.
+      j.rows = j.row0 < p.m ? label_extent(p, j.row0, lane) : BM;
+      j.row_end = 0x7fffffff;
     }
     return j;
   } else {
@@ -433,27 +439,31 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
     }
     // Scale words: fp32 ones every block, UE8M0 ones every fourth block (a word holds four).
     // Rows/columns are clamped so the loads stay inside the tensors; the clamped values only
-    // scale results that are never stored. The loads' latency hides behind this block's MMAs.
-    if (!UE8M0 || (kb & 3) == 0) {
+    // scale results that are never stored. A tile's first words are loaded here (their latency
+    // hides behind this block's MMAs); later ones are prefetched one block ahead, after the
+    // promotion that last needs the current ones.
+    auto load_words = [&](int kbw) {
 #pragma unroll
       for (int i = 0; i < MI; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
           if (i < mi_on)
             wa[i][h] = word_a<UE8M0>(p, a_group, min(sj.row0 + wm0 + i * 16 + g + h * 8, p.m - 1),
-                                     kb);
+                                     kbw);
       if constexpr (UE8M0) {
 #pragma unroll
         for (int j = 0; j < NI; ++j)
 #pragma unroll
           for (int h = 0; h < 2; ++h)
-            wb[j][h] = word_b<true>(p, sj.group, min(sj.n0 + wn0 + j * 8 + 2 * t + h, p.n - 1), kb);
+            wb[j][h] =
+                word_b<true>(p, sj.group, min(sj.n0 + wn0 + j * 8 + 2 * t + h, p.n - 1), kbw);
       } else {
         // 128x128 B blocks: one scale per 128 columns; BN <= 128 and n0 % BN == 0 keep it
         // uniform across the tile.
-        wb[0][0] = word_b<false>(p, sj.group, min(sj.n0, p.n - 1), kb);
+        wb[0][0] = word_b<false>(p, sj.group, min(sj.n0, p.n - 1), kbw);
       }
-    }
+    };
+    if (kb == 0) load_words(0);
 
     const uint32_t sa_base = smem_base + s * STAGE_BYTES;
     const uint32_t sb_base = sa_base + A_TILE_BYTES;
@@ -522,7 +532,10 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
       }
     }
 
-    if (kb != p.k_blocks - 1) continue;
+    if (kb + 1 < p.k_blocks) {
+      if (!UE8M0 || ((kb + 1) & 3) == 0) load_words(kb + 1);
+      continue;
+    }
     // Epilogue: bf16 pairs straight from registers. Rows past the tile's extent or row_end and
     // columns past N are left untouched.
     __nv_bfloat16* d = p.d + (LAYOUT == kMasked ? sj.group * p.d_stride_g : 0ll);
