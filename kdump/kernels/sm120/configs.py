@@ -36,20 +36,14 @@ class TileConfig:
     kk_unroll: int = 4  # unroll of the four k32 steps per K block (1 on sm_90: avoids spills)
     a_box: int = 16  # rows per A TMA box; a tile loads only the boxes that hold its rows
     specialized: bool = True  # a producer warpgroup (else math warp 0 also issues the loads)
-    smem_scales: bool = False  # the producer copies scale words to shared memory (cp.async)
 
     @property
     def threads(self) -> int:
         return (self.warps_m * self.warps_n + (4 if self.specialized else 0)) * 32
 
     @property
-    def scale_bytes(self) -> int:
-        """Per stage: one 4-byte scale word per tile row and per tile column."""
-        return (self.bm + self.bn) * 4 if self.smem_scales and self.specialized else 0
-
-    @property
     def dynamic_smem(self) -> int:
-        return self.stages * ((self.bm + self.bn) * BK_BYTES + self.scale_bytes) + ALIGN_SLACK
+        return self.stages * (self.bm + self.bn) * BK_BYTES + ALIGN_SLACK
 
     @property
     def static_smem(self) -> int:
@@ -69,7 +63,6 @@ class TileConfig:
             f"KD_KK_UNROLL={self.kk_unroll}",
             f"KD_A_BOX={self.a_box}",
             f"KD_SPECIALIZED={int(self.specialized)}",
-            f"KD_SMEM_SCALES={int(self.smem_scales)}",
         ]
 
     def check(self) -> None:
@@ -92,7 +85,7 @@ class TileConfig:
 # The default configuration per compute-capability major*10+minor family. sm_120's 99 KiB allow
 # three 32 KiB stages; Hopper's 227 KiB allow six.
 CONFIGS: dict[int, TileConfig] = {
-    90: TileConfig(bm=128, bn=128, stages=6, warps_m=2, warps_n=4, kk_unroll=1, smem_scales=True),
+    90: TileConfig(bm=128, bn=128, stages=6, warps_m=2, warps_n=4, kk_unroll=1),
     120: TileConfig(bm=128, bn=128, stages=3, warps_m=2, warps_n=4),
 }
 

@@ -16,8 +16,6 @@
 //   KD_WARPS_M, KD_WARPS_N   math-warp grid
 //   KD_SPECIALIZED 1: a producer warpgroup decides tiles and issues TMA loads; 0: math warp 0 does
 //   KD_A_BOX       rows per A TMA box (only the boxes holding a tile's rows are loaded)
-//   KD_SMEM_SCALES 1: the producer copies each stage's scale words to shared memory (cp.async,
-//                  tracked by the stage's barrier); 0: the math warps load them from global
 //   KD_KK_UNROLL   unroll factor of the four k32 MMA steps of one K block
 
 #include <cuda/std/type_traits>
@@ -50,9 +48,6 @@ using cuda::std::void_t;
 #endif
 #ifndef KD_SPECIALIZED
 #define KD_SPECIALIZED 1
-#endif
-#ifndef KD_SMEM_SCALES
-#define KD_SMEM_SCALES 0
 #endif
 #ifndef KD_WARPS_M
 #define KD_WARPS_M 2
@@ -93,13 +88,6 @@ constexpr int GROUP_ALIGN = 128;  // DeepGEMM's mk alignment for contiguous layo
 constexpr int A_TILE_BYTES = BM * BK;
 constexpr int B_TILE_BYTES = BN * BK;
 constexpr int STAGE_BYTES = A_TILE_BYTES + B_TILE_BYTES;
-constexpr bool SMEM_SCALES = KD_SMEM_SCALES && SPECIALIZED;
-// Per stage: one scale word per tile row (A) and per tile column (B), after all stage tiles.
-constexpr int SCALE_BYTES = SMEM_SCALES ? (BM + BN) * 4 : 0;
-constexpr int DYNAMIC_SMEM = STAGES * (STAGE_BYTES + SCALE_BYTES) + 1024;  // + 1024-B alignment
-// Arrivals that complete a full barrier: the producer's expect-tx arrive, plus one per producer
-// lane whose scale copies landed.
-constexpr int FULL_ARRIVALS = SMEM_SCALES ? 33 : 1;
 static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tile must hold whole m16 / pairs of n8 tiles");
 static_assert(BM <= 256 && BN <= 256, "a TMA box dimension is at most 256");
 static_assert(BM % A_BOX == 0 && A_BOX % 16 == 0, "A boxes: whole m16 blocks, 1 KiB aligned");
@@ -242,17 +230,6 @@ __device__ __forceinline__ uint32_t swz(int row, int chunk) {
   return static_cast<uint32_t>(row * BK + ((chunk ^ (row & 7)) << 4));
 }
 
-// 4-byte asynchronous global -> shared copy (cached in L1: a UE8M0 word serves four K blocks).
-__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
-}
-
-// The barrier receives one arrival once every cp.async this thread issued so far has landed.
-__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(addr) : "memory");
-}
-
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
                                         uint32_t& r3) {
   cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(
@@ -306,7 +283,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
   if (threadIdx.x == 0) {
     active_count_s = 0;
     for (int s = 0; s < STAGES; ++s) {
-      cutlass::arch::ClusterTransactionBarrier::init(&full_bar[s], FULL_ARRIVALS);
+      cutlass::arch::ClusterTransactionBarrier::init(&full_bar[s], 1);
       cutlass::arch::ClusterBarrier::init(&empty_bar[s], MATH_WARPS);
     }
     cutlass::arch::fence_barrier_init();
@@ -340,39 +317,15 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
       if (pjob.active) return;
     }
   };
-  // SMEM_SCALES: every lane copies a share of the stage's scale words (rows of the tile, columns
-  // of the tile) to shared memory and has the stage's full barrier wait for its copies, so
-  // neither the producer nor the math warps ever wait on a scale load.
-  auto copy_scales = [&](int s, int n0) {
-    const int kw = UE8M0 ? pkb >> 2 : pkb;
-    const uint32_t dst = aligned_smem() + STAGES * STAGE_BYTES + s * SCALE_BYTES;
-    const unsigned int* sfa = static_cast<const unsigned int*>(p.sfa);
-    const unsigned int* sfb = static_cast<const unsigned int*>(p.sfb);
-    const int a_group = LAYOUT == kMasked ? pjob.group : 0;
-    for (int r = lane; r < pjob.rows; r += 32)
-      cp_async_4(dst + 4 * r, sfa + a_group * p.sfa_stride_g +
-                                  min(pjob.row0 + r, p.m - 1) * p.sfa_stride_m + kw * p.sfa_stride_k);
-    if constexpr (UE8M0) {
-      for (int c = lane; c < BN; c += 32)
-        cp_async_4(dst + 4 * (BM + c), sfb + pjob.group * p.sfb_stride_g +
-                                           min(n0 + c, p.n - 1) * p.sfb_stride_n +
-                                           kw * p.sfb_stride_k);
-    } else if (lane == 0) {
-      cp_async_4(dst + 4 * BM, sfb + pjob.group * p.sfb_stride_g + (n0 / 128) * p.sfb_stride_n +
-                                   kw * p.sfb_stride_k);
-    }
-    cp_async_arrive_noinc(&full_bar[s]);
-    __syncwarp();
-  };
   auto produce = [&]() {  // issue load pload into its (free) stage, or the end marker
     const int s = pload % STAGES;
     if (ptile >= total_tiles) {
-      if (lane == 0) stage_job[s].n0 = -1;
-      if (SMEM_SCALES || lane == 0) cutlass::arch::ClusterBarrier::arrive(&full_bar[s]);
-      if (SMEM_SCALES && lane == 0) cutlass::arch::ClusterBarrier::arrive(&full_bar[s]);
+      if (lane == 0) {
+        stage_job[s].n0 = -1;
+        cutlass::arch::ClusterBarrier::arrive(&full_bar[s]);
+      }
       pdone = true;
     } else {
-      if constexpr (SMEM_SCALES) copy_scales(s, (ptile % p.n_tiles) * BN);
       if (lane == 0) {
         const int n0 = (ptile % p.n_tiles) * BN;
         const int a_group = LAYOUT == kMasked ? pjob.group : 0;
@@ -509,26 +462,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
         wb[0][0] = word_b<false>(p, sj.group, min(sj.n0, p.n - 1), kbw);
       }
     };
-    if constexpr (SMEM_SCALES) {
-      // Read before the stage is released: the producer refills it afterwards.
-      const unsigned int* ss = reinterpret_cast<const unsigned int*>(
-          smem_raw + (smem_base - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw))) +
-          STAGES * STAGE_BYTES + s * SCALE_BYTES);
-#pragma unroll
-      for (int i = 0; i < MI; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) wa[i][h] = ss[wm0 + i * 16 + g + h * 8];
-      if constexpr (UE8M0) {
-#pragma unroll
-        for (int j = 0; j < NI; ++j)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) wb[j][h] = ss[BM + wn0 + j * 8 + 2 * t + h];
-      } else {
-        wb[0][0] = ss[BM];
-      }
-    } else if (!UE8M0 || (kb & 3) == 0) {
-      load_words(kb);
-    }
+    if (!UE8M0 || (kb & 3) == 0) load_words(kb);
 
     const uint32_t sa_base = smem_base + s * STAGE_BYTES;
     const uint32_t sb_base = sa_base + A_TILE_BYTES;
