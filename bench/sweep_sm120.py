@@ -4,7 +4,7 @@ Each variant is compiled (cached like the default one) and timed by CUDA-graph r
 inputs, so the ratios are comparable within one run. Used to pick CONFIGS in
 kdump/kernels/sm120/configs.py; the table it prints is recorded in bench/RESULTS_sm120.md.
 
-Usage: python bench/sweep_sm120.py [--iters 20] [--variant "a_box=16,specialized=1" ...]
+Usage: python bench/sweep_sm120.py [--iters 20] [--variant "a_box=128,stages=5" ...]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from bench_sm120 import bench_ours, make_case
 from kdump.kernels.sm120 import configs, launch
 
 CASES = (("w13", 1), ("w13", 32), ("w13", 113), ("w2", 1), ("w2", 113))
-DEFAULT_VARIANTS = ("", "stages=7", "a_box=128", "specialized=0")
+DEFAULT_VARIANTS = ("", "stages=5", "a_box=128", "warps_m=4,warps_n=2")
 
 
 def parse(spec: str) -> dict[str, int]:

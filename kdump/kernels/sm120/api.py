@@ -223,7 +223,7 @@ def _stream(device: torch.device) -> int:
 
 
 def _grid(device: torch.device, total_tiles: int) -> int:
-    """Persistent grid: one CTA per SM (the kernels use ~240 registers x 256 threads), never
+    """Persistent grid: one CTA per SM (384 threads, math warps at 232 registers), never
     more CTAs than tiles. Depends on shapes and the device only, never on routing metadata."""
     import torch
 

@@ -35,11 +35,10 @@ class TileConfig:
     warps_n: int
     kk_unroll: int = 4  # unroll of the four k32 steps per K block (1 on sm_90: avoids spills)
     a_box: int = 16  # rows per A TMA box; a tile loads only the boxes that hold its rows
-    specialized: bool = True  # a producer warpgroup (else math warp 0 also issues the loads)
 
     @property
     def threads(self) -> int:
-        return (self.warps_m * self.warps_n + (4 if self.specialized else 0)) * 32
+        return (self.warps_m * self.warps_n + 4) * 32  # math warps + a producer warpgroup
 
     @property
     def dynamic_smem(self) -> int:
@@ -62,7 +61,6 @@ class TileConfig:
             f"KD_WARPS_N={self.warps_n}",
             f"KD_KK_UNROLL={self.kk_unroll}",
             f"KD_A_BOX={self.a_box}",
-            f"KD_SPECIALIZED={int(self.specialized)}",
         ]
 
     def check(self) -> None:
