@@ -314,14 +314,19 @@ def _fmt(x: float | None, spec: str) -> str:
 NOTES = """
 Notes:
 - On sm_90 (H200) the FP8 `mma.sync` is emulated: each m16n8k32 becomes two HMMA.16816.F32 plus
-  F2FP.F16.E4M3.UNPACK_B conversions (see tests/test_sm120_build.py); 'mma' is measured against
-  that emulated ceiling. DeepGEMM and torch._scaled_grouped_mm use wgmma (QGMMA) on Hopper, a
-  different class of instruction, so 'x DG' / 'x torch' on this machine say little about sm_120,
-  where the same source compiles to native QMMA.16832.F32.E4M3.E4M3 (not measured: no sm_120 GPU).
-- UE8M0 scales cost more than fp32 ones here: per K block every thread loads and decodes one scale
-  per output column (1x128 granularity on B) instead of one per 128x128 block.
-- The kernel is persistent (one CTA per SM striding over all M x N tiles, inactive tiles skipped),
-  so a graph replay's cost does not depend on the routing metadata beyond the tiles it computes.
+  F2FP.F16.E4M3.UNPACK_B conversions (see tests/test_sm120_build.py); 'mma' and 'tile' are
+  measured against that emulated instruction. DeepGEMM and torch._scaled_grouped_mm use wgmma
+  (QGMMA) on Hopper, a different class of instruction, so 'x DG' / 'x torch' on this machine say
+  little about sm_120, where the same source compiles to native QMMA.16832.F32.E4M3.E4M3 (not
+  measured: no sm_120 GPU).
+- The kernel is persistent (one CTA per SM striding over all M x N tiles, inactive tiles
+  skipped), so a graph replay's cost does not depend on the routing metadata beyond the tiles it
+  computes. A producer warpgroup decides the tiles and issues the TMA loads; eight math warps
+  compute. Each tile is computed (and A loaded) only up to its last labelled row, in 16-row
+  blocks: decode batches cost the B stream plus a few rows.
+- At 1 and 32 tokens per expert the kernel streams B at 1.4-1.7 TB/s, short of the ~2.7 TB/s
+  DeepGEMM reaches; at 113 and 512 it is bound by the emulated MMA (about 0.55 of the mma.sync
+  ceiling). See RESULTS_sm120_tuning.md for the variants measured and what limits it.
 """
 
 

@@ -6,7 +6,10 @@ Semantics implemented (what a replay against this kernel can rely on):
   padding. Each 128-row M-tile takes the expert of its FIRST row (groups start on multiples of
   128). A tile whose first label is -1 (or out of range) is skipped and its D rows are left
   untouched, as DeepGEMM's SM120 kernels do (DeepGEMM on SM90 writes zeros there instead). An
-  active tile is written whole: -1 rows at the end of a group's last tile get A_row x B[expert].
+  active tile runs up to its LAST row whose label is >= 0: the rows after it are neither loaded,
+  computed nor written (left untouched, like skipped tiles), in whole 16-row MMA blocks, which
+  is what makes decode batches cheap. A -1 row before a tile's last labelled row is computed
+  as A_row x B[expert] and written.
 * Contiguous, psum layout (`use_psum_layout=True`): `grouped_layout` int32 [G] holds cumulative END
   rows in the padded row space; group g owns rows [align_up(end[g-1], 128), end[g]) (group 0 starts
   at 0). Only those rows are written; padding rows between groups are left untouched.
