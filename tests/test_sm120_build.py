@@ -97,9 +97,14 @@ def test_resource_usage_fits_budget(cubin) -> None:
     cfg = configs.CONFIGS[90 if arch == "sm_90a" else 120]
     budget = configs.SMEM_BUDGET[90 if arch == "sm_90a" else 120]
     found = 0
-    for name, shared in re.findall(r"Function (\w+):\s*\n\s*REG:\d+ STACK:\d+ SHARED:(\d+)", out):
+    # setmaxnreg.inc only takes registers that the producer warpgroup gave back, computed in the
+    # kernel from the launch-bounds share (LAUNCH_REGS): any other allocation would hang it.
+    launch_regs = 65536 // cfg.threads // 8 * 8
+    usage = r"Function (\w+):\s*\n\s*REG:(\d+) STACK:\d+ SHARED:(\d+)"
+    for name, regs, shared in re.findall(usage, out):
         if name.startswith("kd_gemm"):
             found += 1
+            assert int(regs) == launch_regs, (name, regs, launch_regs)
             # The reported figure includes the 1 KiB the hardware reserves per block.
             static = int(shared) - 1024
             assert 0 <= static <= cfg.static_smem, (name, static)
