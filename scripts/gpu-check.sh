@@ -5,6 +5,8 @@
 #   STAGE=tests  : pytest -m gpu (replay, recording, bundle, reference; sm120 with SM120=1)
 #   STAGE=bench  : replay / reference / hooks benchmarks, and the planted-bug CLI demos
 #   STAGE=sm120  : the packaged kernel: its GPU tests, `kdump doctor --selftest`, its benchmark
+#                  (SWEEP=1 adds bench/sweep_sm120.py, SWEEP_ARGS its variants; NOBENCH=1 skips)
+#   STAGE=profile: Nsight Compute on the packaged kernel, decode (w13, 1 token) and MMA-bound (113)
 set -o pipefail
 OUT=${OUT:-/tmp/kdump-gpu-out}
 mkdir -p "$OUT"
@@ -48,5 +50,15 @@ sm120)
   [ -n "$SWEEP" ] && timeout 150 python3 bench/sweep_sm120.py --iters 10 ${SWEEP_ARGS} 2>&1 | tee "$OUT/sweep-sm120.log"
   [ -z "$NOBENCH" ] && timeout 240 python3 bench/bench_sm120.py --iters 15 2>&1 | tee "$OUT/bench-sm120.log"
   cp bench/RESULTS_sm120.md "$OUT/RESULTS_sm120.md"
+  ;;
+profile)
+  # ncu locks the SM clock (1.37 GHz on the H200): compare ratios, not durations, with the bench
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  for t in ${TOKENS:-1 113}; do
+    timeout 150 "$ncu" --kernel-name regex:kd_gemm --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats \
+      --section WarpStateStats --section SourceCounters \
+      python3 scripts/profile_case.py w13 "$t" > "$OUT/ncu-w13-$t.log" 2>&1
+  done
   ;;
 esac
