@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from _machine import cpu_model
 
 DTYPES = [
     torch.float8_e4m3fn,
@@ -76,15 +77,9 @@ def best_of(repeat: int, fns: dict[str, Callable[[], object]]) -> dict[str, floa
 
 
 def machine() -> str:
-    cpu = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     return (
-        f"{platform.node()}: {cpu}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
-        f"torch {torch.__version__}"
+        f"{platform.node()}: {cpu_model()}, {os.cpu_count()} CPUs, "
+        f"python {platform.python_version()}, torch {torch.__version__}"
     )
 
 
@@ -164,47 +159,21 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    gbps = {k: nbytes / v / 1e9 for k, v in writes.items()}
-    lgbps = {k: nbytes / v / 1e9 for k, v in loads.items()}
-    rows = [
-        ("write", "safetensors save_file", writes["safetensors"], gbps["safetensors"], 1.0),
-        (
-            "write",
-            "kdump save_calls",
-            writes["kdump"],
-            gbps["kdump"],
-            writes["safetensors"] / writes["kdump"],
-        ),
-        (
-            "write",
-            "raw file write",
-            writes["raw"],
-            gbps["raw"],
-            writes["safetensors"] / writes["raw"],
-        ),
-        ("load", "safetensors load_file + touch", loads["safetensors"], lgbps["safetensors"], 1.0),
-        (
-            "load",
-            "kdump load+materialize+verify+touch",
-            loads["kdump"],
-            lgbps["kdump"],
-            loads["safetensors"] / loads["kdump"],
-        ),
-        (
-            "load",
-            "ref: copy to fresh memory + touch",
-            loads["copy"],
-            lgbps["copy"],
-            loads["safetensors"] / loads["copy"],
-        ),
-        (
-            "load",
-            "ref: SHA-256 of every byte (parallel)",
-            loads["sha"],
-            lgbps["sha"],
-            loads["safetensors"] / loads["sha"],
-        ),
-    ]
+    # (phase, what, key): each row's ratio is safetensors' time over its own.
+    table = (
+        ("write", "safetensors save_file", "safetensors"),
+        ("write", "kdump save_calls", "kdump"),
+        ("write", "raw file write", "raw"),
+        ("load", "safetensors load_file + touch", "safetensors"),
+        ("load", "kdump load+materialize+verify+touch", "kdump"),
+        ("load", "ref: copy to fresh memory + touch", "copy"),
+        ("load", "ref: SHA-256 of every byte (parallel)", "sha"),
+    )
+    rows = []
+    for phase, what, key in table:
+        times = writes if phase == "write" else loads
+        t = times[key]
+        rows.append((phase, what, t, nbytes / t / 1e9, times["safetensors"] / t))
     dtypes = ", ".join(str(t.dtype).removeprefix("torch.") for t in tensors.values())
     lines = [
         f"{nbytes / 1e9:.2f} GB in {len(tensors)} tensors ({dtypes}); best of {args.repeat}; "

@@ -16,21 +16,12 @@ import types
 from pathlib import Path
 
 import torch
+from _machine import cpu_model
 
 import kdump
 from kdump.bundle import capture_call
 
 RESULTS = Path(__file__).parent / "RESULTS.md"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _per_call_ns(fn, number: int = 200_000, repeat: int = 15) -> float:
@@ -93,7 +84,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     head = (
         f"\n## bench_hooks\n\n{time.strftime('%Y-%m-%d %H:%M')} on {platform.node()} "
-        f"({_cpu_model()}; torch {torch.__version__}; device {device})\n"
+        f"({cpu_model()}; torch {torch.__version__}; device {device})\n"
     )
     body = ["", "Armed hook, trigger not met (cheap Python target, median of 15 × 200k calls):", ""]
     body += hook_overhead()

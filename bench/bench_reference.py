@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _machine import cpu_model
 
 from kdump.kernels.deepgemm import MGroupedFP8NTContiguous
 from kdump.kernels.generators import label_layout
@@ -32,16 +33,6 @@ GROUPS = 288
 LAYERS = {"w13": (512, 4096), "w2": (4096, 256)}
 TOKENS = (1, 32, 113)
 _NAN_BYTES = (0x7F, 0xFF)  # e4m3fn NaN encodings
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _random_fp8(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -146,7 +137,7 @@ def main() -> int:
     for device in devices:
         if device == "cpu":
             load = os.getloadavg()[0]
-            what = f"{_cpu_model()}, {torch.get_num_threads()} threads, load {load:.1f} at start"
+            what = f"{cpu_model()}, {torch.get_num_threads()} threads, load {load:.1f} at start"
         else:
             what = torch.cuda.get_device_name()
         head = (
