@@ -165,7 +165,9 @@ __device__ __forceinline__ TileJob decide_tile(const Params& p, int m_slot, int 
   TileJob job{0, 0, 0, 0, 0};
   if constexpr (LAYOUT == kLabels) {
     job.row0 = m_slot * BM;
-    job.group = __ldg(p.layout + job.row0);
+    // Lane 0's load, shared: every lane must take the same branch into label_extent's shuffles
+    // even if the labels change while the kernel runs.
+    job.group = __shfl_sync(0xffffffffu, lane == 0 ? __ldg(p.layout + job.row0) : 0, 0);
     // -1 marks a padding tile (skipped, rows untouched); out-of-range ids are skipped too so a
     // corrupt label cannot make the kernel read scales out of bounds.
     job.active = job.group >= 0 && job.group < p.num_groups;
@@ -226,6 +228,10 @@ __device__ __forceinline__ uint32_t swz(int row, int chunk) {
   return static_cast<uint32_t>(row * BK + ((chunk ^ (row & 7)) << 4));
 }
 
+// CUTLASS's mbarrier wrappers are asm volatile without a "memory" clobber, so ordinary shared
+// memory accesses (the StageJob) could be moved across them; this pins them (no instruction).
+__device__ __forceinline__ void compiler_fence() { asm volatile("" ::: "memory"); }
+
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
                                         uint32_t& r3) {
   cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(
@@ -236,7 +242,8 @@ __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r
 // Stale-schedule workspace (fault injection): [0] = active tiles when planned, [1, 1+cap) = tile
 // index per slot, [1+cap, 1+2cap) = expert per slot, cap = number of M-tiles.
 template <int LAYOUT, bool STALE>
-__device__ __forceinline__ TileJob job_for(const Params& p, int m_slot, int active_now, int lane) {
+__device__ __forceinline__ TileJob job_for_lane(const Params& p, int m_slot, int active_now,
+                                                int lane) {
   if constexpr (STALE) {
     // Fault injection. The number of slots to run is recounted from the CURRENT labels
     // (active_now), but which tile each slot runs comes from the schedule planned at the first
@@ -245,7 +252,8 @@ __device__ __forceinline__ TileJob job_for(const Params& p, int m_slot, int acti
     if (m_slot < active_now) {
       j.active = 1;
       j.row0 = __ldg(p.sched + 1 + m_slot) * BM;
-      j.group = __ldg(p.sched + 1 + p.m_tiles + m_slot);
+      // The injected bug is the stale tile list, not stray scale reads: keep the expert valid.
+      j.group = min(max(__ldg(p.sched + 1 + p.m_tiles + m_slot), 0), p.num_groups - 1);
       // Tiles inside D get their extent from the current labels, as in the clean kernel; the
       // plan's tiles past the end were trusted to be unreachable, so they are computed whole
       // and nothing clamps their rows.
@@ -256,6 +264,19 @@ __device__ __forceinline__ TileJob job_for(const Params& p, int m_slot, int acti
   } else {
     return decide_tile<LAYOUT>(p, m_slot, lane);
   }
+}
+
+// The producer warp's decision, identical in every lane (lane 0's), so the warp never diverges on
+// it even if routing metadata is rewritten while the kernel runs.
+template <int LAYOUT, bool STALE>
+__device__ __forceinline__ TileJob job_for(const Params& p, int m_slot, int active_now, int lane) {
+  TileJob j = job_for_lane<LAYOUT, STALE>(p, m_slot, active_now, lane);
+  j.active = __shfl_sync(0xffffffffu, j.active, 0);
+  j.group = __shfl_sync(0xffffffffu, j.group, 0);
+  j.row0 = __shfl_sync(0xffffffffu, j.row0, 0);
+  j.rows = __shfl_sync(0xffffffffu, j.rows, 0);
+  j.row_end = __shfl_sync(0xffffffffu, j.row_end, 0);
+  return j;
 }
 
 // Persistent CTAs: CTA b handles tiles b, b + gridDim.x, ... (tile t = M-slot t / n_tiles, N-tile
@@ -318,6 +339,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
     if (ptile >= total_tiles) {
       if (lane == 0) {
         stage_job[s].n0 = -1;
+        compiler_fence();
         cutlass::arch::ClusterBarrier::arrive(&full_bar[s]);
       }
       pdone = true;
@@ -330,6 +352,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
         const int a_boxes = (pjob.rows + A_BOX - 1) / A_BOX;
         const uint32_t bytes = static_cast<uint32_t>(a_boxes * A_BOX * BK + B_TILE_BYTES);
         stage_job[s] = StageJob{n0, pjob.group, pjob.row0, pjob.rows, pjob.row_end, pkb};
+        compiler_fence();  // the StageJob store stays before the arrive that publishes it
         cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full_bar[s], bytes);
         const uint32_t base = aligned_smem();
         uint8_t* sa = smem_raw + (base - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw))) +
@@ -392,6 +415,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
   for (int load = 0;; ++load) {
     const int s = load % STAGES;
     cutlass::arch::ClusterBarrier::wait(&full_bar[s], (load / STAGES) & 1);
+    compiler_fence();  // the StageJob load stays after the wait
     const StageJob sj = stage_job[s];
     if (sj.n0 < 0) break;
     const int kb = sj.kb;
@@ -409,6 +433,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
     if (mi_on == 0) {
       // Nothing of this tile in this warp's rows: release the stage at once.
       __syncwarp();
+      compiler_fence();
       if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&empty_bar[s]);
       continue;
     }
@@ -483,6 +508,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
       mma_steps(cuda::std::true_type{});
     // This warp is done reading the stage: hand it back to the producer.
     __syncwarp();
+    compiler_fence();  // every read of the stage stays before its release
     if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&empty_bar[s]);
 
     // Promote the 128-K partial sums with their block scales in fp32.
