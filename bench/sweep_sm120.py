@@ -22,7 +22,43 @@ from bench_sm120 import bench_ours, make_case
 from kdump.kernels.sm120 import configs, launch
 
 CASES = (("w13", 1), ("w13", 32), ("w13", 113), ("w2", 1), ("w2", 113))
-DEFAULT_VARIANTS = ("", "stages=5", "a_box=128", "warps_m=4,warps_n=2")
+DEFAULT_VARIANTS = ("", "bm=64,stages=9", "l2_promote_b=128", "l2_promote_b=0")
+
+
+def correct() -> str:
+    """A small mixed problem (odd, empty, full, multi-tile groups) against a float reference:
+    'ok' or what is wrong, so a fast variant is never a wrong one."""
+    from kdump.kernels import sm120
+    from kdump.metrics import calc_diff
+
+    counts, n, k = [1, 0, 77, 128, 200, 16], 256, 640
+    parts = []
+    for g, c in enumerate(counts):
+        slot = max(128, -(-c // 128) * 128)
+        parts += [torch.full((c,), g), torch.full((slot - c,), -1)]
+    lab = torch.cat(parts).to(torch.int32)
+    m = lab.numel()
+    gen = torch.Generator().manual_seed(0)
+    a = (torch.randn(m, k, generator=gen) * 50).clamp(-448, 448).to(torch.float8_e4m3fn).cuda()
+    b = (torch.randn(len(counts), n, k, generator=gen) * 50).clamp(-448, 448)
+    b = b.to(torch.float8_e4m3fn).cuda()
+    sfa = torch.full((k // 128, m), 1 / 64, device="cuda").T
+    sfb = torch.full((len(counts), n // 128, k // 128), 1 / 32, device="cuda")
+    d = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    sm120.m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), d, lab.cuda())
+    ref = torch.zeros(m, n, device="cuda")
+    for g in range(len(counts)):
+        rows = (lab == g).nonzero().squeeze(1).cuda()
+        ref[rows] = a[rows].float() @ b[g].float().T / (64 * 32)
+    valid = (lab >= 0).cuda()
+    if torch.isnan(d[valid]).any():
+        return "WRONG: valid rows not written"
+    diff = calc_diff(d[valid].float(), ref[valid])
+    if not diff <= 1e-3:
+        return f"WRONG: calc_diff {diff:.2e}"
+    if not torch.isnan(d[~valid]).all():
+        return "WRONG: padding rows written"
+    return "ok"
 
 
 def parse(spec: str) -> dict[str, int]:
@@ -42,17 +78,17 @@ def main() -> None:
     base = configs.CONFIGS[family]
     cases = [make_case(shape, tokens) for shape, tokens in CASES]
     header = " | ".join(f"{s} t={t}" for s, t in CASES)
-    print(f"| variant (sm_{family}) | {header} |")
-    print("|---" * (len(CASES) + 1) + "|")
+    print(f"| variant (sm_{family}) | {header} | check |")
+    print("|---" * (len(CASES) + 2) + "|")
     for spec in args.variant or DEFAULT_VARIANTS:
         cfg = dataclasses.replace(base, **parse(spec))
         cfg.check()
         configs.CONFIGS[family] = cfg
         launch._modules.clear()
+        verdict = correct()
         times = [bench_ours(c, True, args.iters) for c in cases]
-        print(
-            f"| {spec or 'default'} | " + " | ".join(f"{t:.1f}" for t in times) + " |", flush=True
-        )
+        cells = " | ".join(f"{t:.1f}" for t in times)
+        print(f"| {spec or 'default'} | {cells} | {verdict} |", flush=True)
     configs.CONFIGS[family] = base
     launch._modules.clear()
 

@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 
     from .configs import TileConfig
 
-BM = 128  # rows per M-tile; the grid covers ceil(rows / BM) tiles
 GROUP_ALIGN = 128  # DeepGEMM's mk alignment for contiguous layouts
 
 
@@ -214,7 +213,11 @@ def _tmaps(a: torch.Tensor, b: torch.Tensor, config: TileConfig) -> tuple[Any, A
             a.data_ptr(), (k, a.size(1), a.size(0)), (a.stride(1), a.stride(0)), (128, config.a_box)
         )
     tb = encode_tma_3d(
-        b.data_ptr(), (k, b.size(1), b.size(0)), (b.stride(1), b.stride(0)), (128, config.bn)
+        b.data_ptr(),
+        (k, b.size(1), b.size(0)),
+        (b.stride(1), b.stride(0)),
+        (128, config.bn),
+        config.l2_promote_b,
     )
     return ta, tb
 
@@ -279,7 +282,6 @@ def _prepare_contiguous(
         _check_scale("b scale", sfb, (g, _ceil_div(n, 128), _ceil_div(k, 128)), dev)
     p = _params(sfa, sfb, grouped_layout, d, masked=False)
     p.m, p.n, p.k, p.num_groups = m, n, k, g
-    p.m_tiles = _ceil_div(m, BM)
     p.k_blocks = _ceil_div(k, 128)
     return a_fp8, b_fp8, sfa, sfb, ue8m0, p
 
@@ -311,6 +313,7 @@ def m_grouped_fp8_gemm_nt_contiguous(
     if p.m == 0:
         return
     mod = get_module(a_fp8.device)
+    p.m_tiles = _ceil_div(p.m, mod.config.bm)
     p.n_tiles = _ceil_div(p.n, mod.config.bn)
     ta, tb = _tmaps(a_fp8, b_fp8, mod.config)
     kernel = f"kd_gemm_{'psum' if use_psum_layout else 'labels'}_{'ue8m0' if ue8m0 else 'fp32'}"
@@ -364,9 +367,9 @@ def m_grouped_fp8_gemm_nt_masked(
         return
     p = _params(sfa, sfb, masked_m, d, masked=True)
     p.m, p.n, p.k, p.num_groups = max_m, n, k, g
-    p.m_tiles = _ceil_div(max_m, BM)
     p.k_blocks = _ceil_div(k, 128)
     mod = get_module(dev)
+    p.m_tiles = _ceil_div(max_m, mod.config.bm)
     p.n_tiles = _ceil_div(n, mod.config.bn)
     ta, tb = _tmaps(a_fp8, b_fp8, mod.config)
     kernel = f"kd_gemm_masked_{'ue8m0' if ue8m0 else 'fp32'}"
@@ -437,6 +440,7 @@ class StaleScheduleContiguous:
         dev = a_fp8.device
         mod = get_module(dev)
         stream = _stream(dev)
+        p.m_tiles = _ceil_div(p.m, mod.config.bm)
         key = (d.data_ptr(), grouped_layout.data_ptr(), p.m_tiles)
         ws = self._schedules.get(key)
         p.n_tiles = _ceil_div(p.n, mod.config.bn)

@@ -35,6 +35,7 @@ class TileConfig:
     warps_n: int
     kk_unroll: int = 4  # unroll of the four k32 steps per K block (1 on sm_90: avoids spills)
     a_box: int = 16  # rows per A TMA box; a tile loads only the boxes that hold its rows
+    l2_promote_b: int = 256  # L2 promotion of the B descriptor in bytes (0: none); host side
 
     @property
     def threads(self) -> int:
@@ -76,8 +77,10 @@ class TileConfig:
             raise ValueError(f"{self}: the fp32 B-scale path assumes one scale block per N tile")
         if self.bm % self.a_box or self.a_box % 16:
             raise ValueError(f"{self}: A boxes must be whole m16 blocks that tile BM")
-        if self.bm != 128:
-            raise ValueError(f"{self}: M tiles must match the 128-row group alignment")
+        if self.bm not in (64, 128):
+            raise ValueError(f"{self}: M tiles must tile the 128-row group alignment (64 or 128)")
+        if self.l2_promote_b not in (0, 64, 128, 256):
+            raise ValueError(f"{self}: L2 promotion is 0 (none), 64, 128 or 256 bytes")
 
 
 # The default configuration per compute-capability major*10+minor family. sm_120's 99 KiB allow

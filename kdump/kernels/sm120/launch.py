@@ -134,8 +134,20 @@ def get_module(device: torch.device) -> LoadedModule:
         return loaded
 
 
+_L2_PROMOTION = {
+    0: lambda d: d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE,
+    64: lambda d: d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_64B,
+    128: lambda d: d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+    256: lambda d: d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+}
+
+
 def encode_tma_3d(
-    ptr: int, dims: tuple[int, int, int], strides_bytes: tuple[int, int], box: tuple[int, int]
+    ptr: int,
+    dims: tuple[int, int, int],
+    strides_bytes: tuple[int, int],
+    box: tuple[int, int],
+    l2_promotion: int = 256,
 ) -> Any:
     """A 3-D UINT8 descriptor: dims = (K, rows, groups) innermost first, box = (128, rows) with the
     128-byte swizzle the kernel's ldmatrix addressing expects; out-of-bounds reads zero-fill."""
@@ -152,7 +164,7 @@ def encode_tma_3d(
             [u32(1), u32(1), u32(1)],
             driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
             driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-            driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            _L2_PROMOTION[l2_promotion](driver),
             driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         ),
         "cuTensorMapEncodeTiled",
