@@ -17,17 +17,25 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_sm120 import bench_ours, make_case
+from bench_sm120 import bench_ours, make_case, mn_major
 
 from kdump.kernels.sm120 import configs, launch
 
-CASES = (("w13", 1), ("w13", 32), ("w13", 113), ("w2", 1), ("w2", 113))
-DEFAULT_VARIANTS = ("", "bm=64,stages=9", "l2_promote_b=128", "l2_promote_b=0")
+CASES = (("w13", 1), ("w13", 32), ("w13", 113), ("w2", 1), ("w2", 32), ("w2", 113))
+DEFAULT_VARIANTS = (
+    "",
+    "probe=1",  # the load path alone: math warps release every stage unread
+    "probe=2",  # no scale loads in the math warps
+    "bm=64,stages=9",
+    "bm=64,stages=9,warps_m=1,warps_n=8",
+    "bm=64,bn=256,stages=5",
+    "l2_promote_b=128",
+)
 
 
 def correct() -> str:
-    """A small mixed problem (odd, empty, full, multi-tile groups) against a float reference:
-    'ok' or what is wrong, so a fast variant is never a wrong one."""
+    """A small mixed problem (odd, empty, full, multi-tile groups) against a float reference, with
+    both scale formats: 'ok' or what is wrong, so a fast variant is never a wrong one."""
     from kdump.kernels import sm120
     from kdump.metrics import calc_diff
 
@@ -37,27 +45,38 @@ def correct() -> str:
         slot = max(128, -(-c // 128) * 128)
         parts += [torch.full((c,), g), torch.full((slot - c,), -1)]
     lab = torch.cat(parts).to(torch.int32)
-    m = lab.numel()
+    m, groups = lab.numel(), len(counts)
     gen = torch.Generator().manual_seed(0)
     a = (torch.randn(m, k, generator=gen) * 50).clamp(-448, 448).to(torch.float8_e4m3fn).cuda()
-    b = (torch.randn(len(counts), n, k, generator=gen) * 50).clamp(-448, 448)
+    b = (torch.randn(groups, n, k, generator=gen) * 50).clamp(-448, 448)
     b = b.to(torch.float8_e4m3fn).cuda()
-    sfa = torch.full((k // 128, m), 1 / 64, device="cuda").T
-    sfb = torch.full((len(counts), n // 128, k // 128), 1 / 32, device="cuda")
-    d = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    sm120.m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), d, lab.cuda())
+    # The same scales (1/64 on A, 1/32 on B) in the fp32 and the packed UE8M0 layout.
+    kw = -(-k // 512)
+    scales = {
+        "fp32": (
+            torch.full((k // 128, m), 1 / 64, device="cuda").T,
+            torch.full((groups, n // 128, k // 128), 1 / 32, device="cuda"),
+        ),
+        "ue8m0": (
+            mn_major(torch.full((m, kw), 0x79797979, dtype=torch.int32, device="cuda")),
+            mn_major(torch.full((groups, n, kw), 0x7A7A7A7A, dtype=torch.int32, device="cuda")),
+        ),
+    }
     ref = torch.zeros(m, n, device="cuda")
-    for g in range(len(counts)):
+    for g in range(groups):
         rows = (lab == g).nonzero().squeeze(1).cuda()
         ref[rows] = a[rows].float() @ b[g].float().T / (64 * 32)
     valid = (lab >= 0).cuda()
-    if torch.isnan(d[valid]).any():
-        return "WRONG: valid rows not written"
-    diff = calc_diff(d[valid].float(), ref[valid])
-    if not diff <= 1e-3:
-        return f"WRONG: calc_diff {diff:.2e}"
-    if not torch.isnan(d[~valid]).all():
-        return "WRONG: padding rows written"
+    for fmt, (sfa, sfb) in scales.items():
+        d = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        sm120.m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), d, lab.cuda())
+        if torch.isnan(d[valid]).any():
+            return f"WRONG ({fmt}): valid rows not written"
+        diff = calc_diff(d[valid].float(), ref[valid])
+        if not diff <= 1e-3:
+            return f"WRONG ({fmt}): calc_diff {diff:.2e}"
+        if not torch.isnan(d[~valid]).all():
+            return f"WRONG ({fmt}): padding rows written"
     return "ok"
 
 

@@ -47,7 +47,7 @@ sm120)
   timeout 60 python3 scripts/sm120-smoke.py 2>&1 | tee "$OUT/smoke.log" || exit 1
   timeout 220 python3 -m pytest -m gpu -q -x tests/test_sm120_gpu.py 2>&1 | tee "$OUT/pytest-sm120.log"
   timeout 40 python3 -m kdump doctor --selftest 2>&1 | tee "$OUT/doctor-selftest.log"
-  [ -n "$SWEEP" ] && timeout 150 python3 bench/sweep_sm120.py --iters 10 ${SWEEP_ARGS} 2>&1 | tee "$OUT/sweep-sm120.log"
+  [ -n "$SWEEP" ] && timeout 300 python3 bench/sweep_sm120.py --iters 10 ${SWEEP_ARGS} 2>&1 | tee "$OUT/sweep-sm120.log"
   [ -z "$NOBENCH" ] && timeout 240 python3 bench/bench_sm120.py --iters 15 2>&1 | tee "$OUT/bench-sm120.log"
   cp bench/RESULTS_sm120.md "$OUT/RESULTS_sm120.md"
   ;;

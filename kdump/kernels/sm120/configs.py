@@ -36,6 +36,9 @@ class TileConfig:
     kk_unroll: int = 4  # unroll of the four k32 steps per K block (1 on sm_90: avoids spills)
     a_box: int = 16  # rows per A TMA box; a tile loads only the boxes that hold its rows
     l2_promote_b: int = 256  # L2 promotion of the B descriptor in bytes (0: none); host side
+    # Measurement only (bench/sweep_sm120.py), results are wrong: 1 = math warps release every
+    # stage unread (the load path alone), 2 = scale words are constants (no global loads there).
+    probe: int = 0
 
     @property
     def threads(self) -> int:
@@ -62,7 +65,7 @@ class TileConfig:
             f"KD_WARPS_N={self.warps_n}",
             f"KD_KK_UNROLL={self.kk_unroll}",
             f"KD_A_BOX={self.a_box}",
-        ]
+        ] + ([f"KD_PROBE={self.probe}"] if self.probe else [])
 
     def check(self) -> None:
         """Raise ValueError when the shape breaks an assumption of the kernel."""
@@ -73,12 +76,14 @@ class TileConfig:
             raise ValueError(f"{self}: a TMA box dimension is at most 256")
         if 128 % self.bn and self.bn % 128:
             raise ValueError(f"{self}: BN must divide or be a multiple of 128 (B scale blocks)")
-        if self.bn > 128:
-            raise ValueError(f"{self}: the fp32 B-scale path assumes one scale block per N tile")
+        if 128 % wn:
+            raise ValueError(f"{self}: the fp32 B-scale path needs one scale block per math warp")
         if self.bm % self.a_box or self.a_box % 16:
             raise ValueError(f"{self}: A boxes must be whole m16 blocks that tile BM")
         if self.bm not in (64, 128):
             raise ValueError(f"{self}: M tiles must tile the 128-row group alignment (64 or 128)")
+        if self.probe not in (0, 1, 2):
+            raise ValueError(f"{self}: probe is 0 (off), 1 (no math) or 2 (constant scales)")
         if self.l2_promote_b not in (0, 64, 128, 256):
             raise ValueError(f"{self}: L2 promotion is 0 (none), 64, 128 or 256 bytes")
 
