@@ -27,7 +27,6 @@ DEFAULT_VARIANTS = (
     "probe=1",  # the load path alone: math warps release every stage unread
     "probe=2",  # no scale loads in the math warps
     "bm=64,stages=9",
-    "bm=64,stages=9,warps_m=1,warps_n=8",
     "bm=64,bn=256,stages=5",
     "l2_promote_b=128",
 )

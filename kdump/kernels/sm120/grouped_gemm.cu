@@ -91,6 +91,7 @@ static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tile must hold whole m16 / pai
 static_assert(BM <= 256 && BN <= 256, "a TMA box dimension is at most 256");
 static_assert(128 % WN == 0, "fp32 B scales: one 128-column scale block per math warp");
 static_assert(BM % A_BOX == 0 && A_BOX % 16 == 0, "A boxes: whole m16 blocks, 1 KiB aligned");
+static_assert(MI <= 8, "the MMA step dispatch has copies for 1..8 m16 blocks per warp");
 
 enum Layout : int { kLabels = 0, kPsum = 1, kMasked = 2 };
 
@@ -492,22 +493,23 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
         for (int c = 0; c < 4; ++c) part[i][j][c] = 0.f;
 
     // sm_90 emulates each FP8 MMA with FP16 ones plus unpack instructions; unrolling the k32
-    // steps there lets the scheduler hoist unpacks until the accumulators spill (unroll 1).
-    // Full tiles take a branch-free copy: a branch per m16 block would make sm_90 unpack the B
-    // fragments once per block.
-    auto mma_steps = [&](auto partial) {
-      constexpr bool PARTIAL = decltype(partial)::value;
-#pragma unroll KD_KK_UNROLL
+    // steps there lets the scheduler hoist unpacks until the accumulators spill (KD_KK_UNROLL 1);
+    // a single m16 block has the registers to unroll fully.
+    // Each count of m16 blocks gets its own branch-free copy (ON blocks): a branch per m16 block
+    // makes sm_90 unpack the B fragments once per block and serializes the MMA chains.
+    auto mma_steps = [&](auto on) {
+      constexpr int ON = decltype(on)::value;
+      constexpr int UNROLL = ON == 1 ? 4 : KD_KK_UNROLL;
+#pragma unroll UNROLL
       for (int kk = 0; kk < BK / 32; ++kk) {
-        uint32_t af[MI][4];
+        uint32_t af[ON][4];
         uint32_t bf[NI][2];
 #pragma unroll
         for (int j = 0; j < NI; j += 2)
           ldsm_x4(sb_base + swz(b_ld_row + j * 8, 2 * kk + b_ld_chunk), bf[j][0], bf[j][1],
                   bf[j + 1][0], bf[j + 1][1]);
 #pragma unroll
-        for (int i = 0; i < MI; ++i) {
-          if (PARTIAL && i >= mi_on) continue;
+        for (int i = 0; i < ON; ++i) {
           ldsm_x4(sa_base + swz(a_ld_row + i * 16, 2 * kk + a_ld_chunk), af[i][0], af[i][1],
                   af[i][2], af[i][3]);
 #pragma unroll
@@ -519,10 +521,22 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
         }
       }
     };
-    if (mi_on == MI)
-      mma_steps(cuda::std::false_type{});
-    else
-      mma_steps(cuda::std::true_type{});
+    // mi_on is warp-uniform and 1..MI here.
+    auto run_if = [&](auto on) {
+      if constexpr (decltype(on)::value <= MI) {
+        if (mi_on == decltype(on)::value) {
+          mma_steps(on);
+          return true;
+        }
+      }
+      return false;
+    };
+    using cuda::std::integral_constant;
+    run_if(integral_constant<int, MI>{}) || run_if(integral_constant<int, 1>{}) ||
+        run_if(integral_constant<int, 2>{}) || run_if(integral_constant<int, 3>{}) ||
+        run_if(integral_constant<int, 4>{}) || run_if(integral_constant<int, 5>{}) ||
+        run_if(integral_constant<int, 6>{}) || run_if(integral_constant<int, 7>{}) ||
+        run_if(integral_constant<int, 8>{});
     // This warp is done reading the stage: hand it back to the producer.
     __syncwarp();
     compiler_fence();  // every read of the stage stays before its release
