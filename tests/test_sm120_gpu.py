@@ -257,6 +257,28 @@ def test_determinism_bitwise() -> None:
         assert bool(same), "results differ between identical runs"
 
 
+@pytest.mark.parametrize("ue8m0", [True, False], ids=["ue8m0", "fp32"])
+def test_scale_layouts_agree(ue8m0: bool) -> None:
+    """TMA-staged scales (MN-major, aligned) and scales the kernel loads itself (K-major, or
+    MN-major with a stride TMA refuses) give bitwise the same result."""
+    counts = [5, 0, 130, 77, 1]
+    labels = labels_for(counts, 256)
+    m = labels.numel()
+    p = Problem((m,), len(counts), 384, 1536, ue8m0, seed=21)
+    k_major = p.sfa.contiguous()
+    odd = torch.empty_strided(p.sfa.shape, (1, m + 1), dtype=p.sfa.dtype, device=DEV)
+    odd.copy_(p.sfa)  # stride (m + 1) * 4 bytes: not a multiple of 16
+    sfb_k_major = p.sfb.contiguous() if ue8m0 else p.sfb
+    outs = []
+    for sfa, sfb in ((p.sfa, p.sfb), (k_major, sfb_k_major), (odd, p.sfb)):
+        d = poisoned((m, 384))
+        sm120.m_grouped_fp8_gemm_nt_contiguous((p.a_fp8, sfa), (p.b_fp8, sfb), d, labels)
+        outs.append(d)
+    assert check_contiguous(p, labels, outs[0]) <= 1e-3
+    for o in outs[1:]:
+        assert bool((o.view(torch.int16) == outs[0].view(torch.int16)).all())
+
+
 def test_argument_errors() -> None:
     p = Problem((256,), 2, 128, 256, False, seed=2)
     labels = labels_packed([100, 100])

@@ -2,7 +2,8 @@
 
 Pure Python so a CPU test can check that every configuration fits its shared-memory budget. The
 byte counts mirror grouped_gemm.cu: per stage one A tile (BM x 128 bytes) and one B tile
-(BN x 128 bytes) of FP8, plus 1 KiB of slack to align the dynamic shared memory to 1024 bytes
+(BN x 128 bytes) of FP8 (and, with stage_scales, one 4-byte scale word per A row and B column),
+plus 1 KiB of slack to align the dynamic shared memory to 1024 bytes
 (128-byte TMA swizzle), plus the static shared memory (barriers and the tile decision).
 """
 
@@ -39,6 +40,9 @@ class TileConfig:
     # Measurement only (bench/sweep_sm120.py), results are wrong: 1 = math warps release every
     # stage unread (the load path alone), 2 = scale words are constants (no global loads there).
     probe: int = 0
+    # 1: scale words come by TMA with each stage (A: both formats, B: UE8M0), so the math warps
+    # never wait on a global load; costs (bm + bn) * 4 bytes of shared memory per stage.
+    stage_scales: int = 0
 
     @property
     def threads(self) -> int:
@@ -46,7 +50,8 @@ class TileConfig:
 
     @property
     def dynamic_smem(self) -> int:
-        return self.stages * (self.bm + self.bn) * BK_BYTES + ALIGN_SLACK
+        scales = (self.bm + self.bn) * 4 if self.stage_scales else 0
+        return self.stages * ((self.bm + self.bn) * BK_BYTES + scales) + ALIGN_SLACK
 
     @property
     def static_smem(self) -> int:
@@ -65,6 +70,7 @@ class TileConfig:
             f"KD_WARPS_N={self.warps_n}",
             f"KD_KK_UNROLL={self.kk_unroll}",
             f"KD_A_BOX={self.a_box}",
+            f"KD_STAGE_SCALES={self.stage_scales}",
         ] + ([f"KD_PROBE={self.probe}"] if self.probe else [])
 
     def check(self) -> None:
@@ -82,6 +88,8 @@ class TileConfig:
             raise ValueError(f"{self}: A boxes must be whole m16 blocks that tile BM")
         if self.bm not in (64, 128):
             raise ValueError(f"{self}: M tiles must tile the 128-row group alignment (64 or 128)")
+        if self.stage_scales not in (0, 1):
+            raise ValueError(f"{self}: stage_scales is 0 or 1")
         if self.probe not in (0, 1, 2):
             raise ValueError(f"{self}: probe is 0 (off), 1 (no math) or 2 (constant scales)")
         if self.l2_promote_b not in (0, 64, 128, 256):
@@ -89,9 +97,9 @@ class TileConfig:
 
 
 # The default configuration per compute-capability major*10+minor family. sm_120's 99 KiB allow
-# three 32 KiB stages; Hopper's 227 KiB allow six.
+# three 32 KiB stages and no room for staged scales; Hopper's 227 KiB allow six with them.
 CONFIGS: dict[int, TileConfig] = {
-    90: TileConfig(bm=128, bn=128, stages=6, warps_m=2, warps_n=4, kk_unroll=1),
+    90: TileConfig(bm=128, bn=128, stages=6, warps_m=2, warps_n=4, kk_unroll=1, stage_scales=1),
     120: TileConfig(bm=128, bn=128, stages=3, warps_m=2, warps_n=4),
 }
 
