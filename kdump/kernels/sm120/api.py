@@ -270,7 +270,7 @@ def _tmaps(
     )
     tsa = tsb = None
     if config.stage_scales:
-        tsa = _scale_tma(sfa, config.a_box)
+        tsa = _scale_tma(sfa, max(config.a_box, 32))  # the kernel's SCALE_BOX
         if ue8m0:  # fp32 B scales (one per 128 x 128 block) are always loaded by the kernel
             tsb = _scale_tma(sfb, config.bn)
     p.scale_tma = (1 if tsa is not None else 0) | (2 if tsb is not None else 0)

@@ -98,6 +98,9 @@ constexpr bool STAGE_SCALES = KD_STAGE_SCALES != 0;
 constexpr int SCALE_BYTES = STAGE_SCALES ? (BM + BN) * 4 : 0;
 constexpr int DYNAMIC_SMEM = STAGES * (STAGE_BYTES + SCALE_BYTES) + 1024;  // + alignment slack
 static_assert(BM % 32 == 0 && BN % 32 == 0, "scale slots stay 128-byte aligned");
+// TMA writes shared memory in 128-byte aligned pieces: A scale words go in boxes of 32 rows.
+constexpr int SCALE_BOX = A_BOX > 32 ? A_BOX : 32;
+static_assert(BM % SCALE_BOX == 0, "A scale boxes tile BM");
 static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tile must hold whole m16 / pairs of n8 tiles");
 static_assert(BM <= 256 && BN <= 256, "a TMA box dimension is at most 256");
 static_assert(128 % WN == 0, "fp32 B scales: one 128-column scale block per math warp");
@@ -372,10 +375,11 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
         // Scale words: fp32 A scales every block; UE8M0 ones (four blocks per word) every
         // fourth; fp32 B scales (one per 128 x 128 block) stay with the math warps.
         const bool words_now = !UE8M0 || (pkb & 3) == 0;
+        const int sa_boxes = (pjob.rows + SCALE_BOX - 1) / SCALE_BOX;
         const bool sfa_now = STAGE_SCALES && (p.scale_tma & kScaleTmaA) && words_now;
         const bool sfb_now = STAGE_SCALES && UE8M0 && (p.scale_tma & kScaleTmaB) && words_now;
         const uint32_t bytes = static_cast<uint32_t>(
-            a_boxes * A_BOX * BK + B_TILE_BYTES + (sfa_now ? a_boxes * A_BOX * 4 : 0) +
+            a_boxes * A_BOX * BK + B_TILE_BYTES + (sfa_now ? sa_boxes * SCALE_BOX * 4 : 0) +
             (sfb_now ? BN * 4 : 0));
         stage_job[s] = StageJob{n0, pjob.group, pjob.row0, pjob.rows, pjob.row_end, pkb};
         compiler_fence();  // the StageJob store stays before the arrive that publishes it
@@ -393,10 +397,10 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
           uint8_t* sc = tiles + STAGES * STAGE_BYTES + s * SCALE_BYTES;
           const int kcol = UE8M0 ? pkb >> 2 : pkb;
           if (sfa_now)
-            for (int b = 0; b < a_boxes; ++b)
+            for (int b = 0; b < sa_boxes; ++b)
               cute::SM90_TMA_LOAD_3D::copy(tmap_sfa, &full_bar[s], kEvictNormal,
-                                           sc + b * A_BOX * 4, pjob.row0 + b * A_BOX, kcol,
-                                           a_group);
+                                           sc + b * SCALE_BOX * 4, pjob.row0 + b * SCALE_BOX,
+                                           kcol, a_group);
           if (sfb_now)
             cute::SM90_TMA_LOAD_3D::copy(tmap_sfb, &full_bar[s], kEvictNormal, sc + BM * 4, n0,
                                          kcol, pjob.group);
