@@ -57,8 +57,14 @@ profile)
   for t in ${TOKENS:-1 113}; do
     timeout 150 "$ncu" --kernel-name regex:kd_gemm --launch-skip 2 --launch-count 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats \
-      --section WarpStateStats --section SourceCounters \
+      --section WarpStateStats --section SourceCounters --section ComputeWorkloadAnalysis \
+      --section InstructionStats \
+      --import-source yes -f -o "$OUT/w13-$t" \
       python3 scripts/profile_case.py w13 "$t" > "$OUT/ncu-w13-$t.log" 2>&1
+    "$ncu" -i "$OUT/w13-$t.ncu-rep" >> "$OUT/ncu-w13-$t.log" 2>&1
+    # per-SASS-instruction samples (stall reasons) for reading offline
+    "$ncu" -i "$OUT/w13-$t.ncu-rep" --page source --csv --print-source sass \
+      > "$OUT/sass-w13-$t.csv" 2>&1
   done
   ;;
 esac
