@@ -253,6 +253,47 @@ __device__ __forceinline__ uint32_t swz(int row, int chunk) {
 // memory accesses (the StageJob) could be moved across them; this pins them (no instruction).
 __device__ __forceinline__ void compiler_fence() { asm volatile("" ::: "memory"); }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+// Hopper has no FP8 warp MMA: ptxas would emulate each one as two zero-based FP16 MMAs plus four
+// FADDs. Doing the conversion here lets the FP16 MMAs accumulate directly (e4m3 values are exact
+// in FP16) and converts each fragment once per k32 step however many MMAs use it.
+__device__ __forceinline__ void e4m3x4_to_f16(uint32_t x, uint32_t& lo, uint32_t& hi) {
+  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\t"
+      "cvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
+      : "=r"(lo), "=r"(hi)
+      : "r"(x));
+}
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                        uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// c += A(16x32) * B(32x8) from m16n8k32 e4m3 fragments. Lane (g, t) holds k = 4t..4t+3 (and
+// 16 + 4t..) in each register; the two k16 MMAs take them as their k = 2t, 2t+1 | 8 + 2t, 9 + 2t
+// slots. A and B use the same relabelling of k, so the dot products are unchanged.
+__device__ __forceinline__ void mma_e4m3(float (&c)[4], const uint32_t (&a)[4],
+                                         const uint32_t (&b)[2]) {
+  uint32_t ah[8], bh[4];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) e4m3x4_to_f16(a[r], ah[2 * r], ah[2 * r + 1]);
+  e4m3x4_to_f16(b[0], bh[0], bh[1]);
+  e4m3x4_to_f16(b[1], bh[2], bh[3]);
+  mma_f16(c, ah[0], ah[2], ah[1], ah[3], bh[0], bh[1]);  // k 0..15: a0 / a1 rows g / g+8
+  mma_f16(c, ah[4], ah[6], ah[5], ah[7], bh[2], bh[3]);  // k 16..31: a2 / a3
+}
+#else
+// sm_120: native FP8 warp MMA.
+__device__ __forceinline__ void mma_e4m3(float (&c)[4], const uint32_t (&a)[4],
+                                         const uint32_t (&b)[2]) {
+  cute::SM89_16x8x32_F32E4M3E4M3F32_TN::fma(c[0], c[1], c[2], c[3], a[0], a[1], a[2], a[3], b[0],
+                                            b[1], c[0], c[1], c[2], c[3]);
+}
+#endif
+
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
                                         uint32_t& r3) {
   cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(
@@ -560,16 +601,13 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
           ldsm_x4(sb_base + swz(b_ld_row + j * 8, 2 * kk + b_ld_chunk), bf[j][0], bf[j][1],
                   bf[j + 1][0], bf[j + 1][1]);
 #pragma unroll
-        for (int i = 0; i < ON; ++i) {
+        for (int i = 0; i < ON; ++i)
           ldsm_x4(sa_base + swz(a_ld_row + i * 16, 2 * kk + a_ld_chunk), af[i][0], af[i][1],
                   af[i][2], af[i][3]);
 #pragma unroll
-          for (int j = 0; j < NI; ++j)
-            cute::SM89_16x8x32_F32E4M3E4M3F32_TN::fma(
-                part[i][j][0], part[i][j][1], part[i][j][2], part[i][j][3], af[i][0], af[i][1],
-                af[i][2], af[i][3], bf[j][0], bf[j][1], part[i][j][0], part[i][j][1],
-                part[i][j][2], part[i][j][3]);
-        }
+        for (int i = 0; i < ON; ++i)
+#pragma unroll
+          for (int j = 0; j < NI; ++j) mma_e4m3(part[i][j], af[i], bf[j]);
       }
     };
     // mi_on is warp-uniform and 1..MI here.
