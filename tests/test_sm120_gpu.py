@@ -202,6 +202,18 @@ def test_odd_and_empty_groups_strided_d(ue8m0: bool) -> None:
     assert torch.isnan(buf[:, n:]).all(), "wrote outside the strided view"
 
 
+@pytest.mark.parametrize("k", [128, 256, 640])
+def test_thin_tiles_any_k_blocks(k: int) -> None:
+    """Tiles of at most 64 rows split their K blocks over both warp rows and add the sums at the
+    end: with one K block (one row never computes), an even and an odd count."""
+    counts = [1, 16, 33, 64, 65, 0, 100, 8]
+    labels = labels_for(counts, 128)
+    p = Problem((labels.numel(),), len(counts), 256, k, True, seed=k)
+    d = poisoned((labels.numel(), 256))
+    sm120.m_grouped_fp8_gemm_nt_contiguous(p.a, p.b, d, labels)
+    check_contiguous(p, labels, d)
+
+
 def test_all_empty_leaves_d_untouched() -> None:
     labels = torch.full((512,), -1, dtype=torch.int32, device=DEV)
     p = Problem((512,), 4, 256, 256, True, seed=1)

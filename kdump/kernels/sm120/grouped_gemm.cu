@@ -3,7 +3,7 @@
 // D[m, n] = sum_k A[m, k] * B[g(m), n, k] * scale_a[m, k/128] * scale_b[g(m), n, k/128]  (bf16 out)
 //
 // No wgmma and no tensor memory, so the same source runs on sm_120a (native FP8 warp MMA) and on
-// sm_90a (where the FP8 mma.sync is emulated through FP16 tensor-core ops, but results are the same).
+// sm_90a (no FP8 warp MMA there: the kernel converts the fragments and runs FP16 mma.sync).
 //
 // Every routing decision (which expert an M-tile belongs to, whether it is active, how many rows it
 // may write) is read from device memory inside the kernel on every launch. The grid is sized from
@@ -106,6 +106,11 @@ static_assert(BM <= 256 && BN <= 256, "a TMA box dimension is at most 256");
 static_assert(128 % WN == 0, "fp32 B scales: one 128-column scale block per math warp");
 static_assert(BM % A_BOX == 0 && A_BOX % 16 == 0, "A boxes: whole m16 blocks, 1 KiB aligned");
 static_assert(MI <= 8, "the MMA step dispatch has copies for 1..8 m16 blocks per warp");
+// Thin tiles split their K blocks over two warp rows (see the math loop); their sums meet in a
+// stage's shared memory.
+constexpr bool SPLIT_THIN = WARPS_M == 2;
+static_assert(!SPLIT_THIN || WARPS_N * MI * NI * 4 * 32 * 4 <= STAGE_BYTES,
+              "the split-K reduction fits in one stage");
 
 enum Layout : int { kLabels = 0, kPsum = 1, kMasked = 2 };
 
@@ -293,6 +298,11 @@ __device__ __forceinline__ void mma_e4m3(float (&c)[4], const uint32_t (&a)[4],
                                             b[1], c[0], c[1], c[2], c[3]);
 }
 #endif
+
+// Named barrier for the two warps (64 threads) of one math-warp column; id 0 is __syncthreads.
+__device__ __forceinline__ void pair_sync(int id) {
+  asm volatile("bar.sync %0, 64;\n" ::"r"(id) : "memory");
+}
 
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
                                         uint32_t& r3) {
@@ -487,12 +497,13 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
   // -------------------------------------------------------------------- math warps
   const uint32_t smem_base = aligned_smem();
   const int mwarp = warp - PRODUCER_WARPS;
-  const int wm0 = (mwarp / WARPS_N) * WM;
-  const int wn0 = (mwarp % WARPS_N) * WN;
+  const int wrow = mwarp / WARPS_N;  // warp row: rows [wrow * WM, (wrow + 1) * WM) of a tile
+  const int wcol = mwarp % WARPS_N;
+  const int wn0 = wcol * WN;
   const int g = lane / 4;  // MMA "groupID"
   const int t = lane % 4;  // MMA "threadID_in_group"
   // ldmatrix source rows/chunks for this lane (see the fragment layouts of m16n8k32).
-  const int a_ld_row = wm0 + (lane % 8) + ((lane / 8) % 2) * 8;  // + i*16
+  const int a_ld_row0 = (lane % 8) + ((lane / 8) % 2) * 8;  // + first row + i*16
   const int a_ld_chunk = lane / 16;                              // + 2*kk
   const int b_ld_row = wn0 + (lane % 8) + (lane / 16) * 8;       // + j*8 (pairs of n8 tiles)
   const int b_ld_chunk = (lane / 8) % 2;                         // + 2*kk
@@ -508,6 +519,13 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
     if (sj.n0 < 0) break;
     const int kb = sj.kb;
     const int a_group = LAYOUT == kMasked ? sj.group : 0;
+    // Thin tiles (decode: every row within the first warp row's WM) would leave the second warp
+    // row idle. Instead both rows compute the first WM rows, taking alternate K blocks, and add
+    // their sums at the end of the tile (warp-uniform, the same for every warp of the tile).
+    const bool split = SPLIT_THIN && sj.rows <= WM;
+    const int wm0 = split ? 0 : wrow * WM;
+    const bool mine = !split || (kb & 1) == wrow;  // this warp computes this K block
+    const bool last = kb + 1 == p.k_blocks;
     // m16 row blocks of this warp that hold rows of the tile (warp-uniform).
     const int mi_on = max(0, min(MI, (sj.rows - wm0 + 15) / 16));
     if constexpr (KD_PROBE == 1) {
@@ -564,7 +582,8 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int c = wn0 + j * 8 + 2 * t + h;
-            wb[j][h] = b_staged ? sc[BM + c] : word_b<true>(p, sj.group, min(sj.n0 + c, p.n - 1), kbw);
+            wb[j][h] = b_staged ? sc[BM + c]
+                                : word_b<true>(p, sj.group, min(sj.n0 + c, p.n - 1), kbw);
           }
       } else {
         // 128x128 B blocks: one scale per 128 columns, uniform across a warp's columns (WN
@@ -572,87 +591,129 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
         wb[0][0] = word_b<false>(p, sj.group, min(sj.n0 + wn0, p.n - 1), kbw);
       }
     };
-    if (!UE8M0 || (kb & 3) == 0) load_words(kb);
-
-    const uint32_t sa_base = smem_base + s * STAGE_BYTES;
-    const uint32_t sb_base = sa_base + A_TILE_BYTES;
-    float part[MI][NI][4];
-#pragma unroll
-    for (int i = 0; i < MI; ++i)
-#pragma unroll
-      for (int j = 0; j < NI; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) part[i][j][c] = 0.f;
-
-    // sm_90 emulates each FP8 MMA with FP16 ones plus unpack instructions; unrolling the k32
-    // steps there lets the scheduler hoist unpacks until the accumulators spill (KD_KK_UNROLL 1);
-    // a single m16 block has the registers to unroll fully.
-    // Each count of m16 blocks gets its own branch-free copy (ON blocks): a branch per m16 block
-    // makes sm_90 unpack the B fragments once per block and serializes the MMA chains.
-    auto mma_steps = [&](auto on) {
-      constexpr int ON = decltype(on)::value;
-      constexpr int UNROLL = ON == 1 ? 4 : KD_KK_UNROLL;
-#pragma unroll UNROLL
-      for (int kk = 0; kk < BK / 32; ++kk) {
-        uint32_t af[ON][4];
-        uint32_t bf[NI][2];
-#pragma unroll
-        for (int j = 0; j < NI; j += 2)
-          ldsm_x4(sb_base + swz(b_ld_row + j * 8, 2 * kk + b_ld_chunk), bf[j][0], bf[j][1],
-                  bf[j + 1][0], bf[j + 1][1]);
-#pragma unroll
-        for (int i = 0; i < ON; ++i)
-          ldsm_x4(sa_base + swz(a_ld_row + i * 16, 2 * kk + a_ld_chunk), af[i][0], af[i][1],
-                  af[i][2], af[i][3]);
-#pragma unroll
-        for (int i = 0; i < ON; ++i)
-#pragma unroll
-          for (int j = 0; j < NI; ++j) mma_e4m3(part[i][j], af[i], bf[j]);
-      }
+    // A UE8M0 word serves four K blocks, computed by either warp row when split.
+    if (UE8M0 ? (kb & 3) == 0 : mine) load_words(kb);
+    auto release = [&]() {
+      __syncwarp();
+      compiler_fence();  // every read of the stage stays before its release
+      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&empty_bar[s]);
     };
-    // mi_on is warp-uniform and 1..MI here.
-    auto run_if = [&](auto on) {
-      if constexpr (decltype(on)::value <= MI) {
-        if (mi_on == decltype(on)::value) {
-          mma_steps(on);
-          return true;
-        }
+    if (!mine) {
+      if (!last) {
+        release();
+        continue;
       }
-      return false;
-    };
-    using cuda::std::integral_constant;
-    run_if(integral_constant<int, MI>{}) || run_if(integral_constant<int, 1>{}) ||
-        run_if(integral_constant<int, 2>{}) || run_if(integral_constant<int, 3>{}) ||
-        run_if(integral_constant<int, 4>{}) || run_if(integral_constant<int, 5>{}) ||
-        run_if(integral_constant<int, 6>{}) || run_if(integral_constant<int, 7>{}) ||
-        run_if(integral_constant<int, 8>{});
-    // This warp is done reading the stage: hand it back to the producer.
-    __syncwarp();
-    compiler_fence();  // every read of the stage stays before its release
-    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&empty_bar[s]);
+    } else {
 
-    // Promote the 128-K partial sums with their block scales in fp32.
-    float sb[NI][2];
+      const uint32_t sa_base = smem_base + s * STAGE_BYTES;
+      const uint32_t sb_base = sa_base + A_TILE_BYTES;
+      float part[MI][NI][4];
 #pragma unroll
-    for (int j = 0; j < NI; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        sb[j][h] = UE8M0 ? scale_of<true>(wb[j][h], kb) : scale_of<false>(wb[0][0], kb);
-#pragma unroll
-    for (int i = 0; i < MI; ++i) {
-      if (i < mi_on) {
-        const float sa0 = scale_of<UE8M0>(wa[i][0], kb);
-        const float sa1 = scale_of<UE8M0>(wa[i][1], kb);
+      for (int i = 0; i < MI; ++i)
 #pragma unroll
         for (int j = 0; j < NI; ++j)
 #pragma unroll
-          for (int c = 0; c < 4; ++c)
-            acc[i][j][c] =
-                fmaf(part[i][j][c], (c < 2 ? sa0 : sa1) * sb[j][c % 2], acc[i][j][c]);
-      }
-    }
+          for (int c = 0; c < 4; ++c) part[i][j][c] = 0.f;
 
-    if (kb + 1 < p.k_blocks) continue;
+      // sm_90 emulates each FP8 MMA with FP16 ones plus unpack instructions; unrolling the k32
+      // steps there lets the scheduler hoist unpacks until the accumulators spill (KD_KK_UNROLL 1);
+      // a single m16 block has the registers to unroll fully.
+      // Each count of m16 blocks gets its own branch-free copy (ON blocks): a branch per m16 block
+      // makes sm_90 unpack the B fragments once per block and serializes the MMA chains.
+      auto mma_steps = [&](auto on) {
+        constexpr int ON = decltype(on)::value;
+        constexpr int UNROLL = ON == 1 ? 4 : KD_KK_UNROLL;
+#pragma unroll UNROLL
+        for (int kk = 0; kk < BK / 32; ++kk) {
+          uint32_t af[ON][4];
+          uint32_t bf[NI][2];
+#pragma unroll
+          for (int j = 0; j < NI; j += 2)
+            ldsm_x4(sb_base + swz(b_ld_row + j * 8, 2 * kk + b_ld_chunk), bf[j][0], bf[j][1],
+                    bf[j + 1][0], bf[j + 1][1]);
+#pragma unroll
+          for (int i = 0; i < ON; ++i)
+            ldsm_x4(sa_base + swz(wm0 + a_ld_row0 + i * 16, 2 * kk + a_ld_chunk), af[i][0],
+                    af[i][1], af[i][2], af[i][3]);
+#pragma unroll
+          for (int i = 0; i < ON; ++i)
+#pragma unroll
+            for (int j = 0; j < NI; ++j) mma_e4m3(part[i][j], af[i], bf[j]);
+        }
+      };
+      // mi_on is warp-uniform and 1..MI here.
+      auto run_if = [&](auto on) {
+        if constexpr (decltype(on)::value <= MI) {
+          if (mi_on == decltype(on)::value) {
+            mma_steps(on);
+            return true;
+          }
+        }
+        return false;
+      };
+      using cuda::std::integral_constant;
+      run_if(integral_constant<int, MI>{}) || run_if(integral_constant<int, 1>{}) ||
+          run_if(integral_constant<int, 2>{}) || run_if(integral_constant<int, 3>{}) ||
+          run_if(integral_constant<int, 4>{}) || run_if(integral_constant<int, 5>{}) ||
+          run_if(integral_constant<int, 6>{}) || run_if(integral_constant<int, 7>{}) ||
+          run_if(integral_constant<int, 8>{});
+      // This warp is done reading the stage: hand it back to the producer (a split tile's last
+      // stage is kept for adding the two warp rows' sums).
+      if (!(split && last)) release();
+
+      // Promote the 128-K partial sums with their block scales in fp32.
+      float sb[NI][2];
+#pragma unroll
+      for (int j = 0; j < NI; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          sb[j][h] = UE8M0 ? scale_of<true>(wb[j][h], kb) : scale_of<false>(wb[0][0], kb);
+#pragma unroll
+      for (int i = 0; i < MI; ++i) {
+        if (i < mi_on) {
+          const float sa0 = scale_of<UE8M0>(wa[i][0], kb);
+          const float sa1 = scale_of<UE8M0>(wa[i][1], kb);
+#pragma unroll
+          for (int j = 0; j < NI; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+              acc[i][j][c] =
+                  fmaf(part[i][j][c], (c < 2 ? sa0 : sa1) * sb[j][c % 2], acc[i][j][c]);
+        }
+      }
+    }  // mine
+
+    if (!last) continue;
+    if (split) {
+      // Warp (1, c) hands its sums to warp (0, c) through the last stage's shared memory (both
+      // are done reading it), laid out [element][lane] so the accesses are conflict-free.
+      float* red = reinterpret_cast<float*>(
+                       smem_raw +
+                       (smem_base - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)))) +
+                   (s * STAGE_BYTES) / 4 + wcol * (MI * NI * 4 * 32) + lane;
+      pair_sync(1 + wcol);
+      if (wrow == 1) {
+#pragma unroll
+        for (int i = 0; i < MI; ++i)
+          if (i < mi_on)
+#pragma unroll
+            for (int j = 0; j < NI; ++j)
+#pragma unroll
+              for (int c = 0; c < 4; ++c) red[((i * NI + j) * 4 + c) * 32] = acc[i][j][c];
+      }
+      pair_sync(1 + wcol);
+      if (wrow == 0) {
+#pragma unroll
+        for (int i = 0; i < MI; ++i)
+          if (i < mi_on)
+#pragma unroll
+            for (int j = 0; j < NI; ++j)
+#pragma unroll
+              for (int c = 0; c < 4; ++c) acc[i][j][c] += red[((i * NI + j) * 4 + c) * 32];
+      }
+      release();
+      if (wrow == 1) continue;
+    }
     // Epilogue: bf16 pairs straight from registers. Rows past the tile's extent or row_end and
     // columns past N are left untouched.
     __nv_bfloat16* d = p.d + (LAYOUT == kMasked ? sj.group * p.d_stride_g : 0ll);
