@@ -43,6 +43,8 @@ class TileConfig:
     # 1: scale words come by TMA with each stage (A: both formats, B: UE8M0), so the math warps
     # never wait on a global load; costs (bm + bn) * 4 bytes of shared memory per stage.
     stage_scales: int = 0
+    # 1: tiles of at most bm / warps_m rows split their K blocks over the two warp rows (decode)
+    split_thin: int = 1
 
     @property
     def threads(self) -> int:
@@ -71,6 +73,7 @@ class TileConfig:
             f"KD_KK_UNROLL={self.kk_unroll}",
             f"KD_A_BOX={self.a_box}",
             f"KD_STAGE_SCALES={self.stage_scales}",
+            f"KD_SPLIT_THIN={self.split_thin}",
         ] + ([f"KD_PROBE={self.probe}"] if self.probe else [])
 
     def check(self) -> None:
@@ -88,6 +91,8 @@ class TileConfig:
             raise ValueError(f"{self}: A boxes must be whole m16 blocks that tile BM")
         if self.bm not in (64, 128):
             raise ValueError(f"{self}: M tiles must tile the 128-row group alignment (64 or 128)")
+        if self.split_thin not in (0, 1):
+            raise ValueError(f"{self}: split_thin is 0 or 1")
         if self.stage_scales not in (0, 1):
             raise ValueError(f"{self}: stage_scales is 0 or 1")
         if self.probe not in (0, 1, 2):

@@ -108,7 +108,10 @@ static_assert(BM % A_BOX == 0 && A_BOX % 16 == 0, "A boxes: whole m16 blocks, 1 
 static_assert(MI <= 8, "the MMA step dispatch has copies for 1..8 m16 blocks per warp");
 // Thin tiles split their K blocks over two warp rows (see the math loop); their sums meet in a
 // stage's shared memory.
-constexpr bool SPLIT_THIN = WARPS_M == 2;
+#ifndef KD_SPLIT_THIN
+#define KD_SPLIT_THIN 1
+#endif
+constexpr bool SPLIT_THIN = KD_SPLIT_THIN && WARPS_M == 2;
 static_assert(!SPLIT_THIN || WARPS_N * MI * NI * 4 * 32 * 4 <= STAGE_BYTES,
               "the split-K reduction fits in one stage");
 
@@ -299,7 +302,11 @@ __device__ __forceinline__ void mma_e4m3(float (&c)[4], const uint32_t (&a)[4],
 }
 #endif
 
-// Named barrier for the two warps (64 threads) of one math-warp column; id 0 is __syncthreads.
+// Named barriers (id 0 is __syncthreads): all math warps (id 1), or the two warps (64 threads)
+// of one math-warp column (ids 2..).
+__device__ __forceinline__ void math_sync() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(MATH_WARPS * 32) : "memory");
+}
 __device__ __forceinline__ void pair_sync(int id) {
   asm volatile("bar.sync %0, 64;\n" ::"r"(id) : "memory");
 }
@@ -685,13 +692,14 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
 
     if (!last) continue;
     if (split) {
-      // Warp (1, c) hands its sums to warp (0, c) through the last stage's shared memory (both
-      // are done reading it), laid out [element][lane] so the accesses are conflict-free.
+      // Warp (1, c) hands its sums to warp (0, c) through the last stage's shared memory, laid
+      // out [element][lane] so the accesses are conflict-free.
       float* red = reinterpret_cast<float*>(
                        smem_raw +
                        (smem_base - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)))) +
                    (s * STAGE_BYTES) / 4 + wcol * (MI * NI * 4 * 32) + lane;
-      pair_sync(1 + wcol);
+      // Every math warp must be done reading the stage before it is overwritten.
+      math_sync();
       if (wrow == 1) {
 #pragma unroll
         for (int i = 0; i < MI; ++i)
@@ -701,7 +709,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
 #pragma unroll
               for (int c = 0; c < 4; ++c) red[((i * NI + j) * 4 + c) * 32] = acc[i][j][c];
       }
-      pair_sync(1 + wcol);
+      pair_sync(2 + wcol);
       if (wrow == 0) {
 #pragma unroll
         for (int i = 0; i < MI; ++i)
