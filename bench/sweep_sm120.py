@@ -24,11 +24,11 @@ from kdump.kernels.sm120 import configs, launch
 CASES = (("w13", 1), ("w13", 32), ("w13", 113), ("w2", 1), ("w2", 32), ("w2", 113))
 DEFAULT_VARIANTS = (
     "",
-    "stage_scales=0",  # the math warps load the scale words themselves
-    "probe=2",  # no scale words at all: what scales cost
     "probe=1",  # the load path alone: math warps release every stage unread
+    "probe=2",  # no scale loads in the math warps
     "bm=64,stages=9",
     "bm=64,bn=256,stages=5",
+    "l2_promote_b=128",
 )
 
 

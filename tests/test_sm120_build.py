@@ -176,7 +176,7 @@ def test_launch_shape_matches_kernel(family: int) -> None:
     cfg = configs.CONFIGS[family]
     checks = [
         f'static_assert(kd::THREADS == {cfg.threads}, "threads per block");',
-        f'static_assert(kd::DYNAMIC_SMEM == {cfg.dynamic_smem}, "smem");',
+        f'static_assert(kd::STAGES * kd::STAGE_BYTES + 1024 == {cfg.dynamic_smem}, "smem");',
         f'static_assert(kd::A_BOX == {cfg.a_box}, "A box rows");',
     ]
     source = build.kernel_source() + "\n" + "\n".join(checks) + "\n"
@@ -273,26 +273,3 @@ def test_api_rejects_bad_arguments_on_cpu() -> None:
     assert sm120.m_grouped_fp8_fp4_gemm_nt_masked is sm120.m_grouped_fp8_gemm_nt_masked
     ok, why = sm120.is_available()
     assert isinstance(ok, bool) and why
-
-
-def test_scale_tma_geometry() -> None:
-    """Which scale layouts the kernel takes by TMA (DeepGEMM's aligned MN-major) and which it
-    loads itself (anything else)."""
-    torch = pytest.importorskip("torch")
-    from kdump.kernels.sm120.api import scale_tma_geometry
-
-    def mn(shape: tuple[int, ...], ar: int) -> torch.Tensor:
-        cols = shape[-1]
-        strides = (1, ar) if len(shape) == 2 else (cols * ar, 1, ar)
-        return torch.empty_strided(shape, strides, dtype=torch.int32)
-
-    assert scale_tma_geometry(mn((300, 8), 304)) == ((300, 8, 1), (1216, 9728))
-    assert scale_tma_geometry(mn((4, 96, 3), 96)) == ((96, 3, 4), (384, 1152))
-    assert scale_tma_geometry(mn((300, 8), 301)) is None  # 1204-byte stride
-    assert scale_tma_geometry(torch.empty(300, 8, dtype=torch.int32)) is None  # K-major
-    assert scale_tma_geometry(torch.empty(300, 8, dtype=torch.float64)) is None
-    # One K column or one row: the unused strides are made valid.
-    assert scale_tma_geometry(torch.empty(1, 5, dtype=torch.float32).T) == ((5, 1, 1), (32, 32))
-    assert scale_tma_geometry(mn((1, 8), 4)) == ((1, 8, 1), (16, 128))
-    # A broadcast (stride 0) never goes to TMA.
-    assert scale_tma_geometry(torch.empty(300, 1, dtype=torch.int32).expand(300, 8)) is None

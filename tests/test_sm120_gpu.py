@@ -271,15 +271,15 @@ def test_determinism_bitwise() -> None:
 
 @pytest.mark.parametrize("ue8m0", [True, False], ids=["ue8m0", "fp32"])
 def test_scale_layouts_agree(ue8m0: bool) -> None:
-    """TMA-staged scales (MN-major, aligned) and scales the kernel loads itself (K-major, or
-    MN-major with a stride TMA refuses) give bitwise the same result."""
+    """Scales in DeepGEMM's MN-major layout, K-major, or MN-major with an odd stride: bitwise
+    the same result."""
     counts = [5, 0, 130, 77, 1]
     labels = labels_for(counts, 256)
     m = labels.numel()
     p = Problem((m,), len(counts), 384, 1536, ue8m0, seed=21)
     k_major = p.sfa.contiguous()
     odd = torch.empty_strided(p.sfa.shape, (1, m + 1), dtype=p.sfa.dtype, device=DEV)
-    odd.copy_(p.sfa)  # stride (m + 1) * 4 bytes: not a multiple of 16
+    odd.copy_(p.sfa)
     sfb_k_major = p.sfb.contiguous() if ue8m0 else p.sfb
     outs = []
     for sfa, sfb in ((p.sfa, p.sfb), (k_major, sfb_k_major), (odd, p.sfb)):

@@ -17,11 +17,9 @@ Semantics implemented (what a replay against this kernel can rely on):
   of group g are computed and written, the others left untouched. `expected_m` is a hint only.
 * Scales: float32 tensors select the SM90 format (A per row per 128-K block, B per 128x128 block),
   int32 tensors the packed UE8M0 format of SM100/SM120 (4 exponents per int32, 1x128 granularity on
-  both operands). Any strides are accepted for scales. Where the tile configuration stages
-  scales (sm_90) and the layout is DeepGEMM's TMA-aligned MN-major one, the scale words come by
-  TMA with each pipeline stage; other layouts are read with ordinary loads (same results).
-  fp32 scales are used as they are, never rounded to UE8M0, i.e. like DeepGEMM with
-  `disable_ue8m0_cast=True`.
+  both operands). Any strides are accepted for scales (read with ordinary loads); DeepGEMM's
+  MN-major TMA-aligned layouts are simply one case. fp32 scales are used as they are, never rounded
+  to UE8M0, i.e. like DeepGEMM with `disable_ue8m0_cast=True`.
 * All routing metadata is read on the device at every launch; the grid depends on shapes and the
   SM count only (persistent CTAs, one per SM, stride over all M x N tiles and skip inactive ones),
   so the call is safe to capture in a CUDA graph and replay after the metadata changed in place.
@@ -35,14 +33,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .build import PackagedKernelError
-from .launch import (
-    KdParams,
-    encode_scale_tma,
-    encode_tma_3d,
-    get_module,
-    launch_gemm,
-    launch_plan,
-)
+from .launch import KdParams, encode_tma_3d, get_module, launch_gemm, launch_plan
 
 if TYPE_CHECKING:
     import torch
@@ -208,47 +199,7 @@ def _params(
     return p
 
 
-def scale_tma_geometry(
-    t: torch.Tensor,
-) -> tuple[tuple[int, int, int], tuple[int, int]] | None:
-    """(dims, byte strides) of a TMA descriptor over 4-byte scale words t [(G,) rows, K columns]
-    when their layout allows one (rows contiguous, other strides positive multiples of 16 bytes,
-    16-byte aligned base: DeepGEMM's TMA-aligned MN-major layout), else None."""
-    t3 = t if t.dim() == 3 else t.unsqueeze(0)
-    groups, rows, cols = t3.shape
-    sg, sr, sk = t3.stride()
-    if t3.element_size() != 4 or t3.data_ptr() % 16 or (rows > 1 and sr != 1):
-        return None
-    if (cols > 1 and (sk <= 0 or sk * 4 % 16)) or (groups > 1 and (sg <= 0 or sg * 4 % 16)):
-        return None
-    # Strides of size-1 dimensions never address anything; give TMA valid ones.
-    stride_k = sk * 4 if cols > 1 else -(-rows * 4 // 16) * 16
-    stride_g = sg * 4 if groups > 1 else -(-stride_k * cols // 16) * 16
-    return (rows, cols, groups), (stride_k, stride_g)
-
-
-def _scale_tma(t: torch.Tensor, box_rows: int) -> Any | None:
-    """The descriptor for scale_tma_geometry(t), or None (the kernel then loads them itself)."""
-    geometry = scale_tma_geometry(t)
-    if geometry is None:
-        return None
-    try:
-        return encode_scale_tma(t.data_ptr(), *geometry, box_rows)
-    except PackagedKernelError:
-        return None
-
-
-def _tmaps(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    sfa: torch.Tensor,
-    sfb: torch.Tensor,
-    ue8m0: bool,
-    config: TileConfig,
-    p: KdParams,
-) -> tuple[Any, Any, Any, Any]:
-    """Descriptors for A, B and (with staged scales, where their layout allows) the scale words;
-    sets p.scale_tma to say which scales the kernel takes by TMA."""
+def _tmaps(a: torch.Tensor, b: torch.Tensor, config: TileConfig) -> tuple[Any, Any]:
     k = a.size(-1)
     if a.dim() == 2:
         ta = encode_tma_3d(
@@ -268,14 +219,7 @@ def _tmaps(
         (128, config.bn),
         config.l2_promote_b,
     )
-    tsa = tsb = None
-    if config.stage_scales:
-        tsa = _scale_tma(sfa, max(config.a_box, 32))  # the kernel's SCALE_BOX
-        if ue8m0:  # fp32 B scales (one per 128 x 128 block) are always loaded by the kernel
-            tsb = _scale_tma(sfb, config.bn)
-    p.scale_tma = (1 if tsa is not None else 0) | (2 if tsb is not None else 0)
-    # Unused descriptors still occupy their parameter slots.
-    return ta, tb, tsa if tsa is not None else ta, tsb if tsb is not None else tb
+    return ta, tb
 
 
 def _stream(device: torch.device) -> int:
@@ -361,7 +305,7 @@ def m_grouped_fp8_gemm_nt_contiguous(
     `compiled_dims`, `disable_ue8m0_cast`, `ensure_zero_padding` and `expected_m_for_psum_layout`
     are accepted for signature compatibility; they do not change what this kernel computes.
     """
-    a_fp8, b_fp8, sfa, sfb, ue8m0, p = _prepare_contiguous(
+    a_fp8, b_fp8, _, _, ue8m0, p = _prepare_contiguous(
         a, b, d, grouped_layout, recipe, recipe_a, recipe_b, use_psum_layout
     )
     if expected_m_for_psum_layout is not None and not use_psum_layout:
@@ -371,11 +315,11 @@ def m_grouped_fp8_gemm_nt_contiguous(
     mod = get_module(a_fp8.device)
     p.m_tiles = _ceil_div(p.m, mod.config.bm)
     p.n_tiles = _ceil_div(p.n, mod.config.bn)
-    tmaps = _tmaps(a_fp8, b_fp8, sfa, sfb, ue8m0, mod.config, p)
+    ta, tb = _tmaps(a_fp8, b_fp8, mod.config)
     kernel = f"kd_gemm_{'psum' if use_psum_layout else 'labels'}_{'ue8m0' if ue8m0 else 'fp32'}"
     dev = a_fp8.device
     with _on_device(dev):
-        launch_gemm(mod, kernel, tmaps, p, _grid(dev, p.m_tiles * p.n_tiles), _stream(dev))
+        launch_gemm(mod, kernel, ta, tb, p, _grid(dev, p.m_tiles * p.n_tiles), _stream(dev))
 
 
 # ----------------------------------------------------------------------------- masked
@@ -427,10 +371,10 @@ def m_grouped_fp8_gemm_nt_masked(
     mod = get_module(dev)
     p.m_tiles = _ceil_div(max_m, mod.config.bm)
     p.n_tiles = _ceil_div(n, mod.config.bn)
-    tmaps = _tmaps(a_fp8, b_fp8, sfa, sfb, ue8m0, mod.config, p)
+    ta, tb = _tmaps(a_fp8, b_fp8, mod.config)
     kernel = f"kd_gemm_masked_{'ue8m0' if ue8m0 else 'fp32'}"
     with _on_device(dev):
-        launch_gemm(mod, kernel, tmaps, p, _grid(dev, g * p.m_tiles * p.n_tiles), _stream(dev))
+        launch_gemm(mod, kernel, ta, tb, p, _grid(dev, g * p.m_tiles * p.n_tiles), _stream(dev))
 
 
 # ----------------------------------------------------------------------------- fault injection
@@ -488,7 +432,7 @@ class StaleScheduleContiguous:
 
         if use_psum_layout:
             _fail("the stale-schedule fault variant supports the label layout only")
-        a_fp8, b_fp8, sfa, sfb, ue8m0, p = _prepare_contiguous(
+        a_fp8, b_fp8, _, _, ue8m0, p = _prepare_contiguous(
             a, b, d, grouped_layout, recipe, recipe_a, recipe_b, False
         )
         if p.m == 0:
@@ -500,7 +444,7 @@ class StaleScheduleContiguous:
         key = (d.data_ptr(), grouped_layout.data_ptr(), p.m_tiles)
         ws = self._schedules.get(key)
         p.n_tiles = _ceil_div(p.n, mod.config.bn)
-        tmaps = _tmaps(a_fp8, b_fp8, sfa, sfb, ue8m0, mod.config, p)
+        ta, tb = _tmaps(a_fp8, b_fp8, mod.config)
         kernel = f"kd_gemm_labels_{'ue8m0' if ue8m0 else 'fp32'}_stale"
         with _on_device(dev):
             if ws is None:
@@ -509,7 +453,7 @@ class StaleScheduleContiguous:
                 launch_plan(mod, grouped_layout.data_ptr(), p.m_tiles, ws.data_ptr(), stream)
                 self._schedules[key] = ws
             p.sched = ws.data_ptr()
-            launch_gemm(mod, kernel, tmaps, p, _grid(dev, p.m_tiles * p.n_tiles), stream)
+            launch_gemm(mod, kernel, ta, tb, p, _grid(dev, p.m_tiles * p.n_tiles), stream)
 
 
 def make_faulty_contiguous() -> StaleScheduleContiguous:

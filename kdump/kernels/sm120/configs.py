@@ -2,8 +2,7 @@
 
 Pure Python so a CPU test can check that every configuration fits its shared-memory budget. The
 byte counts mirror grouped_gemm.cu: per stage one A tile (BM x 128 bytes) and one B tile
-(BN x 128 bytes) of FP8 (and, with stage_scales, one 4-byte scale word per A row and B column),
-plus 1 KiB of slack to align the dynamic shared memory to 1024 bytes
+(BN x 128 bytes) of FP8, plus 1 KiB of slack to align the dynamic shared memory to 1024 bytes
 (128-byte TMA swizzle), plus the static shared memory (barriers and the tile decision).
 """
 
@@ -40,9 +39,6 @@ class TileConfig:
     # Measurement only (bench/sweep_sm120.py), results are wrong: 1 = math warps release every
     # stage unread (the load path alone), 2 = scale words are constants (no global loads there).
     probe: int = 0
-    # 1: scale words come by TMA with each stage (A: both formats, B: UE8M0), so the math warps
-    # never wait on a global load; costs (bm + bn) * 4 bytes of shared memory per stage.
-    stage_scales: int = 0
     # 1: tiles of at most bm / warps_m rows split their K blocks over the two warp rows (decode)
     split_thin: int = 1
 
@@ -52,8 +48,7 @@ class TileConfig:
 
     @property
     def dynamic_smem(self) -> int:
-        scales = (self.bm + self.bn) * 4 if self.stage_scales else 0
-        return self.stages * ((self.bm + self.bn) * BK_BYTES + scales) + ALIGN_SLACK
+        return self.stages * (self.bm + self.bn) * BK_BYTES + ALIGN_SLACK
 
     @property
     def static_smem(self) -> int:
@@ -72,7 +67,6 @@ class TileConfig:
             f"KD_WARPS_N={self.warps_n}",
             f"KD_KK_UNROLL={self.kk_unroll}",
             f"KD_A_BOX={self.a_box}",
-            f"KD_STAGE_SCALES={self.stage_scales}",
             f"KD_SPLIT_THIN={self.split_thin}",
         ] + ([f"KD_PROBE={self.probe}"] if self.probe else [])
 
@@ -93,8 +87,6 @@ class TileConfig:
             raise ValueError(f"{self}: M tiles must tile the 128-row group alignment (64 or 128)")
         if self.split_thin not in (0, 1):
             raise ValueError(f"{self}: split_thin is 0 or 1")
-        if self.stage_scales not in (0, 1):
-            raise ValueError(f"{self}: stage_scales is 0 or 1")
         if self.probe not in (0, 1, 2):
             raise ValueError(f"{self}: probe is 0 (off), 1 (no math) or 2 (constant scales)")
         if self.l2_promote_b not in (0, 64, 128, 256):
@@ -102,9 +94,9 @@ class TileConfig:
 
 
 # The default configuration per compute-capability major*10+minor family. sm_120's 99 KiB allow
-# three 32 KiB stages and no room for staged scales; Hopper's 227 KiB allow six with them.
+# three 32 KiB stages; Hopper's 227 KiB allow seven.
 CONFIGS: dict[int, TileConfig] = {
-    90: TileConfig(bm=128, bn=128, stages=6, warps_m=2, warps_n=4, kk_unroll=1, stage_scales=1),
+    90: TileConfig(bm=128, bn=128, stages=7, warps_m=2, warps_n=4, kk_unroll=1),
     120: TileConfig(bm=128, bn=128, stages=3, warps_m=2, warps_n=4),
 }
 

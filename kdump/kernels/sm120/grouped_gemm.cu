@@ -16,9 +16,6 @@
 //   KD_WARPS_M, KD_WARPS_N   math-warp grid
 //   KD_A_BOX       rows per A TMA box (only the boxes holding a tile's rows are loaded)
 //   KD_KK_UNROLL   unroll factor of the four k32 MMA steps of one K block
-//   KD_STAGE_SCALES  1: A scales (both formats) and UE8M0 B scales arrive by TMA with the stage
-//                  (needs their TMA-aligned MN-major layout, which the host ensures); 0: the math
-//                  warps load them from global memory
 
 #include <cuda/std/type_traits>
 // CUTLASS/CuTe refer to these std:: names; NVRTC has no host standard library, cccl has them.
@@ -50,9 +47,6 @@ using cuda::std::void_t;
 #endif
 #ifndef KD_PROBE
 #define KD_PROBE 0  // measurement only, results wrong: 1 = no math, 2 = constant scale words
-#endif
-#ifndef KD_STAGE_SCALES
-#define KD_STAGE_SCALES 0  // 1: the producer TMA-loads scale words next to each stage's tiles
 #endif
 #ifndef KD_WARPS_M
 #define KD_WARPS_M 2
@@ -93,14 +87,6 @@ constexpr int GROUP_ALIGN = 128;  // DeepGEMM's mk alignment for contiguous layo
 constexpr int A_TILE_BYTES = BM * BK;
 constexpr int B_TILE_BYTES = BN * BK;
 constexpr int STAGE_BYTES = A_TILE_BYTES + B_TILE_BYTES;
-constexpr bool STAGE_SCALES = KD_STAGE_SCALES != 0;
-// Per stage, after all the tiles: one scale word per A row, then one per B column.
-constexpr int SCALE_BYTES = STAGE_SCALES ? (BM + BN) * 4 : 0;
-constexpr int DYNAMIC_SMEM = STAGES * (STAGE_BYTES + SCALE_BYTES) + 1024;  // + alignment slack
-static_assert(BM % 32 == 0 && BN % 32 == 0, "scale slots stay 128-byte aligned");
-// TMA writes shared memory in 128-byte aligned pieces: A scale words go in boxes of 32 rows.
-constexpr int SCALE_BOX = A_BOX > 32 ? A_BOX : 32;
-static_assert(BM % SCALE_BOX == 0, "A scale boxes tile BM");
 static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tile must hold whole m16 / pairs of n8 tiles");
 static_assert(BM <= 256 && BN <= 256, "a TMA box dimension is at most 256");
 static_assert(128 % WN == 0, "fp32 B scales: one 128-column scale block per math warp");
@@ -132,10 +118,8 @@ struct Params {
   int m_tiles;           // contiguous: ceil(M/BM); masked: ceil(max_m/BM) per group
   int n_tiles;           // ceil(N/BN)
   int k_blocks;          // ceil(K/128)
-  int scale_tma;          // with KD_STAGE_SCALES: bit 0 A scales, bit 1 (UE8M0) B scales come by
-                         // TMA (the host sets a bit when the layout allows); else global loads
+  int reserved;
 };
-constexpr int kScaleTmaA = 1, kScaleTmaB = 2;
 
 // A 128-byte TMA descriptor passed by value; its bytes come from cuTensorMapEncodeTiled.
 struct alignas(64) TensorMap {
@@ -364,7 +348,6 @@ __device__ __forceinline__ TileJob job_for(const Params& p, int m_slot, int acti
 // the math warps learn which tile a stage belongs to from its StageJob.
 template <int LAYOUT, bool UE8M0, bool STALE>
 __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorMap* tmap_b,
-                                          const TensorMap* tmap_sfa, const TensorMap* tmap_sfb,
                                           const Params& p) {
   extern __shared__ uint8_t smem_raw[];
   __shared__ int active_count_s;
@@ -430,39 +413,18 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
         // Only the boxes holding the tile's rows are loaded; the whole of each box is always
         // transferred (out-of-bounds parts are zero-filled), so the byte count is exact.
         const int a_boxes = (pjob.rows + A_BOX - 1) / A_BOX;
-        // Scale words: fp32 A scales every block; UE8M0 ones (four blocks per word) every
-        // fourth; fp32 B scales (one per 128 x 128 block) stay with the math warps.
-        const bool words_now = !UE8M0 || (pkb & 3) == 0;
-        const int sa_boxes = (pjob.rows + SCALE_BOX - 1) / SCALE_BOX;
-        const bool sfa_now = STAGE_SCALES && (p.scale_tma & kScaleTmaA) && words_now;
-        const bool sfb_now = STAGE_SCALES && UE8M0 && (p.scale_tma & kScaleTmaB) && words_now;
-        const uint32_t bytes = static_cast<uint32_t>(
-            a_boxes * A_BOX * BK + B_TILE_BYTES + (sfa_now ? sa_boxes * SCALE_BOX * 4 : 0) +
-            (sfb_now ? BN * 4 : 0));
+        const uint32_t bytes = static_cast<uint32_t>(a_boxes * A_BOX * BK + B_TILE_BYTES);
         stage_job[s] = StageJob{n0, pjob.group, pjob.row0, pjob.rows, pjob.row_end, pkb};
         compiler_fence();  // the StageJob store stays before the arrive that publishes it
         cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full_bar[s], bytes);
         const uint32_t base = aligned_smem();
-        uint8_t* tiles =
-            smem_raw + (base - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)));
-        uint8_t* sa = tiles + s * STAGE_BYTES;
+        uint8_t* sa = smem_raw + (base - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw))) +
+                      s * STAGE_BYTES;
         for (int b = 0; b < a_boxes; ++b)
           cute::SM90_TMA_LOAD_3D::copy(tmap_a, &full_bar[s], kEvictNormal, sa + b * A_BOX * BK,
                                        pkb * BK, pjob.row0 + b * A_BOX, a_group);
         cute::SM90_TMA_LOAD_3D::copy(tmap_b, &full_bar[s], kEvictNormal, sa + A_TILE_BYTES,
                                      pkb * BK, n0, pjob.group);
-        if constexpr (STAGE_SCALES) {
-          uint8_t* sc = tiles + STAGES * STAGE_BYTES + s * SCALE_BYTES;
-          const int kcol = UE8M0 ? pkb >> 2 : pkb;
-          if (sfa_now)
-            for (int b = 0; b < sa_boxes; ++b)
-              cute::SM90_TMA_LOAD_3D::copy(tmap_sfa, &full_bar[s], kEvictNormal,
-                                           sc + b * SCALE_BOX * 4, pjob.row0 + b * SCALE_BOX,
-                                           kcol, a_group);
-          if (sfb_now)
-            cute::SM90_TMA_LOAD_3D::copy(tmap_sfb, &full_bar[s], kEvictNormal, sc + BM * 4, n0,
-                                         kcol, pjob.group);
-        }
       }
       if (++pkb == p.k_blocks) {
         pkb = 0;
@@ -487,10 +449,6 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
     if (lane == 0) {
       cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_a));
       cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_b));
-      if (STAGE_SCALES && (p.scale_tma & kScaleTmaA))
-        cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_sfa));
-      if (STAGE_SCALES && UE8M0 && (p.scale_tma & kScaleTmaB))
-        cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_sfb));
     }
     advance();
     while (!pdone) {
@@ -557,10 +515,10 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
       continue;
     }
     // Scale words: fp32 ones every block, UE8M0 ones every fourth block (a word holds four).
-    // Staged ones are already in shared memory. Global loads clamp rows/columns so they stay
-    // inside the tensors (the clamped values only scale results that are never stored); their
-    // latency shows at the promotion below: staging them measured 20-25% faster on the H200.
-    // (Prefetching them one block ahead, after the promotion, measured 10-30% slower.)
+    // Rows/columns are clamped so the loads stay inside the tensors; the clamped values only
+    // scale results that are never stored. Their latency hides behind this block's MMAs.
+    // (On the H200, prefetching them one block ahead measured 10-30% slower, and TMA-loading
+    // them with each stage no faster, for (BM + BN) * 4 bytes of shared memory per stage.)
     auto load_words = [&](int kbw) {
       if constexpr (KD_PROBE == 2) {
 #pragma unroll
@@ -569,29 +527,20 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
         for (int j = 0; j < NI; ++j) wb[j][0] = wb[j][1] = UE8M0 ? 0x7f7f7f7fu : 0x3f800000u;
         return;
       }
-      // Words that came with the stage (KD_STAGE_SCALES): indexed by row / column in the tile.
-      const uint32_t* sc = reinterpret_cast<const uint32_t*>(
-          smem_raw + (smem_base - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw))) +
-          STAGES * STAGE_BYTES + s * SCALE_BYTES);
-      const bool a_staged = STAGE_SCALES && (p.scale_tma & kScaleTmaA);
-      const bool b_staged = STAGE_SCALES && UE8M0 && (p.scale_tma & kScaleTmaB);
 #pragma unroll
       for (int i = 0; i < MI; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          if (i < mi_on) {
-            const int r = wm0 + i * 16 + g + h * 8;
-            wa[i][h] = a_staged ? sc[r] : word_a<UE8M0>(p, a_group, min(sj.row0 + r, p.m - 1), kbw);
-          }
+          if (i < mi_on)
+            wa[i][h] = word_a<UE8M0>(p, a_group, min(sj.row0 + wm0 + i * 16 + g + h * 8, p.m - 1),
+                                     kbw);
       if constexpr (UE8M0) {
 #pragma unroll
         for (int j = 0; j < NI; ++j)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int c = wn0 + j * 8 + 2 * t + h;
-            wb[j][h] = b_staged ? sc[BM + c]
-                                : word_b<true>(p, sj.group, min(sj.n0 + c, p.n - 1), kbw);
-          }
+          for (int h = 0; h < 2; ++h)
+            wb[j][h] =
+                word_b<true>(p, sj.group, min(sj.n0 + wn0 + j * 8 + 2 * t + h, p.n - 1), kbw);
       } else {
         // 128x128 B blocks: one scale per 128 columns, uniform across a warp's columns (WN
         // divides 128 and warp tiles are WN-aligned).
@@ -750,11 +699,8 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
 #define KD_DEFINE_KERNEL(NAME, LAYOUT, UE8M0, STALE)                                            \
   extern "C" __global__ void __launch_bounds__(kd::THREADS, 1)                                  \
       NAME(const __grid_constant__ kd::TensorMap tmap_a,                                        \
-           const __grid_constant__ kd::TensorMap tmap_b,                                        \
-           const __grid_constant__ kd::TensorMap tmap_sfa,                                      \
-           const __grid_constant__ kd::TensorMap tmap_sfb,                                      \
-           const __grid_constant__ kd::Params params) {                                         \
-    kd::gemm_body<LAYOUT, UE8M0, STALE>(&tmap_a, &tmap_b, &tmap_sfa, &tmap_sfb, params);        \
+           const __grid_constant__ kd::TensorMap tmap_b, const __grid_constant__ kd::Params params) {             \
+    kd::gemm_body<LAYOUT, UE8M0, STALE>(&tmap_a, &tmap_b, params);                              \
   }
 
 KD_DEFINE_KERNEL(kd_gemm_labels_fp32, kd::kLabels, false, false)

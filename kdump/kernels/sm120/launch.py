@@ -1,9 +1,9 @@
 """Loading the cubin and launching its kernels through cuda.bindings.driver.
 
 Launch parameters are a plain ctypes struct (KdParams) that mirrors `kd::Params` in
-grouped_gemm.cu field by field, plus four TMA descriptors passed by value (A, B and their
-scales). Everything is enqueued on torch's current stream with no host synchronisation and no
-allocation, so a launch can be captured into a CUDA graph.
+grouped_gemm.cu field by field, plus two TMA descriptors passed by value. Everything is enqueued
+on torch's current stream with no host synchronisation and no allocation, so a launch can be
+captured into a CUDA graph.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class KdParams(ctypes.Structure):
         ("m_tiles", ctypes.c_int32),
         ("n_tiles", ctypes.c_int32),
         ("k_blocks", ctypes.c_int32),
-        ("scale_tma", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
     ]
 
 
@@ -151,41 +151,19 @@ def encode_tma_3d(
 ) -> Any:
     """A 3-D UINT8 descriptor: dims = (K, rows, groups) innermost first, box = (128, rows) with the
     128-byte swizzle the kernel's ldmatrix addressing expects; out-of-bounds reads zero-fill."""
-    return _encode(
-        "UINT8", ptr, dims, strides_bytes, (box[0], box[1], 1), "SWIZZLE_128B", l2_promotion
-    )
-
-
-def encode_scale_tma(
-    ptr: int, dims: tuple[int, int, int], strides_bytes: tuple[int, int], rows: int
-) -> Any:
-    """A 3-D descriptor over 4-byte scale words laid out MN-major: dims = (rows, K columns,
-    groups) innermost first; the box is `rows` words of one K column (no swizzle)."""
-    return _encode("UINT32", ptr, dims, strides_bytes, (rows, 1, 1), "SWIZZLE_NONE", 0)
-
-
-def _encode(
-    dtype: str,
-    ptr: int,
-    dims: tuple[int, int, int],
-    strides_bytes: tuple[int, int],
-    box: tuple[int, int, int],
-    swizzle: str,
-    l2_promotion: int,
-) -> Any:
     driver = _driver()
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t
     return _check(
         driver.cuTensorMapEncodeTiled(
-            getattr(driver.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{dtype}"),
+            driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8,
             3,
             ptr,
-            [u64(d) for d in dims],
-            [u64(s) for s in strides_bytes],
-            [u32(b) for b in box],
+            [u64(dims[0]), u64(dims[1]), u64(dims[2])],
+            [u64(strides_bytes[0]), u64(strides_bytes[1])],
+            [u32(box[0]), u32(box[1]), u32(1)],
             [u32(1), u32(1), u32(1)],
             driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-            getattr(driver.CUtensorMapSwizzle, f"CU_TENSOR_MAP_{swizzle}"),
+            driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
             _L2_PROMOTION[l2_promotion](driver),
             driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         ),
@@ -196,7 +174,8 @@ def _encode(
 def launch_gemm(
     mod: LoadedModule,
     kernel: str,
-    tmaps: tuple[Any, Any, Any, Any],
+    tmap_a: Any,
+    tmap_b: Any,
     params: KdParams,
     grid: int,
     stream: int,
@@ -204,8 +183,7 @@ def launch_gemm(
     if grid <= 0:
         return
     driver = _driver()
-    # A, B, A scales, B scales (the scale descriptors are unused unless the config stages scales)
-    args = (ctypes.c_void_p * 5)(*(t.getPtr() for t in tmaps), ctypes.addressof(params))
+    args = (ctypes.c_void_p * 3)(tmap_a.getPtr(), tmap_b.getPtr(), ctypes.addressof(params))
     _check(
         driver.cuLaunchKernel(
             mod.functions[kernel],
