@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 BK_BYTES = 128  # one 128-element FP8 K block per stage == one scale block == one swizzle row
 ALIGN_SLACK = 1024
-# Static __shared__ in the kernel: per stage two mbarriers (8 B each) and a StageJob (24 B), plus a
+# Static __shared__ in the kernel: per slot two mbarriers (8 B each) and a StageJob (32 B), plus a
 # counter (with padding).
 STATIC_SMEM_BASE = 16
-STATIC_SMEM_PER_STAGE = 40
+STATIC_SMEM_PER_SLOT = 48
 
 # Opt-in maximum shared memory per block in bytes (cudaDevAttrMaxSharedMemoryPerBlockOptin).
 SMEM_BUDGET: dict[int, int] = {
@@ -33,6 +33,9 @@ class TileConfig:
     stages: int
     warps_m: int
     warps_n: int
+    # Most stages in flight (0: stages). A stage takes only the A rows its tile needs, so with more
+    # slots than stages thin (decode) tiles keep more B tiles in flight in the same ring.
+    slots: int = 0
     kk_unroll: int = 4  # unroll of the four k32 steps per K block (1 on sm_90: avoids spills)
     a_box: int = 16  # rows per A TMA box; a tile loads only the boxes that hold its rows
     l2_promote_b: int = 256  # L2 promotion of the B descriptor in bytes (0: none); host side
@@ -52,7 +55,11 @@ class TileConfig:
 
     @property
     def static_smem(self) -> int:
-        return STATIC_SMEM_BASE + STATIC_SMEM_PER_STAGE * self.stages
+        return STATIC_SMEM_BASE + STATIC_SMEM_PER_SLOT * self.ring_slots
+
+    @property
+    def ring_slots(self) -> int:
+        return max(self.slots, self.stages)
 
     @property
     def total_smem(self) -> int:
@@ -63,6 +70,7 @@ class TileConfig:
             f"KD_BM={self.bm}",
             f"KD_BN={self.bn}",
             f"KD_STAGES={self.stages}",
+            f"KD_SLOTS={self.ring_slots}",
             f"KD_WARPS_M={self.warps_m}",
             f"KD_WARPS_N={self.warps_n}",
             f"KD_KK_UNROLL={self.kk_unroll}",
@@ -94,10 +102,10 @@ class TileConfig:
 
 
 # The default configuration per compute-capability major*10+minor family. sm_120's 99 KiB allow
-# three 32 KiB stages; Hopper's 227 KiB allow seven.
+# three 32 KiB stages (five of a thin tile); Hopper's 227 KiB allow seven (twelve thin).
 CONFIGS: dict[int, TileConfig] = {
-    90: TileConfig(bm=128, bn=128, stages=7, warps_m=2, warps_n=4, kk_unroll=1),
-    120: TileConfig(bm=128, bn=128, stages=3, warps_m=2, warps_n=4),
+    90: TileConfig(bm=128, bn=128, stages=7, slots=12, warps_m=2, warps_n=4, kk_unroll=1),
+    120: TileConfig(bm=128, bn=128, stages=3, slots=5, warps_m=2, warps_n=4),
 }
 
 

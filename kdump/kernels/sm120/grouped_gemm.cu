@@ -12,7 +12,9 @@
 //
 // Compile-time parameters (set with -D by kdump.kernels.sm120.build):
 //   KD_BM, KD_BN   tile rows (M) and columns (N); KD_BK is fixed at 128 (one scale block)
-//   KD_STAGES      depth of the shared-memory pipeline
+//   KD_STAGES      size of the shared-memory ring, in whole-tile stages (A and B tiles)
+//   KD_SLOTS       most stages in flight: a stage only takes the A rows its tile needs, so thin
+//                  (decode) tiles fit more stages into the same ring
 //   KD_WARPS_M, KD_WARPS_N   math-warp grid
 //   KD_A_BOX       rows per A TMA box (only the boxes holding a tile's rows are loaded)
 //   KD_KK_UNROLL   unroll factor of the four k32 MMA steps of one K block
@@ -39,6 +41,9 @@ using cuda::std::void_t;
 #ifndef KD_STAGES
 #define KD_STAGES 3
 #endif
+#ifndef KD_SLOTS
+#define KD_SLOTS KD_STAGES
+#endif
 #ifndef KD_KK_UNROLL
 #define KD_KK_UNROLL 4
 #endif
@@ -61,6 +66,8 @@ constexpr int BM = KD_BM;
 constexpr int BN = KD_BN;
 constexpr int BK = 128;  // bytes of K per stage == one scale block == one 128B swizzle row
 constexpr int STAGES = KD_STAGES;
+constexpr int SLOTS = KD_SLOTS;
+static_assert(SLOTS >= STAGES, "a full ring of whole-tile stages needs STAGES slots");
 constexpr int WARPS_M = KD_WARPS_M;
 constexpr int WARPS_N = KD_WARPS_N;
 constexpr int MATH_WARPS = WARPS_M * WARPS_N;
@@ -87,19 +94,21 @@ constexpr int GROUP_ALIGN = 128;  // DeepGEMM's mk alignment for contiguous layo
 constexpr int A_TILE_BYTES = BM * BK;
 constexpr int B_TILE_BYTES = BN * BK;
 constexpr int STAGE_BYTES = A_TILE_BYTES + B_TILE_BYTES;
+constexpr int RING_BYTES = STAGES * STAGE_BYTES;
 static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tile must hold whole m16 / pairs of n8 tiles");
 static_assert(BM <= 256 && BN <= 256, "a TMA box dimension is at most 256");
 static_assert(128 % WN == 0, "fp32 B scales: one 128-column scale block per math warp");
 static_assert(BM % A_BOX == 0 && A_BOX % 16 == 0, "A boxes: whole m16 blocks, 1 KiB aligned");
 static_assert(MI <= 8, "the MMA step dispatch has copies for 1..8 m16 blocks per warp");
-// Thin tiles split their K blocks over two warp rows (see the math loop); their sums meet in a
-// stage's shared memory.
+// Thin tiles (up to SPLIT_ROWS rows) split their K blocks over two warp rows (see the math
+// loop); their sums meet in the B tile of the last stage.
 #ifndef KD_SPLIT_THIN
 #define KD_SPLIT_THIN 1
 #endif
 constexpr bool SPLIT_THIN = KD_SPLIT_THIN && WARPS_M == 2;
-static_assert(!SPLIT_THIN || WARPS_N * MI * NI * 4 * 32 * 4 <= STAGE_BYTES,
-              "the split-K reduction fits in one stage");
+constexpr int SPLIT_ROWS = WM < 32 ? WM : 32;
+static_assert(!SPLIT_THIN || WARPS_N * (SPLIT_ROWS / 16) * NI * 4 * 32 * 4 <= B_TILE_BYTES,
+              "the split-K reduction fits in a B tile");
 
 enum Layout : int { kLabels = 0, kPsum = 1, kMasked = 2 };
 
@@ -143,6 +152,8 @@ struct StageJob {
   int rows;
   int row_end;
   int kb;  // K block of this stage; 0 starts a tile, k_blocks - 1 ends it
+  int off;    // byte offset of the stage in the ring: its B tile, then its A boxes
+  int bytes;  // bytes it occupies there
 };
 
 __device__ __forceinline__ int ceil_align(int x, int a) { return (x + a - 1) / a * a; }
@@ -351,9 +362,9 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
                                           const Params& p) {
   extern __shared__ uint8_t smem_raw[];
   __shared__ int active_count_s;
-  __shared__ alignas(8) uint64_t full_bar[STAGES];
-  __shared__ alignas(8) uint64_t empty_bar[STAGES];
-  __shared__ StageJob stage_job[STAGES];
+  __shared__ alignas(8) uint64_t full_bar[SLOTS];
+  __shared__ alignas(8) uint64_t empty_bar[SLOTS];
+  __shared__ StageJob stage_job[SLOTS];
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -362,7 +373,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
 
   if (threadIdx.x == 0) {
     active_count_s = 0;
-    for (int s = 0; s < STAGES; ++s) {
+    for (int s = 0; s < SLOTS; ++s) {
       cutlass::arch::ClusterTransactionBarrier::init(&full_bar[s], 1);
       cutlass::arch::ClusterBarrier::init(&empty_bar[s], MATH_WARPS);
     }
@@ -385,10 +396,11 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
   };
 
   // Producer state; all lanes of the producer warp keep the same copy: the tile being streamed
-  // (ptile, pjob), its next K block, the index of the next load and whether the end marker went
-  // out.
+  // (ptile, pjob), its next K block, the index of the next load, the oldest load not yet seen
+  // released (ptail), where the next stage goes in the ring (phead) and whether the end marker
+  // went out.
   constexpr uint64_t kEvictNormal = 0x1000000000000000ull;
-  int ptile = blockIdx.x, pkb = 0, pload = 0;
+  int ptile = blockIdx.x, pkb = 0, pload = 0, ptail = 0, phead = 0;
   bool pdone = false;
   TileJob pjob{0, 0, 0, 0, 0};
   auto advance = [&]() {  // move ptile to the next active tile (or past the end)
@@ -397,9 +409,29 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
       if (pjob.active) return;
     }
   };
-  auto produce = [&]() {  // issue load pload into its (free) stage, or the end marker
-    const int s = pload % STAGES;
+  // Stages are laid out one after the other in the ring (wrapping to 0 when the next one does
+  // not fit) and released in order, so the loads in flight occupy one circular run starting at
+  // the oldest. Before load pload takes [off, off + bytes) - plus the skipped end of the ring
+  // when it wraps - wait for the oldest loads until none of them overlaps and a slot is free.
+  auto reserve = [&](int bytes) -> int {
+    const bool wrap = phead + bytes > RING_BYTES;
+    const int off = wrap ? 0 : phead;
+    while (ptail < pload) {
+      const StageJob& old = stage_job[ptail % SLOTS];
+      const int o_lo = old.off, o_hi = old.off + old.bytes;
+      const bool overlap =
+          wrap ? (o_hi > phead || o_lo < bytes) : (o_lo < off + bytes && off < o_hi);
+      if (!overlap && pload - ptail < SLOTS) break;
+      cutlass::arch::ClusterBarrier::wait(&empty_bar[ptail % SLOTS], (ptail / SLOTS) & 1);
+      ++ptail;
+    }
+    phead = off + bytes;
+    return off;
+  };
+  auto produce = [&]() {  // issue load pload into a free part of the ring, or the end marker
+    const int s = pload % SLOTS;
     if (ptile >= total_tiles) {
+      reserve(0);
       if (lane == 0) {
         stage_job[s].n0 = -1;
         compiler_fence();
@@ -407,24 +439,29 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
       }
       pdone = true;
     } else {
+      // Only the boxes holding the tile's rows are loaded (and take room in the ring); the whole
+      // of each box is always transferred (out-of-bounds parts are zero-filled), so the byte
+      // count is exact.
+      const int a_boxes = (pjob.rows + A_BOX - 1) / A_BOX;
+      const int bytes = B_TILE_BYTES + a_boxes * A_BOX * BK;
+      const int off = reserve(bytes);
       if (lane == 0) {
         const int n0 = (ptile % p.n_tiles) * BN;
         const int a_group = LAYOUT == kMasked ? pjob.group : 0;
-        // Only the boxes holding the tile's rows are loaded; the whole of each box is always
-        // transferred (out-of-bounds parts are zero-filled), so the byte count is exact.
-        const int a_boxes = (pjob.rows + A_BOX - 1) / A_BOX;
-        const uint32_t bytes = static_cast<uint32_t>(a_boxes * A_BOX * BK + B_TILE_BYTES);
-        stage_job[s] = StageJob{n0, pjob.group, pjob.row0, pjob.rows, pjob.row_end, pkb};
+        stage_job[s] =
+            StageJob{n0, pjob.group, pjob.row0, pjob.rows, pjob.row_end, pkb, off, bytes};
         compiler_fence();  // the StageJob store stays before the arrive that publishes it
-        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full_bar[s], bytes);
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(
+            &full_bar[s], static_cast<uint32_t>(bytes));
         const uint32_t base = aligned_smem();
-        uint8_t* sa = smem_raw + (base - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw))) +
-                      s * STAGE_BYTES;
+        uint8_t* sb =
+            smem_raw + (base - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw))) + off;
+        cute::SM90_TMA_LOAD_3D::copy(tmap_b, &full_bar[s], kEvictNormal, sb, pkb * BK, n0,
+                                     pjob.group);
         for (int b = 0; b < a_boxes; ++b)
-          cute::SM90_TMA_LOAD_3D::copy(tmap_a, &full_bar[s], kEvictNormal, sa + b * A_BOX * BK,
-                                       pkb * BK, pjob.row0 + b * A_BOX, a_group);
-        cute::SM90_TMA_LOAD_3D::copy(tmap_b, &full_bar[s], kEvictNormal, sa + A_TILE_BYTES,
-                                     pkb * BK, n0, pjob.group);
+          cute::SM90_TMA_LOAD_3D::copy(tmap_a, &full_bar[s], kEvictNormal,
+                                       sb + B_TILE_BYTES + b * A_BOX * BK, pkb * BK,
+                                       pjob.row0 + b * A_BOX, a_group);
       }
       if (++pkb == p.k_blocks) {
         pkb = 0;
@@ -434,11 +471,6 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
     }
     ++pload;
     __syncwarp();
-  };
-  // The stage load l goes to is free once every math warp released load l - STAGES.
-  auto wait_free = [&](int l) {
-    if (l >= STAGES)
-      cutlass::arch::ClusterBarrier::wait(&empty_bar[l % STAGES], ((l / STAGES) + 1) & 1);
   };
 
   // Warpgroup 0 produces (one warp works, the other three leave) and gives its registers to the
@@ -451,10 +483,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
       cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_b));
     }
     advance();
-    while (!pdone) {
-      wait_free(pload);
-      produce();
-    }
+    while (!pdone) produce();
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(MATH_REGS));
@@ -477,17 +506,18 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
   unsigned int wa[MI][2];  // scale words of this thread's rows / columns (see word_a / word_b)
   unsigned int wb[NI][2];
   for (int load = 0;; ++load) {
-    const int s = load % STAGES;
-    cutlass::arch::ClusterBarrier::wait(&full_bar[s], (load / STAGES) & 1);
+    const int s = load % SLOTS;
+    cutlass::arch::ClusterBarrier::wait(&full_bar[s], (load / SLOTS) & 1);
     compiler_fence();  // the StageJob load stays after the wait
     const StageJob sj = stage_job[s];
     if (sj.n0 < 0) break;
     const int kb = sj.kb;
     const int a_group = LAYOUT == kMasked ? sj.group : 0;
-    // Thin tiles (decode: every row within the first warp row's WM) would leave the second warp
-    // row idle. Instead both rows compute the first WM rows, taking alternate K blocks, and add
-    // their sums at the end of the tile (warp-uniform, the same for every warp of the tile).
-    const bool split = SPLIT_THIN && sj.rows <= WM;
+    // Thin tiles (decode: at most SPLIT_ROWS rows) would leave the second warp row idle.
+    // Instead both rows compute the first rows, taking alternate K blocks, and add their sums at
+    // the end of the tile (warp-uniform, the same for every warp of the tile). Not worth its
+    // end-of-tile reduction below 4 K blocks.
+    const bool split = SPLIT_THIN && sj.rows <= SPLIT_ROWS && p.k_blocks >= 4;
     const int wm0 = split ? 0 : wrow * WM;
     const bool mine = !split || (kb & 1) == wrow;  // this warp computes this K block
     const bool last = kb + 1 == p.k_blocks;
@@ -561,8 +591,8 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
       }
     } else {
 
-      const uint32_t sa_base = smem_base + s * STAGE_BYTES;
-      const uint32_t sb_base = sa_base + A_TILE_BYTES;
+      const uint32_t sb_base = smem_base + sj.off;
+      const uint32_t sa_base = sb_base + B_TILE_BYTES;
       float part[MI][NI][4];
 #pragma unroll
       for (int i = 0; i < MI; ++i)
@@ -646,7 +676,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
       float* red = reinterpret_cast<float*>(
                        smem_raw +
                        (smem_base - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)))) +
-                   (s * STAGE_BYTES) / 4 + wcol * (MI * NI * 4 * 32) + lane;
+                   sj.off / 4 + wcol * ((SPLIT_ROWS / 16) * NI * 4 * 32) + lane;
       // Every math warp must be done reading the stage before it is overwritten.
       math_sync();
       if (wrow == 1) {
@@ -699,7 +729,8 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
 #define KD_DEFINE_KERNEL(NAME, LAYOUT, UE8M0, STALE)                                            \
   extern "C" __global__ void __launch_bounds__(kd::THREADS, 1)                                  \
       NAME(const __grid_constant__ kd::TensorMap tmap_a,                                        \
-           const __grid_constant__ kd::TensorMap tmap_b, const __grid_constant__ kd::Params params) {             \
+           const __grid_constant__ kd::TensorMap tmap_b,                                        \
+           const __grid_constant__ kd::Params params) {                                         \
     kd::gemm_body<LAYOUT, UE8M0, STALE>(&tmap_a, &tmap_b, params);                              \
   }
 
