@@ -36,6 +36,7 @@ class TileConfig:
     # Most stages in flight (0: stages). A stage takes only the A rows its tile needs, so with more
     # slots than stages thin (decode) tiles keep more B tiles in flight in the same ring.
     slots: int = 0
+    unroll_blocks: int = 2  # warps with at most this many m16 blocks unroll the k32 steps fully
     kk_unroll: int = 4  # unroll of the four k32 steps per K block (1 on sm_90: avoids spills)
     a_box: int = 16  # rows per A TMA box; a tile loads only the boxes that hold its rows
     l2_promote_b: int = 256  # L2 promotion of the B descriptor in bytes (0: none); host side
@@ -74,6 +75,7 @@ class TileConfig:
             f"KD_WARPS_M={self.warps_m}",
             f"KD_WARPS_N={self.warps_n}",
             f"KD_KK_UNROLL={self.kk_unroll}",
+            f"KD_UNROLL_BLOCKS={self.unroll_blocks}",
             f"KD_A_BOX={self.a_box}",
             f"KD_SPLIT_THIN={self.split_thin}",
         ] + ([f"KD_PROBE={self.probe}"] if self.probe else [])

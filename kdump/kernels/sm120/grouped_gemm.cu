@@ -44,6 +44,9 @@ using cuda::std::void_t;
 #ifndef KD_SLOTS
 #define KD_SLOTS KD_STAGES
 #endif
+#ifndef KD_UNROLL_BLOCKS
+#define KD_UNROLL_BLOCKS 2  // warps with at most this many m16 blocks unroll the k32 steps fully
+#endif
 #ifndef KD_KK_UNROLL
 #define KD_KK_UNROLL 4
 #endif
@@ -275,25 +278,45 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1,
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// c += A(16x32) * B(32x8) from m16n8k32 e4m3 fragments. Lane (g, t) holds k = 4t..4t+3 (and
-// 16 + 4t..) in each register; the two k16 MMAs take them as their k = 2t, 2t+1 | 8 + 2t, 9 + 2t
-// slots. A and B use the same relabelling of k, so the dot products are unchanged.
-__device__ __forceinline__ void mma_e4m3(float (&c)[4], const uint32_t (&a)[4],
-                                         const uint32_t (&b)[2]) {
-  uint32_t ah[8], bh[4];
+// part[i][j] += A_i(16x32) * B_j(32x8) for m16n8k32 e4m3 fragments af[i], bf[j]. Lane (g, t)
+// holds k = 4t..4t+3 (and 16 + 4t..) in each register; the two k16 MMAs take them as their
+// k = 2t, 2t+1 | 8 + 2t, 9 + 2t slots. A and B use the same relabelling of k, so the dot
+// products are unchanged. All first-half MMAs go before the second halves that depend on them.
+template <int ON, int NJ>
+__device__ __forceinline__ void mma_block(float (&part)[MI][NI][4], const uint32_t (&af)[ON][4],
+                                          const uint32_t (&bf)[NJ][2]) {
+  uint32_t ah[ON][8], bh[NJ][4];
 #pragma unroll
-  for (int r = 0; r < 4; ++r) e4m3x4_to_f16(a[r], ah[2 * r], ah[2 * r + 1]);
-  e4m3x4_to_f16(b[0], bh[0], bh[1]);
-  e4m3x4_to_f16(b[1], bh[2], bh[3]);
-  mma_f16(c, ah[0], ah[2], ah[1], ah[3], bh[0], bh[1]);  // k 0..15: a0 / a1 rows g / g+8
-  mma_f16(c, ah[4], ah[6], ah[5], ah[7], bh[2], bh[3]);  // k 16..31: a2 / a3
+  for (int i = 0; i < ON; ++i)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) e4m3x4_to_f16(af[i][r], ah[i][2 * r], ah[i][2 * r + 1]);
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    e4m3x4_to_f16(bf[j][0], bh[j][0], bh[j][1]);
+    e4m3x4_to_f16(bf[j][1], bh[j][2], bh[j][3]);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h)  // k 0..15 from registers a0 / a1, then k 16..31 from a2 / a3
+#pragma unroll
+    for (int i = 0; i < ON; ++i)
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+        mma_f16(part[i][j], ah[i][4 * h], ah[i][4 * h + 2], ah[i][4 * h + 1], ah[i][4 * h + 3],
+                bh[j][2 * h], bh[j][2 * h + 1]);
 }
 #else
 // sm_120: native FP8 warp MMA.
-__device__ __forceinline__ void mma_e4m3(float (&c)[4], const uint32_t (&a)[4],
-                                         const uint32_t (&b)[2]) {
-  cute::SM89_16x8x32_F32E4M3E4M3F32_TN::fma(c[0], c[1], c[2], c[3], a[0], a[1], a[2], a[3], b[0],
-                                            b[1], c[0], c[1], c[2], c[3]);
+template <int ON, int NJ>
+__device__ __forceinline__ void mma_block(float (&part)[MI][NI][4], const uint32_t (&af)[ON][4],
+                                          const uint32_t (&bf)[NJ][2]) {
+#pragma unroll
+  for (int i = 0; i < ON; ++i)
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+      cute::SM89_16x8x32_F32E4M3E4M3F32_TN::fma(
+          part[i][j][0], part[i][j][1], part[i][j][2], part[i][j][3], af[i][0], af[i][1],
+          af[i][2], af[i][3], bf[j][0], bf[j][1], part[i][j][0], part[i][j][1], part[i][j][2],
+          part[i][j][3]);
 }
 #endif
 
@@ -603,12 +626,12 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
 
       // sm_90 emulates each FP8 MMA with FP16 ones plus unpack instructions; unrolling the k32
       // steps there lets the scheduler hoist unpacks until the accumulators spill (KD_KK_UNROLL 1);
-      // a single m16 block has the registers to unroll fully.
+      // thin tiles (up to KD_UNROLL_BLOCKS m16 blocks) have the registers to unroll fully.
       // Each count of m16 blocks gets its own branch-free copy (ON blocks): a branch per m16 block
       // makes sm_90 unpack the B fragments once per block and serializes the MMA chains.
       auto mma_steps = [&](auto on) {
         constexpr int ON = decltype(on)::value;
-        constexpr int UNROLL = ON == 1 ? 4 : KD_KK_UNROLL;
+        constexpr int UNROLL = ON <= KD_UNROLL_BLOCKS ? 4 : KD_KK_UNROLL;
 #pragma unroll UNROLL
         for (int kk = 0; kk < BK / 32; ++kk) {
           uint32_t af[ON][4];
@@ -621,10 +644,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
           for (int i = 0; i < ON; ++i)
             ldsm_x4(sa_base + swz(wm0 + a_ld_row0 + i * 16, 2 * kk + a_ld_chunk), af[i][0],
                     af[i][1], af[i][2], af[i][3]);
-#pragma unroll
-          for (int i = 0; i < ON; ++i)
-#pragma unroll
-            for (int j = 0; j < NI; ++j) mma_e4m3(part[i][j], af[i], bf[j]);
+          mma_block<ON>(part, af, bf);
         }
       };
       // mi_on is warp-uniform and 1..MI here.
