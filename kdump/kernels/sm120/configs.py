@@ -106,7 +106,9 @@ class TileConfig:
 # The default configuration per compute-capability major*10+minor family. sm_120's 99 KiB allow
 # three 32 KiB stages (five of a thin tile); Hopper's 227 KiB allow seven (twelve thin).
 CONFIGS: dict[int, TileConfig] = {
-    90: TileConfig(bm=128, bn=128, stages=7, slots=12, warps_m=2, warps_n=4, kk_unroll=1),
+    90: TileConfig(
+        bm=128, bn=128, stages=7, slots=12, warps_m=2, warps_n=4, unroll_blocks=4, kk_unroll=1
+    ),
     120: TileConfig(bm=128, bn=128, stages=3, slots=5, warps_m=2, warps_n=4),
 }
 
