@@ -122,12 +122,62 @@ extern "C" __global__ void mma_tile(float* out, int iters) {
     for (int y = 0; y < 4; ++y) s += c[x][y][0] + c[x][y][1] + c[x][y][2] + c[x][y][3];
   if (s == 12345.f) out[threadIdx.x] = s;
 }
+
+// mma_tile as the packaged kernel runs it on sm_90: the fresh FP8 fragments are converted to
+// FP16 once per step and each k32 product is two FP16 m16n8k16 MMAs accumulating directly.
+__device__ __forceinline__ void to_f16(unsigned x, unsigned& lo, unsigned& hi) {
+  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\t"
+      "cvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
+      : "=r"(lo), "=r"(hi) : "r"(x));
+}
+
+extern "C" __global__ void mma_tile_f16(float* out, int iters) {
+  unsigned a[4][4], b[4][2];
+  float c[4][4][4] = {};
+#pragma unroll
+  for (int x = 0; x < 4; ++x) {
+#pragma unroll
+    for (int y = 0; y < 4; ++y) a[x][y] = threadIdx.x * 0x01010101u + x * 0x00110011u + y;
+    b[x][0] = threadIdx.x ^ (0x22222222u + x * 0x01010101u);
+    b[x][1] = threadIdx.x + 7u + x * 0x00010001u;
+  }
+  for (int i = 0; i < iters; ++i) {
+    unsigned ah[4][8], bh[4][4];
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+#pragma unroll
+      for (int y = 0; y < 4; ++y) a[x][y] += 0x00010001u;
+      b[x][0] ^= a[x][0];
+      b[x][1] += 0x01000100u;
+#pragma unroll
+      for (int y = 0; y < 4; ++y) to_f16(a[x][y], ah[x][2 * y], ah[x][2 * y + 1]);
+      to_f16(b[x][0], bh[x][0], bh[x][1]);
+      to_f16(b[x][1], bh[x][2], bh[x][3]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int x = 0; x < 4; ++x)
+#pragma unroll
+        for (int y = 0; y < 4; ++y)
+          asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                       "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                       : "+f"(c[x][y][0]), "+f"(c[x][y][1]), "+f"(c[x][y][2]), "+f"(c[x][y][3])
+                       : "r"(ah[x][4 * h]), "r"(ah[x][4 * h + 2]), "r"(ah[x][4 * h + 1]),
+                         "r"(ah[x][4 * h + 3]), "r"(bh[y][2 * h]), "r"(bh[y][2 * h + 1]));
+  }
+  float s = 0.f;
+  for (int x = 0; x < 4; ++x)
+    for (int y = 0; y < 4; ++y) s += c[x][y][0] + c[x][y][1] + c[x][y][2] + c[x][y][3];
+  if (s == 12345.f) out[threadIdx.x] = s;
+}
 """
 
 
 def mma_ceiling(kernel: str = "mma_peak") -> float:
     """TFLOP/s of back-to-back FP8 mma.sync m16n8k32: `mma_peak` (8 independent accumulators per
-    warp, fresh A each step) or `mma_tile` (a 4 x 4 warp tile, fresh A and B each step)."""
+    warp, fresh A each step), `mma_tile` (a 4 x 4 warp tile, fresh A and B each step) or
+    `mma_tile_f16` (that tile through FP16 MMAs, as the packaged kernel runs it on sm_90)."""
     from cuda.bindings import driver
     from cuda.core import Program, ProgramOptions
 
@@ -265,9 +315,10 @@ def main() -> None:
     bw = copy_bandwidth()
     peak = mma_ceiling()
     tile_peak = mma_ceiling("mma_tile")
+    f16_peak = mma_ceiling("mma_tile_f16")
     print(
         f"{name}: copy {bw:.0f} GB/s (read+write), mma.sync FP8 ceiling {peak:.0f} TFLOP/s, "
-        f"64x32 warp-tile ceiling {tile_peak:.0f} TFLOP/s"
+        f"64x32 warp-tile ceiling {tile_peak:.0f} TFLOP/s, through FP16 {f16_peak:.0f} TFLOP/s"
     )
     rows = []
     for shape in SHAPES:
@@ -293,6 +344,7 @@ def main() -> None:
                     bw_frac=gbs / bw,
                     mma_frac=flops_tiles / ours / 1e6 / peak,
                     tile_frac=flops_tiles / ours / 1e6 / tile_peak,
+                    f16_frac=flops_tiles / ours / 1e6 / f16_peak,
                 )
             )
             r = rows[-1]
@@ -304,7 +356,7 @@ def main() -> None:
                 flush=True,
             )
             torch.cuda.empty_cache()
-    write_results(args.out, name, bw, peak, tile_peak, rows)
+    write_results(args.out, name, bw, (peak, tile_peak, f16_peak), rows)
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -313,26 +365,28 @@ def _fmt(x: float | None, spec: str) -> str:
 
 NOTES = """
 Notes:
-- On sm_90 (H200) the FP8 `mma.sync` is emulated: each m16n8k32 becomes two HMMA.16816.F32 plus
-  F2FP.F16.E4M3.UNPACK_B conversions (see tests/test_sm120_build.py); 'mma' and 'tile' are
-  measured against that emulated instruction. DeepGEMM and torch._scaled_grouped_mm use wgmma
-  (QGMMA) on Hopper, a different class of instruction, so 'x DG' / 'x torch' on this machine say
-  little about sm_120, where the same source compiles to native QMMA.16832.F32.E4M3.E4M3 (not
-  measured: no sm_120 GPU).
+- Hopper has no FP8 warp MMA. Written as `mma.sync ... e4m3`, ptxas emulates each m16n8k32 with
+  two zero-based HMMA.16816.F32, four FADDs and F2FP.F16.E4M3.UNPACK_B conversions; that is what
+  'mma' and 'tile' measure. On sm_90 the packaged kernel instead converts each fragment once and
+  runs FP16 m16n8k16 MMAs that accumulate directly ('f16' measures that path). DeepGEMM and
+  torch._scaled_grouped_mm use wgmma on Hopper, a different class of instruction, so 'x DG' /
+  'x torch' here say little about sm_120, where the same source compiles to native
+  QMMA.16832.F32.E4M3.E4M3 (not measured: no sm_120 GPU).
 - The kernel is persistent (one CTA per SM striding over all M x N tiles, inactive tiles
   skipped), so a graph replay's cost does not depend on the routing metadata beyond the tiles it
-  computes. A producer warpgroup decides the tiles and issues the TMA loads; eight math warps
-  compute. Each tile is computed (and A loaded) only up to its last labelled row, in 16-row
-  blocks: decode batches cost the B stream plus a few rows.
-- At 1 and 32 tokens per expert the kernel streams B at 1.4-1.7 TB/s, short of the ~2.7 TB/s
-  DeepGEMM reaches; at 113 and 512 it is bound by the emulated MMA (about 0.55 of the mma.sync
-  ceiling). See RESULTS_sm120_tuning.md for the variants measured and what limits it.
+  computes. A producer warpgroup decides the tiles and issues the TMA loads into a ring of
+  stages that take only the A rows their tile needs; eight math warps compute, and tiles of at
+  most 32 rows split their K blocks over both warp rows. Each tile is computed (and A loaded)
+  only up to its last labelled row, in 16-row blocks: decode batches cost the B stream plus a
+  few rows.
+- See RESULTS_sm120_tuning.md for the variants measured and what limits the kernel.
 """
 
 
 def write_results(
-    path: str, name: str, bw: float, peak: float, tile_peak: float, rows: list[dict]
+    path: str, name: str, bw: float, peaks: tuple[float, float, float], rows: list[dict]
 ) -> None:
+    peak, tile_peak, f16_peak = peaks
     lines = [
         "# Packaged SM120-style grouped FP8 GEMM: benchmark",
         "",
@@ -340,26 +394,29 @@ def write_results(
         f"{name}, {platform.node()}; torch {torch.__version__}.",
         f"Measured ceilings: D2D copy {bw:.0f} GB/s (read + write counted); FP8 mma.sync "
         f"m16n8k32 {peak:.0f} TFLOP/s (fresh A each step); the same with a 64 x 32 warp tile "
-        f"(fresh A and B each step, as in the kernel) {tile_peak:.0f} TFLOP/s.",
+        f"(fresh A and B each step, as in the kernel) {tile_peak:.0f} TFLOP/s; that tile through "
+        f"FP16 MMAs, as the kernel runs it on sm_90, {f16_peak:.0f} TFLOP/s.",
         "",
         "G = 288, contiguous label layout, every expert padded to 128-row multiples; CUDA-graph",
         "replay, mean per call. TFLOP/s on valid tokens; GB/s = (valid A rows + all B + valid",
         "D rows) / time, the bytes any kernel must move; 'HBM' = that over the copy bandwidth;",
-        "'mma' = FLOP/s of the m16 blocks the kernel computes over the mma.sync ceiling, 'tile' =",
-        "the same over the warp-tile ceiling; 'x DG' / 'x torch' = peer time / our time (> 1:",
-        "ours is faster).",
+        "'mma' = FLOP/s of the m16 blocks the kernel computes over the mma.sync ceiling, 'tile' /",
+        "'f16' = the same over the warp-tile ceilings; 'x DG' / 'x torch' = peer time / our",
+        "UE8M0 time (> 1: ours is faster); 'x DG fp32' = DeepGEMM's time over ours with the same",
+        "fp32 scales DeepGEMM was given (DeepGEMM on sm_90 takes the SM90 fp32 format).",
         "",
         "| shape | tokens/expert | ours UE8M0 (us) | ours fp32 (us) | TFLOP/s | GB/s | HBM | mma |"
-        " tile | DeepGEMM (us) | x DG | torch grouped (us) | x torch |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " tile | f16 | DeepGEMM (us) | x DG | x DG fp32 | torch grouped (us) | x torch |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['shape']} | {r['tokens']} | {r['ours']:.1f} | {r['ours32']:.1f} | "
             f"{r['tflops']:.1f} | {r['gbs']:.0f} | {r['bw_frac']:.2f} | {r['mma_frac']:.2f} | "
-            f"{r['tile_frac']:.2f} | "
+            f"{r['tile_frac']:.2f} | {r['f16_frac']:.2f} | "
             f"{_fmt(r['dg'], '.1f')} | "
             f"{_fmt(None if r['dg'] is None else r['dg'] / r['ours'], '.2f')} | "
+            f"{_fmt(None if r['dg'] is None else r['dg'] / r['ours32'], '.2f')} | "
             f"{_fmt(r['tg'], '.1f')} | "
             f"{_fmt(None if r['tg'] is None else r['tg'] / r['ours'], '.2f')} |"
         )
