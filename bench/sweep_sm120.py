@@ -24,11 +24,12 @@ from kdump.kernels.sm120 import configs, launch
 CASES = (("w13", 1), ("w13", 32), ("w13", 113), ("w2", 1), ("w2", 32), ("w2", 113))
 DEFAULT_VARIANTS = (
     "",
-    "probe=1",  # the load path alone: math warps release every stage unread
-    "probe=2",  # no scale loads in the math warps
+    "probe=1",  # the load path alone: math warps release every stage unread (results wrong)
+    "probe=2",  # constant scale words: no scale loads or scale arithmetic (results wrong)
+    "slots=7",  # no more stages in flight for thin tiles than for whole ones
+    "split_thin=0",  # thin tiles leave the second warp row idle
+    "unroll_blocks=2",  # only thin warps unroll their k32 steps
     "bm=64,stages=9",
-    "bm=64,bn=256,stages=5",
-    "l2_promote_b=128",
 )
 
 

@@ -70,22 +70,51 @@ def test_cubin_has_every_kernel_and_fp8_mma(cubin) -> None:
     arch, path = cubin
     funcs = _functions(_sass(path))
     assert set(build.KERNEL_NAMES) <= set(funcs), sorted(funcs)
-    # sm_120a runs FP8 warp MMA natively (QMMA); sm_90a emulates it with FP16 HMMA + unpacks.
+    # sm_120a runs FP8 warp MMA natively (QMMA); sm_90a has none: the kernel unpacks the FP8
+    # fragments itself and runs FP16 HMMAs that accumulate directly (no emulation FADDs).
     mma = "QMMA.16832.F32.E4M3.E4M3" if arch == "sm_120a" else "HMMA.16816.F32"
     for name in build.KERNEL_NAMES:
         if name.startswith("kd_gemm"):
             assert mma in funcs[name], f"{name} on {arch} lacks {mma}"
             assert "UTMALDG" in funcs[name], f"{name} on {arch} does not use TMA loads"
             assert "HGMMA" not in funcs[name] and "QGMMA" not in funcs[name], "no wgmma allowed"
+            if arch == "sm_90a":
+                assert "F2FP.F16.E4M3.UNPACK_B" in funcs[name]
 
 
-def test_sm120a_has_no_local_memory(cubin) -> None:
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
+def test_fp8_mma_only_where_native(arch: str) -> None:
+    """The PTX asks for FP8 m16n8k32 MMAs only on sm_120a; on sm_90a ptxas would emulate them
+    with zero-based FP16 MMAs and FADDs, so the kernel issues FP16 m16n8k16 ones itself."""
+    if _why_not is not None:
+        pytest.skip(f"cannot compile: {_why_not}")
+    from cuda.bindings import nvrtc
+
+    # NVRTC directly: cuda.core checks that the driver could load PTX, and CI has no driver.
+    req = BuildRequest(arch, configs.CONFIGS[90 if arch == "sm_90a" else 120])
+    opts = build._program_options(req).as_bytes("nvrtc")
+    err, prog = nvrtc.nvrtcCreateProgram(build.kernel_source().encode(), b"g.cu", 0, [], [])
+    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
+    try:
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
+        err, size = nvrtc.nvrtcGetPTXSize(prog)
+        buf = b" " * size
+        (err,) = nvrtc.nvrtcGetPTX(prog, buf)
+        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    text = buf.decode(errors="replace")
+    fp8 = "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32" in text
+    fp16 = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in text
+    assert (fp8, fp16) == ((False, True) if arch == "sm_90a" else (True, False))
+
+
+def test_no_local_memory(cubin) -> None:
     arch, path = cubin
-    if arch != "sm_120a":
-        pytest.skip("sm_90a emulates FP8 MMA and may spill a few bytes in UE8M0 variants")
     sass = _sass(path)
     spills = re.findall(r"\b(LDL|STL)(\.\w+)*\b", sass)
-    assert not spills, f"{len(spills)} local-memory accesses in sm_120a SASS"
+    assert not spills, f"{len(spills)} local-memory accesses in {arch} SASS"
 
 
 def test_resource_usage_fits_budget(cubin) -> None:

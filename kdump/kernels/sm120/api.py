@@ -3,7 +3,7 @@
 Semantics implemented (what a replay against this kernel can rely on):
 
 * Contiguous, label layout: `grouped_layout` int32 [M] holds the expert of every row, -1 for
-  padding. Each 128-row M-tile takes the expert of its FIRST row (groups start on multiples of
+  padding. Each M-tile (128 rows) takes the expert of its FIRST row (groups start on multiples of
   128). A tile whose first label is -1 (or out of range) is skipped and its D rows are left
   untouched, as DeepGEMM's SM120 kernels do (DeepGEMM on SM90 writes zeros there instead). An
   active tile runs up to its LAST row whose label is >= 0: the rows after it are neither loaded,
