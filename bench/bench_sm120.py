@@ -86,12 +86,9 @@ extern "C" __global__ void mma_peak(float* out, int iters) {
   if (s == 12345.f) out[threadIdx.x] = s;  // keeps the MMAs alive
 }
 
-// What a GEMM warp tile of 64 x 32 (4 x 4 MMAs, as in the packaged kernel) can reach: every
-// step brings fresh A and B fragments, so on sm_90 each is unpacked to FP16 again (48 unpacks per
-// 32 HMMA, against 8 per 16 in mma_peak).
-extern "C" __global__ void mma_tile(float* out, int iters) {
-  unsigned a[4][4], b[4][2];
-  float c[4][4][4] = {};
+// Shared by the warp-tile kernels: fragments that differ per thread and tile position, and a
+// sum that keeps the accumulators alive.
+__device__ __forceinline__ void tile_init(unsigned (&a)[4][4], unsigned (&b)[4][2]) {
 #pragma unroll
   for (int x = 0; x < 4; ++x) {
 #pragma unroll
@@ -99,6 +96,22 @@ extern "C" __global__ void mma_tile(float* out, int iters) {
     b[x][0] = threadIdx.x ^ (0x22222222u + x * 0x01010101u);
     b[x][1] = threadIdx.x + 7u + x * 0x00010001u;
   }
+}
+
+__device__ __forceinline__ void tile_sink(const float (&c)[4][4][4], float* out) {
+  float s = 0.f;
+  for (int x = 0; x < 4; ++x)
+    for (int y = 0; y < 4; ++y) s += c[x][y][0] + c[x][y][1] + c[x][y][2] + c[x][y][3];
+  if (s == 12345.f) out[threadIdx.x] = s;
+}
+
+// What a GEMM warp tile of 64 x 32 (4 x 4 MMAs, as in the packaged kernel) can reach: every
+// step brings fresh A and B fragments, so on sm_90 each is unpacked to FP16 again (48 unpacks per
+// 32 HMMA, against 8 per 16 in mma_peak).
+extern "C" __global__ void mma_tile(float* out, int iters) {
+  unsigned a[4][4], b[4][2];
+  float c[4][4][4] = {};
+  tile_init(a, b);
   for (int i = 0; i < iters; ++i) {
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
@@ -117,10 +130,7 @@ extern "C" __global__ void mma_tile(float* out, int iters) {
                      : "r"(a[x][0]), "r"(a[x][1]), "r"(a[x][2]), "r"(a[x][3]), "r"(b[y][0]),
                        "r"(b[y][1]));
   }
-  float s = 0.f;
-  for (int x = 0; x < 4; ++x)
-    for (int y = 0; y < 4; ++y) s += c[x][y][0] + c[x][y][1] + c[x][y][2] + c[x][y][3];
-  if (s == 12345.f) out[threadIdx.x] = s;
+  tile_sink(c, out);
 }
 
 // mma_tile as the packaged kernel runs it on sm_90: the fresh FP8 fragments are converted to
@@ -134,13 +144,7 @@ __device__ __forceinline__ void to_f16(unsigned x, unsigned& lo, unsigned& hi) {
 extern "C" __global__ void mma_tile_f16(float* out, int iters) {
   unsigned a[4][4], b[4][2];
   float c[4][4][4] = {};
-#pragma unroll
-  for (int x = 0; x < 4; ++x) {
-#pragma unroll
-    for (int y = 0; y < 4; ++y) a[x][y] = threadIdx.x * 0x01010101u + x * 0x00110011u + y;
-    b[x][0] = threadIdx.x ^ (0x22222222u + x * 0x01010101u);
-    b[x][1] = threadIdx.x + 7u + x * 0x00010001u;
-  }
+  tile_init(a, b);
   for (int i = 0; i < iters; ++i) {
     unsigned ah[4][8], bh[4][4];
 #pragma unroll
@@ -166,10 +170,7 @@ extern "C" __global__ void mma_tile_f16(float* out, int iters) {
                        : "r"(ah[x][4 * h]), "r"(ah[x][4 * h + 2]), "r"(ah[x][4 * h + 1]),
                          "r"(ah[x][4 * h + 3]), "r"(bh[y][2 * h]), "r"(bh[y][2 * h + 1]));
   }
-  float s = 0.f;
-  for (int x = 0; x < 4; ++x)
-    for (int y = 0; y < 4; ++y) s += c[x][y][0] + c[x][y][1] + c[x][y][2] + c[x][y][3];
-  if (s == 12345.f) out[threadIdx.x] = s;
+  tile_sink(c, out);
 }
 """
 
