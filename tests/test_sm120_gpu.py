@@ -202,10 +202,10 @@ def test_odd_and_empty_groups_strided_d(ue8m0: bool) -> None:
     assert torch.isnan(buf[:, n:]).all(), "wrote outside the strided view"
 
 
-@pytest.mark.parametrize("k", [128, 256, 640])
+@pytest.mark.parametrize("k", [128, 256, 512, 640])
 def test_thin_tiles_any_k_blocks(k: int) -> None:
-    """Tiles of at most 64 rows split their K blocks over both warp rows and add the sums at the
-    end: with one K block (one row never computes), an even and an odd count."""
+    """Tiles of at most 32 rows split 4 or more K blocks over both warp rows and add the sums
+    at the end (here 4 and 5 blocks); with 1 or 2 blocks they do not split."""
     counts = [1, 16, 33, 64, 65, 0, 100, 8]
     labels = labels_for(counts, 128)
     p = Problem((labels.numel(),), len(counts), 256, k, True, seed=k)
