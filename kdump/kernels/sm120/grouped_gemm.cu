@@ -624,8 +624,8 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
 #pragma unroll
           for (int c = 0; c < 4; ++c) part[i][j][c] = 0.f;
 
-      // sm_90 emulates each FP8 MMA with FP16 ones plus unpack instructions; unrolling the k32
-      // steps there lets the scheduler hoist unpacks until the accumulators spill (KD_KK_UNROLL 1);
+      // On sm_90 each FP8 MMA is unpacks plus two FP16 MMAs (mma_block); unrolling the k32 steps
+      // can let the scheduler hoist unpacks until the accumulators spill (KD_KK_UNROLL);
       // thin tiles (up to KD_UNROLL_BLOCKS m16 blocks) have the registers to unroll fully.
       // Each count of m16 blocks gets its own branch-free copy (ON blocks): a branch per m16 block
       // makes sm_90 unpack the B fragments once per block and serializes the MMA chains.
