@@ -222,6 +222,18 @@ def _tmaps(a: torch.Tensor, b: torch.Tensor, config: TileConfig) -> tuple[Any, A
     return ta, tb
 
 
+def _tiles(
+    a_fp8: torch.Tensor, b_fp8: torch.Tensor, p: KdParams, rows: int
+) -> tuple[Any, Any, Any]:
+    """The device's module, p's tile counts for its configuration (`rows` per group) and the
+    A / B descriptors."""
+    mod = get_module(a_fp8.device)
+    p.m_tiles = _ceil_div(rows, mod.config.bm)
+    p.n_tiles = _ceil_div(p.n, mod.config.bn)
+    ta, tb = _tmaps(a_fp8, b_fp8, mod.config)
+    return mod, ta, tb
+
+
 def _stream(device: torch.device) -> int:
     import torch
 
@@ -312,10 +324,7 @@ def m_grouped_fp8_gemm_nt_contiguous(
         _fail("expected_m_for_psum_layout is only meaningful with use_psum_layout=True")
     if p.m == 0:
         return
-    mod = get_module(a_fp8.device)
-    p.m_tiles = _ceil_div(p.m, mod.config.bm)
-    p.n_tiles = _ceil_div(p.n, mod.config.bn)
-    ta, tb = _tmaps(a_fp8, b_fp8, mod.config)
+    mod, ta, tb = _tiles(a_fp8, b_fp8, p, p.m)
     kernel = f"kd_gemm_{'psum' if use_psum_layout else 'labels'}_{'ue8m0' if ue8m0 else 'fp32'}"
     dev = a_fp8.device
     with _on_device(dev):
@@ -368,10 +377,7 @@ def m_grouped_fp8_gemm_nt_masked(
     p = _params(sfa, sfb, masked_m, d, masked=True)
     p.m, p.n, p.k, p.num_groups = max_m, n, k, g
     p.k_blocks = _ceil_div(k, 128)
-    mod = get_module(dev)
-    p.m_tiles = _ceil_div(max_m, mod.config.bm)
-    p.n_tiles = _ceil_div(n, mod.config.bn)
-    ta, tb = _tmaps(a_fp8, b_fp8, mod.config)
+    mod, ta, tb = _tiles(a_fp8, b_fp8, p, max_m)
     kernel = f"kd_gemm_masked_{'ue8m0' if ue8m0 else 'fp32'}"
     with _on_device(dev):
         launch_gemm(mod, kernel, ta, tb, p, _grid(dev, g * p.m_tiles * p.n_tiles), _stream(dev))
@@ -438,13 +444,10 @@ class StaleScheduleContiguous:
         if p.m == 0:
             return
         dev = a_fp8.device
-        mod = get_module(dev)
         stream = _stream(dev)
-        p.m_tiles = _ceil_div(p.m, mod.config.bm)
+        mod, ta, tb = _tiles(a_fp8, b_fp8, p, p.m)
         key = (d.data_ptr(), grouped_layout.data_ptr(), p.m_tiles)
         ws = self._schedules.get(key)
-        p.n_tiles = _ceil_div(p.n, mod.config.bn)
-        ta, tb = _tmaps(a_fp8, b_fp8, mod.config)
         kernel = f"kd_gemm_labels_{'ue8m0' if ue8m0 else 'fp32'}_stale"
         with _on_device(dev):
             if ws is None:
