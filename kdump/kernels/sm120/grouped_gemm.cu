@@ -218,9 +218,12 @@ __device__ __forceinline__ TileJob decide_tile(const Params& p, int m_slot, int 
   return job;
 }
 
-// UE8M0 exponent byte -> 2^(byte - 127) as fp32 (byte 0 is the denormal 2^-127).
-__device__ __forceinline__ float ue8m0_to_float(unsigned int byte) {
-  return byte == 0 ? __int_as_float(0x00400000) : __int_as_float(static_cast<int>(byte << 23));
+// Exponent byte `k` of a UE8M0 word -> 2^(byte - 127) as fp32. The byte goes to bits 23..30 (a
+// byte permute to the top byte, a shift); byte 0 is the denormal 2^-127 = 0x00400000, the only
+// pattern below it, hence the max.
+__device__ __forceinline__ float ue8m0_to_float(unsigned int word, int k) {
+  const unsigned int top = __byte_perm(word, 0u, 0x0444u | (static_cast<unsigned int>(k) << 12));
+  return __uint_as_float(max(top >> 1, 0x00400000u));
 }
 
 // Scale "words": for UE8M0 one int32 holding the exponents of four K blocks, for fp32 the scale
@@ -244,7 +247,7 @@ __device__ __forceinline__ unsigned int word_b(const Params& p, int group, int c
 template <bool UE8M0>
 __device__ __forceinline__ float scale_of(unsigned int word, int kb) {
   if constexpr (UE8M0)
-    return ue8m0_to_float((word >> ((kb & 3) * 8)) & 0xffu);
+    return ue8m0_to_float(word, kb & 3);
   else
     return __uint_as_float(word);
 }
@@ -520,12 +523,33 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
   const int g = lane / 4;  // MMA "groupID"
   const int t = lane % 4;  // MMA "threadID_in_group"
   // ldmatrix source rows/chunks for this lane (see the fragment layouts of m16n8k32).
-  const int a_ld_row0 = (lane % 8) + ((lane / 8) % 2) * 8;  // + first row + i*16
-  const int a_ld_chunk = lane / 16;                              // + 2*kk
-  const int b_ld_row = wn0 + (lane % 8) + (lane / 16) * 8;       // + j*8 (pairs of n8 tiles)
-  const int b_ld_chunk = (lane / 8) % 2;                         // + 2*kk
+  // Their swizzled byte offsets per k32 step, computed once: adding 16-row (A) or 8-row (B)
+  // multiples keeps a row's swizzle, so a block's address is a base plus constants.
+  uint32_t a_ld_off[BK / 32], b_ld_off[BK / 32];
+  {
+    const int a_ld_row0 = (lane % 8) + ((lane / 8) % 2) * 8;  // + first row + i*16
+    const int a_ld_chunk = lane / 16;                          // + 2*kk
+    const int b_ld_row = wn0 + (lane % 8) + (lane / 16) * 8;   // + j*8 (pairs of n8 tiles)
+    const int b_ld_chunk = (lane / 8) % 2;                     // + 2*kk
+#pragma unroll
+    for (int kk = 0; kk < BK / 32; ++kk) {
+      a_ld_off[kk] = swz(a_ld_row0, 2 * kk + a_ld_chunk);
+      b_ld_off[kk] = swz(b_ld_row, 2 * kk + b_ld_chunk);
+    }
+  }
 
+  // Zero at the start of every tile: here, and again wherever a warp finishes a tile (a select
+  // per accumulator at every K block would cost as many instructions as the promotion).
   float acc[MI][NI][4];
+  auto clear_acc = [&]() {
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+      for (int j = 0; j < NI; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
+  };
+  clear_acc();
   unsigned int wa[MI][2];  // scale words of this thread's rows / columns (see word_a / word_b)
   unsigned int wb[NI][2];
   for (int load = 0;; ++load) {
@@ -551,14 +575,6 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
       compiler_fence();
       if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&empty_bar[s]);
       continue;
-    }
-    if (kb == 0) {
-#pragma unroll
-      for (int i = 0; i < MI; ++i)
-#pragma unroll
-        for (int j = 0; j < NI; ++j)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
     }
     if (mi_on == 0) {
       // Nothing of this tile in this warp's rows: release the stage at once.
@@ -638,20 +654,45 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
           uint32_t bf[NI][2];
 #pragma unroll
           for (int j = 0; j < NI; j += 2)
-            ldsm_x4(sb_base + swz(b_ld_row + j * 8, 2 * kk + b_ld_chunk), bf[j][0], bf[j][1],
+            ldsm_x4(sb_base + b_ld_off[kk] + j * 8 * BK, bf[j][0], bf[j][1],
                     bf[j + 1][0], bf[j + 1][1]);
 #pragma unroll
           for (int i = 0; i < ON; ++i)
-            ldsm_x4(sa_base + swz(wm0 + a_ld_row0 + i * 16, 2 * kk + a_ld_chunk), af[i][0],
-                    af[i][1], af[i][2], af[i][3]);
+            ldsm_x4(sa_base + a_ld_off[kk] + (wm0 + i * 16) * BK, af[i][0], af[i][1], af[i][2],
+                    af[i][3]);
           mma_block<ON>(part, af, bf);
         }
       };
-      // mi_on is warp-uniform and 1..MI here.
+      // Promote the 128-K partial sums of ON m16 blocks with their block scales in fp32.
+      auto promote = [&](auto on) {
+        constexpr int ON = decltype(on)::value;
+        float sb[NI][2];
+#pragma unroll
+        for (int j = 0; j < NI; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            sb[j][h] = UE8M0 ? scale_of<true>(wb[j][h], kb) : scale_of<false>(wb[0][0], kb);
+#pragma unroll
+        for (int i = 0; i < ON; ++i) {
+          const float sa0 = scale_of<UE8M0>(wa[i][0], kb);
+          const float sa1 = scale_of<UE8M0>(wa[i][1], kb);
+#pragma unroll
+          for (int j = 0; j < NI; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+              acc[i][j][c] =
+                  fmaf(part[i][j][c], (c < 2 ? sa0 : sa1) * sb[j][c % 2], acc[i][j][c]);
+        }
+      };
+      // mi_on is warp-uniform and 1..MI here. The stage goes back to the producer between the
+      // MMAs and the promotion (a split tile's last stage is kept for adding the two warp rows'
+      // sums).
       auto run_if = [&](auto on) {
         if constexpr (decltype(on)::value <= MI) {
           if (mi_on == decltype(on)::value) {
             mma_steps(on);
+            if (!(split && last)) release();
+            promote(on);
             return true;
           }
         }
@@ -663,30 +704,6 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
           run_if(integral_constant<int, 4>{}) || run_if(integral_constant<int, 5>{}) ||
           run_if(integral_constant<int, 6>{}) || run_if(integral_constant<int, 7>{}) ||
           run_if(integral_constant<int, 8>{});
-      // This warp is done reading the stage: hand it back to the producer (a split tile's last
-      // stage is kept for adding the two warp rows' sums).
-      if (!(split && last)) release();
-
-      // Promote the 128-K partial sums with their block scales in fp32.
-      float sb[NI][2];
-#pragma unroll
-      for (int j = 0; j < NI; ++j)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          sb[j][h] = UE8M0 ? scale_of<true>(wb[j][h], kb) : scale_of<false>(wb[0][0], kb);
-#pragma unroll
-      for (int i = 0; i < MI; ++i) {
-        if (i < mi_on) {
-          const float sa0 = scale_of<UE8M0>(wa[i][0], kb);
-          const float sa1 = scale_of<UE8M0>(wa[i][1], kb);
-#pragma unroll
-          for (int j = 0; j < NI; ++j)
-#pragma unroll
-            for (int c = 0; c < 4; ++c)
-              acc[i][j][c] =
-                  fmaf(part[i][j][c], (c < 2 ? sa0 : sa1) * sb[j][c % 2], acc[i][j][c]);
-        }
-      }
     }  // mine
 
     if (!last) continue;
@@ -719,7 +736,10 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
               for (int c = 0; c < 4; ++c) acc[i][j][c] += red[((i * NI + j) * 4 + c) * 32];
       }
       release();
-      if (wrow == 1) continue;
+      if (wrow == 1) {
+        clear_acc();
+        continue;
+      }
     }
     // Epilogue: bf16 pairs straight from registers. Rows past the tile's extent or row_end and
     // columns past N are left untouched.
@@ -741,6 +761,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
         }
       }
     }
+    clear_acc();
   }
 }
 
