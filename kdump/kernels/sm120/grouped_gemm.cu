@@ -110,6 +110,7 @@ static_assert(MI <= 8, "the MMA step dispatch has copies for 1..8 m16 blocks per
 #endif
 constexpr bool SPLIT_THIN = KD_SPLIT_THIN && WARPS_M == 2;
 constexpr int SPLIT_ROWS = WM < 32 ? WM : 32;
+static_assert(!SPLIT_THIN || 1 + WARPS_N <= 15, "named barriers 2..1+WARPS_N (16 ids in all)");
 static_assert(!SPLIT_THIN || WARPS_N * (SPLIT_ROWS / 16) * NI * 4 * 32 * 4 <= B_TILE_BYTES,
               "the split-K reduction fits in a B tile");
 
@@ -449,6 +450,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
           wrap ? (o_hi > phead || o_lo < bytes) : (o_lo < off + bytes && off < o_hi);
       if (!overlap && pload - ptail < SLOTS) break;
       cutlass::arch::ClusterBarrier::wait(&empty_bar[ptail % SLOTS], (ptail / SLOTS) & 1);
+      compiler_fence();  // the StageJob store of the new load stays after the wait
       ++ptail;
     }
     phead = off + bytes;
@@ -735,6 +737,8 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
 #pragma unroll
               for (int c = 0; c < 4; ++c) acc[i][j][c] += red[((i * NI + j) * 4 + c) * 32];
       }
+      // Those ordinary stores must be ordered before the TMA writes that refill the stage.
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       release();
       if (wrow == 1) {
         clear_acc();
