@@ -10,7 +10,6 @@ Usage: python bench/sweep_sm120.py [--iters 20] [--variant "a_box=128,stages=5" 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ DEFAULT_VARIANTS = (
     "probe=1",  # the load path alone: math warps release every stage unread (results wrong)
     "probe=2",  # constant scale words: no scale loads or scale arithmetic (results wrong)
     "slots=7",  # no more stages in flight for thin tiles than for whole ones
-    "split_thin=0",  # thin tiles leave the second warp row idle
+    "split_thin=1",  # thin tiles split their K blocks over both warp rows
     "unroll_blocks=2",  # only thin warps unroll their k32 steps
     "bm=64,stages=9",
 )
@@ -94,22 +93,16 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=None)
     args = ap.parse_args()
     family = configs.arch_family(torch.cuda.get_device_capability())
-    base = configs.CONFIGS[family]
     cases = [make_case(shape, tokens) for shape, tokens in CASES]
     header = " | ".join(f"{s} t={t}" for s, t in CASES)
     print(f"| variant (sm_{family}) | {header} | check |")
     print("|---" * (len(CASES) + 2) + "|")
     for spec in args.variant or DEFAULT_VARIANTS:
-        cfg = dataclasses.replace(base, **parse(spec))
-        cfg.check()
-        configs.CONFIGS[family] = cfg
-        launch._modules.clear()
-        verdict = correct()
-        times = [bench_ours(c, True, args.iters) for c in cases]
+        with launch.config_override(**parse(spec)):
+            verdict = correct()
+            times = [bench_ours(c, True, args.iters) for c in cases]
         cells = " | ".join(f"{t:.1f}" for t in times)
         print(f"| {spec or 'default'} | {cells} | {verdict} |", flush=True)
-    configs.CONFIGS[family] = base
-    launch._modules.clear()
 
 
 if __name__ == "__main__":

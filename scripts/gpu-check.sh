@@ -6,7 +6,8 @@
 #   STAGE=bench  : replay / reference / hooks benchmarks, and the planted-bug CLI demos
 #   STAGE=sm120  : the packaged kernel: its GPU tests, `kdump doctor --selftest`, its benchmark
 #                  (SWEEP=1 adds bench/sweep_sm120.py, SWEEP_ARGS its variants; NOBENCH=1 skips)
-#   STAGE=profile: Nsight Compute on the packaged kernel, decode (w13, 1 token) and MMA-bound (113)
+#   STAGE=profile: Nsight Compute on the packaged kernel, CASES="shape:tokens ..." (default
+#                  "w13:1 w13:113": decode and MMA-bound)
 set -o pipefail
 OUT=${OUT:-/tmp/kdump-gpu-out}
 mkdir -p "$OUT"
@@ -54,17 +55,18 @@ sm120)
 profile)
   # ncu locks the SM clock (1.37 GHz on the H200): compare ratios, not durations, with the bench
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-  for t in ${TOKENS:-1 113}; do
+  for case in ${CASES:-w13:1 w13:113}; do
+    shape=${case%%:*} t=${case##*:}
     timeout 150 "$ncu" --kernel-name regex:kd_gemm --launch-skip 2 --launch-count 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats \
       --section WarpStateStats --section SourceCounters --section ComputeWorkloadAnalysis \
       --section InstructionStats \
-      --import-source yes -f -o "$OUT/w13-$t" \
-      python3 scripts/profile_case.py w13 "$t" > "$OUT/ncu-w13-$t.log" 2>&1
-    "$ncu" -i "$OUT/w13-$t.ncu-rep" >> "$OUT/ncu-w13-$t.log" 2>&1
+      --import-source yes -f -o "$OUT/$shape-$t" \
+      python3 scripts/profile_case.py "$shape" "$t" > "$OUT/ncu-$shape-$t.log" 2>&1
+    "$ncu" -i "$OUT/$shape-$t.ncu-rep" >> "$OUT/ncu-$shape-$t.log" 2>&1
     # per-SASS-instruction samples (stall reasons) for reading offline
-    "$ncu" -i "$OUT/w13-$t.ncu-rep" --page source --csv --print-source sass \
-      > "$OUT/sass-w13-$t.csv" 2>&1
+    "$ncu" -i "$OUT/$shape-$t.ncu-rep" --page source --csv --print-source sass \
+      > "$OUT/sass-$shape-$t.csv" 2>&1
   done
   ;;
 esac

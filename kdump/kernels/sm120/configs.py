@@ -43,8 +43,10 @@ class TileConfig:
     # Measurement only (bench/sweep_sm120.py), results are wrong: 1 = math warps release every
     # stage unread (the load path alone), 2 = scale words are constants (no global loads there).
     probe: int = 0
-    # 1: tiles of at most bm / warps_m rows split their K blocks over the two warp rows (decode)
-    split_thin: int = 1
+    # 1: tiles of at most bm / warps_m rows split their K blocks over the two warp rows (decode).
+    # Off by default: on the H200 the kernel without that code path measured 3-7% faster at every
+    # batch size (bench/RESULTS_sm120_tuning.md, 2026-11-30), decode included.
+    split_thin: int = 0
 
     @property
     def threads(self) -> int:

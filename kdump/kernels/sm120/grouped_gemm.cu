@@ -106,7 +106,7 @@ static_assert(MI <= 8, "the MMA step dispatch has copies for 1..8 m16 blocks per
 // Thin tiles (up to SPLIT_ROWS rows) split their K blocks over two warp rows (see the math
 // loop); their sums meet in the B tile of the last stage.
 #ifndef KD_SPLIT_THIN
-#define KD_SPLIT_THIN 1
+#define KD_SPLIT_THIN 0
 #endif
 constexpr bool SPLIT_THIN = KD_SPLIT_THIN && WARPS_M == 2;
 constexpr int SPLIT_ROWS = WM < 32 ? WM : 32;

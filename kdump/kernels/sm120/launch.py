@@ -8,8 +8,11 @@ captured into a CUDA graph.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import dataclasses
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +23,7 @@ from .build import (
     build_cubin,
     check_nvrtc_vs_driver,
 )
-from .configs import TileConfig, arch_family, config_for
+from .configs import CONFIGS, TileConfig, arch_family, config_for
 
 if TYPE_CHECKING:
     import torch
@@ -132,6 +135,28 @@ def get_module(device: torch.device) -> LoadedModule:
         loaded = LoadedModule(module, functions, config, arch)
         _modules[key] = loaded
         return loaded
+
+
+@contextlib.contextmanager
+def config_override(**changes: int) -> Iterator[TileConfig]:
+    """Run the packaged kernel with fields of the current device's TileConfig replaced (the
+    benchmark sweep and tests of non-default code paths); modules loaded inside are dropped on
+    exit, so later calls get the default configuration again."""
+    import torch
+
+    family = arch_family(torch.cuda.get_device_capability())
+    base = CONFIGS[family]
+    cfg = dataclasses.replace(base, **changes)
+    cfg.check()
+    with _lock:
+        CONFIGS[family] = cfg
+        _modules.clear()
+    try:
+        yield cfg
+    finally:
+        with _lock:
+            CONFIGS[family] = base
+            _modules.clear()
 
 
 _L2_PROMOTION = {
