@@ -228,23 +228,7 @@ __device__ __forceinline__ float ue8m0_to_float(unsigned int word, int k) {
 }
 
 // Scale "words": for UE8M0 one int32 holding the exponents of four K blocks, for fp32 the scale
-// itself. word_* load one, scale_of turns it into the fp32 scale of K block kb.
-template <bool UE8M0>
-__device__ __forceinline__ unsigned int word_a(const Params& p, int group, int row, int kb) {
-  const long long base = group * p.sfa_stride_g + row * p.sfa_stride_m;
-  const unsigned int* sfa = static_cast<const unsigned int*>(p.sfa);
-  return __ldg(sfa + base + (UE8M0 ? kb >> 2 : kb) * p.sfa_stride_k);
-}
-
-template <bool UE8M0>
-__device__ __forceinline__ unsigned int word_b(const Params& p, int group, int col, int kb) {
-  const unsigned int* sfb = static_cast<const unsigned int*>(p.sfb);
-  if constexpr (UE8M0)
-    return __ldg(sfb + group * p.sfb_stride_g + col * p.sfb_stride_n + (kb >> 2) * p.sfb_stride_k);
-  else
-    return __ldg(sfb + group * p.sfb_stride_g + (col / 128) * p.sfb_stride_n + kb * p.sfb_stride_k);
-}
-
+// itself (the math loop loads them); scale_of turns one into the fp32 scale of K block kb.
 template <bool UE8M0>
 __device__ __forceinline__ float scale_of(unsigned int word, int kb) {
   if constexpr (UE8M0)
@@ -552,7 +536,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
         for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
   };
   clear_acc();
-  unsigned int wa[MI][2];  // scale words of this thread's rows / columns (see word_a / word_b)
+  unsigned int wa[MI][2];  // scale words of this thread's rows / columns (see scale_of)
   unsigned int wb[NI][2];
   for (int load = 0;; ++load) {
     const int s = load % SLOTS;
@@ -598,24 +582,36 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
         for (int j = 0; j < NI; ++j) wb[j][0] = wb[j][1] = UE8M0 ? 0x7f7f7f7fu : 0x3f800000u;
         return;
       }
+      // One address per thread and operand, rows / columns at fixed strides from it; words of
+      // rows past M or columns past N are not loaded (they only scale results never stored).
+      const int kw = UE8M0 ? kbw >> 2 : kbw;
+      const int ra = sj.row0 + wm0 + g;
+      const unsigned int* pa = static_cast<const unsigned int*>(p.sfa) +
+                               a_group * p.sfa_stride_g + ra * p.sfa_stride_m +
+                               kw * p.sfa_stride_k;
 #pragma unroll
       for (int i = 0; i < MI; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
           if (i < mi_on)
-            wa[i][h] = word_a<UE8M0>(p, a_group, min(sj.row0 + wm0 + i * 16 + g + h * 8, p.m - 1),
-                                     kbw);
+            wa[i][h] = ra + i * 16 + h * 8 < p.m ? __ldg(pa + (i * 16 + h * 8) * p.sfa_stride_m)
+                                                 : 0u;
       if constexpr (UE8M0) {
+        const int cb = sj.n0 + wn0 + 2 * t;
+        const unsigned int* pb = static_cast<const unsigned int*>(p.sfb) +
+                                 sj.group * p.sfb_stride_g + cb * p.sfb_stride_n +
+                                 kw * p.sfb_stride_k;
 #pragma unroll
         for (int j = 0; j < NI; ++j)
 #pragma unroll
           for (int h = 0; h < 2; ++h)
-            wb[j][h] =
-                word_b<true>(p, sj.group, min(sj.n0 + wn0 + j * 8 + 2 * t + h, p.n - 1), kbw);
+            wb[j][h] = cb + j * 8 + h < p.n ? __ldg(pb + (j * 8 + h) * p.sfb_stride_n) : 0u;
       } else {
         // 128x128 B blocks: one scale per 128 columns, uniform across a warp's columns (WN
         // divides 128 and warp tiles are WN-aligned).
-        wb[0][0] = word_b<false>(p, sj.group, min(sj.n0 + wn0, p.n - 1), kbw);
+        wb[0][0] = __ldg(static_cast<const unsigned int*>(p.sfb) + sj.group * p.sfb_stride_g +
+                         (min(sj.n0 + wn0, p.n - 1) / 128) * p.sfb_stride_n +
+                         kbw * p.sfb_stride_k);
       }
     };
     // A UE8M0 word serves four K blocks, computed by either warp row when split.
@@ -746,25 +742,37 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
       }
     }
     // Epilogue: bf16 pairs straight from registers. Rows past the tile's extent or row_end and
-    // columns past N are left untouched.
-    __nv_bfloat16* d = p.d + (LAYOUT == kMasked ? sj.group * p.d_stride_g : 0ll);
-    const int row_lim = min(sj.row0 + sj.rows, sj.row_end);
+    // columns past N are left untouched. One 64-bit address per thread; rows step by 8 * stride
+    // and the n8 blocks are immediate offsets.
+    int row_lim = min(sj.row0 + sj.rows, sj.row_end);
+    if constexpr (!STALE) row_lim = min(row_lim, p.m);
+    const int row_base = sj.row0 + wm0 + g;
+    const int col_base = sj.n0 + wn0 + 2 * t;
+    const long long row_step = 8 * p.d_stride_m;
+    __nv_bfloat16* dst = p.d + (LAYOUT == kMasked ? sj.group * p.d_stride_g : 0ll) +
+                         row_base * p.d_stride_m + col_base;
+    // Whole N tiles (all but a partial last one) store without column checks.
+    auto store_tile = [&](auto whole_n) {
 #pragma unroll
-    for (int i = 0; i < MI; ++i) {
+      for (int i = 0; i < MI; ++i) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = sj.row0 + wm0 + i * 16 + g + h * 8;
-        if (row >= row_lim || (!STALE && row >= p.m)) continue;
-        __nv_bfloat16* drow = d + row * p.d_stride_m;
+        for (int h = 0; h < 2; ++h) {
+          if (row_base + i * 16 + h * 8 < row_lim) {
 #pragma unroll
-        for (int j = 0; j < NI; ++j) {
-          const int col = sj.n0 + wn0 + j * 8 + 2 * t;
-          if (col >= p.n) continue;
-          *reinterpret_cast<__nv_bfloat162*>(drow + col) =
-              __floats2bfloat162_rn(acc[i][j][h * 2], acc[i][j][h * 2 + 1]);
+            for (int j = 0; j < NI; ++j) {
+              if (decltype(whole_n)::value || col_base + j * 8 < p.n)
+                *reinterpret_cast<__nv_bfloat162*>(dst + j * 8) =
+                    __floats2bfloat162_rn(acc[i][j][h * 2], acc[i][j][h * 2 + 1]);
+            }
+          }
+          dst += row_step;
         }
       }
-    }
+    };
+    if (sj.n0 + BN <= p.n)
+      store_tile(cuda::std::true_type{});
+    else
+      store_tile(cuda::std::false_type{});
     clear_acc();
   }
 }
