@@ -317,23 +317,6 @@ __device__ __forceinline__ void pair_sync(int id) {
   asm volatile("bar.sync %0, 64;\n" ::"r"(id) : "memory");
 }
 
-// The second warp row starts one stage after the first (KD_ROW_OFFSET): the two math warps of a
-// scheduler (one per row) then reach a tile's epilogue and the next tile's scale loads one stage
-// apart, so one issues MMAs while the other stores. Rows are never synchronised again (a split
-// tile's reduction aside), and work per stage is equal, so the offset lasts.
-#ifndef KD_ROW_OFFSET
-#define KD_ROW_OFFSET 1
-#endif
-constexpr bool ROW_OFFSET = KD_ROW_OFFSET && WARPS_M == 2;
-constexpr int OFFSET_BAR = 2 + WARPS_N;  // after the pair barriers
-static_assert(!ROW_OFFSET || OFFSET_BAR <= 15, "16 named barrier ids in all");
-__device__ __forceinline__ void offset_arrive() {
-  asm volatile("bar.arrive %0, %1;\n" ::"n"(OFFSET_BAR), "n"(MATH_WARPS * 32) : "memory");
-}
-__device__ __forceinline__ void offset_sync() {
-  asm volatile("bar.sync %0, %1;\n" ::"n"(OFFSET_BAR), "n"(MATH_WARPS * 32) : "memory");
-}
-
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
                                         uint32_t& r3) {
   cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(
@@ -556,20 +539,11 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
   unsigned int wa[MI][2];  // scale words of this thread's rows / columns (see scale_of)
   unsigned int wb[NI][2];
   for (int load = 0;; ++load) {
-    if constexpr (ROW_OFFSET) {
-      if (load == 1 && wrow == 0) offset_arrive();  // row 0 is done with its first stage
-      if (load == 0 && wrow == 1) offset_sync();
-    }
     const int s = load % SLOTS;
     cutlass::arch::ClusterBarrier::wait(&full_bar[s], (load / SLOTS) & 1);
     compiler_fence();  // the StageJob load stays after the wait
     const StageJob sj = stage_job[s];
-    if (sj.n0 < 0) {
-      if constexpr (ROW_OFFSET) {
-        if (load == 0 && wrow == 0) offset_arrive();  // no work at all: release row 1
-      }
-      break;
-    }
+    if (sj.n0 < 0) break;
     const int kb = sj.kb;
     const int a_group = LAYOUT == kMasked ? sj.group : 0;
     // Thin tiles (decode: at most SPLIT_ROWS rows) would leave the second warp row idle.
