@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from .build import (
@@ -146,7 +145,7 @@ def config_override(**changes: int) -> Iterator[TileConfig]:
 
     family = arch_family(torch.cuda.get_device_capability())
     base = CONFIGS[family]
-    cfg = dataclasses.replace(base, **changes)
+    cfg = replace(base, **changes)
     cfg.check()
     with _lock:
         CONFIGS[family] = cfg
