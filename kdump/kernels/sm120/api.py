@@ -150,6 +150,9 @@ def _scale_format(sfa: torch.Tensor, sfb: torch.Tensor) -> bool:
     return False  # unreachable
 
 
+_MAX_SCALE_STRIDE = 1 << 24
+
+
 def _check_scale(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
     if tuple(t.shape) != shape:
         _fail(f"{name} must have shape {shape}, got {tuple(t.shape)}")
@@ -157,6 +160,9 @@ def _check_scale(name: str, t: torch.Tensor, shape: tuple[int, ...], device: tor
         _fail(f"{name} is on {t.device}, expected {device}")
     if any(s < 0 for s in t.stride()):
         _fail(f"{name} has a negative stride {t.stride()}")
+    # The kernel steps over a tile's 128 rows / columns of scales with 32-bit offsets.
+    if t.size(-2) > 1 and t.stride(-2) >= _MAX_SCALE_STRIDE:
+        _fail(f"{name} has a row stride >= 2^24 elements {t.stride()}; make it contiguous")
 
 
 def _check_recipe(recipe: Any, recipe_a: Any, recipe_b: Any, ue8m0: bool) -> None:

@@ -524,18 +524,10 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
     }
   }
 
-  // Zero at the start of every tile: here, and again wherever a warp finishes a tile (a select
-  // per accumulator at every K block would cost as many instructions as the promotion).
-  float acc[MI][NI][4];
-  auto clear_acc = [&]() {
-#pragma unroll
-    for (int i = 0; i < MI; ++i)
-#pragma unroll
-      for (int j = 0; j < NI; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
-  };
-  clear_acc();
+  // The tile's sums. A warp's first promotion of a tile overwrites them instead of adding
+  // (no zeroing pass: zeroing right after the epilogue waited for the stores to read the
+  // registers, 1.5% of the math warps' samples on w2).
+  float acc[MI][NI][4] = {};  // zeroed once, only so no path reads indeterminate values
   unsigned int wa[MI][2];  // scale words of this thread's rows / columns (see scale_of)
   unsigned int wb[NI][2];
   for (int load = 0;; ++load) {
@@ -591,24 +583,26 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
       const unsigned int* pa = static_cast<const unsigned int*>(p.sfa) +
                                a_group * p.sfa_stride_g + ra * p.sfa_stride_m +
                                kw * p.sfa_stride_k;
+      // Offsets from that base in 32 bits (the host checks that 128 rows of stride fit): a
+      // 64-bit product per word cost some 130 instructions per tile and warp.
       const int last_a = p.m - 1 - ra;
+      const int sa_m = static_cast<int>(p.sfa_stride_m);
 #pragma unroll
       for (int i = 0; i < MI; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          if (i < mi_on)
-            wa[i][h] = __ldg(pa + min(i * 16 + h * 8, last_a) * p.sfa_stride_m);
+          if (i < mi_on) wa[i][h] = __ldg(pa + min(i * 16 + h * 8, last_a) * sa_m);
       if constexpr (UE8M0) {
         const int cb = sj.n0 + wn0 + 2 * t;
         const unsigned int* pb = static_cast<const unsigned int*>(p.sfb) +
                                  sj.group * p.sfb_stride_g + cb * p.sfb_stride_n +
                                  kw * p.sfb_stride_k;
         const int last_b = p.n - 1 - cb;
+        const int sb_n = static_cast<int>(p.sfb_stride_n);
 #pragma unroll
         for (int j = 0; j < NI; ++j)
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-            wb[j][h] = __ldg(pb + min(j * 8 + h, last_b) * p.sfb_stride_n);
+          for (int h = 0; h < 2; ++h) wb[j][h] = __ldg(pb + min(j * 8 + h, last_b) * sb_n);
       } else {
         // 128x128 B blocks: one scale per 128 columns, uniform across a warp's columns (WN
         // divides 128 and warp tiles are WN-aligned).
@@ -664,7 +658,9 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
           mma_block<ON>(part, af, bf);
         }
       };
-      // Promote the 128-K partial sums of ON m16 blocks with their block scales in fp32.
+      // Promote the 128-K partial sums of ON m16 blocks with their block scales in fp32; this
+      // warp's first K block of a tile sets the sums instead (split tiles: row 1 starts at 1).
+      const bool first = kb == (split ? wrow : 0);
       auto promote = [&](auto on) {
         constexpr int ON = decltype(on)::value;
         float sb[NI][2];
@@ -680,6 +676,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
 #pragma unroll
           for (int h = 0; h < 2; ++h)
             sb[j][h] = UE8M0 ? scale_of<true>(wb[j][h], kb) : sb_fp32;
+        float s[ON][NI][4];
 #pragma unroll
         for (int i = 0; i < ON; ++i) {
           const float sa0 = scale_of<UE8M0>(wa[i][0], kb);
@@ -687,9 +684,23 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
 #pragma unroll
           for (int j = 0; j < NI; ++j)
 #pragma unroll
-            for (int c = 0; c < 4; ++c)
-              acc[i][j][c] =
-                  fmaf(part[i][j][c], (c < 2 ? sa0 : sa1) * sb[j][c % 2], acc[i][j][c]);
+            for (int c = 0; c < 4; ++c) s[i][j][c] = (c < 2 ? sa0 : sa1) * sb[j][c % 2];
+        }
+        if (first) {
+#pragma unroll
+          for (int i = 0; i < ON; ++i)
+#pragma unroll
+            for (int j = 0; j < NI; ++j)
+#pragma unroll
+              for (int c = 0; c < 4; ++c) acc[i][j][c] = part[i][j][c] * s[i][j][c];
+        } else {
+#pragma unroll
+          for (int i = 0; i < ON; ++i)
+#pragma unroll
+            for (int j = 0; j < NI; ++j)
+#pragma unroll
+              for (int c = 0; c < 4; ++c)
+                acc[i][j][c] = fmaf(part[i][j][c], s[i][j][c], acc[i][j][c]);
         }
       };
       // mi_on is warp-uniform and 1..MI here. The stage goes back to the producer between the
@@ -746,10 +757,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
       // Those ordinary stores must be ordered before the TMA writes that refill the stage.
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       release();
-      if (wrow == 1) {
-        clear_acc();
-        continue;
-      }
+      if (wrow == 1) continue;
     }
     // Epilogue: bf16 pairs straight from registers. Rows past the tile's extent or row_end and
     // columns past N are left untouched. One 64-bit address per thread; rows step by 8 * stride
@@ -783,7 +791,6 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
       store_tile(cuda::std::true_type{});
     else
       store_tile(cuda::std::false_type{});
-    clear_acc();
   }
 }
 
