@@ -25,6 +25,8 @@ DEFAULT_VARIANTS = (
     "",
     "probe=1",  # the load path alone: math warps release every stage unread (results wrong)
     "probe=2",  # constant scale words: no scale loads or scale arithmetic (results wrong)
+    "probe=3",  # no output stores (results wrong)
+    "probe=4",  # no MMAs: loads, scale words, promotion and stores only (results wrong)
     "slots=7",  # no more stages in flight for thin tiles than for whole ones
     "split_thin=1",  # thin tiles split their K blocks over both warp rows
     "unroll_blocks=2",  # only thin warps unroll their k32 steps

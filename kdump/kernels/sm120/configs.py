@@ -41,7 +41,8 @@ class TileConfig:
     a_box: int = 16  # rows per A TMA box; a tile loads only the boxes that hold its rows
     l2_promote_b: int = 256  # L2 promotion of the B descriptor in bytes (0: none); host side
     # Measurement only (bench/sweep_sm120.py), results are wrong: 1 = math warps release every
-    # stage unread (the load path alone), 2 = scale words are constants (no global loads there).
+    # stage unread (the load path alone), 2 = scale words are constants (no global loads there),
+    # 3 = no output stores, 4 = no MMAs (everything else kept).
     probe: int = 0
     # 1: tiles of at most bm / warps_m rows split their K blocks over the two warp rows (decode).
     # Off by default: on the H200 the kernel without that code path measured 3-7% faster at every
@@ -99,8 +100,11 @@ class TileConfig:
             raise ValueError(f"{self}: M tiles must tile the 128-row group alignment (64 or 128)")
         if self.split_thin not in (0, 1):
             raise ValueError(f"{self}: split_thin is 0 or 1")
-        if self.probe not in (0, 1, 2):
-            raise ValueError(f"{self}: probe is 0 (off), 1 (no math) or 2 (constant scales)")
+        if self.probe not in range(5):
+            raise ValueError(
+                f"{self}: probe is 0 (off), 1 (no math), 2 (constant scales), 3 (no stores) "
+                "or 4 (no MMAs)"
+            )
         if self.l2_promote_b not in (0, 64, 128, 256):
             raise ValueError(f"{self}: L2 promotion is 0 (none), 64, 128 or 256 bytes")
 

@@ -54,7 +54,8 @@ using cuda::std::void_t;
 #define KD_A_BOX 16
 #endif
 #ifndef KD_PROBE
-#define KD_PROBE 0  // measurement only, results wrong: 1 = no math, 2 = constant scale words
+#define KD_PROBE 0  // measurement only, results wrong: 1 = no math, 2 = constant scale words,
+                    // 3 = no output stores, 4 = no MMAs (stages released unread, rest kept)
 #endif
 #ifndef KD_WARPS_M
 #define KD_WARPS_M 2
@@ -709,7 +710,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
       auto run_if = [&](auto on) {
         if constexpr (decltype(on)::value <= MI) {
           if (mi_on == decltype(on)::value) {
-            mma_steps(on);
+            if constexpr (KD_PROBE != 4) mma_steps(on);
             if (!(split && last)) release();
             promote(on);
             return true;
@@ -787,6 +788,8 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
         }
       }
     };
+    // (p.reserved is 0: the stores stay in the code, so the values they need are still computed)
+    if (KD_PROBE == 3 && p.reserved != 12345) continue;
     if (sj.n0 + BN <= p.n)
       store_tile(cuda::std::true_type{});
     else
