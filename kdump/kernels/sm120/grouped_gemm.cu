@@ -188,20 +188,57 @@ __device__ __forceinline__ int label_extent(const Params& p, int row0, int lane)
   return last + 1;
 }
 
-// Called by all 32 lanes of the producer warp (the label layout scans the tile's labels).
+// The routing words a tile decision needs, loaded one tile ahead by the producer warp so their
+// latency hides behind the current tile's stages (on two-K-block problems the producer's
+// latency per tile set the pace): the label layout's BM / 32 labels per lane, the masked
+// layout's row count. (The psum layout's binary search loads as it goes.)
 template <int LAYOUT>
-__device__ __forceinline__ TileJob decide_tile(const Params& p, int m_slot, int lane) {
+struct Fetched {
+  int v[LAYOUT == kLabels ? BM / 32 : 1];
+};
+
+template <int LAYOUT, bool STALE>
+__device__ __forceinline__ Fetched<LAYOUT> fetch_tile(const Params& p, int m_slot, bool valid,
+                                                      int lane) {
+  Fetched<LAYOUT> f;
+#pragma unroll
+  for (int r = 0; r < int(sizeof(f.v) / sizeof(int)); ++r) f.v[r] = -1;
+  if (STALE || !valid) return f;
+  if constexpr (LAYOUT == kLabels) {
+#pragma unroll
+    for (int r = 0; r < BM / 32; ++r) {
+      const int row = m_slot * BM + r * 32 + lane;
+      if (row < p.m) f.v[r] = __ldg(p.layout + row);
+    }
+  } else if constexpr (LAYOUT == kMasked) {
+    f.v[0] = __ldg(p.layout + m_slot / p.m_tiles);
+  }
+  return f;
+}
+
+// Called by all 32 lanes of the producer warp with what fetch_tile loaded for m_slot.
+template <int LAYOUT>
+__device__ __forceinline__ TileJob decide_tile(const Params& p, int m_slot,
+                                               const Fetched<LAYOUT>& f, int lane) {
   TileJob job{0, 0, 0, 0, 0};
   if constexpr (LAYOUT == kLabels) {
     job.row0 = m_slot * BM;
-    // Lane 0's load, shared: every lane must take the same branch into label_extent's shuffles
-    // even if the labels change while the kernel runs.
-    job.group = __shfl_sync(0xffffffffu, lane == 0 ? __ldg(p.layout + job.row0) : 0, 0);
+    // Lane 0's first label, shared, decides the tile, so the warp takes one branch even if the
+    // labels change while the kernel runs.
+    const int first = f.v[0];
+    int last = -1;
+#pragma unroll
+    for (int r = 0; r < BM / 32; ++r)
+      if (f.v[r] >= 0) last = r * 32 + lane;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
+    job.group = __shfl_sync(0xffffffffu, first, 0);
     // -1 marks a padding tile (skipped, rows untouched); out-of-range ids are skipped too so a
-    // corrupt label cannot make the kernel read scales out of bounds.
+    // corrupt label cannot make the kernel read scales out of bounds. Rows past the last
+    // labelled one are padding: neither loaded, computed nor written.
     job.active = job.group >= 0 && job.group < p.num_groups;
     job.row_end = p.m;
-    if (job.active) job.rows = label_extent(p, job.row0, lane);
+    job.rows = job.active ? last + 1 : 0;
   } else if constexpr (LAYOUT == kPsum) {
     job.row0 = m_slot * BM;
     job.group = psum_group_of(p.layout, p.num_groups, job.row0);
@@ -212,7 +249,7 @@ __device__ __forceinline__ TileJob decide_tile(const Params& p, int m_slot, int 
   } else {
     job.group = m_slot / p.m_tiles;
     job.row0 = (m_slot % p.m_tiles) * BM;
-    const int valid = min(__ldg(p.layout + job.group), p.m);
+    const int valid = min(f.v[0], p.m);
     job.active = job.row0 < valid;
     job.row_end = valid;
     job.rows = min(BM, valid - job.row0);
@@ -329,7 +366,7 @@ __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r
 // index per slot, [1+cap, 1+2cap) = expert per slot, cap = number of M-tiles.
 template <int LAYOUT, bool STALE>
 __device__ __forceinline__ TileJob job_for_lane(const Params& p, int m_slot, int active_now,
-                                                int lane) {
+                                                const Fetched<LAYOUT>& f, int lane) {
   if constexpr (STALE) {
     // Fault injection. The number of slots to run is recounted from the CURRENT labels
     // (active_now), but which tile each slot runs comes from the schedule planned at the first
@@ -348,15 +385,16 @@ __device__ __forceinline__ TileJob job_for_lane(const Params& p, int m_slot, int
     }
     return j;
   } else {
-    return decide_tile<LAYOUT>(p, m_slot, lane);
+    return decide_tile<LAYOUT>(p, m_slot, f, lane);
   }
 }
 
 // The producer warp's decision, identical in every lane (lane 0's), so the warp never diverges on
 // it even if routing metadata is rewritten while the kernel runs.
 template <int LAYOUT, bool STALE>
-__device__ __forceinline__ TileJob job_for(const Params& p, int m_slot, int active_now, int lane) {
-  TileJob j = job_for_lane<LAYOUT, STALE>(p, m_slot, active_now, lane);
+__device__ __forceinline__ TileJob job_for(const Params& p, int m_slot, int active_now,
+                                          const Fetched<LAYOUT>& f, int lane) {
+  TileJob j = job_for_lane<LAYOUT, STALE>(p, m_slot, active_now, f, lane);
   j.active = __shfl_sync(0xffffffffu, j.active, 0);
   j.group = __shfl_sync(0xffffffffu, j.group, 0);
   j.row0 = __shfl_sync(0xffffffffu, j.row0, 0);
@@ -415,9 +453,14 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
   int ptile = blockIdx.x, pkb = 0, pload = 0, ptail = 0, phead = 0;
   bool pdone = false;
   TileJob pjob{0, 0, 0, 0, 0};
+  // pnext holds the routing words of tile ptile whenever advance() starts; each decision
+  // fetches those of the tile after it (used at the next call, a tile's stages later).
+  Fetched<LAYOUT> pnext;
   auto advance = [&]() {  // move ptile to the next active tile (or past the end)
     for (; ptile < total_tiles; ptile += gridDim.x) {
-      pjob = job_for<LAYOUT, STALE>(p, ptile / p.n_tiles, active_now, lane);
+      pjob = job_for<LAYOUT, STALE>(p, ptile / p.n_tiles, active_now, pnext, lane);
+      const int after = ptile + gridDim.x;
+      pnext = fetch_tile<LAYOUT, STALE>(p, after / p.n_tiles, after < total_tiles, lane);
       if (pjob.active) return;
     }
   };
@@ -458,24 +501,29 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
       const int a_boxes = (pjob.rows + A_BOX - 1) / A_BOX;
       const int bytes = B_TILE_BYTES + a_boxes * A_BOX * BK;
       const int off = reserve(bytes);
+      const int n0 = (ptile % p.n_tiles) * BN;
       if (lane == 0) {
-        const int n0 = (ptile % p.n_tiles) * BN;
-        const int a_group = LAYOUT == kMasked ? pjob.group : 0;
         stage_job[s] =
             StageJob{n0, pjob.group, pjob.row0, pjob.rows, pjob.row_end, pkb, off, bytes};
         compiler_fence();  // the StageJob store stays before the arrive that publishes it
         cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(
             &full_bar[s], static_cast<uint32_t>(bytes));
-        const uint32_t base = aligned_smem();
-        uint8_t* sb =
-            smem_raw + (base - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw))) + off;
+      }
+      // One TMA per lane: A box `lane`, B from the last lane. (A copy may land before lane 0's
+      // expect_tx: the barrier's transaction count goes negative meanwhile, and its phase
+      // cannot complete before that arrive.)
+      const uint32_t base = aligned_smem();
+      uint8_t* sb =
+          smem_raw + (base - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw))) + off;
+      static_assert(BM / A_BOX < 32, "one lane per A box, the last lane for B");
+      if (lane < a_boxes)
+        cute::SM90_TMA_LOAD_3D::copy(tmap_a, &full_bar[s], kEvictNormal,
+                                     sb + B_TILE_BYTES + lane * A_BOX * BK, pkb * BK,
+                                     pjob.row0 + lane * A_BOX,
+                                     LAYOUT == kMasked ? pjob.group : 0);
+      else if (lane == 31)
         cute::SM90_TMA_LOAD_3D::copy(tmap_b, &full_bar[s], kEvictNormal, sb, pkb * BK, n0,
                                      pjob.group);
-        for (int b = 0; b < a_boxes; ++b)
-          cute::SM90_TMA_LOAD_3D::copy(tmap_a, &full_bar[s], kEvictNormal,
-                                       sb + B_TILE_BYTES + b * A_BOX * BK, pkb * BK,
-                                       pjob.row0 + b * A_BOX, a_group);
-      }
       if (++pkb == p.k_blocks) {
         pkb = 0;
         ptile += gridDim.x;
@@ -495,6 +543,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
       cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_a));
       cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_b));
     }
+    pnext = fetch_tile<LAYOUT, STALE>(p, ptile / p.n_tiles, ptile < total_tiles, lane);
     advance();
     while (!pdone) produce();
     return;
