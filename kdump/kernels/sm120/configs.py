@@ -48,6 +48,9 @@ class TileConfig:
     # Off by default: on the H200 the kernel without that code path measured 3-7% faster at every
     # batch size (bench/RESULTS_sm120_tuning.md, 2026-11-30), decode included.
     split_thin: int = 0
+    # 1: whole N tiles pack every output pair, then store rows with predicated stores (0: a
+    # branch per row and column checks everywhere; kept for comparison in the sweep).
+    pred_stores: int = 1
 
     @property
     def threads(self) -> int:
@@ -81,6 +84,7 @@ class TileConfig:
             f"KD_UNROLL_BLOCKS={self.unroll_blocks}",
             f"KD_A_BOX={self.a_box}",
             f"KD_SPLIT_THIN={self.split_thin}",
+            f"KD_PRED_STORES={self.pred_stores}",
         ] + ([f"KD_PROBE={self.probe}"] if self.probe else [])
 
     def check(self) -> None:
@@ -98,6 +102,8 @@ class TileConfig:
             raise ValueError(f"{self}: A boxes must be whole m16 blocks that tile BM")
         if self.bm not in (64, 128):
             raise ValueError(f"{self}: M tiles must tile the 128-row group alignment (64 or 128)")
+        if self.pred_stores not in (0, 1):
+            raise ValueError(f"{self}: pred_stores is 0 or 1")
         if self.split_thin not in (0, 1):
             raise ValueError(f"{self}: split_thin is 0 or 1")
         if self.probe not in range(5):

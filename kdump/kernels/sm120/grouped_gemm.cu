@@ -53,6 +53,9 @@ using cuda::std::void_t;
 #ifndef KD_A_BOX
 #define KD_A_BOX 16
 #endif
+#ifndef KD_PRED_STORES
+#define KD_PRED_STORES 1  // whole N tiles: packed pairs, then predicated row stores (0: branches)
+#endif
 #ifndef KD_PROBE
 #define KD_PROBE 0  // measurement only, results wrong: 1 = no math, 2 = constant scale words,
                     // 3 = no output stores, 4 = no MMAs (stages released unread, rest kept)
@@ -355,11 +358,36 @@ __device__ __forceinline__ void pair_sync(int id) {
   asm volatile("bar.sync %0, 64;\n" ::"r"(id) : "memory");
 }
 
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
                                         uint32_t& r3) {
   cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(
                                     __cvta_shared_to_generic(addr)),
                                 r0, r1, r2, r3);
+}
+
+// One output row of a warp tile: NI bf16 pairs 16 bytes apart, stored only if `ok`. Predicated
+// stores in one basic block: a branch per row made ptxas reuse a couple of registers for all
+// the packed pairs, each waiting for the store before it to read its value (w2: 10% of the
+// math warps' samples in the epilogue).
+template <int N>
+__device__ __forceinline__ void store_row(__nv_bfloat16* ptr, const uint32_t (&v)[N], bool ok) {
+  if constexpr (N == 4) {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"
+        "@p st.global.b32 [%0], %1;\n\t@p st.global.b32 [%0+16], %2;\n\t"
+        "@p st.global.b32 [%0+32], %3;\n\t@p st.global.b32 [%0+48], %4;\n\t}"
+        ::"l"(ptr), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]), "r"(static_cast<int>(ok))
+        : "memory");
+  } else {
+    if (ok)
+#pragma unroll
+      for (int j = 0; j < N; ++j) reinterpret_cast<uint32_t*>(ptr + j * 8)[0] = v[j];
+  }
 }
 
 // Stale-schedule workspace (fault injection): [0] = active tiles when planned, [1, 1+cap) = tile
@@ -819,8 +847,26 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
     const long long row_step = 8 * p.d_stride_m;
     __nv_bfloat16* dst = p.d + (LAYOUT == kMasked ? sj.group * p.d_stride_g : 0ll) +
                          row_base * p.d_stride_m + col_base;
-    // Whole N tiles (all but a partial last one) store without column checks.
-    auto store_tile = [&](auto whole_n) {
+    // (p.reserved is 0: the stores stay in the code, so the values they need are still computed)
+    if (KD_PROBE == 3 && p.reserved != 12345) continue;
+    if (KD_PRED_STORES && sj.n0 + BN <= p.n) {
+      // Whole N tiles (all but a partial last one): every pair packed first, then predicated
+      // row stores without column checks.
+      uint32_t pk[MI][2][NI];
+#pragma unroll
+      for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int j = 0; j < NI; ++j)
+            pk[i][h][j] = pack_bf16(acc[i][j][h * 2], acc[i][j][h * 2 + 1]);
+#pragma unroll
+      for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          store_row<NI>(dst + (2 * i + h) * row_step, pk[i][h],
+                        row_base + i * 16 + h * 8 < row_lim);
+    } else {
 #pragma unroll
       for (int i = 0; i < MI; ++i) {
 #pragma unroll
@@ -828,21 +874,15 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
           if (row_base + i * 16 + h * 8 < row_lim) {
 #pragma unroll
             for (int j = 0; j < NI; ++j) {
-              if (decltype(whole_n)::value || col_base + j * 8 < p.n)
-                *reinterpret_cast<__nv_bfloat162*>(dst + j * 8) =
-                    __floats2bfloat162_rn(acc[i][j][h * 2], acc[i][j][h * 2 + 1]);
+              if (col_base + j * 8 < p.n)
+                *reinterpret_cast<uint32_t*>(dst + j * 8) =
+                    pack_bf16(acc[i][j][h * 2], acc[i][j][h * 2 + 1]);
             }
           }
           dst += row_step;
         }
       }
-    };
-    // (p.reserved is 0: the stores stay in the code, so the values they need are still computed)
-    if (KD_PROBE == 3 && p.reserved != 12345) continue;
-    if (sj.n0 + BN <= p.n)
-      store_tile(cuda::std::true_type{});
-    else
-      store_tile(cuda::std::false_type{});
+    }
   }
 }
 
