@@ -240,15 +240,24 @@ def psum_rows(ends: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32", "ue8m0"])
-def test_psum_layout(ue8m0: bool) -> None:
-    counts = [5, 0, 130, 128, 0, 0, 77, 1]
+@pytest.mark.parametrize("groups", [8, 1, 40, 700, 1200])
+def test_psum_layout(ue8m0: bool, groups: int) -> None:
+    """Group lookup by lane ballots over chunks of group ends (G <= 993, chunks of 1..31
+    ends) and by binary search above that; empty groups anywhere, also at chunk edges."""
+    if groups == 8:
+        counts = [5, 0, 130, 128, 0, 0, 77, 1]
+    else:
+        gen = torch.Generator().manual_seed(groups)
+        counts = torch.randint(0, 140, (groups,), generator=gen)
+        counts[torch.rand(groups, generator=gen) < 0.3] = 0
+        counts = counts.tolist()
     ends, prev = [], 0
     for c in counts:
         start = align(prev, 128)
         prev = start + c
         ends.append(prev)
     lab = psum_rows(ends)
-    p = Problem((lab.numel(),), len(counts), 256, 512, ue8m0, seed=3)
+    p = Problem((lab.numel(),), len(counts), 256, 512 if groups <= 40 else 256, ue8m0, seed=3)
     d = poisoned((lab.numel(), 256))
     layout = torch.tensor(ends, dtype=torch.int32, device=DEV)
     sm120.m_grouped_fp8_gemm_nt_contiguous(p.a, p.b, d, layout, use_psum_layout=True)

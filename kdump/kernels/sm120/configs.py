@@ -51,6 +51,9 @@ class TileConfig:
     # 1: whole N tiles pack every output pair, then store rows with predicated stores (0: a
     # branch per row and column checks everywhere; kept for comparison in the sweep).
     pred_stores: int = 1
+    # 1: the psum layout finds a tile's group with lane ballots over chunks of group ends, one
+    # round of loads fetched a tile ahead (up to 993 groups); 0: a binary search per tile.
+    psum_ballot: int = 1
 
     @property
     def threads(self) -> int:
@@ -85,6 +88,7 @@ class TileConfig:
             f"KD_A_BOX={self.a_box}",
             f"KD_SPLIT_THIN={self.split_thin}",
             f"KD_PRED_STORES={self.pred_stores}",
+            f"KD_PSUM_BALLOT={self.psum_ballot}",
         ] + ([f"KD_PROBE={self.probe}"] if self.probe else [])
 
     def check(self) -> None:
@@ -102,6 +106,8 @@ class TileConfig:
             raise ValueError(f"{self}: A boxes must be whole m16 blocks that tile BM")
         if self.bm not in (64, 128):
             raise ValueError(f"{self}: M tiles must tile the 128-row group alignment (64 or 128)")
+        if self.psum_ballot not in (0, 1):
+            raise ValueError(f"{self}: psum_ballot is 0 or 1")
         if self.pred_stores not in (0, 1):
             raise ValueError(f"{self}: pred_stores is 0 or 1")
         if self.split_thin not in (0, 1):

@@ -53,6 +53,9 @@ using cuda::std::void_t;
 #ifndef KD_A_BOX
 #define KD_A_BOX 16
 #endif
+#ifndef KD_PSUM_BALLOT
+#define KD_PSUM_BALLOT 1  // psum layout: group lookup by lane ballots (0: binary search always)
+#endif
 #ifndef KD_PRED_STORES
 #define KD_PRED_STORES 1  // whole N tiles: packed pairs, then predicated row stores (0: branches)
 #endif
@@ -194,15 +197,31 @@ __device__ __forceinline__ int label_extent(const Params& p, int row0, int lane)
 // The routing words a tile decision needs, loaded one tile ahead by the producer warp so their
 // latency hides behind the current tile's stages (on two-K-block problems the producer's
 // latency per tile set the pace): the label layout's BM / 32 labels per lane, the masked
-// layout's row count. (The psum layout's binary search loads as it goes.)
+// layout's row count, the psum layout's candidate group ends (v[0]) and their first index
+// (v[1]; -1: too many groups, binary search at decision time).
 template <int LAYOUT>
 struct Fetched {
-  int v[LAYOUT == kLabels ? BM / 32 : 1];
+  int v[LAYOUT == kLabels ? BM / 32 : 2];
 };
+
+// Psum layout with G groups: which group holds a row is the number of k in [0, G - 1) whose
+// aligned end align(ends[k], 128) is <= row (the aligned ends never decrease). The producer
+// splits those G - 1 ends into 32 chunks of PSUM chunk_size(G) and keeps, per lane, the last
+// aligned end of its chunk (psum_chunk_end, loaded once per CTA). A ballot over those finds the
+// chunk, one load per lane of its ends the group: one round of loads per tile, not a binary
+// search's ~log2(G) dependent ones. Chunks of up to 31 ends: G <= 993.
+constexpr int PSUM_MAX_CHUNK = 31;
+__device__ __forceinline__ int psum_chunk_size(int num_groups) { return (num_groups - 1 + 31) / 32; }
+
+__device__ __forceinline__ int psum_chunk_end(const Params& p, int lane) {
+  const int cands = p.num_groups - 1, size = psum_chunk_size(p.num_groups);
+  if (size > PSUM_MAX_CHUNK || lane * size >= cands) return 0x7fffffff;
+  return ceil_align(__ldg(p.layout + min((lane + 1) * size, cands) - 1), GROUP_ALIGN);
+}
 
 template <int LAYOUT, bool STALE>
 __device__ __forceinline__ Fetched<LAYOUT> fetch_tile(const Params& p, int m_slot, bool valid,
-                                                      int lane) {
+                                                      int chunk_end, int lane) {
   Fetched<LAYOUT> f;
 #pragma unroll
   for (int r = 0; r < int(sizeof(f.v) / sizeof(int)); ++r) f.v[r] = -1;
@@ -215,6 +234,14 @@ __device__ __forceinline__ Fetched<LAYOUT> fetch_tile(const Params& p, int m_slo
     }
   } else if constexpr (LAYOUT == kMasked) {
     f.v[0] = __ldg(p.layout + m_slot / p.m_tiles);
+  } else {
+    const int cands = p.num_groups - 1, size = psum_chunk_size(p.num_groups);
+    if (!KD_PSUM_BALLOT || size > PSUM_MAX_CHUNK) return f;
+    // Whole chunks at or below the tile's first row (a prefix), then the chunk after them.
+    const int below = __popc(__ballot_sync(0xffffffffu, chunk_end <= m_slot * BM));
+    const int base = min(below * size, cands);
+    if (lane <= size) f.v[0] = __ldg(p.layout + min(base + lane, cands));
+    f.v[1] = base;
   }
   return f;
 }
@@ -244,8 +271,21 @@ __device__ __forceinline__ TileJob decide_tile(const Params& p, int m_slot,
     job.rows = job.active ? last + 1 : 0;
   } else if constexpr (LAYOUT == kPsum) {
     job.row0 = m_slot * BM;
-    job.group = psum_group_of(p.layout, p.num_groups, job.row0);
-    const int end = min(__ldg(p.layout + job.group), p.m);
+    int end;
+    if (f.v[1] < 0) {
+      job.group = psum_group_of(p.layout, p.num_groups, job.row0);
+      end = __ldg(p.layout + job.group);
+    } else {
+      // Lane l fetched ends[base + l]: count those (within the chunk, below the last group)
+      // whose aligned end is at or below the row; the group's own end sits in the lane after.
+      const int base = f.v[1];
+      const bool le = lane < psum_chunk_size(p.num_groups) && base + lane < p.num_groups - 1 &&
+                      ceil_align(f.v[0], GROUP_ALIGN) <= job.row0;
+      const int c = __popc(__ballot_sync(0xffffffffu, le));
+      job.group = base + c;
+      end = __shfl_sync(0xffffffffu, f.v[0], c);
+    }
+    end = min(end, p.m);
     job.active = job.row0 < end;
     job.row_end = end;
     job.rows = min(BM, end - job.row0);
@@ -484,11 +524,12 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
   // pnext holds the routing words of tile ptile whenever advance() starts; each decision
   // fetches those of the tile after it (used at the next call, a tile's stages later).
   Fetched<LAYOUT> pnext;
+  int pchunk = 0;  // psum layout: the last aligned group end of this lane's chunk
   auto advance = [&]() {  // move ptile to the next active tile (or past the end)
     for (; ptile < total_tiles; ptile += gridDim.x) {
       pjob = job_for<LAYOUT, STALE>(p, ptile / p.n_tiles, active_now, pnext, lane);
       const int after = ptile + gridDim.x;
-      pnext = fetch_tile<LAYOUT, STALE>(p, after / p.n_tiles, after < total_tiles, lane);
+      pnext = fetch_tile<LAYOUT, STALE>(p, after / p.n_tiles, after < total_tiles, pchunk, lane);
       if (pjob.active) return;
     }
   };
@@ -571,7 +612,8 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
       cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_a));
       cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_b));
     }
-    pnext = fetch_tile<LAYOUT, STALE>(p, ptile / p.n_tiles, ptile < total_tiles, lane);
+    pchunk = LAYOUT == kPsum ? psum_chunk_end(p, lane) : 0;
+    pnext = fetch_tile<LAYOUT, STALE>(p, ptile / p.n_tiles, ptile < total_tiles, pchunk, lane);
     advance();
     while (!pdone) produce();
     return;
