@@ -106,10 +106,51 @@ def _packaged_check(gpu: bool) -> dict[str, Any]:
     )
 
 
-def run_selftest() -> dict[str, Any]:
-    """Run the packaged kernel against the reference on generated calls (both scale formats)."""
-    import tempfile
+# What `kdump doctor --selftest` replays on the packaged kernel: every routing layout it has,
+# both scale formats, empty groups, and a psum layout with enough groups that its group lookup
+# works in chunks (kdump.kernels.sm120: 40 groups, chunks of two ends).
+_CONTIGUOUS = "deep_gemm:m_grouped_fp8_gemm_nt_contiguous"
+_MASKED = "deep_gemm:m_grouped_fp8_gemm_nt_masked"
+SELFTEST_CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("labels ue8m0", _CONTIGUOUS, dict(num_groups=8, n=512, k=1024, expected_m=96)),
+    (
+        "labels fp32",
+        _CONTIGUOUS,
+        dict(num_groups=8, n=512, k=1024, expected_m=96, scale_format="fp32"),
+    ),
+    (
+        "psum ue8m0",
+        _CONTIGUOUS,
+        dict(num_groups=40, n=256, k=512, expected_m=40, empty_groups=8, use_psum_layout=True),
+    ),
+    (
+        "masked fp32",
+        _MASKED,
+        dict(num_groups=6, n=256, k=640, expected_m=70, empty_groups=1, scale_format="fp32"),
+    ),
+)
+
+
+def selftest_bundles(directory: Any, device: str) -> list[tuple[str, Any]]:
+    """Write one bundle per SELFTEST_CASES entry into `directory`: [(label, path)]."""
     from pathlib import Path
+
+    from kdump.bundle import capture_call, save_calls
+    from kdump.kernels.registry import spec_for
+
+    out = []
+    for label, spec_id, shape in SELFTEST_CASES:
+        spec = spec_for(spec_id)
+        args, kwargs = spec.generate(seed=1, device=device, **shape)
+        path = Path(directory, f"selftest_{label.replace(' ', '_')}.kdump")
+        save_calls(path, [capture_call(spec.id, args, kwargs, names=spec.param_names())])
+        out.append((label, path))
+    return out
+
+
+def run_selftest() -> dict[str, Any]:
+    """Replay SELFTEST_CASES on the packaged kernel of this GPU against the reference."""
+    import tempfile
 
     import torch
 
@@ -117,20 +158,17 @@ def run_selftest() -> dict[str, Any]:
 
     if not torch.cuda.is_available():
         return {"exit_code": 125, "summary": "no CUDA GPU: nothing to test", "verdicts": []}
-    from kdump.bundle import capture_call, save_calls
-    from kdump.kernels.registry import spec_for
     from kdump.replayer import replay
 
-    verdicts = []
+    verdicts, parts = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for fmt in ("ue8m0", "fp32"):
-            spec = spec_for("deep_gemm:m_grouped_fp8_gemm_nt_contiguous")
-            args, kwargs = spec.generate(
-                seed=1, device="cuda", num_groups=8, n=512, k=1024, expected_m=96, scale_format=fmt
-            )
-            path = Path(tmp, f"selftest_{fmt}.kdump")
-            save_calls(path, [capture_call(spec.id, args, kwargs, names=spec.param_names())])
-            verdicts += replay([path], backend="packaged", device="cuda", repeat=2)
+        for label, path in selftest_bundles(tmp, "cuda"):
+            for v in replay([path], backend="packaged", device="cuda", repeat=2):
+                verdicts.append(v)
+                parts.append(f"{label}: {v.headline()}")
     code = worst_exit_code([v.exit_code for v in verdicts])
-    summary = "; ".join(f"{v.call}: {v.headline()}" for v in verdicts)
-    return {"exit_code": code, "summary": summary, "verdicts": [v.to_json() for v in verdicts]}
+    return {
+        "exit_code": code,
+        "summary": "; ".join(parts),
+        "verdicts": [v.to_json() for v in verdicts],
+    }
