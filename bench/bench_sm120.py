@@ -376,8 +376,8 @@ Notes:
 - The kernel is persistent (one CTA per SM striding over all M x N tiles, inactive tiles
   skipped), so a graph replay's cost does not depend on the routing metadata beyond the tiles it
   computes. A producer warpgroup decides the tiles and issues the TMA loads into a ring of
-  stages that take only the A rows their tile needs; eight math warps compute, and tiles of at
-  most 32 rows split their K blocks over both warp rows. Each tile is computed (and A loaded)
+  stages that take only the A rows their tile needs (its routing words fetched a tile ahead);
+  eight math warps compute. Each tile is computed (and A loaded)
   only up to its last labelled row, in 16-row blocks: decode batches cost the B stream plus a
   few rows.
 - See RESULTS_sm120_tuning.md for the variants measured and what limits the kernel.

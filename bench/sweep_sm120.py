@@ -2,7 +2,7 @@
 
 Each variant is compiled (cached like the default one) and timed by CUDA-graph replay on the same
 inputs, so the ratios are comparable within one run. Used to pick CONFIGS in
-kdump/kernels/sm120/configs.py; the table it prints is recorded in bench/RESULTS_sm120.md.
+kdump/kernels/sm120/configs.py; the tables it printed are in bench/RESULTS_sm120_tuning.md.
 
 Usage: python bench/sweep_sm120.py [--iters 20] [--variant "a_box=128,stages=5" ...]
 """

@@ -37,7 +37,7 @@ class TileConfig:
     # slots than stages thin (decode) tiles keep more B tiles in flight in the same ring.
     slots: int = 0
     unroll_blocks: int = 2  # warps with at most this many m16 blocks unroll the k32 steps fully
-    kk_unroll: int = 4  # unroll of the four k32 steps per K block (1 on sm_90: avoids spills)
+    kk_unroll: int = 4  # unroll of the four k32 steps of warps with more m16 blocks than that
     a_box: int = 16  # rows per A TMA box; a tile loads only the boxes that hold its rows
     l2_promote_b: int = 256  # L2 promotion of the B descriptor in bytes (0: none); host side
     # Measurement only (bench/sweep_sm120.py), results are wrong: 1 = math warps release every
@@ -106,12 +106,9 @@ class TileConfig:
             raise ValueError(f"{self}: A boxes must be whole m16 blocks that tile BM")
         if self.bm not in (64, 128):
             raise ValueError(f"{self}: M tiles must tile the 128-row group alignment (64 or 128)")
-        if self.psum_ballot not in (0, 1):
-            raise ValueError(f"{self}: psum_ballot is 0 or 1")
-        if self.pred_stores not in (0, 1):
-            raise ValueError(f"{self}: pred_stores is 0 or 1")
-        if self.split_thin not in (0, 1):
-            raise ValueError(f"{self}: split_thin is 0 or 1")
+        for flag in ("split_thin", "pred_stores", "psum_ballot"):
+            if getattr(self, flag) not in (0, 1):
+                raise ValueError(f"{self}: {flag} is 0 or 1")
         if self.probe not in range(5):
             raise ValueError(
                 f"{self}: probe is 0 (off), 1 (no math), 2 (constant scales), 3 (no stores) "
@@ -124,9 +121,7 @@ class TileConfig:
 # The default configuration per compute-capability major*10+minor family. sm_120's 99 KiB allow
 # three 32 KiB stages (five of a thin tile); Hopper's 227 KiB allow seven (twelve thin).
 CONFIGS: dict[int, TileConfig] = {
-    90: TileConfig(
-        bm=128, bn=128, stages=7, slots=12, warps_m=2, warps_n=4, unroll_blocks=4, kk_unroll=1
-    ),
+    90: TileConfig(bm=128, bn=128, stages=7, slots=12, warps_m=2, warps_n=4, unroll_blocks=4),
     120: TileConfig(bm=128, bn=128, stages=3, slots=5, warps_m=2, warps_n=4),
 }
 

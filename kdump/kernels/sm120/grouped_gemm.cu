@@ -181,19 +181,6 @@ __device__ __forceinline__ int psum_group_of(const int* ends, int num_groups, in
   return lo;
 }
 
-// One past the last row of the tile at row0 that carries a label >= 0 (0 if none); rows past it are
-// padding: neither loaded, computed nor written (decode batches fill a few rows of each tile).
-// All 32 lanes of a warp call it.
-__device__ __forceinline__ int label_extent(const Params& p, int row0, int lane) {
-  int last = -1;
-#pragma unroll
-  for (int r = lane; r < BM; r += 32)
-    if (row0 + r < p.m && __ldg(p.layout + row0 + r) >= 0) last = r;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
-  return last + 1;
-}
-
 // The routing words a tile decision needs, loaded one tile ahead by the producer warp so their
 // latency hides behind the current tile's stages (on two-K-block problems the producer's
 // latency per tile set the pace): the label layout's BM / 32 labels per lane, the masked
@@ -204,9 +191,34 @@ struct Fetched {
   int v[LAYOUT == kLabels ? BM / 32 : 2];
 };
 
+// The labels of the BM rows from row0, BM / 32 per lane (-1 past M).
+__device__ __forceinline__ Fetched<kLabels> load_labels(const Params& p, int row0, int lane) {
+  Fetched<kLabels> f;
+#pragma unroll
+  for (int r = 0; r < BM / 32; ++r) {
+    const int row = row0 + r * 32 + lane;
+    f.v[r] = -1;
+    if (row < p.m) f.v[r] = __ldg(p.layout + row);
+  }
+  return f;
+}
+
+// One past the last of those rows that carries a label >= 0 (0 if none); rows past it are
+// padding: neither loaded, computed nor written (decode batches fill a few rows of each tile).
+// All 32 lanes of a warp call it.
+__device__ __forceinline__ int label_extent(const Fetched<kLabels>& f, int lane) {
+  int last = -1;
+#pragma unroll
+  for (int r = 0; r < BM / 32; ++r)
+    if (f.v[r] >= 0) last = r * 32 + lane;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
+  return last + 1;
+}
+
 // Psum layout with G groups: which group holds a row is the number of k in [0, G - 1) whose
 // aligned end align(ends[k], 128) is <= row (the aligned ends never decrease). The producer
-// splits those G - 1 ends into 32 chunks of PSUM chunk_size(G) and keeps, per lane, the last
+// splits those G - 1 ends into 32 chunks of psum_chunk_size(G) and keeps, per lane, the last
 // aligned end of its chunk (psum_chunk_end, loaded once per CTA). A ballot over those finds the
 // chunk, one load per lane of its ends the group: one round of loads per tile, not a binary
 // search's ~log2(G) dependent ones. Chunks of up to 31 ends: G <= 993.
@@ -227,11 +239,7 @@ __device__ __forceinline__ Fetched<LAYOUT> fetch_tile(const Params& p, int m_slo
   for (int r = 0; r < int(sizeof(f.v) / sizeof(int)); ++r) f.v[r] = -1;
   if (STALE || !valid) return f;
   if constexpr (LAYOUT == kLabels) {
-#pragma unroll
-    for (int r = 0; r < BM / 32; ++r) {
-      const int row = m_slot * BM + r * 32 + lane;
-      if (row < p.m) f.v[r] = __ldg(p.layout + row);
-    }
+    f = load_labels(p, m_slot * BM, lane);
   } else if constexpr (LAYOUT == kMasked) {
     f.v[0] = __ldg(p.layout + m_slot / p.m_tiles);
   } else {
@@ -255,20 +263,14 @@ __device__ __forceinline__ TileJob decide_tile(const Params& p, int m_slot,
     job.row0 = m_slot * BM;
     // Lane 0's first label, shared, decides the tile, so the warp takes one branch even if the
     // labels change while the kernel runs.
-    const int first = f.v[0];
-    int last = -1;
-#pragma unroll
-    for (int r = 0; r < BM / 32; ++r)
-      if (f.v[r] >= 0) last = r * 32 + lane;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
-    job.group = __shfl_sync(0xffffffffu, first, 0);
+    const int extent = label_extent(f, lane);  // all lanes: it shuffles
+    job.group = __shfl_sync(0xffffffffu, f.v[0], 0);
     // -1 marks a padding tile (skipped, rows untouched); out-of-range ids are skipped too so a
     // corrupt label cannot make the kernel read scales out of bounds. Rows past the last
     // labelled one are padding: neither loaded, computed nor written.
     job.active = job.group >= 0 && job.group < p.num_groups;
     job.row_end = p.m;
-    job.rows = job.active ? last + 1 : 0;
+    job.rows = job.active ? extent : 0;
   } else if constexpr (LAYOUT == kPsum) {
     job.row0 = m_slot * BM;
     int end;
@@ -448,7 +450,7 @@ __device__ __forceinline__ TileJob job_for_lane(const Params& p, int m_slot, int
       // Tiles inside D get their extent from the current labels, as in the clean kernel; the
       // plan's tiles past the end were trusted to be unreachable, so they are computed whole
       // and nothing clamps their rows.
-      j.rows = j.row0 < p.m ? label_extent(p, j.row0, lane) : BM;
+      j.rows = j.row0 < p.m ? label_extent(load_labels(p, j.row0, lane), lane) : BM;
       j.row_end = 0x7fffffff;
     }
     return j;
