@@ -4,7 +4,8 @@ Each variant is compiled (cached like the default one) and timed by CUDA-graph r
 inputs, so the ratios are comparable within one run. Used to pick CONFIGS in
 kdump/kernels/sm120/configs.py; the tables it printed are in bench/RESULTS_sm120_tuning.md.
 
-Usage: python bench/sweep_sm120.py [--iters 20] [--variant "a_box=128,stages=5" ...]
+Usage: python bench/sweep_sm120.py [--iters 20] [--cases w13:113,w2:512]
+                                  [--variant "a_box=128,stages=5" ...]
 """
 
 from __future__ import annotations
@@ -93,12 +94,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--variant", action="append", default=None)
+    ap.add_argument("--cases", default=None, help="shape:tokens,... (default: %(default)s)")
     args = ap.parse_args()
     family = configs.arch_family(torch.cuda.get_device_capability())
-    cases = [make_case(shape, tokens) for shape, tokens in CASES]
-    header = " | ".join(f"{s} t={t}" for s, t in CASES)
+    names = CASES
+    if args.cases:
+        names = tuple((c.split(":")[0], int(c.split(":")[1])) for c in args.cases.split(","))
+    cases = [make_case(shape, tokens) for shape, tokens in names]
+    header = " | ".join(f"{s} t={t}" for s, t in names)
     print(f"| variant (sm_{family}) | {header} | check |")
-    print("|---" * (len(CASES) + 2) + "|")
+    print("|---" * (len(names) + 2) + "|")
     for spec in args.variant or DEFAULT_VARIANTS:
         with launch.config_override(**parse(spec)):
             verdict = correct()
