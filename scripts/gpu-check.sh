@@ -7,7 +7,8 @@
 #   STAGE=sm120  : the packaged kernel: its GPU tests, `kdump doctor --selftest`, its benchmark
 #                  (SWEEP=1 adds bench/sweep_sm120.py, SWEEP_ARGS its variants; NOBENCH=1 skips)
 #   STAGE=profile: Nsight Compute on the packaged kernel, CASES="shape:tokens ..." (default
-#                  "w13:1 w13:113": decode and MMA-bound)
+#                  "w13:1 w13:113": decode and MMA-bound); VARIANT="k=v,..." profiles a
+#                  TileConfig variant (see bench/sweep_sm120.py)
 set -o pipefail
 OUT=${OUT:-/tmp/kdump-gpu-out}
 mkdir -p "$OUT"
@@ -62,7 +63,8 @@ profile)
       --section WarpStateStats --section SourceCounters --section ComputeWorkloadAnalysis \
       --section InstructionStats \
       --import-source yes -f -o "$OUT/$shape-$t" \
-      python3 scripts/profile_case.py "$shape" "$t" > "$OUT/ncu-$shape-$t.log" 2>&1
+      python3 scripts/profile_case.py "$shape" "$t" ${VARIANT:+--variant "$VARIANT"} \
+      > "$OUT/ncu-$shape-$t.log" 2>&1
     "$ncu" -i "$OUT/$shape-$t.ncu-rep" >> "$OUT/ncu-$shape-$t.log" 2>&1
     # per-SASS-instruction samples (stall reasons) for reading offline
     "$ncu" -i "$OUT/$shape-$t.ncu-rep" --page source --csv --print-source sass \
