@@ -855,27 +855,21 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
                        smem_raw +
                        (smem_base - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)))) +
                    sj.off / 4 + wcol * ((SPLIT_ROWS / 16) * NI * 4 * 32) + lane;
+      // f(accumulator, its slot in red) for the accumulators of the tile's m16 blocks.
+      auto each_sum = [&](auto&& f) {
+#pragma unroll
+        for (int i = 0; i < MI; ++i)
+          if (i < mi_on)
+#pragma unroll
+            for (int j = 0; j < NI; ++j)
+#pragma unroll
+              for (int c = 0; c < 4; ++c) f(acc[i][j][c], red[((i * NI + j) * 4 + c) * 32]);
+      };
       // Every math warp must be done reading the stage before it is overwritten.
       math_sync();
-      if (wrow == 1) {
-#pragma unroll
-        for (int i = 0; i < MI; ++i)
-          if (i < mi_on)
-#pragma unroll
-            for (int j = 0; j < NI; ++j)
-#pragma unroll
-              for (int c = 0; c < 4; ++c) red[((i * NI + j) * 4 + c) * 32] = acc[i][j][c];
-      }
+      if (wrow == 1) each_sum([](float& sum, float& slot) { slot = sum; });
       pair_sync(2 + wcol);
-      if (wrow == 0) {
-#pragma unroll
-        for (int i = 0; i < MI; ++i)
-          if (i < mi_on)
-#pragma unroll
-            for (int j = 0; j < NI; ++j)
-#pragma unroll
-              for (int c = 0; c < 4; ++c) acc[i][j][c] += red[((i * NI + j) * 4 + c) * 32];
-      }
+      if (wrow == 0) each_sum([](float& sum, float& slot) { sum += slot; });
       // Those ordinary stores must be ordered before the TMA writes that refill the stage.
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       release();

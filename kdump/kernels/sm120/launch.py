@@ -158,12 +158,8 @@ def config_override(**changes: int) -> Iterator[TileConfig]:
             _modules.clear()
 
 
-_L2_PROMOTION = {
-    0: lambda d: d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE,
-    64: lambda d: d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_64B,
-    128: lambda d: d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-    256: lambda d: d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-}
+# L2 promotion in bytes -> the suffix of its CUtensorMapL2promotion member.
+_L2_PROMOTION = {0: "NONE", 64: "L2_64B", 128: "L2_128B", 256: "L2_256B"}
 
 
 def encode_tma_3d(
@@ -188,7 +184,10 @@ def encode_tma_3d(
             [u32(1), u32(1), u32(1)],
             driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
             driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-            _L2_PROMOTION[l2_promotion](driver),
+            getattr(
+                driver.CUtensorMapL2promotion,
+                f"CU_TENSOR_MAP_L2_PROMOTION_{_L2_PROMOTION[l2_promotion]}",
+            ),
             driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         ),
         "cuTensorMapEncodeTiled",
