@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from _machine import cpu_model
 
-from kdump.kernels.deepgemm import MGroupedFP8NTContiguous
-from kdump.kernels.generators import label_layout
-from kdump.kernels.scales import empty_mn_major
+from kdump.kernels.deepgemm.generators import label_layout
+from kdump.kernels.deepgemm.scales import empty_mn_major
+from kdump.kernels.deepgemm.specs import MGroupedFP8NTContiguous
 
 RESULTS = Path(__file__).parent / "RESULTS.md"
 GROUPS = 288

@@ -39,7 +39,7 @@ def correct() -> str:
     """A small mixed problem (odd, empty, full, multi-tile groups) against a float reference, with
     both scale formats: 'ok' or what is wrong, so a fast variant is never a wrong one."""
     from kdump.kernels import sm120
-    from kdump.metrics import calc_diff
+    from kdump.replay.metrics import calc_diff
 
     counts, n, k = [1, 0, 77, 128, 200, 16], 256, 640
     parts = []

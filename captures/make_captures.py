@@ -19,7 +19,7 @@ import torch
 
 from kdump import envinfo
 from kdump.bundle import attach_outputs, capture_call, input_tensors, save_calls
-from kdump.kernels.deepgemm import MGroupedFP8NTContiguous, MGroupedFP8NTMasked
+from kdump.kernels.deepgemm.specs import MGroupedFP8NTContiguous, MGroupedFP8NTMasked
 from kdump.kernels.registry import spec_for
 
 MAX_BYTES = 5 * 1000 * 1000  # per bundle

@@ -20,8 +20,8 @@ _LAZY = {
     "Call": "kdump.bundle",
     "CallRecord": "kdump.bundle",
     "KdumpError": "kdump.errors",
-    "recording": "kdump.recorder",
-    "dump_call": "kdump.recorder",
+    "recording": "kdump.record.session",
+    "dump_call": "kdump.record.session",
 }
 
 __all__ = ["__version__", *_LAZY]

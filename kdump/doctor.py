@@ -158,7 +158,7 @@ def run_selftest() -> dict[str, Any]:
 
     if not torch.cuda.is_available():
         return {"exit_code": 125, "summary": "no CUDA GPU: nothing to test", "verdicts": []}
-    from kdump.replayer import replay
+    from kdump.replay import replay
 
     verdicts, parts = [], []
     with tempfile.TemporaryDirectory() as tmp:

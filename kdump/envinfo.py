@@ -1,7 +1,7 @@
 """The environment manifest a bundle carries: machine, software, GPU, and kernel-library state.
 
 Kernel libraries add their process-global settings through `register_state_provider` (DeepGEMM's
-num_sms, tc_util, pdl, mk alignment are provided by `kdump.kernels.deepgemm`).
+num_sms, tc_util, pdl, mk alignment are provided by `kdump.kernels.deepgemm.state`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ import torch
 from tensor_data import ROUND_TRIP_DTYPES, bits, random_bits
 
 import kdump
-from kdump.argtree import Opaque, RecordedEnum
 from kdump.bundle import (
     BlobStore,
     attach_outputs,
@@ -25,8 +24,9 @@ from kdump.bundle import (
     pack,
     save_calls,
 )
+from kdump.bundle.argtree import Opaque, RecordedEnum
+from kdump.bundle.tensors import ALIGN_MOD
 from kdump.errors import BundleError, KdumpError
-from kdump.tensors import ALIGN_MOD
 
 GEN = torch.Generator().manual_seed(99)
 

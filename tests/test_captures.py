@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kdump.bundle import load_bundle
-from kdump.kernels.base import GenericSpec
+from kdump.kernels.plugin import GenericSpec
 from kdump.kernels.registry import spec_for
-from kdump.metrics import calc_diff
+from kdump.replay.metrics import calc_diff
 
 CAPTURES = Path(__file__).resolve().parent.parent / "captures"
 NAMES = [

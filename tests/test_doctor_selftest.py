@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("torch")
 
 from kdump.doctor import SELFTEST_CASES, selftest_bundles
-from kdump.replayer import replay
+from kdump.replay import replay
 
 
 def test_selftest_cases_replay_clean_on_the_reference(tmp_path) -> None:

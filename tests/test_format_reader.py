@@ -1,6 +1,6 @@
 """An independent reader written from docs/FORMAT.md alone (struct + json + hashlib + torch).
 
-It must not import kdump.bundle or kdump.tensors: it proves the document is enough to read a
+It must not import kdump.bundle or kdump.bundle.tensors: it proves the document is enough to read a
 bundle. Only the writing side of the test uses kdump.
 """
 

@@ -3,7 +3,7 @@
 Every case ends in a KdumpError or a successful load; after a successful load every call is
 materialised on CPU (inputs and recorded outputs), which again must succeed or raise a KdumpError.
 No other exception, no hang (an interval timer interrupts a slow case), and no allocation out of
-proportion to the file (torch.empty inside kdump.tensors is wrapped to check every size).
+proportion to the file (torch.empty inside kdump.bundle.tensors is wrapped to check every size).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kdump.tensors
+import kdump.bundle.tensors
 from kdump.bundle import attach_outputs, capture_call, input_tensors, load_bundle, save_calls
 from kdump.errors import KdumpError
 
@@ -85,19 +85,19 @@ def _guards(file_size: int) -> Iterator[_GuardedTorch]:
     guard = _GuardedTorch()
     # A span is at most a blob (itself inside the file); a storage may also re-create up to
     # PREFIX_LIMIT zero bytes before its span, plus alignment slack.
-    guard.limit = file_size + kdump.tensors.PREFIX_LIMIT + (1 << 20)
-    saved = kdump.tensors.torch
+    guard.limit = file_size + kdump.bundle.tensors.PREFIX_LIMIT + (1 << 20)
+    saved = kdump.bundle.tensors.torch
 
     def alarm(*_: Any) -> None:
         raise TimeoutError("fuzz case took too long (a hang in the reader?)")
 
     old = signal.signal(signal.SIGALRM, alarm)
     signal.setitimer(signal.ITIMER_REAL, CASE_SECONDS)
-    kdump.tensors.torch = guard  # type: ignore[assignment]
+    kdump.bundle.tensors.torch = guard  # type: ignore[assignment]
     try:
         yield guard
     finally:
-        kdump.tensors.torch = saved
+        kdump.bundle.tensors.torch = saved
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
 

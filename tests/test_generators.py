@@ -5,14 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdump.kernels import generators as gen_
-from kdump.kernels.deepgemm import (
-    MGroupedBF16NTMasked,
-    MGroupedFP8NNContiguous,
-    MGroupedFP8NTContiguous,
-    MGroupedFP8NTMasked,
-)
-from kdump.kernels.scales import (
+from kdump.kernels.deepgemm import generators as gen_
+from kdump.kernels.deepgemm.scales import (
     align,
     empty_mn_major,
     is_mn_major_tma_aligned,
@@ -20,6 +14,12 @@ from kdump.kernels.scales import (
     round_up_to_ue8m0,
     tma_aligned_size,
     unpack_ue8m0,
+)
+from kdump.kernels.deepgemm.specs import (
+    MGroupedBF16NTMasked,
+    MGroupedFP8NNContiguous,
+    MGroupedFP8NTContiguous,
+    MGroupedFP8NTMasked,
 )
 
 SMALL = {"num_groups": 6, "n": 256, "k": 512, "expected_m": 50}

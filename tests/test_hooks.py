@@ -14,7 +14,8 @@ import torch
 import kdump
 from kdump.bundle import load_bundle
 from kdump.errors import UsageError
-from kdump.hooks import PatchSet, is_hook, parse_target, parse_targets
+from kdump.kernels.deepgemm import state as deepgemm_state
+from kdump.record.hooks import PatchSet, is_hook, parse_target, parse_targets
 
 STANDINS = Path(__file__).parent / "standins"
 STANDIN_MODULES = (
@@ -35,7 +36,6 @@ def standins():
     sys.path.insert(0, str(STANDINS))
     for m in STANDIN_MODULES:
         sys.modules.pop(m, None)
-    from kdump.kernels import deepgemm_state
 
     deepgemm_state.reset()
     yield
@@ -61,7 +61,7 @@ def _expected_d(a, b, d, layout):
 
 def _returned(call):
     """The recorded return value (a tensor) of a loaded call."""
-    from kdump.tensors import materialize
+    from kdump.bundle.tensors import materialize
 
     tree = call._entry["outputs"]["returned"]
     mat = materialize(
@@ -331,7 +331,7 @@ def test_parse_target_rejects(bad):
 
 
 def test_deep_gemm_preset_covers_entry_points_and_setters():
-    from kdump.kernels import names
+    from kdump.kernels.deepgemm import names
 
     specs = parse_targets(["deep_gemm"])
     texts = {s.text for s in specs}

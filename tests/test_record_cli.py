@@ -13,8 +13,8 @@ import torch
 from click.testing import CliRunner
 
 from kdump.bundle import load_bundle
-from kdump.cmd.record import STARTUP_DIR, build_env
-from kdump.cmd.record import command as record_command
+from kdump.cli.record import STARTUP_DIR, build_env
+from kdump.cli.record import command as record_command
 
 STANDINS = Path(__file__).parent / "standins"
 KDUMP = [sys.executable, "-m", "kdump"]
@@ -96,7 +96,7 @@ def test_existing_sitecustomize_is_chained(tmp_path):
 def test_startup_folder_is_inert_without_kdump_record(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KDUMP_")}
     env["PYTHONPATH"] = str(STARTUP_DIR)
-    code = "import sys; print('kdump.recorder' in sys.modules, 'torch' in sys.modules)"
+    code = "import sys; print('kdump.record.session' in sys.modules, 'torch' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.split() == ["False", "False"], r.stderr
 

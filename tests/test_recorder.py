@@ -15,7 +15,7 @@ import torch
 import kdump
 from kdump.bundle import load_bundle
 from kdump.errors import UsageError
-from kdump.triggers import Limits, Trigger, TriggerConfig, Written, parse_bytes, parse_ranges
+from kdump.record.triggers import Limits, Trigger, TriggerConfig, Written, parse_bytes, parse_ranges
 
 STANDINS = Path(__file__).parent / "standins"
 
@@ -25,7 +25,7 @@ def standins():
     sys.path.insert(0, str(STANDINS))
     for m in ("plainmod", "deep_gemm", "deep_gemm._C", "dg_inputs"):
         sys.modules.pop(m, None)
-    from kdump.hooks import _logged
+    from kdump.record.hooks import _logged
 
     _logged.clear()  # "logged once" is per process: start each test clean
     yield
@@ -185,7 +185,7 @@ def test_without_exception_trigger_unselected_raising_calls_are_not_dumped(tmp_p
 
 
 def test_metadata_only_under_graph_capture(tmp_path, monkeypatch):
-    import kdump.recorder as recorder
+    import kdump.record.session as recorder
 
     monkeypatch.setattr(recorder, "_cuda_state", lambda tensors: (True, 1234))
     x = torch.randn(6, 4)[:, 1:]
@@ -315,7 +315,7 @@ def _fork_child(out: str, q) -> None:
 
     x, y = torch.randn(4), torch.randn(4)
     plainmod.axpy(1.0, x, y)
-    from kdump.recorder import active_sessions
+    from kdump.record.session import active_sessions
 
     q.put([str(p) for p in active_sessions()[0].written])
 
@@ -366,7 +366,7 @@ def test_dump_call_exception(tmp_path):
 
 def test_deep_gemm_state_provider(tmp_path):
     from kdump import envinfo
-    from kdump.kernels import deepgemm_state
+    from kdump.kernels.deepgemm import state as deepgemm_state
 
     deepgemm_state.reset()
     assert "deep_gemm" not in sys.modules

@@ -7,15 +7,15 @@ import math
 import pytest
 import torch
 
-from kdump.kernels import reference as ref_
-from kdump.kernels.deepgemm import (
+from kdump.kernels.deepgemm import reference as ref_
+from kdump.kernels.deepgemm.specs import (
     MGroupedBF16NTContiguous,
     MGroupedBF16NTMasked,
     MGroupedFP8NNContiguous,
     MGroupedFP8NTContiguous,
     MGroupedFP8NTMasked,
 )
-from kdump.metrics import calc_diff
+from kdump.replay.metrics import calc_diff
 
 SMALL = {"num_groups": 5, "n": 192, "k": 384, "expected_m": 40}
 

@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from kdump.bundle import attach_outputs, capture_call, input_tensors, save_calls
+from kdump.bundle.tensors import Placement, capture, materialize
 from kdump.cli import main
 from kdump.errors import ExitCode, worst_exit_code
-from kdump.kernels.base import Tolerance
-from kdump.replayer import halo, replay
-from kdump.replayer.compare import bitwise_diff, compare_to_reference, poison, unwritten
-from kdump.replayer.isolate import ChildRun, _crashed_replay
-from kdump.replayer.session import Request
-from kdump.replayer.verdict import Finding, Step, Verdict
-from kdump.tensors import Placement, capture, materialize
+from kdump.kernels.plugin import Tolerance
+from kdump.replay import halo, replay
+from kdump.replay.compare import bitwise_diff, compare_to_reference, poison, unwritten
+from kdump.replay.isolate import ChildRun, _crashed_replay
+from kdump.replay.session import Request
+from kdump.replay.verdict import Finding, Step, Verdict
 
 TARGETS = Path(__file__).parent
 
@@ -163,7 +163,7 @@ def test_graph_restart_logic_picks_crashed_replay() -> None:
 
 def test_graph_chain_continues_in_fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """A replay that kills the context is reported, and the chain goes on from the next step."""
-    from kdump.replayer import isolate
+    from kdump.replay import isolate
 
     runs: list[list[str]] = []
     steps = ["graph/replay identical", "graph/replay 1 (a)", "graph/replay 2 (b)"]

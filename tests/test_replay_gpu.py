@@ -10,7 +10,7 @@ import torch
 
 from kdump.bundle import attach_outputs, capture_call, input_tensors, save_calls
 from kdump.errors import ExitCode
-from kdump.replayer import replay
+from kdump.replay import replay
 
 pytestmark = pytest.mark.gpu
 TESTS = Path(__file__).parent

@@ -11,7 +11,7 @@ import torch
 from kdump.bundle import attach_outputs, capture_call, input_tensors, load_bundle, save_calls
 from kdump.errors import ExitCode
 from kdump.kernels.registry import spec_for
-from kdump.replayer import replay
+from kdump.replay import replay
 
 CAPTURES = Path(__file__).parents[1] / "captures"
 SPEC_ID = "deep_gemm:m_grouped_fp8_gemm_nt_contiguous"

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from kdump.errors import CannotRunError
-from kdump.replayer.sanitizer import PlacedTensor, find_sanitizer, locate, parse_report
+from kdump.replay.sanitizer import PlacedTensor, find_sanitizer, locate, parse_report
 
 DATA = Path(__file__).parent / "data"
 

@@ -10,16 +10,16 @@ import torch
 
 from kdump import envinfo
 from kdump.errors import ContractViolation, UsageError
-from kdump.kernels.base import GenericSpec, Role
-from kdump.kernels.deepgemm import (
+from kdump.kernels.deepgemm.scales import pack_ue8m0
+from kdump.kernels.deepgemm.specs import (
     MGroupedBF16NTContiguous,
     MGroupedFP8NNContiguous,
     MGroupedFP8NTContiguous,
     MGroupedFP8NTMasked,
     library_state,
 )
+from kdump.kernels.plugin import GenericSpec, Role
 from kdump.kernels.registry import all_specs, spec_for
-from kdump.kernels.scales import pack_ue8m0
 
 SMALL = {"num_groups": 4, "n": 256, "k": 512, "expected_m": 60}
 
@@ -110,7 +110,7 @@ def test_library_state_reads_getters_of_a_loaded_module(monkeypatch):
 
     fake.get_tc_util = broken
     monkeypatch.setitem(sys.modules, "deep_gemm", fake)
-    from kdump.kernels import deepgemm_state
+    from kdump.kernels.deepgemm import state as deepgemm_state
 
     deepgemm_state.reset()
     state = library_state()
@@ -335,7 +335,7 @@ def test_tolerance_accepts_rounding_and_rejects_a_wrong_group():
 
 def test_recording_param_names_match_the_specs() -> None:
     """Recording names DeepGEMM arguments from a torch-free table; it must agree with the specs."""
-    from kdump.kernels.names import deepgemm_params
+    from kdump.kernels.deepgemm.names import deepgemm_params
     from kdump.kernels.registry import spec_for
 
     for name in ("m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked"):

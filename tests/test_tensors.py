@@ -1,4 +1,4 @@
-"""Exact-layout capture and re-materialisation (kdump.tensors), without a file in between."""
+"""Exact-layout capture and re-materialisation (kdump.bundle.tensors), without a file in between."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import pytest
 import torch
 from tensor_data import ROUND_TRIP_DTYPES, bits, random_bits
 
-from kdump.errors import BundleError
-from kdump.tensors import (
+from kdump.bundle.tensors import (
     ALIGN_MOD,
     DTYPES,
     Placement,
@@ -21,6 +20,7 @@ from kdump.tensors import (
     validate_records,
     view_byte_extent,
 )
+from kdump.errors import BundleError
 
 GEN = torch.Generator().manual_seed(1234)
 

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from kdump.errors import CannotRunError, UsageError
-from kdump.kernels.base import Backend, KernelSpec
-from kdump.kernels.names import DEEPGEMM_ENTRY_POINTS, DEEPGEMM_MODULES
+from kdump.kernels.deepgemm.names import DEEPGEMM_ENTRY_POINTS, DEEPGEMM_MODULES
+from kdump.kernels.plugin import Backend, KernelSpec
 
 BACKEND_NAMES = ("auto", "reference", "deep_gemm", "packaged", "library", "packaged-faulty")
 

@@ -6,13 +6,13 @@ from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
-from kdump.kernels.base import GenericSpec, KernelSpec
-from kdump.kernels.names import canonical_id, deepgemm_id
+from kdump.kernels.deepgemm.names import canonical_id, deepgemm_id
+from kdump.kernels.plugin import GenericSpec, KernelSpec
 
 
 @lru_cache(maxsize=1)
 def _index() -> dict[str, KernelSpec]:
-    from kdump.kernels.deepgemm import SPEC_CLASSES
+    from kdump.kernels.deepgemm.specs import SPEC_CLASSES
 
     index: dict[str, KernelSpec] = {}
     for cls in SPEC_CLASSES:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kdump.tensors import Allocation, TensorRecord, dtype_from_name
+from kdump.bundle.tensors import Allocation, TensorRecord, dtype_from_name
 
 FLOAT_FILL = 0xFF
 INT_FILL = 0x7F

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from kdump.bundle import MaterializedCall
-from kdump.replayer import halo
-from kdump.replayer.session import Progress, Request, Session, poison_outputs
-from kdump.replayer.verdict import Verdict
+from kdump.replay import halo
+from kdump.replay.session import Progress, Request, Session, poison_outputs
+from kdump.replay.verdict import Verdict
 
 
 def run_eager(req: Request, progress: Progress) -> Verdict:

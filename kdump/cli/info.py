@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import click
 
-from kdump.cmd.common import console, emit_json, human_bytes, json_option
+from kdump.cli.common import console, emit_json, human_bytes, json_option
 
 
 @click.command("info")
@@ -19,7 +19,7 @@ def command(bundles: tuple[str, ...], verify: bool, as_json: bool) -> int:
       kdump info --verify --json dumps/
     """
     from kdump.bundle import iter_bundles, load_bundle
-    from kdump.inspect import describe_bundle
+    from kdump.bundle.inspect import describe_bundle
 
     reports = []
     for path in iter_bundles(bundles):

@@ -35,26 +35,26 @@ from typing import Any
 import torch
 
 from kdump.errors import ContractViolation
-from kdump.kernels import generators as gen_
-from kdump.kernels import reference as ref_
-from kdump.kernels.base import KernelSpec, Mutation, Param, Role, Tolerance, Violation
-
-# DeepGEMM's global settings in the environment manifest: one provider, shared with recording
-# (importing it registers it).
-# DeepGEMM's global settings in the environment manifest: one provider, shared with recording
-# (importing it registers it); re-exported as `library_state`.
-from kdump.kernels.deepgemm_state import state as library_state  # noqa: F401
-from kdump.kernels.names import (
+from kdump.kernels.deepgemm import generators as gen_
+from kdump.kernels.deepgemm import reference as ref_
+from kdump.kernels.deepgemm.names import (
     DEEPGEMM_ENTRY_POINTS,
     deepgemm_id,
 )
-from kdump.kernels.scales import (
+from kdump.kernels.deepgemm.scales import (
     ScaleFormat,
     align,
     ceil_div,
     format_of,
     tma_aligned_size,
 )
+
+# DeepGEMM's global settings in the environment manifest: one provider, shared with recording
+# (importing it registers it).
+# DeepGEMM's global settings in the environment manifest: one provider, shared with recording
+# (importing it registers it); re-exported as `library_state`.
+from kdump.kernels.deepgemm.state import state as library_state  # noqa: F401
+from kdump.kernels.plugin import KernelSpec, Mutation, Param, Role, Tolerance, Violation
 
 DEFAULT_MK_ALIGNMENT = 128
 FP8_BLOCK_K = 128  # DeepGEMM's FP8 kernels step K by 128 with one scale per block

@@ -26,9 +26,8 @@ from typing import Any
 
 import torch
 
-from kdump import argtree
-from kdump.errors import BundleError
-from kdump.tensors import (
+from kdump.bundle import argtree
+from kdump.bundle.tensors import (
     Captured,
     Materialized,
     Placement,
@@ -38,6 +37,7 @@ from kdump.tensors import (
     materialize,
     validate_records,
 )
+from kdump.errors import BundleError
 
 FORMAT_NAME = "kdump"
 FORMAT_VERSION = 1

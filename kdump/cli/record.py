@@ -13,9 +13,9 @@ from typing import Any
 import click
 
 from kdump import config
-from kdump.cmd.common import human_bytes
+from kdump.cli.common import human_bytes
 
-STARTUP_DIR = Path(__file__).resolve().parent.parent / "_startup"
+STARTUP_DIR = Path(__file__).resolve().parent.parent / "record" / "_startup"
 
 EPILOG = (
     "\b\nExamples:\n"
@@ -67,7 +67,7 @@ def command(cmd: tuple[str, ...], targets: tuple[str, ...], **opts: Any) -> int:
     """Run CMD with recording active in CMD's process and every Python process it starts
     (multiprocessing spawn / fork workers included). Exits with CMD's exit code."""
     from kdump.errors import UsageError
-    from kdump.recorder import RecordConfig
+    from kdump.record.session import RecordConfig
 
     env = build_env(dict(os.environ), targets, opts)
     cfg = RecordConfig.from_env(env)  # validate here: a bad option is one line, exit 2
@@ -75,11 +75,11 @@ def command(cmd: tuple[str, ...], targets: tuple[str, ...], **opts: Any) -> int:
         raise UsageError(
             "recording mode 'ring' (the flight recorder) is not available yet; use --mode sync"
         )
-    from kdump.hooks import parse_targets
+    from kdump.record.hooks import parse_targets
 
     parse_targets(list(cfg.targets))
     if opts.get("flush_signal"):
-        from kdump.startup import signal_number
+        from kdump.record.startup import signal_number
 
         signal_number(opts["flush_signal"])
     out = Path(cfg.out)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kdump.kernels.scales import align, ceil_div, unpack_ue8m0
+from kdump.kernels.deepgemm.scales import align, ceil_div, unpack_ue8m0
 
 # A group's rows: a slice when they are one run (the common case), else an index tensor.
 RowSelection = slice | torch.Tensor

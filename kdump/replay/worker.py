@@ -1,4 +1,4 @@
-"""The child process that runs one replay request: `python -m kdump.replayer.worker REQ RESULT
+"""The child process that runs one replay request: `python -m kdump.replay.worker REQ RESULT
 PROGRESS`. A crash here becomes a verdict in the parent, which reads the progress file to know the
 step that was running."""
 
@@ -11,7 +11,7 @@ import traceback
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
-from kdump.replayer.verdict import Finding, Verdict
+from kdump.replay.verdict import Finding, Verdict
 
 
 def _apply_recorded_env(bundle_path: str) -> None:
@@ -29,7 +29,7 @@ def _apply_recorded_env(bundle_path: str) -> None:
 
 def run_request(req_dict: dict, progress_path: str | None) -> Verdict:
     from kdump.errors import KdumpError
-    from kdump.replayer.session import Request
+    from kdump.replay.session import Request
 
     req = Request(**req_dict)
     progress_file = open(progress_path, "a", buffering=1) if progress_path else None  # noqa: SIM115
@@ -43,11 +43,11 @@ def run_request(req_dict: dict, progress_path: str | None) -> Verdict:
     try:
         _apply_recorded_env(req.bundle)
         if req.mode == "eager":
-            from kdump.replayer.eager import run_eager
+            from kdump.replay.eager import run_eager
 
             return run_eager(req, progress)
         if req.mode == "graph":
-            from kdump.replayer.graph import run_graph
+            from kdump.replay.graph import run_graph
 
             return run_graph(req, progress)
         raise KdumpError(f"unknown replay mode {req.mode!r}")

@@ -15,17 +15,17 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kdump.bundle.tensors import StorageRecord, TensorRecord, locate_address
 from kdump.errors import CannotRunError
-from kdump.replayer.isolate import (
+from kdump.replay.isolate import (
     child_environment,
     read_events,
     run_group,
     verdict_from_events,
     worker_command,
 )
-from kdump.replayer.session import Request
-from kdump.replayer.verdict import Finding, Step, Verdict
-from kdump.tensors import StorageRecord, TensorRecord, locate_address
+from kdump.replay.session import Request
+from kdump.replay.verdict import Finding, Step, Verdict
 from kdump.tools import find_tool, tool_version
 
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kdump.replayer.session import Request
-from kdump.replayer.verdict import Finding, Step, Verdict
+from kdump.replay.session import Request
+from kdump.replay.verdict import Finding, Step, Verdict
 
 STDERR_TAIL = 1500
 MAX_RESTARTS = 32
@@ -47,11 +47,11 @@ def read_events(path: Path) -> list[dict[str, Any]]:
 
 
 def worker_command(req_path: Path, result_path: Path, progress_path: Path) -> list[str]:
-    """The replay worker's command line (kdump.replayer.worker)."""
+    """The replay worker's command line (kdump.replay.worker)."""
     return [
         sys.executable,
         "-m",
-        "kdump.replayer.worker",
+        "kdump.replay.worker",
         str(req_path),
         str(result_path),
         str(progress_path),
@@ -185,6 +185,6 @@ def _cause(stderr: str) -> str:
 
 
 def run_in_process(req: Request) -> Verdict:
-    from kdump.replayer.worker import run_request
+    from kdump.replay.worker import run_request
 
     return run_request(asdict(req), None)

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from kdump.bundle import Call, MaterializedCall, capture_call, load_bundle, save_calls
+from kdump.bundle.tensors import capture
 from kdump.errors import CannotRunError, UsageError
-from kdump.replayer.session import Progress, Request, Session, poison_outputs
-from kdump.replayer.verdict import Verdict
-from kdump.tensors import capture
+from kdump.replay.session import Progress, Request, Session, poison_outputs
+from kdump.replay.verdict import Verdict
 
 
 @dataclass

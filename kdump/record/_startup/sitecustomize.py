@@ -29,7 +29,7 @@ def _chain_and_activate() -> None:
         from kdump import config
 
         if config.get_flag("KDUMP_RECORD"):
-            from kdump.startup import activate
+            from kdump.record.startup import activate
 
             activate()
     except Exception as exc:

@@ -5,7 +5,7 @@ Targets:
                            and class methods), builtin / pybind function, callable object
   'torch.ops.ns.op'        a torch operator (also 'torch.ops.ns:op')
   'deep_gemm'              preset: every DeepGEMM entry point and alias in each module of
-                           kdump.kernels.names.DEEPGEMM_MODULES, plus its global setters
+                           kdump.kernels.deepgemm.names.DEEPGEMM_MODULES, plus its global setters
 
 How a target is patched. A call is identified by the ORIGINAL OBJECT, never by its name:
   1. The object is looked up where the target names it and replaced there by a wrapper.
@@ -48,7 +48,7 @@ from typing import Any
 
 from kdump import config
 from kdump.errors import UsageError
-from kdump.kernels import names as knames
+from kdump.kernels.deepgemm import names as knames
 
 # ---------------------------------------------------------------------------------------------
 # kdump's own log: one line per event, prefixed "kdump:", to KDUMP_LOG or stderr. Never raises.
@@ -94,7 +94,7 @@ class TargetSpec:
 
     module: str
     qualname: str
-    id: str  # canonical id (kdump.kernels.names)
+    id: str  # canonical id (kdump.kernels.deepgemm.names)
     kind: str = "call"  # "call": recorded; "setter": only its latest arguments are kept
     optional: bool = False  # preset members that a given build may lack: missing is not an error
     output_names: tuple[str, ...] = ()  # parameters written in place (default outputs)

@@ -44,9 +44,9 @@ from typing import Any, Protocol
 
 from kdump import config, envinfo
 from kdump.errors import UsageError
-from kdump.hooks import HookState, PatchSet, TargetSpec, busy, log, log_once, parse_targets
-from kdump.kernels import deepgemm_state
-from kdump.triggers import Limits, Trigger, TriggerConfig, Written, rank_allowed
+from kdump.kernels.deepgemm import state as deepgemm_state
+from kdump.record.hooks import HookState, PatchSet, TargetSpec, busy, log, log_once, parse_targets
+from kdump.record.triggers import Limits, Trigger, TriggerConfig, Written, rank_allowed
 
 MODES = ("sync", "ring")
 CAPTURE_NOTE = (
@@ -345,8 +345,7 @@ class SyncRecorder:
         kwargs: dict[str, Any],
         plan: str,
     ) -> Any:
-        from kdump import argtree
-        from kdump.bundle import capture_call
+        from kdump.bundle import argtree, capture_call
 
         tensors: list[Any] = []
         for a in args:
@@ -375,7 +374,7 @@ class SyncRecorder:
                 st.id, args, kwargs, called_as=called_as, names=pos_names, meta=meta
             )
         # Graph capture: no data can be read. Keep the layout of every tensor in the meta.
-        from kdump.tensors import group_storages
+        from kdump.bundle.tensors import group_storages
 
         storages, records = group_storages(tensors)
         meta.update(
@@ -547,7 +546,7 @@ def output_indices(
             objs.append(kwargs[w])
         elif names is not None and w in names and names.index(w) < len(args):
             objs.append(args[names.index(w)])
-    from kdump import argtree
+    from kdump.bundle import argtree
 
     found: list[Any] = []
     for o in objs:
@@ -729,7 +728,7 @@ def recording(
     mode: str = "sync",
 ) -> Recording:
     """Record calls of `target` (a preset, 'module:qualname', 'torch.ops.ns.op', or a list) while
-    the returned context is active. See kdump.triggers for how the criteria combine;
+    the returned context is active. See kdump.record.triggers for how the criteria combine;
     `on_exception` alone snapshots every call (costly) and is off by default."""
     targets = (target,) if isinstance(target, str) else tuple(target)
     cfg = RecordConfig(
@@ -826,7 +825,7 @@ def _save_one(path: Any, call: Any, save_calls: Callable[..., Any]) -> None:
 
 
 def _walk_tensors(value: Any) -> list[Any]:
-    from kdump import argtree
+    from kdump.bundle import argtree
 
     found: list[Any] = []
     argtree.encode(value, found)
@@ -841,7 +840,7 @@ def _callable_text(fn: Any) -> str:
 
 def _spec_of(fn: Any) -> TargetSpec | None:
     """The target spec a plain callable would have (canonical id, DeepGEMM outputs)."""
-    from kdump.hooks import parse_target
+    from kdump.record.hooks import parse_target
 
     try:
         return parse_target(_callable_text(fn))[0]
@@ -850,6 +849,6 @@ def _spec_of(fn: Any) -> TargetSpec | None:
 
 
 def _names_for(fn: Any, spec: TargetSpec | None) -> tuple[str, ...] | None:
-    from kdump.hooks import _signature_names
+    from kdump.record.hooks import _signature_names
 
     return _signature_names(fn) or (spec.param_names if spec else None)

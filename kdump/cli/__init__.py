@@ -1,4 +1,4 @@
-"""The `kdump` command: a thin click group. Each command lives in `kdump.cmd.<name>` and is
+"""The `kdump` command: a thin click group. Each command lives in `kdump.cli.<name>` and is
 imported only when used, so `kdump --help` stays fast and torch-free."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import click
 from kdump import __version__
 
 COMMANDS = {
-    "record": ("kdump.cmd.record", "Run a program with recording active in all its processes."),
-    "replay": ("kdump.cmd.replay", "Replay bundles against a kernel and say which step fails."),
-    "info": ("kdump.cmd.info", "Show what is inside a bundle."),
-    "pack": ("kdump.cmd.pack", "Fold a bundle and its shared blobs into one file to attach."),
+    "record": ("kdump.cli.record", "Run a program with recording active in all its processes."),
+    "replay": ("kdump.cli.replay", "Replay bundles against a kernel and say which step fails."),
+    "info": ("kdump.cli.info", "Show what is inside a bundle."),
+    "pack": ("kdump.cli.pack", "Fold a bundle and its shared blobs into one file to attach."),
     "doctor": (
-        "kdump.cmd.doctor",
+        "kdump.cli.doctor",
         "Say what this machine can replay, and how to fix what it can't.",
     ),
 }
@@ -60,6 +60,6 @@ def cli(ctx: click.Context, verbose: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> Any:
-    from kdump.cmd.common import run_cli
+    from kdump.cli.common import run_cli
 
     return run_cli(cli, argv if argv is not None else sys.argv[1:])

@@ -1,6 +1,6 @@
 """Activation of recording at interpreter start (`kdump record`'s processes).
 
-`kdump/_startup/sitecustomize.py` calls `activate()` when KDUMP_RECORD=1. It reads the
+`kdump/record/_startup/sitecustomize.py` calls `activate()` when KDUMP_RECORD=1. It reads the
 configuration from the environment (kdump.config), patches the targets (now, or when their module
 is imported: nothing is imported here, so startup stays cheap and torch-free), and installs the
 flush points: atexit, SIGTERM and SIGINT (each chained to the handler that was there before, and
@@ -20,7 +20,7 @@ from typing import Any
 
 from kdump import config
 from kdump.errors import UsageError
-from kdump.hooks import log
+from kdump.record.hooks import log
 
 _session: Any = None
 _installed: dict[int, Any] = {}
@@ -32,7 +32,7 @@ def activate(env: Any = None) -> Any:
     if _session is not None:
         return _session
     try:
-        from kdump.recorder import RecordConfig, Recording
+        from kdump.record.session import RecordConfig, Recording
 
         cfg = RecordConfig.from_env(env)
         _session = Recording(cfg).start()
@@ -62,7 +62,7 @@ def signal_number(name: str) -> int:
 
 
 def _flush() -> None:
-    from kdump.recorder import flush_all
+    from kdump.record.session import flush_all
 
     flush_all()
 

@@ -11,13 +11,13 @@ from typing import Any
 import torch
 
 from kdump.bundle import Bundle, Call, MaterializedCall, load_bundle
+from kdump.bundle.tensors import Placement
 from kdump.errors import CannotRunError, UsageError
 from kdump.kernels.backends import DeepGemmBackend, choose_backend
-from kdump.kernels.base import Backend, GenericSpec, KernelSpec
-from kdump.replayer import halo
-from kdump.replayer.compare import bitwise_diff, compare_to_reference, poison
-from kdump.replayer.verdict import Finding, Step, Verdict
-from kdump.tensors import Placement
+from kdump.kernels.plugin import Backend, GenericSpec, KernelSpec
+from kdump.replay import halo
+from kdump.replay.compare import bitwise_diff, compare_to_reference, poison
+from kdump.replay.verdict import Finding, Step, Verdict
 
 # Reports events to the parent as they happen: ("begin", step name), ("step", Step),
 # ("finding", Finding), ("note", str), ("meta", dict). A crash loses nothing already reported.

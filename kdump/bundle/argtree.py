@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
+from kdump.bundle.tensors import dtype_from_name, dtype_name
 from kdump.errors import BundleError
-from kdump.tensors import dtype_from_name, dtype_name
 
 MAX_DEPTH = 64
 MAX_REPR = 2000

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import click
 
-from kdump.cmd.common import console, emit_json, json_option
+from kdump.cli.common import console, emit_json, json_option
 
 
 @click.command("doctor")

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from kdump.bundle import iter_bundles, load_bundle
 from kdump.errors import UsageError
-from kdump.replayer.isolate import run_in_child, run_in_process
-from kdump.replayer.session import Request
-from kdump.replayer.verdict import Finding, Step, Verdict
+from kdump.replay.isolate import run_in_child, run_in_process
+from kdump.replay.session import Request
+from kdump.replay.verdict import Finding, Step, Verdict
 
 MODES = ("eager", "graph", "sanitizer", "all")
 
@@ -47,7 +47,7 @@ def replay(
         check_then([str(p) for p in paths], options["then"])
     plan = SanitizerPlan(tuple(tools), sanitize_graph, sanitizer, timeout, kernel_filter)
     if mode == "sanitizer":
-        from kdump.replayer.sanitizer import find_sanitizer
+        from kdump.replay.sanitizer import find_sanitizer
 
         plan = replace(plan, binary=str(find_sanitizer(sanitizer)))
     work: list[tuple[str, int]] = []
@@ -114,7 +114,7 @@ class SanitizerPlan:
 
 
 def _sanitize(base: Request, plan: SanitizerPlan, env: dict[str, str] | None) -> Verdict:
-    from kdump.replayer.sanitizer import find_sanitizer, run_sanitizer
+    from kdump.replay.sanitizer import find_sanitizer, run_sanitizer
 
     binary = find_sanitizer(plan.binary)
     combined: Verdict | None = None
@@ -136,7 +136,7 @@ def _all(
 ) -> Verdict:
     """eager, graph (on a GPU) and sanitizer (when found) in one verdict."""
     from kdump.errors import CannotRunError
-    from kdump.replayer.sanitizer import find_sanitizer
+    from kdump.replay.sanitizer import find_sanitizer
 
     combined = _merge(None, run("eager"), "eager")
     if combined.device.startswith("cuda"):
@@ -170,7 +170,7 @@ def _merge(into: Verdict | None, v: Verdict, prefix: str) -> Verdict:
 def _capture_calls(bundle) -> list[int]:
     """In graph mode a call whose layout equals an earlier call's is replayed into that call's
     graph (the production sequence), not captured on its own."""
-    from kdump.replayer.graph import same_layout
+    from kdump.replay.graph import same_layout
 
     firsts: list = []
     for c in bundle.calls:
@@ -181,7 +181,7 @@ def _capture_calls(bundle) -> list[int]:
 
 def check_then(paths: Sequence[str], then: Sequence[str]) -> None:
     """--then bundles must match the replayed call's shapes, strides and dtypes (else exit 2)."""
-    from kdump.replayer.graph import parse_then, same_layout
+    from kdump.replay.graph import parse_then, same_layout
 
     for spec in then:
         other_path, idx = parse_then(spec)

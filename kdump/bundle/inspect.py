@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kdump.bundle import Bundle, Call
-from kdump.tensors import ALIGN_MOD
+from kdump.bundle.tensors import ALIGN_MOD
 
 
 def aliasing_groups(call: Call) -> list[list[str]]:

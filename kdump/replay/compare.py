@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from kdump.kernels.base import Tolerance
-from kdump.metrics import calc_diff
+from kdump.kernels.plugin import Tolerance
+from kdump.replay.metrics import calc_diff
 
 
 def poison(t: torch.Tensor) -> None:

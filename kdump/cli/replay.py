@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import click
 
-from kdump.cmd.common import console, emit_json, json_option
+from kdump.cli.common import console, emit_json, json_option
 
 
 @click.command("replay")
@@ -132,7 +132,7 @@ def command(
       kdump replay a.kdump --mode sanitizer --tool memcheck --tool racecheck
     """
     from kdump.errors import worst_exit_code
-    from kdump.replayer import replay
+    from kdump.replay import replay
 
     options = {"then": list(then), "mutations": mutations, "seed": seed, "halo": halo}
     if save_failing:

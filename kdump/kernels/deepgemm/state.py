@@ -2,7 +2,7 @@
 
 Registered as envinfo's "deep_gemm" state provider when this module is imported (the recorder
 imports it). It never imports DeepGEMM: when no binding module is loaded it reports nothing.
-Reported: the getters of kdump.kernels.names.DEEPGEMM_GETTERS that exist, the library's
+Reported: the getters of kdump.kernels.deepgemm.names.DEEPGEMM_GETTERS that exist, the library's
 `__version__` and `__file__`, and the latest arguments of every hooked setter (setters without a
 getter, such as `set_ignore_compile_dims`, are only known this way).
 """
@@ -14,7 +14,7 @@ import threading
 from typing import Any
 
 from kdump import envinfo
-from kdump.kernels.names import DEEPGEMM_GETTERS, DEEPGEMM_MODULES
+from kdump.kernels.deepgemm.names import DEEPGEMM_GETTERS, DEEPGEMM_MODULES
 
 # setter name -> latest value seen (JSON-safe), process-global; written by the setter hooks.
 _SETTINGS: dict[str, Any] = {}

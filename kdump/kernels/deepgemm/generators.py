@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kdump.kernels.scales import (
+from kdump.kernels.deepgemm.scales import (
     ScaleFormat,
     align,
     pack_ue8m0,

@@ -1,1 +1,0 @@
-"""One module per `kdump` command; each exposes `command`."""
