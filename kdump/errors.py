@@ -6,7 +6,7 @@ from enum import IntEnum
 
 
 class ExitCode(IntEnum):
-    """Exit codes of every kdump command (docs in README and DESIGN.md)."""
+    """Exit codes of every kdump command (the README's table is checked against this)."""
 
     CLEAN = 0
     MISMATCH = 1  # wrong results: reference / recorded output mismatch, nondeterminism
@@ -31,7 +31,7 @@ EXIT_PRECEDENCE: tuple[ExitCode, ...] = (
 
 
 def worst_exit_code(codes: list[int] | tuple[int, ...]) -> int:
-    """Combine the exit codes of several findings by DESIGN.md's precedence."""
+    """Combine the exit codes of several findings by the documented precedence."""
     present = set(codes)
     for code in EXIT_PRECEDENCE:
         if code in present:

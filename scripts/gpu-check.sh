@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU evidence run on the project's H200 (see ../shared/docs/DEVICE.md): wheels the machine
+# The GPU evidence run on the project's H200 (it has no network): wheels the machine
 # lacks come from .whl/ (nvidia-cutlass, tokenspeed-deepgemm, hypothesis and its needs), then the
 # GPU tests and benchmarks named by STAGE. Logs and raw sanitizer reports go to $OUT.
 #   STAGE=tests  : pytest -m gpu (replay, recording, bundle, reference; sm120 with SM120=1)

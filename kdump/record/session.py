@@ -13,7 +13,7 @@ own folder (`<proc>/blobs/`), so evicting never removes a blob another process's
 
 Recorders. `Recorder` is the seam between the hooks and how calls are kept: `SyncRecorder`
 snapshots inputs before the call and in-place outputs after it and writes a bundle at once. The
-flight recorder (`mode="ring"`, DESIGN.md) will implement the same three methods: `on_call` (hot
+flight recorder (`mode="ring"`) will implement the same three methods: `on_call` (hot
 path entry for a considered call), `flush` (called at exit, SIGTERM/SIGINT and the flush signal)
 and `close`. Under CUDA-graph capture a sync snapshot is impossible (no sync, no D2H into pageable
 memory): the sync recorder then writes the call's metadata only (argument tree, shapes, dtypes,
@@ -175,7 +175,7 @@ class Recorder(Protocol):
 def make_recorder(cfg: RecordConfig, session: Recording) -> Recorder:
     if cfg.mode == "ring":
         raise UsageError(
-            "recording mode 'ring' (the flight recorder, DESIGN.md) is not available yet; "
+            "recording mode 'ring' (the flight recorder) is not available yet; "
             "use mode='sync' (--mode sync)"
         )
     return SyncRecorder(cfg, session)

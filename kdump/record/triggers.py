@@ -10,10 +10,11 @@ Cost model, because the hook runs on the host program's hot path:
     call index alone (a precomputed closure), so a call that is not dumped costs a few hundred ns.
   - Signature and predicate checks (`Trigger.select`) run only for calls `consider` let through.
   - The exception trigger needs the pre-call snapshot of every call it might dump, because after
-    a call raised nothing may be read from the GPU (FACTS.md). So `on_exception` makes every call
-    that is not otherwise selected take a full input snapshot, which is then thrown away when the
-    call returns normally: costly. It is therefore OFF by default for `kdump.recording()` and
-    `kdump record`, and ON for `kdump.dump_call` (one call, snapshot taken anyway).
+    a call raised nothing may be read from the GPU (the CUDA context may be dead). So
+    `on_exception` makes every call that is not otherwise selected take a full input snapshot,
+    which is then thrown away when the call returns normally: costly. It is therefore OFF by
+    default for `kdump.recording()` and `kdump record`, and ON for `kdump.dump_call` (one call,
+    snapshot taken anyway).
 
 Rank filtering happens per process (`rank_allowed`); limits (`Limits`) count what one process
 wrote.

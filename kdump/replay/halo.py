@@ -1,6 +1,6 @@
 """Poisoned halos and guard regions around every materialised storage.
 
-compute-sanitizer on our driver does not see TMA loads past an allocation (FACTS.md), so kdump
+compute-sanitizer before its 2026.2 release does not see TMA loads past an allocation, so kdump
 places each storage inside a larger allocation whose halo before and after holds a sentinel: NaN
 encodings (all-ones bytes) for float and FP8 storages, a marked pattern (0x7F bytes: a huge
 positive value, an impossible label) for integers. An out-of-bounds read shows as NaN or garbage in

@@ -278,6 +278,6 @@ def run_sanitizer(
     if tool == "memcheck":
         v.notes.append(
             "memcheck does not see TMA loads past an allocation on older drivers "
-            "(FACTS.md): the halo pass of eager/graph mode covers those"
+            "(compute-sanitizer before 2026.2): the halo pass of eager/graph mode covers those"
         )
     return v

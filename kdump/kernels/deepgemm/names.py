@@ -45,7 +45,7 @@ DEEPGEMM_GETTERS: dict[str, str] = {
     "mk_alignment": "get_mk_alignment_for_contiguous_layout",
 }
 
-# DeepGEMM's parameter names by entry-point family (FACTS.md). Recording needs them without
+# DeepGEMM's parameter names by entry-point family. Recording needs them without
 # importing torch (pybind bindings hide their signatures); the specs in kernels/deepgemm.py carry
 # the same names with roles and defaults (a test keeps the two in step).
 DEEPGEMM_PARAMS: dict[str, tuple[str, ...]] = {

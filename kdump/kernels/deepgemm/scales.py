@@ -1,6 +1,6 @@
 """Scale-factor formats of DeepGEMM's FP8 GEMMs, and the layout helpers they need.
 
-Two formats exist (FACTS.md, "DeepGEMM grouped GEMM API"):
+Two formats exist:
 
 * SM90 format: float32 scales. A: one per token per K block, [.., M, ceil(K/gk)], which DeepGEMM
   wants MN-major and TMA-aligned (stride(-2) = 1, stride(-1) = align(M, 4)). B: one per 128x128

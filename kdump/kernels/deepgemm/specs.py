@@ -3,7 +3,7 @@
 Signatures mirror DeepGEMM's bindings (superset of the builds we know: recipe_a/recipe_b,
 ensure_zero_padding, expected_m_for_psum_layout; older forks call grouped_layout `m_indices`).
 
-Semantics implemented (FACTS.md and DeepGEMM's sources):
+Semantics implemented (from DeepGEMM's sources and tests):
 
 * contiguous, label layout: A [M, K], B [G, N, K], D [M, N], grouped_layout int32 [M] with each
   row's group or -1 for padding. The kernel tiles M in blocks of the mk alignment A (128 unless
