@@ -198,10 +198,6 @@ class CaptureDir:
         self._torn = False  # an index write failed part-way: the next line starts afresh
 
     # -- the folder ------------------------------------------------------------------------------
-    @property
-    def created(self) -> bool:
-        return self._folder is not None
-
     def folder(self) -> Path:
         if self._folder is None:
             self._folder = self._make_folder()
