@@ -21,7 +21,7 @@ _LAZY = {
     "CallRecord": "kdump.bundle",
     "KdumpError": "kdump.errors",
     "recording": "kdump.record.session",
-    "dump_call": "kdump.record.session",
+    "dump_call": "kdump.record.one_call",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -18,13 +18,15 @@ class EnvVar:
     default: str | None = None
 
 
+# Sorted by topic (recording, kdump's own log, tools and builds); add a variable to its topic.
 ENV_VARS: tuple[EnvVar, ...] = (
+    # -- recording (`kdump record` sets these in CMD's processes)
     EnvVar("KDUMP_RECORD", "set to 1 by `kdump record`: activates recording at interpreter start"),
     EnvVar(
         "KDUMP_TARGETS", "comma-separated targets (module:qualname or a preset such as deep_gemm)"
     ),
     EnvVar("KDUMP_OUT", "output directory for bundles", "kdump-out"),
-    EnvVar("KDUMP_MODE", "recording mode: sync (ring: the flight recorder, later)", "sync"),
+    EnvVar("KDUMP_MODE", "recording mode: sync", "sync"),
     EnvVar("KDUMP_CALLS", "call index ranges to dump, e.g. '0-9,100,200-'"),
     EnvVar("KDUMP_EVERY", "dump every N-th call"),
     EnvVar(
@@ -47,9 +49,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "default",
     ),
     EnvVar("KDUMP_FLUSH_SIGNAL", "signal name that flushes pending bundles, e.g. USR1"),
+    # -- kdump's own log
     EnvVar("KDUMP_LOG", "file that kdump's own log lines go to (default: stderr)"),
+    # -- tools and builds
     EnvVar("KDUMP_CACHE_DIR", "cache for compiled kernels", "~/.cache/kdump"),
     EnvVar("KDUMP_SANITIZER", "path of the compute-sanitizer binary to use"),
+    EnvVar("CUDA_HOME", "CUDA toolkit root searched first for CUDA tools and headers"),
+    EnvVar("CUDA_PATH", "CUDA toolkit root searched after CUDA_HOME"),
 )
 
 _BY_NAME = {v.name: v for v in ENV_VARS}
@@ -68,15 +74,15 @@ RECORDED_PREFIXES = (
 SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
 
 
-def environ() -> Mapping[str, str]:
-    """The process environment (a seam for tests)."""
-    return os.environ
+def environ() -> dict[str, str]:
+    """A copy of the process environment: what children are given, and a seam for tests."""
+    return dict(os.environ)
 
 
 def get(name: str, env: Mapping[str, str] | None = None) -> str | None:
     """Value of a declared kdump variable, or its default."""
     var = _BY_NAME[name]  # KeyError on undeclared names: every variable must be declared above
-    value = (env if env is not None else environ()).get(name)
+    value = (env if env is not None else os.environ).get(name)
     return value if value not in (None, "") else var.default
 
 
@@ -92,7 +98,7 @@ def is_secret(name: str) -> bool:
 
 def recorded_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """Variables that bundles record; values of secret-looking names are redacted."""
-    source = env if env is not None else environ()
+    source = env if env is not None else os.environ
     out: dict[str, str] = {}
     for name in sorted(source):
         if name.startswith(RECORDED_PREFIXES):

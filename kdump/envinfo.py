@@ -40,7 +40,7 @@ def library_state() -> dict[str, Any]:
 
 
 def rank_info(env: dict[str, str] | None = None) -> dict[str, Any]:
-    source = env if env is not None else dict(config.environ())
+    source = env if env is not None else config.environ()
     out: dict[str, Any] = {}
     for var in RANK_VARS:
         if var in source:
@@ -59,17 +59,27 @@ def current_rank(env: dict[str, str] | None = None) -> int | None:
     return None
 
 
-def gpu_info() -> dict[str, Any]:
-    """GPU facts without initialising CUDA when torch has not done so already."""
+def cuda_initialized() -> bool:
+    """Whether this process already has CUDA initialised by torch (asking does not initialise)."""
+    torch = sys.modules.get("torch")
+    try:
+        return torch is not None and bool(torch.cuda.is_initialized())
+    except Exception:
+        return False
+
+
+def gpu_info(cuda: bool = True) -> dict[str, Any]:
+    """GPU facts. With cuda=False (nothing of the caller's is on a GPU) they are collected only
+    if torch has initialised CUDA already: asking the device initialises CUDA, and a process that
+    forks workers later breaks with a CUDA context."""
     try:
         import torch
     except ImportError:
         return {"torch": None}
-    info: dict[str, Any] = {
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "cuda_available": False,
-    }
+    info: dict[str, Any] = {"torch": torch.__version__, "torch_cuda": torch.version.cuda}
+    if not cuda and not cuda_initialized():
+        return info  # cuda_available unknown: not asked
+    info["cuda_available"] = False
     try:
         if not torch.cuda.is_available():
             return info
@@ -110,8 +120,9 @@ def _driver_version() -> int | None:
     return None
 
 
-def collect(include_gpu: bool = True) -> dict[str, Any]:
-    """The environment manifest (docs/FORMAT.md, "env")."""
+def collect(include_gpu: bool = True, cuda: bool = False) -> dict[str, Any]:
+    """The environment manifest (docs/FORMAT.md, "env"). GPU facts need include_gpu, and a call
+    with CUDA tensors (`cuda`) or CUDA already initialised (see gpu_info)."""
     env = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
@@ -123,7 +134,7 @@ def collect(include_gpu: bool = True) -> dict[str, Any]:
         "kdump": _kdump_version(),
     }
     if include_gpu:
-        env.update(gpu_info())
+        env.update(gpu_info(cuda=cuda))
     env["libraries"] = library_state()
     return env
 

@@ -29,7 +29,7 @@ def find_tool(name: str) -> Path | None:
             return p if p.is_file() else None
     candidates: list[Path] = []
     for var in ("CUDA_HOME", "CUDA_PATH"):
-        home = os.environ.get(var)
+        home = config.get(var)
         if home:
             candidates += [Path(home, "bin", name), Path(home, "compute-sanitizer", name)]
     found = shutil.which(name)

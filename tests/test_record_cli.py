@@ -12,12 +12,17 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+import kdump
 from kdump.bundle import load_bundle
-from kdump.cli.record import STARTUP_DIR, build_env
 from kdump.cli.record import command as record_command
+from kdump.record.capture_dir import INDEX_NAME, read_index
+from kdump.record.launcher import STARTUP_DIR, build_env
 
 STANDINS = Path(__file__).parent / "standins"
 KDUMP = [sys.executable, "-m", "kdump"]
+# The kdump under test, wherever it comes from (a checkout on PYTHONPATH or an installed wheel):
+# every process below must import this one, whatever PYTHONPATH a test gives.
+KDUMP_ROOT = str(Path(kdump.__file__).resolve().parent.parent)
 
 SCRIPT = """
 import multiprocessing as mp, os, signal, sys, torch
@@ -25,13 +30,13 @@ import plainmod
 
 def child(seed):
     g = torch.Generator().manual_seed(seed)
-    x, y = torch.randn(8, generator=g), torch.randn(8, generator=g)
+    x, y = torch.randn(8, generator=g, device="cpu"), torch.randn(8, generator=g, device="cpu")
     plainmod.axpy(0.5, x, y)
     torch.save({"y": y}, os.path.join(sys.argv[1], f"child-{seed}.pt"))
 
 if __name__ == "__main__":
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(4, generator=g), torch.randn(4, generator=g)
+    x, y = torch.randn(4, generator=g, device="cpu"), torch.randn(4, generator=g, device="cpu")
     plainmod.axpy(2.0, x, y)
     torch.save({"y": y}, os.path.join(sys.argv[1], "parent.pt"))
     ctx = mp.get_context("spawn")
@@ -46,12 +51,13 @@ if __name__ == "__main__":
 """
 
 
-def _run(tmp_path: Path, mode: str, *opts: str, env_extra: dict | None = None):
+def _run(tmp_path: Path, mode: str, *opts: str, path: tuple[str, ...] = ()):
+    """`kdump record` of SCRIPT; `path`: folders put on PYTHONPATH after the stand-ins."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(STANDINS), *filter(None, [env.get("PYTHONPATH")])])
-    env.update(env_extra or {})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KDUMP_")}
+    old = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(STANDINS), *path, KDUMP_ROOT, *old])
     cmd = [*KDUMP, "record", "-t", "plainmod:axpy", "-o", str(tmp_path / "out"), *opts]
     cmd += ["--", sys.executable, str(script), str(tmp_path), mode]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
@@ -71,13 +77,13 @@ def test_record_end_to_end_with_spawned_worker(tmp_path):
     assert torch.equal(got[0].outputs["y"], real["parent"])
     assert torch.equal(got[1].outputs["y"], real["child"])
     for b in bundles:
-        assert (b.parent / "index.json").is_file()
+        assert read_index(b.parent).paths == [b] and (b.parent / INDEX_NAME).is_file()
 
 
 def test_sigterm_exit_code_and_flush_signal(tmp_path):
     r = _run(tmp_path, "term")
     assert r.returncode == 128 + 15, r.stderr
-    assert len(list((tmp_path / "out").rglob("index.json"))) == 2
+    assert len(list((tmp_path / "out").rglob(INDEX_NAME))) == 2
     r = _run(tmp_path, "flush", "--flush-signal", "USR1")
     assert r.returncode == 3 and "still alive" in r.stdout, r.stderr
 
@@ -87,7 +93,7 @@ def test_existing_sitecustomize_is_chained(tmp_path):
     site.mkdir()
     marker = tmp_path / "marker"
     (site / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
-    r = _run(tmp_path, "plain", env_extra={"PYTHONPATH": f"{STANDINS}{os.pathsep}{site}"})
+    r = _run(tmp_path, "plain", path=(str(site),))
     assert r.returncode == 3, r.stderr
     assert marker.read_text() == "ran"
     assert len(list((tmp_path / "out").rglob("axpy-*.kdump"))) == 2

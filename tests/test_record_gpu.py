@@ -104,6 +104,8 @@ def test_cuda_call_and_graph_capture_metadata_only(tmp_path):
         eager, captured = (load_bundle(p).calls[0] for p in rec.written)
         assert torch.equal(eager.args[2], y0.cpu())
         assert eager.meta["capturing"] is False
+        env = load_bundle(rec.written[0]).env  # a CUDA call: the GPU facts are collected
+        assert env["cuda_available"] is True and env["sm_count"] > 0 and env["gpu_name"]
         assert captured.meta["capturing"] is True and captured.meta["data"] == "metadata-only"
         ptrs = [t["data_ptr"] for t in captured.meta["tensors_metadata"]["tensors"]]
         assert ptrs == [x.data_ptr(), y.data_ptr()]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import json
 import multiprocessing as mp
 import os
 import sys
@@ -15,6 +14,7 @@ import torch
 import kdump
 from kdump.bundle import load_bundle
 from kdump.errors import UsageError
+from kdump.record.capture_dir import INDEX_NAME, read_index
 from kdump.record.triggers import Limits, Trigger, TriggerConfig, Written, parse_bytes, parse_ranges
 
 STANDINS = Path(__file__).parent / "standins"
@@ -25,7 +25,7 @@ def standins():
     sys.path.insert(0, str(STANDINS))
     for m in ("plainmod", "deep_gemm", "deep_gemm._C", "dg_inputs"):
         sys.modules.pop(m, None)
-    from kdump.record.hooks import _logged
+    from kdump.log import _logged
 
     _logged.clear()  # "logged once" is per process: start each test clean
     yield
@@ -104,9 +104,9 @@ def test_trigger_default_and_exception_only():
 
 def test_first_per_signature_counts_shape_dtype_stride():
     t = Trigger(TriggerConfig.build(first_per_signature=2))
-    a = torch.randn(4, 6)
-    b = torch.randn(4, 6)
-    seq = [a, b, a, a.t(), a.t(), a.t(), a.half(), torch.randn(5, 6)]
+    a = torch.randn(4, 6, device="cpu")
+    b = torch.randn(4, 6, device="cpu")
+    seq = [a, b, a, a.t(), a.t(), a.t(), a.half(), torch.randn(5, 6, device="cpu")]
     picked = [i for i, x in enumerate(seq) if t.select(i, (x,), {"k": 1})]
     assert picked == [0, 1, 3, 4, 6, 7]
 
@@ -116,11 +116,14 @@ def test_predicate_and_broken_predicate_logged_once():
     t = Trigger(
         TriggerConfig.build(predicate=f"{T}:big_pred"), warn=lambda k, m: warnings.append(m)
     )
-    assert [t.select(i, (torch.randn(n),), {}) for i, n in enumerate((2, 8))] == [False, True]
+    assert [t.select(i, (torch.randn(n, device="cpu"),), {}) for i, n in enumerate((2, 8))] == [
+        False,
+        True,
+    ]
     t = Trigger(
         TriggerConfig.build(predicate=f"{T}:broken_pred"), warn=lambda k, m: warnings.append(m)
     )
-    assert not any(t.select(i, (torch.randn(8),), {}) for i in range(5))
+    assert not any(t.select(i, (torch.randn(8, device="cpu"),), {}) for i in range(5))
     assert len(warnings) == 1 and "KeyError" in warnings[0]
 
 
@@ -159,13 +162,15 @@ def test_limits_oldest_stops_and_newest_evicts():
 def test_triggers_pick_the_calls_written(tmp_path):
     with kdump.recording(f"{T}:identity", out=tmp_path, calls="1,3-", every=2) as rec:
         for _ in range(8):
-            assert identity(torch.randn(3)) is SENTINEL  # result passes through as the object
+            assert (
+                identity(torch.randn(3, device="cpu")) is SENTINEL
+            )  # result passes through as the object
     assert [load_bundle(p).calls[0].meta["call_index"] for p in rec.written] == [4, 6]
     assert [p.name for p in rec.written] == ["identity-000004.kdump", "identity-000006.kdump"]
 
 
 def test_exception_trigger_dumps_pre_call_snapshot_and_reraises(tmp_path):
-    x = torch.randn(5)
+    x = torch.randn(5, device="cpu")
     before = x.clone()
     rec = kdump.recording(f"{T}:raiser", out=tmp_path, on_exception=True)
     with rec, pytest.raises(RuntimeError) as info:
@@ -180,15 +185,15 @@ def test_exception_trigger_dumps_pre_call_snapshot_and_reraises(tmp_path):
 def test_without_exception_trigger_unselected_raising_calls_are_not_dumped(tmp_path):
     rec = kdump.recording(f"{T}:raiser", out=tmp_path, calls="5")
     with rec, pytest.raises(RuntimeError):
-        raiser(torch.randn(2))
+        raiser(torch.randn(2, device="cpu"))
     assert rec.written == []
 
 
 def test_metadata_only_under_graph_capture(tmp_path, monkeypatch):
-    import kdump.record.session as recorder
+    import kdump.record.sync as recorder
 
-    monkeypatch.setattr(recorder, "_cuda_state", lambda tensors: (True, 1234))
-    x = torch.randn(6, 4)[:, 1:]
+    monkeypatch.setattr(recorder, "cuda_state", lambda tensors: (True, 1234))
+    x = torch.randn(6, 4, device="cpu")[:, 1:]
     with kdump.recording(f"{T}:identity", out=tmp_path) as rec:
         identity(x, 3)
     call = load_bundle(rec.written[0]).calls[0]
@@ -207,7 +212,10 @@ def _cheap_target_results(n: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(11)
     outs = []
     for _ in range(n):
-        x, y = torch.randn(16, generator=g), torch.randn(16, generator=g)
+        x, y = (
+            torch.randn(16, generator=g, device="cpu"),
+            torch.randn(16, generator=g, device="cpu"),
+        )
         outs.append(torch.cat([plainmod.axpy(0.5, x, y), y]))
     return outs
 
@@ -232,7 +240,7 @@ def test_failures_never_change_results_and_log_once(tmp_path, monkeypatch, capfd
             out = tmp_path / "a-file"
             out.write_text("x")
     if failure == "sparse":
-        s = torch.randn(4, 4).to_sparse()
+        s = torch.randn(4, 4, device="cpu").to_sparse()
         with kdump.recording(f"{T}:densify", out=out) as rec:
             got = [densify(s) for _ in range(3)]
         assert all(torch.equal(g, s.to_dense() * 2) for g in got)
@@ -253,7 +261,7 @@ def test_failures_never_change_results_and_log_once(tmp_path, monkeypatch, capfd
 def test_log_goes_to_kdump_log_file(tmp_path, monkeypatch, capfd):
     log = tmp_path / "kdump.log"
     monkeypatch.setenv("KDUMP_LOG", str(log))
-    s = torch.randn(3, 3).to_sparse()
+    s = torch.randn(3, 3, device="cpu").to_sparse()
     with kdump.recording(f"{T}:densify", out=tmp_path):
         densify(s)
         densify(s)
@@ -269,8 +277,9 @@ def test_max_bundles(tmp_path, keep):
     assert idx == ([0, 1] if keep == "oldest" else [3, 4])
     on_disk = sorted(p.name for p in tmp_path.rglob("*.kdump"))
     assert on_disk == sorted(p.name for p in rec.written)
-    index = json.loads((rec.written[0].parent / "index.json").read_text())
-    assert [b["call_index"] for b in index["bundles"]] == idx
+    index = read_index(rec.written[0].parent)
+    assert [b.call_index for b in index.bundles] == idx and all(b.indexed for b in index.bundles)
+    assert [b.path for b in index.bundles] == rec.written
 
 
 def test_max_bytes_newest_frees_blobs(tmp_path):
@@ -278,7 +287,7 @@ def test_max_bytes_newest_frees_blobs(tmp_path):
         _cheap_target_results(12)
     assert 0 < len(rec.written) < 12
     proc = rec.written[0].parent
-    on_disk = sum(p.stat().st_size for p in proc.rglob("*") if p.is_file() and p.suffix != ".json")
+    on_disk = sum(p.stat().st_size for p in proc.rglob("*") if p.is_file() and p.name != INDEX_NAME)
     assert on_disk <= 3 * 1024
     for p in rec.written:  # survivors still load, their blobs intact
         assert load_bundle(p).calls[0].args[1].numel() == 16
@@ -291,17 +300,17 @@ def test_ranks_filter(tmp_path, monkeypatch):
     assert rec.written == []
     with kdump.recording("plainmod:axpy", out=tmp_path, ranks="1-3") as rec:
         _cheap_target_results(1)
-    assert rec.written[0].parent.name.endswith("-rank1")
+    assert ".rank1." in rec.written[0].parent.name
     assert load_bundle(rec.written[0]).calls[0].meta["rank"] == 1
 
 
-def test_ring_mode_is_not_available_yet(tmp_path):
-    with pytest.raises(UsageError, match="not available yet"):
+def test_ring_mode_is_not_in_this_build(tmp_path):
+    with pytest.raises(UsageError, match="not in this build; use --mode sync"):
         kdump.recording("plainmod:axpy", out=tmp_path, mode="ring")
 
 
 def test_blobs_shared_across_calls(tmp_path):
-    w = torch.randn(256, 256)  # a "weight" passed to every call: stored once
+    w = torch.randn(256, 256, device="cpu")  # a "weight" passed to every call: stored once
     with kdump.recording(f"{T}:identity", out=tmp_path) as rec:
         for _ in range(3):
             identity(w)
@@ -313,7 +322,7 @@ def test_blobs_shared_across_calls(tmp_path):
 def _fork_child(out: str, q) -> None:
     import plainmod
 
-    x, y = torch.randn(4), torch.randn(4)
+    x, y = torch.randn(4, device="cpu"), torch.randn(4, device="cpu")
     plainmod.axpy(1.0, x, y)
     from kdump.record.session import active_sessions
 
@@ -344,7 +353,7 @@ def test_forked_child_gets_its_own_folder_and_counters(tmp_path):
 def test_dump_call_writes_inputs_outputs_and_returns(tmp_path):
     import plainmod
 
-    x, y = torch.randn(8), torch.randn(8)
+    x, y = torch.randn(8, device="cpu"), torch.randn(8, device="cpu")
     y0 = y.clone()
     ret = kdump.dump_call(tmp_path / "one.kdump", plainmod.axpy, 2.0, x, y=y)
     assert torch.equal(ret, x * 2) and torch.equal(y, y0 + 2 * x)
@@ -355,7 +364,7 @@ def test_dump_call_writes_inputs_outputs_and_returns(tmp_path):
 
 
 def test_dump_call_exception(tmp_path):
-    x = torch.randn(3)
+    x = torch.randn(3, device="cpu")
     before = x.clone()
     with pytest.raises(RuntimeError) as info:
         kdump.dump_call(tmp_path / "e.kdump", raiser, x)

@@ -934,7 +934,9 @@ def iter_bundles(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Path]:
     for p in paths:
         p = Path(p)
         if p.is_dir():
-            found = sorted(q for q in p.rglob("*.kdump") if STORE_DIRNAME not in q.parts)
+            from kdump.record.capture_dir import list_bundles
+
+            found = list_bundles(p)
             if not found:
                 raise BundleError(f"{p}: folder holds no .kdump bundles")
             yield from found

@@ -6,7 +6,7 @@ is imported: nothing is imported here, so startup stays cheap and torch-free), a
 flush points: atexit, SIGTERM and SIGINT (each chained to the handler that was there before, and
 the signal is not swallowed), and an optional flush signal (KDUMP_FLUSH_SIGNAL, e.g. USR1) that
 flushes without stopping the process. Forked children re-initialise their per-process state
-through the recorder's at-fork hook. A future flight recorder flushes through the same points
+through the session's at-fork hook. Every recorder flushes through the same points
 (`Recorder.flush`).
 """
 
@@ -20,10 +20,9 @@ from typing import Any
 
 from kdump import config
 from kdump.errors import UsageError
-from kdump.record.hooks import log
+from kdump.log import log
 
 _session: Any = None
-_installed: dict[int, Any] = {}
 
 
 def activate(env: Any = None) -> Any:
@@ -32,7 +31,8 @@ def activate(env: Any = None) -> Any:
     if _session is not None:
         return _session
     try:
-        from kdump.record.session import RecordConfig, Recording
+        from kdump.record.config import RecordConfig
+        from kdump.record.session import Recording
 
         cfg = RecordConfig.from_env(env)
         _session = Recording(cfg).start()
@@ -41,10 +41,6 @@ def activate(env: Any = None) -> Any:
         log(f"recording not started: {exc}")
     except Exception as exc:
         log(f"recording not started (internal error: {type(exc).__name__}: {exc})")
-    return _session
-
-
-def session() -> Any:
     return _session
 
 
@@ -98,6 +94,5 @@ def _chain(sig: int, *, stop: bool) -> None:
 
     try:
         signal.signal(sig, handler)
-        _installed[sig] = previous
     except (ValueError, OSError) as exc:
         log(f"cannot install a handler for signal {sig}: {exc}")

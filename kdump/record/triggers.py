@@ -401,10 +401,6 @@ class Limits:
     total_bytes: int = 0
     stopped: bool = False
 
-    @property
-    def unlimited(self) -> bool:
-        return self.max_bundles is None and self.max_bytes is None
-
     def admit(self) -> bool:
         return not self.stopped
 
@@ -435,8 +431,3 @@ class Limits:
 
     def freed(self, nbytes: int) -> None:
         self.total_bytes -= nbytes
-
-    def reset(self) -> None:
-        self.bundles.clear()
-        self.total_bytes = 0
-        self.stopped = False

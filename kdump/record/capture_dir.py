@@ -1,0 +1,348 @@
+"""Where one recording process writes: its folder, its blob store, its limits, its index.
+
+Layout of a capture directory (one folder per process and recording, blobs shared):
+    <out>/blobs/ab/<sha256>                                 shared blob store (weights stored once)
+    <out>/<host>.<pid>[.rank<R>].<random>/<target>-<index:06d>.kdump
+    <out>/<host>.<pid>[.rank<R>].<random>/index.jsonl       what this process wrote (append-only)
+The random part makes every recording's folder new, so a second recording into the same output
+folder (same host, even the same pid) never replaces an earlier bundle; folders and bundle names
+are created exclusively. With a limit that deletes bundles (max_bytes, or keep=newest) the process
+keeps its blobs in its own folder (`<proc>/blobs/`), so evicting never removes a blob another
+process's bundle uses.
+
+The index is one JSON object per line, appended with one write each: a header (who wrote the
+folder), one line per bundle written, one per bundle evicted, and a status line at each flush. Its
+cost per bundle is one line, however many were written before. `read_index` tolerates a torn last
+line (a process killed mid-write) and adds the bundles on disk that the index lacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kdump.record.triggers import Limits, Written
+
+INDEX_NAME = "index.jsonl"
+INDEX_FORMAT = "kdump-index"
+INDEX_VERSION = 2
+BUNDLE_SUFFIX = ".kdump"
+STORE_DIRNAME = "blobs"  # kdump.bundle.STORE_DIRNAME (that module is not imported at startup)
+_NAME_ATTEMPTS = 100
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """One bundle of a process folder. `indexed` is False for a bundle found by scanning the
+    folder (its index line is missing: the process died before writing it)."""
+
+    path: Path
+    target: str | None = None
+    call_index: int | None = None
+    nbytes: int | None = None
+    exception: str | None = None
+    indexed: bool = True
+
+
+@dataclass(frozen=True)
+class FolderIndex:
+    folder: Path
+    header: dict[str, Any] = field(default_factory=dict)
+    status: dict[str, Any] = field(default_factory=dict)  # the latest flush's status line
+    bundles: tuple[IndexEntry, ...] = ()
+
+    @property
+    def paths(self) -> list[Path]:
+        return [e.path for e in self.bundles]
+
+
+def _index_lines(path: Path) -> list[dict[str, Any]]:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    out = []
+    for raw in data.split(b"\n"):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+        except ValueError:  # a torn line: its bundle, if on disk, is found by the scan
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out
+
+
+def read_index(folder: str | os.PathLike[str]) -> FolderIndex:
+    """Every bundle of a process folder: the index's entries that are still on disk, then the
+    bundles on disk the index lacks."""
+    folder = Path(folder)
+    header: dict[str, Any] = {}
+    status: dict[str, Any] = {}
+    entries: dict[str, IndexEntry] = {}
+    for line in _index_lines(folder / INDEX_NAME):
+        kind = line.get("kind")
+        name = line.get("path")
+        if kind == "header":
+            header = line
+        elif kind == "status":
+            status = line
+        elif kind == "bundle" and isinstance(name, str):
+            entries[name] = IndexEntry(
+                folder / name,
+                target=line.get("target"),
+                call_index=line.get("call_index"),
+                nbytes=line.get("bytes"),
+                exception=line.get("exception"),
+            )
+        elif kind == "evicted" and isinstance(name, str):
+            entries.pop(name, None)
+    on_disk = {p.name for p in _bundle_files(folder)}
+    bundles = [e for name, e in entries.items() if name in on_disk]
+    for name in sorted(on_disk - entries.keys()):
+        p = folder / name
+        with contextlib.suppress(OSError):
+            bundles.append(IndexEntry(p, nbytes=p.stat().st_size, indexed=False))
+    return FolderIndex(folder, header, status, tuple(bundles))
+
+
+def _bundle_files(folder: Path) -> list[Path]:
+    try:
+        return [p for p in folder.iterdir() if p.suffix == BUNDLE_SUFFIX and p.is_file()]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def process_folders(root: str | os.PathLike[str]) -> list[Path]:
+    """Folders under `root` (itself included) that hold bundles or an index, blob stores skipped."""
+    root = Path(root)
+    found: set[Path] = set()
+    if not root.is_dir():
+        return []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d != STORE_DIRNAME]
+        if INDEX_NAME in filenames or any(f.endswith(BUNDLE_SUFFIX) for f in filenames):
+            found.add(Path(dirpath))
+    return sorted(found)
+
+
+def list_bundles(root: str | os.PathLike[str]) -> list[Path]:
+    """Every bundle under `root`, sorted, read through each folder's index."""
+    return sorted(p for folder in process_folders(root) for p in read_index(folder).paths)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+class CountingStore:
+    """A BlobStore that remembers which blobs the current bundle used and which it created."""
+
+    def __init__(self, root: Path) -> None:
+        from kdump.bundle import BlobStore
+
+        outer = self
+
+        class Store(BlobStore):
+            def put(self, sha: str, data: memoryview) -> None:
+                outer.used.append(sha)
+                if not self.has(sha, len(data)):
+                    BlobStore.put(self, sha, data)
+                    outer.created[sha] = len(data)
+
+        self.store = Store(root)
+        self.used: list[str] = []
+        self.created: dict[str, int] = {}
+
+    def begin(self) -> None:
+        self.used, self.created = [], {}
+
+
+class CaptureDir:
+    """One process's destination inside `out`. The folder appears with the first bundle."""
+
+    def __init__(
+        self,
+        out: Path,
+        limits: Limits,
+        *,
+        private_store: bool,
+        host: str,
+        pid: int,
+        rank: Callable[[], int | None],
+        mode: str,
+    ) -> None:
+        self.out = Path(out)
+        self.limits = limits
+        self.private_store = private_store
+        self.host, self.pid, self.mode = host, pid, mode
+        self._rank = rank
+        self._folder: Path | None = None
+        self._store: CountingStore | None = None
+        self._bundle_blobs: dict[str, list[str]] = {}  # bundle path -> blobs it uses
+        self._blob_refs: dict[str, int] = {}
+        self._blob_owned: dict[str, int] = {}  # blobs this process created (private store)
+        self._torn = False  # an index write failed part-way: the next line starts afresh
+
+    # -- the folder ------------------------------------------------------------------------------
+    def folder(self) -> Path:
+        if self._folder is None:
+            self._folder = self._make_folder()
+            self._append(
+                {
+                    "kind": "header",
+                    "format": INDEX_FORMAT,
+                    "version": INDEX_VERSION,
+                    "mode": self.mode,
+                    "host": self.host,
+                    "pid": self.pid,
+                    "rank": self._rank(),
+                    "argv": list(sys.argv)[:32],
+                    "started": _now(),
+                    "store": str(self.store().store.root),
+                }
+            )
+        return self._folder
+
+    def _make_folder(self) -> Path:
+        self.out.mkdir(parents=True, exist_ok=True)
+        rank = self._rank()
+        base = f"{self.host}.{self.pid}" + (f".rank{rank}" if rank is not None else "")
+        for _ in range(_NAME_ATTEMPTS):
+            path = self.out / f"{base}.{secrets.token_hex(3)}"
+            try:
+                path.mkdir()  # exclusive: an existing folder is another recording's
+                return path
+            except FileExistsError:
+                continue
+        raise FileExistsError(f"no free process folder name under {self.out} for {base}")
+
+    def store(self) -> CountingStore:
+        if self._store is None:
+            self._store = CountingStore(self.folder() if self.private_store else self.out)
+        return self._store
+
+    def new_bundle_path(self, stem: str) -> Path:
+        """A bundle name nobody has used, created (empty) exclusively so it is ours."""
+        folder = self.folder()
+        for k in range(_NAME_ATTEMPTS):
+            path = folder / (f"{stem}{BUNDLE_SUFFIX}" if k == 0 else f"{stem}.{k}{BUNDLE_SUFFIX}")
+            try:
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+                return path
+            except FileExistsError:
+                continue
+        raise FileExistsError(f"no free bundle name for {stem} in {folder}")
+
+    def abandon(self, path: Path) -> None:
+        """Remove a reserved name whose bundle could not be written."""
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+    def admit(self) -> bool:
+        return self.limits.admit()
+
+    def add(self, path: Path, target: str, index: int, exception: str | None) -> None:
+        """Account for the bundle just written at `path` (with the store's last blobs), evict
+        what the limits say, and append its index line."""
+        store = self.store()
+        added = path.stat().st_size + sum(store.created.values())
+        used = list(dict.fromkeys(store.used))
+        self._bundle_blobs[str(path)] = used
+        for sha in used:
+            self._blob_refs[sha] = self._blob_refs.get(sha, 0) + 1
+        if self.private_store:
+            self._blob_owned.update(store.created)
+        self.limits.add(Written(str(path), target, index, added, exception))
+        victims = []
+        while (victim := self.limits.victim()) is not None:
+            freed = self._delete(victim)
+            self.limits.freed(freed)
+            victims.append((victim, freed))
+        for victim, freed in victims:
+            if victim.path == str(path):  # never kept: it gets no index line
+                continue
+            self._append({"kind": "evicted", "path": Path(victim.path).name, "freed": freed})
+        if all(v.path != str(path) for v, _ in victims):
+            self._append(
+                {
+                    "kind": "bundle",
+                    "path": path.name,
+                    "target": target,
+                    "call_index": index,
+                    "bytes": added,
+                    "exception": exception,
+                }
+            )
+
+    def _delete(self, w: Written) -> int:
+        """Remove a bundle and the blobs only it used (private store); bytes freed."""
+        freed = 0
+        p = Path(w.path)
+        with contextlib.suppress(FileNotFoundError):
+            freed += p.stat().st_size
+            p.unlink()
+        for sha in self._bundle_blobs.pop(w.path, []):
+            n = self._blob_refs.get(sha, 0) - 1
+            self._blob_refs[sha] = n
+            if n <= 0:
+                self._blob_refs.pop(sha, None)
+                size = self._blob_owned.pop(sha, None)
+                if size is not None:
+                    with contextlib.suppress(FileNotFoundError):
+                        self.store().store.path(sha).unlink()
+                        freed += size
+        return freed
+
+    def note_status(self, errors: int) -> None:
+        """Append a status line (flush points); nothing when this process wrote nothing."""
+        if self._folder is None or not self._folder.is_dir():
+            return
+        self._append(
+            {
+                "kind": "status",
+                "time": _now(),
+                "bundles": len(self.limits.bundles),
+                "total_bytes": self.limits.total_bytes,
+                "stopped_by_limit": self.limits.stopped,
+                "errors": errors,
+            }
+        )
+
+    def _append(self, line: dict[str, Any]) -> None:
+        """One line, one write, O_APPEND: concurrent readers see whole lines or a torn last one."""
+        assert self._folder is not None
+        data = (json.dumps(line, separators=(",", ":")) + "\n").encode()
+        if self._torn:
+            data = b"\n" + data
+        fd = os.open(self._folder / INDEX_NAME, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            self._torn = True
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            self._torn = False
+        finally:
+            os.close(fd)
+
+    @property
+    def written(self) -> list[Path]:
+        return [Path(w.path) for w in self.limits.bundles]
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -1,0 +1,118 @@
+"""What a recording session does: `RecordConfig`, built from keyword options or the environment."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kdump import config
+from kdump.errors import UsageError
+from kdump.record.triggers import TriggerConfig
+
+MODES = ("sync", "ring")
+Outputs = str | tuple[str | int, ...]  # default | none | all | parameter names / positions
+
+
+@dataclass(frozen=True)
+class RecordConfig:
+    targets: tuple[str, ...] = ("deep_gemm",)
+    out: Path = Path("kdump-out")
+    mode: str = "sync"
+    trigger: TriggerConfig = field(default_factory=TriggerConfig)
+    outputs: Outputs = "default"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise UsageError(f"unknown recording mode {self.mode!r}; use sync")
+
+    @classmethod
+    def from_options(
+        cls,
+        target: str | Iterable[str] = "deep_gemm",
+        out: str | os.PathLike[str] = "kdump-out",
+        *,
+        calls: str | Iterable[int] | None = None,
+        every: int | None = None,
+        first_per_signature: int | None = None,
+        ranks: str | Iterable[int] | None = None,
+        predicate: str | Callable[..., Any] | None = None,
+        max_bundles: int | None = None,
+        max_bytes: int | str | None = None,
+        keep: str = "oldest",
+        on_exception: bool = False,
+        outputs: str | Sequence[str | int] | None = "default",
+        mode: str = "sync",
+    ) -> RecordConfig:
+        """The configuration of `kdump.recording(...)` (same keywords)."""
+        return cls(
+            targets=(target,) if isinstance(target, str) else tuple(target),
+            out=Path(out),
+            mode=mode,
+            trigger=TriggerConfig.build(
+                calls=calls,
+                every=every,
+                first_per_signature=first_per_signature,
+                ranks=ranks,
+                predicate=predicate,
+                max_bundles=max_bundles,
+                max_bytes=max_bytes,
+                keep=keep,
+                on_exception=on_exception,
+            ),
+            outputs=parse_outputs(outputs),
+        )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RecordConfig:
+        """The configuration `kdump record` passes to its processes (kdump.config.ENV_VARS)."""
+
+        def get(name: str) -> str | None:
+            return config.get(name, env)
+
+        targets = tuple(t.strip() for t in (get("KDUMP_TARGETS") or "deep_gemm").split(","))
+        return cls(
+            targets=tuple(t for t in targets if t),
+            out=Path(get("KDUMP_OUT") or "kdump-out"),
+            mode=(get("KDUMP_MODE") or "sync").lower(),
+            trigger=TriggerConfig.build(
+                calls=get("KDUMP_CALLS"),
+                every=get("KDUMP_EVERY"),
+                first_per_signature=get("KDUMP_FIRST_PER_SIGNATURE"),
+                ranks=get("KDUMP_RANKS"),
+                predicate=get("KDUMP_PREDICATE"),
+                max_bundles=get("KDUMP_MAX_BUNDLES"),
+                max_bytes=get("KDUMP_MAX_BYTES"),
+                keep=get("KDUMP_KEEP") or "oldest",
+                on_exception=config.get_flag("KDUMP_ON_EXCEPTION", env),
+            ),
+            outputs=parse_outputs(get("KDUMP_OUTPUTS")),
+        )
+
+    @property
+    def private_store(self) -> bool:
+        """Whether limits may delete bundles: then each process keeps its blobs in its own folder,
+        so evicting never removes a blob another process's bundle uses."""
+        trig = self.trigger
+        return trig.max_bytes is not None or (
+            trig.keep == "newest" and trig.max_bundles is not None
+        )
+
+
+def parse_outputs(value: Any) -> Outputs:
+    if value is None:
+        return "default"
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in ("", "default", "1", "true", "yes", "on"):
+            return "default"
+        if v in ("none", "0", "false", "no", "off"):
+            return "none"
+        if v == "all":
+            return "all"
+        items = [x.strip() for x in value.split(",") if x.strip()]
+    else:
+        items = list(value)
+    return tuple(int(x) if isinstance(x, int) or str(x).isdigit() else str(x) for x in items)

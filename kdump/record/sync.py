@@ -1,0 +1,323 @@
+"""The sync recorder: snapshot the inputs before the call and the outputs after it, and write one
+bundle per call at once.
+
+Under CUDA-graph capture a sync snapshot is impossible (no sync, no D2H into pageable memory): the
+sync recorder then writes the call's metadata only (argument tree, shapes, dtypes, strides,
+addresses; no bytes) and marks it `capturing: true, data: metadata-only`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from kdump import envinfo
+from kdump.log import log_once
+from kdump.record.capture_dir import CaptureDir
+from kdump.record.config import Outputs, RecordConfig
+from kdump.record.hooks import HookState, TargetSpec, busy
+from kdump.record.session import _placeholders
+from kdump.record.triggers import Limits, rank_allowed
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from kdump.record.session import Recording
+
+CAPTURE_NOTE = (
+    "recorded during CUDA-graph capture: a sync recorder cannot read tensor data there; the "
+    "flight recorder (mode ring) is needed for the values a replay of this graph sees"
+)
+
+
+class _Process:
+    """Per-process facts (re-made in forked children)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.host = socket.gethostname()
+        self._rank: int | None = None
+        self._rank_final = False
+        self._env: dict[str, Any] | None = None
+        self._gpu: dict[str, Any] | None = None
+
+    def rank(self) -> tuple[int | None, bool]:
+        """(rank, definitive). torch.distributed wins over RANK-style variables."""
+        if self._rank_final:
+            return self._rank, True
+        dist = sys.modules.get("torch.distributed")
+        try:
+            if dist is not None and dist.is_available() and dist.is_initialized():
+                self._rank, self._rank_final = int(dist.get_rank()), True
+                return self._rank, True
+        except Exception:
+            pass
+        r = envinfo.current_rank()
+        if r is not None:
+            self._rank, self._rank_final = r, True
+        return r, r is not None
+
+    def env(self, cuda: bool) -> dict[str, Any]:
+        """The environment manifest: collected once per process, GPU facts once CUDA is in use
+        (never initialising CUDA for a CPU call), library state fresh for every bundle."""
+        if self._env is None:
+            self._env = envinfo.collect(include_gpu=False)
+        gpu = self._gpu
+        if gpu is None:
+            gpu = envinfo.gpu_info(cuda=cuda)
+            if "cuda_available" in gpu:  # asked once: the facts do not change
+                self._gpu = gpu
+        return {**self._env, **gpu, "libraries": envinfo.library_state()}
+
+
+class SyncRecorder:
+    """Snapshot before the call, outputs after it, one bundle per call written at once."""
+
+    mode = "sync"
+
+    def __init__(self, cfg: RecordConfig, session: Recording) -> None:
+        self.cfg = cfg
+        self.session = session
+        self._init_process()
+
+    def _init_process(self) -> None:
+        self.lock = threading.RLock()  # one writer at a time (threads may call targets)
+        trig = self.cfg.trigger
+        self.proc = _Process()
+        self.dest = CaptureDir(
+            self.cfg.out,
+            Limits(trig.max_bundles, trig.max_bytes, trig.keep),
+            private_store=self.cfg.private_store,
+            host=self.proc.host,
+            pid=self.proc.pid,
+            rank=lambda: self.proc.rank()[0],
+            mode=self.mode,
+        )
+        self._shorts: dict[str, str] = {}
+        self.errors = 0
+
+    def after_fork(self) -> None:
+        self._init_process()
+
+    def short_name(self, target: str) -> str:
+        short = self._shorts.get(target)
+        if short is None:
+            short = target.split(":", 1)[-1]
+            if short in self._shorts.values():  # two targets share a name: use the full id
+                short = target.replace(":", ".")
+            short = "".join(c if c.isalnum() or c in "._-" else "_" for c in short)
+            self._shorts[target] = short
+        return short
+
+    # -- the call ---------------------------------------------------------------------------------
+    def on_call(
+        self,
+        st: HookState,
+        index: int,
+        called_as: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        prev = busy.flag
+        busy.flag = True  # hooked calls made inside this one pass through unrecorded
+        try:
+            snap = None
+            plan = None
+            try:
+                plan = self._plan(st, index, args, kwargs)
+                if plan is not None:
+                    snap = self._snapshot(st, index, called_as, args, kwargs, plan)
+            except Exception as exc:
+                self.session.fail(st, "capturing the arguments", exc)
+            if snap is None:
+                return fn(*args, **kwargs)
+            try:
+                result = fn(*args, **kwargs)
+            except Exception as exc:
+                try:  # the snapshot taken BEFORE the call; nothing is read after it raised
+                    snap.meta["exception"] = f"{type(exc).__name__}: {exc}"[:2000]
+                    self._write(st, snap, index)
+                except Exception as exc2:
+                    self.session.fail(st, "writing the bundle", exc2)
+                raise
+            if plan == "dump":
+                try:
+                    if not snap.meta.get("capturing"):
+                        self._attach_outputs(st, snap, args, kwargs, result)
+                    self._write(st, snap, index)
+                except Exception as exc:
+                    self.session.fail(st, "writing the bundle", exc)
+            return result
+        finally:
+            busy.flag = prev
+
+    def _plan(
+        self, st: HookState, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> str | None:
+        trig = self.cfg.trigger
+        if trig.ranks is not None:
+            rank, final = self.proc.rank()
+            if not rank_allowed(trig.ranks, rank):
+                if final:  # this process never records: make its hooks free
+                    self.session.disarm_all()
+                return None
+        if not self.dest.admit():
+            self.session.disarm_all()
+            return None
+        trigger = self.session.trigger(st.id)
+        if trigger.select(index, args, kwargs):
+            return "dump"
+        if trig.on_exception:
+            return "exception"
+        if trigger.is_exhausted(index):
+            self.session.disarm(st.id)
+        return None
+
+    def _snapshot(
+        self,
+        st: HookState,
+        index: int,
+        called_as: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        plan: str,
+    ) -> Any:
+        from kdump.bundle import argtree, capture_call
+
+        tensors: list[Any] = []
+        for a in args:
+            argtree.encode(a, tensors)
+        for v in kwargs.values():
+            argtree.encode(v, tensors)
+        capturing, stream = cuda_state(tensors)
+        names = st.names()
+        pos_names = list(names[: len(args)]) if names and len(names) >= len(args) else None
+        rank, _ = self.proc.rank()
+        meta: dict[str, Any] = {
+            "call_index": index,
+            "pid": self.proc.pid,
+            "host": self.proc.host,
+            "rank": rank,
+            "time_ns": time.time_ns(),
+            "thread": threading.get_ident(),
+            "stream": stream,
+            "capturing": capturing,
+            "mode": "sync",
+            "trigger": "selected" if plan == "dump" else "exception",
+            "library_state": envinfo.library_state(),
+        }
+        if not capturing:
+            return capture_call(
+                st.id, args, kwargs, called_as=called_as, names=pos_names, meta=meta
+            )
+        # Graph capture: no data can be read. Keep the layout of every tensor in the meta.
+        from kdump.bundle.tensors import group_storages
+
+        storages, records = group_storages(tensors)
+        meta.update(
+            data="metadata-only",
+            note=CAPTURE_NOTE,
+            tensors_metadata={
+                "storages": [asdict(s) for s in storages],
+                "tensors": [asdict(r) for r in records],
+            },
+        )
+        ph_args = tuple(_placeholders(a, tensors) for a in args)
+        ph_kwargs = {k: _placeholders(v, tensors) for k, v in kwargs.items()}
+        return capture_call(
+            st.id, ph_args, ph_kwargs, called_as=called_as, names=pos_names, meta=meta
+        )
+
+    def _attach_outputs(
+        self, st: HookState, call: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any
+    ) -> None:
+        from kdump.bundle import attach_outputs, input_tensors
+
+        live = input_tensors(call, args, kwargs)
+        idx = output_indices(self.cfg.outputs, st.spec, st.names(), live, args, kwargs)
+        if idx or result is not None:
+            attach_outputs(call, live, idx, returned=result)
+
+    def _write(self, st: HookState, call: Any, index: int) -> None:
+        from kdump.bundle import save_calls
+
+        with self.lock:
+            if not self.dest.admit():
+                return
+            path = self.dest.new_bundle_path(f"{self.short_name(st.id)}-{index:06d}")
+            store = self.dest.store()
+            store.begin()
+            info = {"recorder": "sync", "session": self.session.started_ns}
+            cuda = call.meta.get("stream") is not None  # set only when a CUDA tensor is involved
+            try:
+                save_calls(path, [call], env=self.proc.env(cuda), store=store.store, info=info)
+            except BaseException:
+                self.dest.abandon(path)
+                raise
+            self.dest.add(path, st.id, index, call.meta.get("exception"))
+
+    # -- flush ------------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Sync mode writes bundles at once: flushing = finish the write in progress (the lock)
+        and append a status line to the index."""
+        try:
+            with self.lock:
+                self.dest.note_status(self.errors)
+        except Exception as exc:  # flush runs at exit and in signal handlers: never raise
+            log_once(f"index:{self.proc.pid}", f"cannot append to the index: {exc}")
+
+    def close(self) -> None:
+        self.flush()
+
+    @property
+    def written(self) -> list[Path]:
+        return self.dest.written
+
+
+def cuda_state(tensors: Sequence[Any]) -> tuple[bool, int | None]:
+    """(capturing, stream handle) — only asked when a CUDA tensor is involved (no CUDA init)."""
+    if not any(getattr(t, "is_cuda", False) for t in tensors):
+        return False, None
+    import torch
+
+    return bool(torch.cuda.is_current_stream_capturing()), int(
+        torch.cuda.current_stream().cuda_stream
+    )
+
+
+def output_indices(
+    outputs: Outputs,
+    spec: TargetSpec | None,
+    names: Sequence[str] | None,
+    live: Sequence[Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+) -> list[int]:
+    """Indices into the call's tensor table of the tensors to snapshot after the call."""
+    if outputs == "none":
+        return []
+    if outputs == "all":
+        return list(range(len(live)))
+    wanted = (spec.output_names if spec else ()) if outputs == "default" else outputs
+    objs: list[Any] = []
+    for w in wanted:
+        if isinstance(w, int):
+            if 0 <= w < len(args):
+                objs.append(args[w])
+        elif w in kwargs:
+            objs.append(kwargs[w])
+        elif names is not None and w in names and names.index(w) < len(args):
+            objs.append(args[names.index(w)])
+    from kdump.bundle import argtree
+
+    found: list[Any] = []
+    for o in objs:
+        argtree.encode(o, found)
+    return [i for i, t in enumerate(live) if any(t is f for f in found)]
