@@ -42,15 +42,16 @@ Slot (slot i starts at header_bytes + i * slot_bytes):
                   storages (with "payload": table index or null when missing), tensors (dtype,
                   shape, stride, storage_offset, nbytes, data_ptr), extra meta
     ...           payloads, each at a 64-byte aligned offset, before the trailer
-    S-32    32    trailer: magic b"KDTR", flags (bit 0: the checksum covers the payloads),
-                  seq (u64), CRC-32 of the slot header bytes [0, 72 + 16K + J) and of every
-                  payload in table order (u32), 12 reserved bytes
+    S-32    32    trailer: magic b"KDTR" (b"KDTX" while refilling), flags (bit 0: the
+                  checksum covers the payloads), seq (u64), CRC-32 of the slot header bytes
+                  [0, 72 + 16K + J) and of every payload in table order (u32), 12 zero bytes
 
-Writing a slot: the old trailer is zeroed, then the header's magic, then the new header and its
-table and JSON are written, the fixed part last; the payloads are copied; `commit` writes the
-trailer. A crash at any moment therefore leaves a slot that reads as empty (header cleared), in
-flight (valid header, no trailer), torn (checksums fail) or complete; never an old header with
-new payloads.
+Writing a slot: the old trailer is replaced by a refill marker (magic b"KDTX", the new seq, zero
+flags and checksum), then the header's magic is zeroed, then the new table and JSON are written
+and the fixed part last; the payloads are copied; `commit` writes the trailer. A crash at any
+moment therefore leaves a slot that reads as torn (refill marker over the old header, or
+checksums that fail), in flight (a valid header whose seq the refill marker names), or complete;
+never an old header with new payloads, nor an old call reported as in flight.
 
 CRC-32 (zlib) is the checksum: it is in the standard library, runs at memory speed, and catches
 torn writes and stray bytes with certainty up to 32-bit bursts; nothing here is adversarial, so a
@@ -96,6 +97,7 @@ _TABLE_ENTRY = struct.Struct("<QQ")
 _TRAILER = struct.Struct("<4sIQI12x")
 SLOT_MAGIC = b"KDSL"
 TRAILER_MAGIC = b"KDTR"
+REFILL_MAGIC = b"KDTX"  # the trailer of a slot being refilled: names the seq being written
 FLAG_AFTER_KERNEL = 1
 FLAG_MISSING = 2
 TRAILER_FLAG_PAYLOAD_CRC = 1
@@ -377,26 +379,27 @@ class Journal:
         are marked missing (their layouts stay)."""
         if self._fd < 0:
             raise JournalError("the journal is closed")
+        k = len(meta.storages)
+        limit = self.slot_bytes - _TRAILER.size
+        doc = _meta_json(meta)
+        # A payload dropped below turns its index into null (at most 3 more characters).
+        head_end = _SLOT_HEAD + 16 * k + len(doc) + 3 * k
+        if head_end > limit:
+            raise JournalError(
+                f"the call's metadata ({len(doc)} bytes) does not fit a {self.slot_bytes}-byte "
+                "journal slot: raise slot_bytes"
+            )
+        spans = _place(meta.storages, head_end, limit)
+        if any(s is None for s in spans):
+            doc = _meta_json(meta, spans)
         with self._lock:
             seq = self._seq + 1
             index = (seq - 1) % self.slot_count
             base = self._slot_offset(index)
-            k = len(meta.storages)
-            limit = self.slot_bytes - _TRAILER.size
-            # The JSON names each payload or null; placing after the longer of the two forms
-            # leaves room for whichever the final JSON turns out to be.
-            room = max(len(_meta_json(meta)), len(_meta_json(meta, [None] * k)))
-            head_end = _SLOT_HEAD + 16 * k + room
-            if head_end > limit:
-                raise JournalError(
-                    f"the call's metadata ({room} bytes) does not fit a {self.slot_bytes}-byte "
-                    "journal slot: raise slot_bytes"
-                )
-            spans = _place(meta.storages, head_end, limit)
-            doc = _meta_json(meta, spans)
             v = self._view
             t = base + self.slot_bytes - _TRAILER.size
-            v[t : t + _TRAILER.size] = bytes(_TRAILER.size)  # first: the old trailer is invalid
+            # First the old trailer is invalidated: from here the old call never reads complete.
+            v[t : t + _TRAILER.size] = _TRAILER.pack(REFILL_MAGIC, 0, seq, 0)
             v[base : base + 4] = bytes(4)  # then the old header
             table = b"".join(_TABLE_ENTRY.pack(*(s or (0, 0))) for s in spans)
             body = table + doc
@@ -600,9 +603,11 @@ def _read_slot(raw: bytes, base: int, slot_bytes: int, index: int) -> SlotRecord
         _check_spans(spans, present, meta, body_end, slot_bytes - _TRAILER.size)
     except _Torn as exc:
         return SlotRecord(index, SlotState.TORN, seq=seq, reason=str(exc))
-    if tmagic != TRAILER_MAGIC:
-        if tmagic == bytes(4) and tseq == 0:
+    if tmagic == REFILL_MAGIC:
+        if tseq == seq and tflags == 0 and tcrc == 0:
             return SlotRecord(index, SlotState.IN_FLIGHT, seq=seq, meta=meta)
+        return SlotRecord(index, SlotState.TORN, seq=seq, reason="refill began over this call")
+    if tmagic != TRAILER_MAGIC:
         return SlotRecord(index, SlotState.TORN, seq=seq, reason="trailer is damaged")
     if tseq != seq:
         return SlotRecord(index, SlotState.TORN, seq=seq, reason="trailer seq differs")
