@@ -116,7 +116,7 @@ class SlotState(enum.Enum):
     COMPLETE = "complete"  # header, payloads and trailer agree
     IN_FLIGHT = "in flight"  # header written, trailer missing: the call was being recorded
     TORN = "torn"  # checksums or bounds fail: a write was cut short or bytes were damaged
-    EMPTY = "empty"  # never used, or cleared for a refill
+    EMPTY = "empty"  # never used
 
 
 @dataclass(frozen=True)
@@ -296,6 +296,8 @@ class Slot:
     def commit(self) -> None:
         """Write the trailer: from here on the slot reads as complete."""
         j = self._journal
+        if j._fd < 0:
+            raise JournalError("the journal was closed before this slot was committed")
         with j._lock:
             view = j._view
             base = self._base
@@ -344,6 +346,8 @@ class Journal:
         if slots < 1 or slot_bytes < MIN_SLOT_BYTES:
             raise JournalError(f"a journal needs slots >= 1 and slot_bytes >= {MIN_SLOT_BYTES}")
         slot_bytes = _round_up(slot_bytes, ALIGN)
+        if path is None and not DEFAULT_DIR.is_dir():
+            raise JournalError(f"{DEFAULT_DIR} does not exist here: give a folder for the journal")
         p = Path(path) if path is not None else DEFAULT_DIR
         if p.is_dir():
             p = default_path(p)
@@ -369,7 +373,12 @@ class Journal:
             raise JournalError(
                 f"{p}: cannot reserve {size} bytes ({exc.strerror}); free space or use fewer slots"
             )
-        return cls(p, fd, header_bytes, slots, slot_bytes)
+        try:
+            return cls(p, fd, header_bytes, slots, slot_bytes)
+        except OSError as exc:
+            os.close(fd)
+            p.unlink(missing_ok=True)
+            raise JournalError(f"{p}: cannot map the journal ({exc.strerror}); use fewer slots")
 
     def _slot_offset(self, index: int) -> int:
         return self.header_bytes + index * self.slot_bytes
@@ -533,7 +542,7 @@ def read_pid(path: str | os.PathLike[str]) -> int:
         with open(p, "rb") as f:
             raw = f.read(PAGE + MAX_PROCESS_JSON)
     except OSError as exc:
-        raise JournalError(f"{p}: cannot read ({exc.strerror})")
+        raise JournalError(f"{p}: cannot read ({exc.strerror}); give a journal file or folder")
     return _parse_file_header(raw, p, whole=False).pid
 
 

@@ -65,7 +65,7 @@ def salvage_journal(
         path = out / f"journal-{head.pid}-call-{rec.meta.call_index:06d}-seq{rec.seq}.kdump"
         try:
             _write_bundle(path, rec, contents, crash_context)
-        except (BundleError, ValueError, TypeError, KeyError, OverflowError) as exc:
+        except (BundleError, ValueError, TypeError, KeyError, OverflowError, RuntimeError) as exc:
             # Checksums held but the content is unusable: report it, never keep the file.
             path.unlink(missing_ok=True)
             torn.append(SlotRecord(rec.index, SlotState.TORN, rec.seq, rec.meta, (), str(exc)))
