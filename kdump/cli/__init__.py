@@ -16,6 +16,7 @@ COMMANDS = {
     "replay": ("kdump.cli.replay", "Replay bundles against a kernel and say which step fails."),
     "info": ("kdump.cli.info", "Show what is inside a bundle."),
     "pack": ("kdump.cli.pack", "Fold a bundle and its shared blobs into one file to attach."),
+    "salvage": ("kdump.cli.salvage", "Turn a dead process' flight-recorder journal into bundles."),
     "doctor": (
         "kdump.cli.doctor",
         "Say what this machine can replay, and how to fix what it can't.",

@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import click
+
+
+@click.command("salvage")
+@click.argument("journals", nargs=-1, type=click.Path())
+@click.option("-o", "--output", type=click.Path(), required=True, help="Folder for the bundles.")
+@click.option("--exit-code", type=int, help="The dead process' exit status (negative: signal).")
+@click.option(
+    "--stderr", "stderr_file", type=click.Path(exists=True), help="File with the process' stderr."
+)
+@click.option("--keep", is_flag=True, help="Keep the journal files after salvaging them.")
+def command(
+    journals: tuple[str, ...],
+    output: str,
+    exit_code: int | None,
+    stderr_file: str | None,
+    keep: bool,
+) -> int:
+    """Turn the flight-recorder journals of dead processes into bundles (one per complete slot)
+    and remove the journals. JOURNAL may be a file or a folder; default: the journals in /dev/shm
+    whose process is gone.
+
+    \b
+    Example:
+      kdump salvage -o crash-dumps/
+      kdump salvage /dev/shm/kdump-journal-4711-18c2f -o crash-dumps/ --exit-code -9
+    """
+    from pathlib import Path
+
+    from kdump.record.journal import DEFAULT_DIR, read_pid
+    from kdump.record.salvage import dead_journals, pid_alive, salvage_journal
+
+    paths: list[Path] = []
+    for j in journals or (str(DEFAULT_DIR),):
+        p = Path(j)
+        if p.is_dir():
+            paths.extend(dead_journals(p))
+        elif pid_alive(read_pid(p)):
+            click.echo(f"skipped {p}: its process is still running", err=True)
+        else:
+            paths.append(p)
+    if not paths:
+        click.echo("no journals of dead processes found; nothing to salvage")
+        return 0
+    context: dict[str, object] | None = None
+    if exit_code is not None or stderr_file:
+        context = {}
+        if exit_code is not None:
+            context["exit_code" if exit_code >= 0 else "signal"] = abs(exit_code)
+        if stderr_file:
+            tail = Path(stderr_file).read_bytes()[-4096:]
+            context["stderr_tail"] = tail.decode("utf-8", "replace")
+    for p in paths:
+        res = salvage_journal(p, output, context, remove=not keep)
+        click.echo(
+            f"{p}: {len(res.bundles)} bundles, {len(res.in_flight)} in flight, "
+            f"{len(res.torn)} torn; report {res.report}"
+        )
+        for b in res.bundles:
+            click.echo(f"  {b}")
+    click.echo(f"replay them with: kdump replay {output}")
+    return 0

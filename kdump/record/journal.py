@@ -1,0 +1,708 @@
+"""The flight recorder's host-tier journal: the last N calls of a process in a crash-proof ring.
+
+The journal is one file (in /dev/shm by default) mapped into the recording process. It survives
+abort and SIGKILL because the bytes live in the page cache, not in the process; `salvage` turns
+its complete slots into bundles after the process died. Every integer is little-endian.
+
+File header (at offset 0; slot 0 starts at `header_bytes`, a multiple of 4096):
+
+    offset  size  field
+    0       8     magic b"KDJRNL\\0\\1"
+    8       4     format version (JOURNAL_VERSION)
+    12      4     header_bytes: where slot 0 starts
+    16      4     slot_count
+    20      4     reserved (0)
+    24      8     slot_bytes: size of every slot (a multiple of 64)
+    32      8     pid of the recording process
+    40      8     creation time, Unix seconds (float64)
+    48      4     host name length H (at most 255)
+    52      4     process block length P
+    56      H     host name, UTF-8
+    56+H    P     process block: compact JSON object (argv, an environment subset; given by the
+                  caller)
+    56+H+P  4     CRC-32 of bytes [0, 56+H+P)
+
+Slot (slot i starts at header_bytes + i * slot_bytes):
+
+    offset  size  field
+    0       4     magic b"KDSL" (zero while the slot is being refilled)
+    4       4     flags: bit 0 completed after the kernel, bit 1 some payloads missing
+    8       8     seq: 1, 2, 3, ... across the whole ring (0: never used)
+    16      8     call index (per process)
+    24      4     target id (the process' number for the target; its name is in the JSON)
+    28      4     payload count K
+    32      8     stream id
+    40      8     capture id (0: not capturing)
+    48      8     graph id (0: not in a graph)
+    56      8     replay counter
+    64      4     JSON length J
+    68      4     CRC-32 of the slot header: bytes [0, 68) then [72, 72 + 16K + J)
+    72      16K   payload table: K pairs (offset from the slot's start, length), u64 each
+    72+16K  J     compact JSON: target, called_as, names, args, kwargs (argument trees),
+                  storages (with "payload": table index or null when missing), tensors (dtype,
+                  shape, stride, storage_offset, nbytes, data_ptr), extra meta
+    ...           payloads, each at a 64-byte aligned offset, before the trailer
+    S-32    32    trailer: magic b"KDTR" (b"KDTX" while refilling), flags (bit 0: the
+                  checksum covers the payloads), seq (u64), CRC-32 of the slot header bytes
+                  [0, 72 + 16K + J) and of every payload in table order (u32), 12 zero bytes
+
+Writing a slot: the old trailer is replaced by a refill marker (magic b"KDTX", the new seq, zero
+flags and checksum), then the header's magic is zeroed, then the new table and JSON are written
+and the fixed part last; the payloads are copied; `commit` writes the trailer. A crash at any
+moment therefore leaves a slot that reads as torn (refill marker over the old header, or
+checksums that fail), in flight (a valid header whose seq the refill marker names), or complete;
+never an old header with new payloads, nor an old call reported as in flight.
+
+CRC-32 (zlib) is the checksum: it is in the standard library, runs at memory speed, and catches
+torn writes and stray bytes with certainty up to 32-bit bursts; nothing here is adversarial, so a
+cryptographic hash would only cost time in the recording process.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import mmap
+import os
+import socket
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kdump.errors import ExitCode, KdumpError
+
+JOURNAL_MAGIC = b"KDJRNL\x00\x01"
+JOURNAL_VERSION = 1
+DEFAULT_DIR = Path("/dev/shm")
+FILE_PREFIX = "kdump-journal-"
+DEFAULT_SLOTS = 64
+DEFAULT_SLOT_BYTES = 1 << 20
+PAGE = 4096
+ALIGN = 64  # payload alignment inside a slot
+MAX_HOST = 255
+MAX_PROCESS_JSON = 1 << 20
+SHM_SHARE = 0.5  # the ring takes at most this share of the free space (NCCL needs /dev/shm too)
+
+_FILE_FIXED = struct.Struct("<8sIIIIQQdII")  # through the process block length
+_SLOT_FIXED = struct.Struct("<4sIQQIIQQQQI")  # through the JSON length
+_SLOT_CRC = struct.Struct("<I")
+_SLOT_HEAD = _SLOT_FIXED.size + _SLOT_CRC.size  # 72: where the payload table starts
+_TABLE_ENTRY = struct.Struct("<QQ")
+_TRAILER = struct.Struct("<4sIQI12x")
+SLOT_MAGIC = b"KDSL"
+TRAILER_MAGIC = b"KDTR"
+REFILL_MAGIC = b"KDTX"  # the trailer of a slot being refilled: names the seq being written
+FLAG_AFTER_KERNEL = 1
+FLAG_MISSING = 2
+TRAILER_FLAG_PAYLOAD_CRC = 1
+MIN_SLOT_BYTES = 1024
+
+log = logging.getLogger("kdump.record.journal")
+
+
+class JournalError(KdumpError):
+    """The journal cannot be created, written or read (not a journal, truncated, no space)."""
+
+    exit_code = ExitCode.USAGE
+
+
+class SlotState(enum.Enum):
+    COMPLETE = "complete"  # header, payloads and trailer agree
+    IN_FLIGHT = "in flight"  # header written, trailer missing: the call was being recorded
+    TORN = "torn"  # checksums or bounds fail: a write was cut short or bytes were damaged
+    EMPTY = "empty"  # never used
+
+
+@dataclass(frozen=True)
+class SlotMeta:
+    """What the host knows about one call when it reserves a slot. JSON-able values only."""
+
+    call_index: int
+    target: str
+    target_id: int = 0
+    called_as: str = ""
+    names: list[str] | None = None
+    args: list[Any] = field(default_factory=list)  # argument trees (kdump.bundle.argtree)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    storages: list[dict[str, Any]] = field(default_factory=list)  # StorageRecord fields
+    tensors: list[dict[str, Any]] = field(default_factory=list)  # TensorRecord fields
+    stream: int = 0
+    capture_id: int = 0
+    graph_id: int = 0
+    replay: int = 0
+    after_kernel: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def meta_from_call(call: Any, call_index: int, **fields: Any) -> SlotMeta:
+    """A SlotMeta from a `kdump.bundle.CallRecord` (its inputs' layouts; bytes go to payloads)."""
+    storages = [{k: v for k, v in asdict(s).items() if k != "blob"} for s in call.inputs.storages]
+    tensors = []
+    for t in call.inputs.tensors:
+        d = asdict(t)
+        d["shape"], d["stride"] = list(t.shape), list(t.stride)
+        d["nbytes"] = t.numel * t.itemsize
+        tensors.append(d)
+    return SlotMeta(
+        call_index=call_index,
+        target=call.target,
+        called_as=call.called_as,
+        names=call.names,
+        args=call.args,
+        kwargs=call.kwargs,
+        storages=storages,
+        tensors=tensors,
+        extra=dict(call.meta),
+        **fields,
+    )
+
+
+@dataclass(frozen=True)
+class JournalHeader:
+    version: int
+    header_bytes: int
+    slot_count: int
+    slot_bytes: int
+    pid: int
+    host: str
+    created: float
+    process: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SlotRecord:
+    """One slot as read back. `payloads` is filled for complete slots only."""
+
+    index: int
+    state: SlotState
+    seq: int = 0
+    meta: SlotMeta | None = None
+    payloads: tuple[bytes | None, ...] = ()  # per storage: its bytes, or None when missing
+    reason: str = ""  # why a slot is torn
+
+
+@dataclass(frozen=True)
+class JournalContents:
+    path: Path
+    header: JournalHeader
+    slots: list[SlotRecord]  # newest first; torn slots without a readable seq, then empty ones
+
+    def having(self, state: SlotState) -> list[SlotRecord]:
+        return [s for s in self.slots if s.state is state]
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def _encode_file_header(
+    slots: int, slot_bytes: int, pid: int, host: str, created: float, process: dict[str, Any]
+) -> bytes:
+    host_b = host.encode()[:MAX_HOST]
+    proc = json.dumps(process, separators=(",", ":"), default=str).encode()
+    if len(proc) > MAX_PROCESS_JSON:
+        raise JournalError(
+            f"process block is {len(proc)} bytes, over {MAX_PROCESS_JSON}: pass fewer variables"
+        )
+    body = len(host_b) + len(proc) + _FILE_FIXED.size + 4
+    header_bytes = _round_up(body, PAGE)
+    raw = _FILE_FIXED.pack(
+        JOURNAL_MAGIC,
+        JOURNAL_VERSION,
+        header_bytes,
+        slots,
+        0,
+        slot_bytes,
+        pid,
+        created,
+        len(host_b),
+        len(proc),
+    )
+    raw += host_b + proc
+    return raw + struct.pack("<I", zlib.crc32(raw))
+
+
+def fit_slots(directory: Path, header_bytes: int, slots: int, slot_bytes: int) -> int:
+    """How many slots the ring gets in `directory`: `slots`, or fewer when space is short (with
+    one log line saying how to fix it). Refuses (JournalError) when not even one fits."""
+    try:
+        st = os.statvfs(directory)
+    except OSError as exc:
+        raise JournalError(f"{directory}: cannot check free space ({exc.strerror}); pick a folder")
+    free = st.f_bavail * st.f_frsize
+    budget = int(free * SHM_SHARE) - header_bytes
+    fits = max(0, budget // slot_bytes)
+    if fits >= slots:
+        return slots
+    mib = free / (1 << 20)
+    if fits == 0:
+        raise JournalError(
+            f"{directory} has {mib:.0f} MiB free, not enough for one {slot_bytes}-byte journal "
+            "slot: give the container more shared memory (docker run --shm-size=1g) or use "
+            "smaller slots"
+        )
+    log.warning(
+        "kdump: flight recorder ring shrunk to %d of %d slots: %s has %.0f MiB free; give the "
+        "container more shared memory (docker run --shm-size=1g) or record fewer slots",
+        fits,
+        slots,
+        directory,
+        mib,
+    )
+    return fits
+
+
+def default_path(directory: Path = DEFAULT_DIR) -> Path:
+    return directory / f"{FILE_PREFIX}{os.getpid()}-{time.time_ns():x}"
+
+
+class Slot:
+    """A reserved slot: copy the payloads in (`payload(i)`), then `commit()`."""
+
+    def __init__(
+        self, journal: Journal, index: int, seq: int, spans: list[tuple[int, int] | None]
+    ) -> None:
+        self._journal = journal
+        self.index = index
+        self.seq = seq
+        self._spans = spans  # per storage: (offset in slot, length) or None when missing
+        self._base = journal._slot_offset(index)
+        self.committed = False
+
+    @property
+    def payload_count(self) -> int:
+        return len(self._spans)
+
+    def has_payload(self, i: int) -> bool:
+        return self._spans[i] is not None
+
+    def payload(self, i: int) -> memoryview:
+        """Where storage i's bytes go (a view into the mapped journal)."""
+        span = self._spans[i]
+        if span is None:
+            raise JournalError(
+                f"storage {i} did not fit the {self._journal.slot_bytes}-byte slot; its payload "
+                "is marked missing (raise slot_bytes to keep it)"
+            )
+        off, n = span
+        return self._journal._view[self._base + off : self._base + off + n]
+
+    def commit(self) -> None:
+        """Write the trailer: from here on the slot reads as complete."""
+        j = self._journal
+        if j._fd < 0:
+            raise JournalError("the journal was closed before this slot was committed")
+        with j._lock:
+            view = j._view
+            base = self._base
+            (seq,) = struct.unpack_from("<Q", view, base + 8)
+            if seq != self.seq or self.committed:
+                raise JournalError(
+                    f"slot {self.index} was reused before seq {self.seq} was committed: "
+                    "use more slots"
+                )
+            _, _, _, _, _, k, _, _, _, _, jlen = _SLOT_FIXED.unpack_from(view, base)
+            crc = zlib.crc32(view[base : base + _SLOT_HEAD + 16 * k + jlen])
+            for span in self._spans:
+                if span is not None:
+                    crc = zlib.crc32(view[base + span[0] : base + span[0] + span[1]], crc)
+            t = base + j.slot_bytes - _TRAILER.size
+            view[t : t + _TRAILER.size] = _TRAILER.pack(
+                TRAILER_MAGIC, TRAILER_FLAG_PAYLOAD_CRC, self.seq, crc
+            )
+            self.committed = True
+
+
+class Journal:
+    """The writer: a mapped ring of fixed-size slots. Use `Journal.create`."""
+
+    def __init__(self, path: Path, fd: int, header_bytes: int, slots: int, slot_bytes: int) -> None:
+        self.path = path
+        self.header_bytes = header_bytes
+        self.slot_count = slots
+        self.slot_bytes = slot_bytes
+        self._fd = fd
+        self._map = mmap.mmap(fd, header_bytes + slots * slot_bytes)
+        self._view = memoryview(self._map)
+        self._lock = threading.Lock()
+        self._seq = 0
+
+    @classmethod
+    def create(
+        cls,
+        path: str | os.PathLike[str] | None = None,
+        slots: int = DEFAULT_SLOTS,
+        slot_bytes: int = DEFAULT_SLOT_BYTES,
+        process_info: dict[str, Any] | None = None,
+    ) -> Journal:
+        """A new journal file. `path` None: a fresh file in /dev/shm; a folder: a fresh file in
+        it; else that file (replaced). The ring shrinks to fit the free space."""
+        if slots < 1 or slot_bytes < MIN_SLOT_BYTES:
+            raise JournalError(f"a journal needs slots >= 1 and slot_bytes >= {MIN_SLOT_BYTES}")
+        slot_bytes = _round_up(slot_bytes, ALIGN)
+        if path is None and not DEFAULT_DIR.is_dir():
+            raise JournalError(f"{DEFAULT_DIR} does not exist here: give a folder for the journal")
+        p = Path(path) if path is not None else DEFAULT_DIR
+        if p.is_dir():
+            p = default_path(p)
+        created = time.time()
+        host = socket.gethostname()
+        process = dict(process_info or {})
+        head = _encode_file_header(slots, slot_bytes, os.getpid(), host, created, process)
+        header_bytes = _round_up(len(head), PAGE)
+        slots = fit_slots(p.parent, header_bytes, slots, slot_bytes)
+        head = _encode_file_header(slots, slot_bytes, os.getpid(), host, created, process)
+        try:
+            fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        except OSError as exc:
+            raise JournalError(f"{p}: cannot create the journal ({exc.strerror}); pick a folder")
+        size = header_bytes + slots * slot_bytes
+        try:
+            # Reserve the pages now: running out of tmpfs later would SIGBUS the program.
+            os.posix_fallocate(fd, 0, size)
+            os.pwrite(fd, head, 0)
+        except OSError as exc:
+            os.close(fd)
+            p.unlink(missing_ok=True)
+            raise JournalError(
+                f"{p}: cannot reserve {size} bytes ({exc.strerror}); free space or use fewer slots"
+            )
+        try:
+            return cls(p, fd, header_bytes, slots, slot_bytes)
+        except OSError as exc:
+            os.close(fd)
+            p.unlink(missing_ok=True)
+            raise JournalError(f"{p}: cannot map the journal ({exc.strerror}); use fewer slots")
+
+    def _slot_offset(self, index: int) -> int:
+        return self.header_bytes + index * self.slot_bytes
+
+    def reserve(self, meta: SlotMeta) -> Slot:
+        """Take the next slot round-robin and write its header. Storages whose bytes do not fit
+        are marked missing (their layouts stay)."""
+        if self._fd < 0:
+            raise JournalError("the journal is closed")
+        k = len(meta.storages)
+        limit = self.slot_bytes - _TRAILER.size
+        doc = _meta_json(meta)
+        # A payload dropped below turns its index into null (at most 3 more characters).
+        head_end = _SLOT_HEAD + 16 * k + len(doc) + 3 * k
+        if head_end > limit:
+            raise JournalError(
+                f"the call's metadata ({len(doc)} bytes) does not fit a {self.slot_bytes}-byte "
+                "journal slot: raise slot_bytes"
+            )
+        spans = _place(meta.storages, head_end, limit)
+        if any(s is None for s in spans):
+            doc = _meta_json(meta, spans)
+        with self._lock:
+            seq = self._seq + 1
+            index = (seq - 1) % self.slot_count
+            base = self._slot_offset(index)
+            v = self._view
+            t = base + self.slot_bytes - _TRAILER.size
+            # First the old trailer is invalidated: from here the old call never reads complete.
+            v[t : t + _TRAILER.size] = _TRAILER.pack(REFILL_MAGIC, 0, seq, 0)
+            v[base : base + 4] = bytes(4)  # then the old header
+            table = b"".join(_TABLE_ENTRY.pack(*(s or (0, 0))) for s in spans)
+            body = table + doc
+            v[base + _SLOT_HEAD : base + _SLOT_HEAD + len(body)] = body
+            flags = (FLAG_AFTER_KERNEL if meta.after_kernel else 0) | (
+                FLAG_MISSING if any(s is None for s in spans) else 0
+            )
+            fixed = _SLOT_FIXED.pack(
+                SLOT_MAGIC,
+                flags,
+                seq,
+                meta.call_index,
+                meta.target_id,
+                k,
+                meta.stream,
+                meta.capture_id,
+                meta.graph_id,
+                meta.replay,
+                len(doc),
+            )
+            crc = zlib.crc32(body, zlib.crc32(fixed))
+            v[base : base + _SLOT_HEAD] = fixed + _SLOT_CRC.pack(crc)
+            self._seq = seq
+            return Slot(self, index, seq, spans)
+
+    def record(self, meta: SlotMeta, payloads: Sequence[bytes | memoryview]) -> Slot:
+        """Reserve, copy `payloads` (one per storage) and commit: the plain host-copy path."""
+        slot = self.reserve(meta)
+        for i, data in enumerate(payloads):
+            if slot.has_payload(i):
+                slot.payload(i)[:] = data
+        slot.commit()
+        return slot
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        self._view.release()
+        try:
+            self._map.close()
+        except BufferError:  # a payload view is still held; the mapping goes with it
+            pass
+        os.close(self._fd)
+        self._fd = -1
+
+    def unlink(self) -> None:
+        self.close()
+        self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> Journal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _meta_json(meta: SlotMeta, spans: list[tuple[int, int] | None] | None = None) -> bytes:
+    storages = []
+    for i, s in enumerate(meta.storages):
+        d = dict(s)
+        # Before placement every storage claims a payload; placement may take some back.
+        d["payload"] = i if spans is None or spans[i] is not None else None
+        storages.append(d)
+    doc = {
+        "target": meta.target,
+        "called_as": meta.called_as or meta.target,
+        "names": meta.names,
+        "args": meta.args,
+        "kwargs": meta.kwargs,
+        "storages": storages,
+        "tensors": meta.tensors,
+        "extra": meta.extra,
+    }
+    return json.dumps(doc, separators=(",", ":"), default=str).encode()
+
+
+def _place(
+    storages: Sequence[dict[str, Any]], head_end: int, limit: int
+) -> list[tuple[int, int] | None]:
+    """Payload spans in order, each 64-byte aligned, first fit; what does not fit is None."""
+    spans: list[tuple[int, int] | None] = []
+    pos = _round_up(head_end, ALIGN)
+    for s in storages:
+        n = int(s.get("span_nbytes", 0))
+        if pos + n <= limit:
+            spans.append((pos, n))
+            pos = _round_up(pos + n, ALIGN)
+        else:
+            spans.append(None)
+    return spans
+
+
+# ---------------------------------------------------------------------------------------------
+# Reader: never trusts the file.
+
+
+class _Torn(Exception):
+    pass
+
+
+def read_journal(path: str | os.PathLike[str]) -> JournalContents:
+    """Read a journal file. A file that is not a journal raises JournalError; damaged or
+    truncated slots read as torn."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise JournalError(f"{p}: no such journal file")
+    except IsADirectoryError:
+        raise JournalError(f"{p} is a directory; give a journal file")
+    except OSError as exc:
+        raise JournalError(f"{p}: cannot read ({exc.strerror})")
+    header = _parse_file_header(raw, p)
+    records = []
+    for i in range(header.slot_count):
+        base = header.header_bytes + i * header.slot_bytes
+        records.append(_read_slot(raw, base, header.slot_bytes, i))
+    records.sort(key=_newest_first)
+    return JournalContents(p, header, records)
+
+
+def _newest_first(r: SlotRecord) -> tuple[int, int, int]:
+    group = 2 if r.state is SlotState.EMPTY else (1 if r.seq == 0 else 0)
+    return (group, -r.seq, r.index)
+
+
+def read_pid(path: str | os.PathLike[str]) -> int:
+    """The recording process' pid from a journal's header (JournalError when not a journal)."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            raw = f.read(PAGE + MAX_PROCESS_JSON)
+    except OSError as exc:
+        raise JournalError(f"{p}: cannot read ({exc.strerror}); give a journal file or folder")
+    return _parse_file_header(raw, p, whole=False).pid
+
+
+def _parse_file_header(raw: bytes, p: Path, whole: bool = True) -> JournalHeader:
+    if len(raw) < _FILE_FIXED.size + 4 or raw[:8] != JOURNAL_MAGIC:
+        raise JournalError(f"{p}: not a kdump journal (bad magic or too short)")
+    (_, version, header_bytes, slots, _, slot_bytes, pid, created, hlen, plen) = (
+        _FILE_FIXED.unpack_from(raw)
+    )
+    if version != JOURNAL_VERSION:
+        raise JournalError(
+            f"{p}: journal format version {version} is not supported (reads {JOURNAL_VERSION}); "
+            "salvage it with the kdump that recorded it"
+        )
+    end = _FILE_FIXED.size + hlen + plen
+    if hlen > MAX_HOST or plen > MAX_PROCESS_JSON or end + 4 > len(raw) or end + 4 > header_bytes:
+        raise JournalError(f"{p}: journal header is truncated or corrupt")
+    (crc,) = struct.unpack_from("<I", raw, end)
+    if crc != zlib.crc32(raw[:end]):
+        raise JournalError(f"{p}: journal header checksum mismatch (corrupt file)")
+    if slots < 1 or slot_bytes < MIN_SLOT_BYTES or slot_bytes % ALIGN or header_bytes % PAGE:
+        raise JournalError(f"{p}: journal header describes an impossible ring")
+    if whole and len(raw) < header_bytes:
+        raise JournalError(f"{p}: journal is truncated inside its header")
+    try:
+        host = raw[_FILE_FIXED.size : _FILE_FIXED.size + hlen].decode()
+        process = json.loads(raw[_FILE_FIXED.size + hlen : end])
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise JournalError(f"{p}: journal header holds invalid text")
+    if not isinstance(process, dict):
+        raise JournalError(f"{p}: journal process block is not an object")
+    return JournalHeader(version, header_bytes, slots, slot_bytes, pid, host, created, process)
+
+
+def _read_slot(raw: bytes, base: int, slot_bytes: int, index: int) -> SlotRecord:
+    if base + slot_bytes > len(raw):
+        if base >= len(raw) or not any(raw[base:]):
+            return SlotRecord(index, SlotState.TORN, reason="file truncated before this slot")
+        return SlotRecord(index, SlotState.TORN, reason="file truncated inside this slot")
+    fixed = raw[base : base + _SLOT_FIXED.size]
+    (magic, flags, seq, call_index, target_id, k, stream, capture, graph, replay, jlen) = (
+        _SLOT_FIXED.unpack(fixed)
+    )
+    t = base + slot_bytes - _TRAILER.size
+    tmagic, tflags, tseq, tcrc = _TRAILER.unpack_from(raw, t)
+    if magic != SLOT_MAGIC:
+        if magic == bytes(4) and tmagic == bytes(4):
+            return SlotRecord(index, SlotState.EMPTY)
+        return SlotRecord(index, SlotState.TORN, reason="slot header has no valid magic")
+    try:
+        body_end = _SLOT_HEAD + 16 * k + jlen
+        if k > slot_bytes // 16 or body_end > slot_bytes - _TRAILER.size:
+            raise _Torn("slot header lengths run past the slot")
+        (hcrc,) = _SLOT_CRC.unpack_from(raw, base + _SLOT_FIXED.size)
+        body = raw[base + _SLOT_HEAD : base + body_end]
+        if hcrc != zlib.crc32(body, zlib.crc32(fixed)):
+            raise _Torn("slot header checksum mismatch")
+        spans = [_TABLE_ENTRY.unpack_from(body, 16 * j) for j in range(k)]
+        meta, present = _parse_meta(
+            body[16 * k :],
+            flags,
+            call_index,
+            target_id,
+            k,
+            (stream, capture, graph, replay),
+        )
+        _check_spans(spans, present, meta, body_end, slot_bytes - _TRAILER.size)
+    except _Torn as exc:
+        return SlotRecord(index, SlotState.TORN, seq=seq, reason=str(exc))
+    if tmagic == REFILL_MAGIC:
+        if tseq == seq and tflags == 0 and tcrc == 0:
+            return SlotRecord(index, SlotState.IN_FLIGHT, seq=seq, meta=meta)
+        return SlotRecord(index, SlotState.TORN, seq=seq, reason="refill began over this call")
+    if tmagic != TRAILER_MAGIC:
+        return SlotRecord(index, SlotState.TORN, seq=seq, reason="trailer is damaged")
+    if tseq != seq:
+        return SlotRecord(index, SlotState.TORN, seq=seq, reason="trailer seq differs")
+    if tflags & ~TRAILER_FLAG_PAYLOAD_CRC or any(raw[t + 20 : t + _TRAILER.size]):
+        return SlotRecord(index, SlotState.TORN, seq=seq, reason="trailer has unknown bits set")
+    crc = zlib.crc32(raw[base : base + body_end])
+    if tflags & TRAILER_FLAG_PAYLOAD_CRC:
+        for (off, n), ok in zip(spans, present):
+            if ok:
+                crc = zlib.crc32(raw[base + off : base + off + n], crc)
+    if crc != tcrc:
+        return SlotRecord(index, SlotState.TORN, seq=seq, reason="slot checksum mismatch")
+    payloads = tuple(
+        raw[base + off : base + off + n] if ok else None for (off, n), ok in zip(spans, present)
+    )
+    return SlotRecord(index, SlotState.COMPLETE, seq=seq, meta=meta, payloads=payloads)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _names_ok(names: Any) -> bool:
+    return names is None or (isinstance(names, list) and all(isinstance(n, str) for n in names))
+
+
+def _parse_meta(
+    doc: bytes, flags: int, call_index: int, target_id: int, k: int, ids: tuple[int, ...]
+) -> tuple[SlotMeta, list[bool]]:
+    try:
+        d = json.loads(doc)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise _Torn("slot JSON does not parse")
+    if not isinstance(d, dict):
+        raise _Torn("slot JSON is not an object")
+    storages, tensors = d.get("storages"), d.get("tensors")
+    names = d.get("names")
+    if (
+        not isinstance(d.get("target"), str)
+        or not isinstance(d.get("called_as"), str)
+        or not isinstance(d.get("args"), list)
+        or not isinstance(d.get("kwargs"), dict)
+        or not isinstance(d.get("extra"), dict)
+        or not isinstance(storages, list)
+        or not isinstance(tensors, list)
+        or len(storages) != k
+        or not all(isinstance(s, dict) for s in storages + tensors)
+        or not _names_ok(names)
+    ):
+        raise _Torn("slot JSON lacks fields or has the wrong types")
+    present = []
+    for j, s in enumerate(storages):
+        if not _is_int(s.get("span_nbytes")) or s["span_nbytes"] < 0:
+            raise _Torn(f"storage {j} has no valid span_nbytes")
+        pay = s.get("payload")
+        if pay is not None and pay != j:
+            raise _Torn(f"storage {j} names payload {pay!r}")
+        present.append(pay is not None)
+    stream, capture, graph, replay = ids
+    meta = SlotMeta(
+        call_index=call_index,
+        target=d["target"],
+        target_id=target_id,
+        called_as=d["called_as"],
+        names=names,
+        args=d["args"],
+        kwargs=d["kwargs"],
+        storages=[{k2: v for k2, v in s.items() if k2 != "payload"} for s in storages],
+        tensors=tensors,
+        stream=stream,
+        capture_id=capture,
+        graph_id=graph,
+        replay=replay,
+        after_kernel=bool(flags & FLAG_AFTER_KERNEL),
+        extra=d["extra"],
+    )
+    return meta, present
+
+
+def _check_spans(
+    spans: list[tuple[int, int]], present: list[bool], meta: SlotMeta, lo: int, hi: int
+) -> None:
+    pos = lo
+    for j, ((off, n), ok) in enumerate(zip(spans, present)):
+        if not ok:
+            continue
+        if n != meta.storages[j]["span_nbytes"] or off < pos or off + n > hi:
+            raise _Torn(f"payload {j} lies outside the slot or overlaps another")
+        pos = off + n

@@ -1,0 +1,255 @@
+"""Salvage: turn a dead process' flight-recorder journal into bundles.
+
+Each complete slot becomes one .kdump bundle (newest first), written through the public bundle
+API and read back before it counts, so a damaged slot can never become a corrupt bundle. Slots in
+flight at the crash are reported with their metadata only; torn slots with why. Tensors whose bytes
+the journal lacks (they did not fit a slot) appear in the argument tree as opaque values, their
+layouts kept in the call's meta under `journal.missing_tensors`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kdump.errors import BundleError
+from kdump.record.journal import (
+    FILE_PREFIX,
+    JournalContents,
+    JournalError,
+    SlotRecord,
+    SlotState,
+    read_journal,
+    read_pid,
+)
+
+REPORT_SUFFIX = "-salvage.json"
+
+
+@dataclass(frozen=True)
+class SalvageResult:
+    journal: Path
+    bundles: list[Path]  # newest first
+    in_flight: list[SlotRecord]  # metadata only
+    torn: list[SlotRecord]
+    report: Path  # JSON summary next to the bundles
+
+
+def salvage(
+    journal_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    crash_context: dict[str, Any] | None = None,
+) -> list[Path]:
+    """Write every complete slot of the journal as a bundle in `out_dir`, then remove the journal.
+    `crash_context` (exit code or signal, stderr tail, traceback) goes into each call's meta."""
+    return salvage_journal(journal_path, out_dir, crash_context).bundles
+
+
+def salvage_journal(
+    journal_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    crash_context: dict[str, Any] | None = None,
+    *,
+    remove: bool = True,
+) -> SalvageResult:
+    contents = read_journal(journal_path)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    head = contents.header
+    torn = contents.having(SlotState.TORN)
+    bundles: list[Path] = []
+    for rec in contents.having(SlotState.COMPLETE):
+        path = out / f"journal-{head.pid}-call-{rec.meta.call_index:06d}-seq{rec.seq}.kdump"
+        try:
+            _write_bundle(path, rec, contents, crash_context)
+        except (BundleError, ValueError, TypeError, KeyError, OverflowError, RuntimeError) as exc:
+            # Checksums held but the content is unusable: report it, never keep the file.
+            path.unlink(missing_ok=True)
+            torn.append(SlotRecord(rec.index, SlotState.TORN, rec.seq, rec.meta, (), str(exc)))
+            continue
+        bundles.append(path)
+    in_flight = contents.having(SlotState.IN_FLIGHT)
+    report = out / f"journal-{head.pid}{REPORT_SUFFIX}"
+    _write_report(report, contents, bundles, in_flight, torn, crash_context)
+    if remove:
+        contents.path.unlink(missing_ok=True)
+    return SalvageResult(contents.path, bundles, in_flight, torn, report)
+
+
+def _slot_facts(rec: SlotRecord) -> dict[str, Any]:
+    m = rec.meta
+    facts: dict[str, Any] = {"slot": rec.index, "seq": rec.seq}
+    if m is not None:
+        facts.update(
+            call_index=m.call_index,
+            target=m.target,
+            target_id=m.target_id,
+            stream=m.stream,
+            capture_id=m.capture_id,
+            graph_id=m.graph_id,
+            replay=m.replay,
+            after_kernel=m.after_kernel,
+        )
+    return facts
+
+
+def _write_bundle(
+    path: Path,
+    rec: SlotRecord,
+    contents: JournalContents,
+    crash_context: dict[str, Any] | None,
+) -> None:
+    import torch
+
+    from kdump.bundle import (
+        CallRecord,
+        Captured,
+        StorageRecord,
+        TensorRecord,
+        load_bundle,
+        save_calls,
+    )
+
+    meta = rec.meta
+    assert meta is not None  # complete slots always carry their metadata
+    keep_storage: dict[int, int] = {}
+    storages, data = [], []
+    for j, (s, payload) in enumerate(zip(meta.storages, rec.payloads)):
+        if payload is None:
+            continue
+        keep_storage[j] = len(storages)
+        storages.append(
+            StorageRecord(
+                device=str(s["device"]),
+                base_ptr=int(s["base_ptr"]),
+                storage_nbytes=int(s["storage_nbytes"]),
+                span_start=int(s["span_start"]),
+                span_nbytes=int(s["span_nbytes"]),
+            )
+        )
+        data.append(
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            if payload
+            else torch.empty(0, dtype=torch.uint8)
+        )
+    renumber: dict[int, int] = {}
+    tensors, missing = [], []
+    for i, t in enumerate(meta.tensors):
+        if t.get("storage") in keep_storage:
+            renumber[i] = len(tensors)
+            tensors.append(
+                TensorRecord(
+                    storage=keep_storage[t["storage"]],
+                    dtype=str(t["dtype"]),
+                    shape=tuple(int(x) for x in t["shape"]),
+                    stride=tuple(int(x) for x in t["stride"]),
+                    storage_offset=int(t["storage_offset"]),
+                    requires_grad=bool(t.get("requires_grad", False)),
+                    data_ptr=int(t.get("data_ptr", 0)),
+                )
+            )
+        else:
+            missing.append({"tensor": i, **t})
+    journal_meta = _slot_facts(rec)
+    if missing:
+        journal_meta["missing_tensors"] = missing
+    call_meta = dict(meta.extra)
+    call_meta["journal"] = journal_meta
+    call_meta["process"] = {"pid": contents.header.pid, "host": contents.header.host}
+    if crash_context is not None:
+        call_meta["crash"] = crash_context
+    call = CallRecord(
+        target=meta.target,
+        called_as=meta.called_as,
+        args=[_rewrite(a, renumber, meta.tensors) for a in meta.args],
+        kwargs={k: _rewrite(v, renumber, meta.tensors) for k, v in meta.kwargs.items()},
+        names=meta.names,
+        inputs=Captured(storages=storages, tensors=tensors, data=data),
+        meta=call_meta,
+    )
+    info = {
+        "salvaged_from": str(contents.path),
+        "journal_created": contents.header.created,
+        "process": contents.header.process,
+    }
+    save_calls(path, [call], info=info)
+    with load_bundle(path) as bundle:  # what salvage leaves behind must load and verify
+        bundle.verify()
+
+
+def _rewrite(node: Any, renumber: dict[int, int], tensors: list[dict[str, Any]]) -> Any:
+    """The argument tree with tensor references renumbered; tensors without bytes become
+    opaque values that say what they were."""
+    if isinstance(node, list):
+        return [_rewrite(v, renumber, tensors) for v in node]
+    if isinstance(node, dict):
+        if "$tensor" in node:
+            i = node["$tensor"]
+            if i in renumber:
+                return {"$tensor": renumber[i]}
+            t = tensors[i] if isinstance(i, int) and 0 <= i < len(tensors) else {}
+            what = f"{t.get('dtype', '?')}{list(t.get('shape', []))}"
+            return {"$opaque": "torch.Tensor", "repr": f"<{what}: bytes not in the journal>"}
+        return {k: _rewrite(v, renumber, tensors) for k, v in node.items()}
+    return node
+
+
+def _write_report(
+    path: Path,
+    contents: JournalContents,
+    bundles: list[Path],
+    in_flight: list[SlotRecord],
+    torn: list[SlotRecord],
+    crash_context: dict[str, Any] | None,
+) -> None:
+    def flight(rec: SlotRecord) -> dict[str, Any]:
+        d = _slot_facts(rec)
+        if rec.meta is not None:
+            m = asdict(rec.meta)
+            d.update({k: m[k] for k in ("args", "kwargs", "storages", "tensors", "extra")})
+        return d
+
+    doc = {
+        "journal": str(contents.path),
+        "pid": contents.header.pid,
+        "host": contents.header.host,
+        "created": contents.header.created,
+        "process": contents.header.process,
+        "crash": crash_context,
+        "bundles": [str(p) for p in bundles],
+        "in_flight": [flight(r) for r in in_flight],
+        "torn": [{**_slot_facts(r), "reason": r.reason} for r in torn],
+    }
+    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    try:  # a killed child its parent has not reaped yet is a zombie: dead for our purpose
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
+
+
+def dead_journals(directory: str | os.PathLike[str]) -> list[Path]:
+    """The journal files in `directory` whose recording process is gone (others are skipped)."""
+    found = []
+    for p in sorted(Path(directory).glob(f"{FILE_PREFIX}*")):
+        try:
+            pid = read_pid(p)
+        except JournalError:
+            continue
+        if not pid_alive(pid):
+            found.append(p)
+    return found
