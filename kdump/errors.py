@@ -1,21 +1,81 @@
-"""Typed errors. The library raises these; only the CLI turns them into messages and exit codes."""
+"""Typed errors and the one table of exit codes. The library raises these errors; only the CLI
+turns them into messages and exit codes. Verdicts, the CLI, `--help` and the README's exit-code
+table are all derived from `ExitCode` and `FindingKind` below."""
 
 from __future__ import annotations
 
-from enum import IntEnum
+import textwrap
+from enum import Enum, IntEnum
+from typing import ClassVar
 
 
 class ExitCode(IntEnum):
-    """Exit codes of every kdump command (the README's table is checked against this)."""
+    """Exit codes of every kdump command, each with a short label (for `--help`) and a meaning
+    (for the README)."""
 
-    CLEAN = 0
-    MISMATCH = 1  # wrong results: reference / recorded output mismatch, nondeterminism
-    USAGE = 2  # usage error, unreadable or invalid bundle
-    KERNEL_ERROR = 3  # crash, illegal address, hang
-    MEMORY_FINDING = 4  # sanitizer error, halo or guard violation
-    CONTRACT = 5  # the recorded call violates the kernel's contract
-    INTERNAL = 70  # a bug in kdump
-    CANNOT_RUN = 125  # no GPU, wrong architecture, library missing
+    label: str
+    meaning: str
+
+    def __new__(cls, value: int, label: str, meaning: str) -> ExitCode:
+        obj = int.__new__(cls, value)
+        obj._value_ = value
+        obj.label = label
+        obj.meaning = meaning
+        return obj
+
+    CLEAN = (0, "clean", "clean")
+    MISMATCH = (
+        1,
+        "wrong results",
+        "wrong results: mismatch against reference or recorded output, nondeterminism",
+    )
+    USAGE = (2, "usage error or invalid bundle", "usage error, unreadable or invalid bundle")
+    KERNEL_ERROR = (
+        3,
+        "kernel error (crash, illegal address, hang)",
+        "kernel error: crash, illegal address, hang (timeout)",
+    )
+    MEMORY_FINDING = (
+        4,
+        "memory finding",
+        "memory finding: sanitizer error, halo or guard violation",
+    )
+    CONTRACT = (
+        5,
+        "contract violation",
+        "the recorded call violates the kernel's contract (nothing launched unless `--force`)",
+    )
+    INTERNAL = (70, "internal error", "internal error in kdump (one line; traceback with `-v`)")
+    CANNOT_RUN = (
+        125,
+        "cannot run here (no GPU, library missing)",
+        "cannot run here: no GPU, wrong architecture, library missing",
+    )
+
+
+class FindingKind(str, Enum):
+    """What a finding (or an error) is; each kind has exactly one exit code."""
+
+    code: ExitCode
+    description: str
+
+    def __new__(cls, value: str, code: ExitCode, description: str) -> FindingKind:
+        obj = str.__new__(cls, value)
+        obj._value_ = value
+        obj.code = code
+        obj.description = description
+        return obj
+
+    MISMATCH = ("mismatch", ExitCode.MISMATCH, "output differs from the reference or recording")
+    NONDETERMINISM = ("nondeterminism", ExitCode.MISMATCH, "runs on the same inputs differ")
+    USAGE = ("usage", ExitCode.USAGE, "the command line or request is wrong")
+    BUNDLE = ("bundle", ExitCode.USAGE, "the bundle is unreadable or invalid")
+    KERNEL_ERROR = ("kernel_error", ExitCode.KERNEL_ERROR, "the kernel raised, crashed or died")
+    HANG = ("hang", ExitCode.KERNEL_ERROR, "the replay ran past its timeout and was killed")
+    MEMORY = ("memory", ExitCode.MEMORY_FINDING, "sanitizer error, halo or guard violation")
+    CONTRACT = ("contract", ExitCode.CONTRACT, "the call violates the kernel's contract")
+    INTERNAL = ("internal", ExitCode.INTERNAL, "a bug in kdump, or a replay that never ran")
+    CANNOT_RUN = ("cannot_run", ExitCode.CANNOT_RUN, "this machine cannot run the request")
 
 
 # With several findings the first code in this order wins.
@@ -30,6 +90,14 @@ EXIT_PRECEDENCE: tuple[ExitCode, ...] = (
 )
 
 
+def kind_exit_code(kind: str) -> ExitCode:
+    """The exit code of a finding kind; a kind this table does not know is a bug in kdump."""
+    try:
+        return FindingKind(kind).code
+    except ValueError:
+        return ExitCode.INTERNAL
+
+
 def worst_exit_code(codes: list[int] | tuple[int, ...]) -> int:
     """Combine the exit codes of several findings by the documented precedence."""
     present = set(codes)
@@ -39,32 +107,67 @@ def worst_exit_code(codes: list[int] | tuple[int, ...]) -> int:
     return 0
 
 
-class KdumpError(Exception):
-    """Base of every error kdump raises on purpose. The message is one line that says what to do."""
+def precedence_rank(code: int) -> int:
+    """Position of `code` in EXIT_PRECEDENCE (unknown codes last)."""
+    for i, c in enumerate(EXIT_PRECEDENCE):
+        if c == code:
+            return i
+    return len(EXIT_PRECEDENCE)
 
-    exit_code: ExitCode = ExitCode.INTERNAL
+
+def exit_codes_help() -> str:
+    """The exit-code paragraph of `--help` (click keeps a paragraph led by \\b as written)."""
+    pairs = ", ".join(f"{int(c)} {c.label}" for c in ExitCode)
+    body = textwrap.fill(f"Exit codes: {pairs}.", width=92)
+    order = ", ".join(str(int(c)) for c in EXIT_PRECEDENCE)
+    return f"\b\n{body}\nSeveral findings: the first code in the order {order} wins."
+
+
+def exit_codes_markdown() -> str:
+    """The README's exit-code section body, generated from the tables above."""
+    lines = ["| code | meaning | finding kinds |", "|---|---|---|"]
+    for c in ExitCode:
+        kinds = ", ".join(f"`{k.value}`" for k in FindingKind if k.code == c)
+        lines.append(f"| {int(c)} | {c.meaning} | {kinds} |")
+    order = ", ".join(str(int(c)) for c in EXIT_PRECEDENCE)
+    lines += ["", f"With several findings the first in the order {order} wins."]
+    return "\n".join(lines)
+
+
+class KdumpError(Exception):
+    """Base of every error kdump raises on purpose. The message is one line that says what to do.
+
+    A subclass names its `finding_kind`; its `exit_code` follows from the table."""
+
+    finding_kind: ClassVar[FindingKind] = FindingKind.INTERNAL
+    exit_code: ClassVar[ExitCode] = FindingKind.INTERNAL.code
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "finding_kind" in cls.__dict__:
+            cls.exit_code = cls.finding_kind.code
 
 
 class UsageError(KdumpError):
-    exit_code = ExitCode.USAGE
+    finding_kind = FindingKind.USAGE
 
 
 class BundleError(KdumpError):
     """The bundle is unreadable, corrupt, or not something this reader can trust."""
 
-    exit_code = ExitCode.USAGE
+    finding_kind = FindingKind.BUNDLE
 
 
 class CannotRunError(KdumpError):
     """This machine cannot run the request: no GPU, wrong architecture, library missing."""
 
-    exit_code = ExitCode.CANNOT_RUN
+    finding_kind = FindingKind.CANNOT_RUN
 
 
 class ContractViolation(KdumpError):
     """The recorded call violates the kernel's documented contract."""
 
-    exit_code = ExitCode.CONTRACT
+    finding_kind = FindingKind.CONTRACT
 
 
 class UnknownTargetError(UsageError):

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,9 @@ from kdump.cli import main
 from kdump.errors import ExitCode, worst_exit_code
 from kdump.kernels.plugin import Tolerance
 from kdump.replay import halo, replay
+from kdump.replay.child import ChildRun, _crashed_replay
 from kdump.replay.compare import bitwise_diff, compare_to_reference, poison, unwritten
-from kdump.replay.isolate import ChildRun, _crashed_replay
+from kdump.replay.options import ReplayOptions
 from kdump.replay.session import Request
 from kdump.replay.verdict import Finding, Step, Verdict
 
@@ -23,7 +25,9 @@ TARGETS = Path(__file__).parent
 @pytest.fixture(autouse=True)
 def _child_can_import_targets(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(TARGETS))
-    monkeypatch.setenv("PYTHONPATH", str(TARGETS))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(TARGETS), os.environ.get("PYTHONPATH", "")])
+    )
 
 
 def _record(path: Path, fn_name: str, *, corrupt: bool = False) -> Path:
@@ -67,6 +71,22 @@ def test_hang_is_killed(tmp_path: Path) -> None:
     [v] = replay([_record(tmp_path / "h.kdump", "hang")], timeout=8, repeat=1)
     assert v.exit_code == ExitCode.KERNEL_ERROR
     assert v.findings[0].kind == "hang" and v.findings[0].step == "eager/run 1"
+    assert v.headline().startswith("hang: no result after 8 s; the replay process was killed")
+
+
+def test_exit_without_result_is_kernel_error(tmp_path: Path) -> None:
+    [v] = replay([_record(tmp_path / "e.kdump", "exits")], repeat=1)
+    assert v.exit_code == ExitCode.KERNEL_ERROR
+    [f] = v.findings
+    assert f.step == "eager/run 1" and "exit status 3" in f.message
+
+
+def test_replay_takes_typed_options(tmp_path: Path) -> None:
+    bad = _record(tmp_path / "bad.kdump", "scale_into", corrupt=True)
+    [v] = replay([bad], ReplayOptions(device="cpu", repeat=1, isolate=False))
+    assert v.exit_code == ExitCode.MISMATCH
+    assert next(s.name for s in v.steps if s.name.startswith("eager/run")) == "eager/run 1"
+    assert not any(s.name.startswith("eager/run 2") for s in v.steps)
 
 
 def test_raised_cuda_error_is_kernel_error(tmp_path: Path) -> None:
@@ -163,13 +183,13 @@ def test_graph_restart_logic_picks_crashed_replay() -> None:
 
 def test_graph_chain_continues_in_fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """A replay that kills the context is reported, and the chain goes on from the next step."""
-    from kdump.replay import isolate
+    from kdump.replay import child
 
     runs: list[list[str]] = []
     steps = ["graph/replay identical", "graph/replay 1 (a)", "graph/replay 2 (b)"]
 
     def fake(req: Request, timeout: float | None, env: dict | None) -> ChildRun:
-        skip = set(req.options.get("skip_steps", []))
+        skip = set(req.options.graph.skip_steps)
         runs.append(sorted(skip))
         v = Verdict(req.bundle, req.call, "t", "graph")
         begun = []
@@ -182,8 +202,8 @@ def test_graph_chain_continues_in_fresh_process(monkeypatch: pytest.MonkeyPatch)
             v.steps.append(Step(s, "ok"))
         return ChildRun(v, None, begun)
 
-    monkeypatch.setattr(isolate, "_run_child", fake)
-    v = isolate.run_in_child(Request("b", 0, "graph"), None)
+    monkeypatch.setattr(child, "run_child", fake)
+    v = child.run_in_child(Request("b", 0, ReplayOptions(mode="graph")), None)
     names = [s.name for s in v.steps]
     assert "graph/replay 2 (b)" in names and "restart" in names
     assert len(runs) == 2 and "graph/replay 1 (a)" in runs[1]

@@ -1,11 +1,17 @@
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
-from kdump.errors import CannotRunError
-from kdump.replay.sanitizer import PlacedTensor, find_sanitizer, locate, parse_report
+from kdump.bundle import attach_outputs, capture_call, input_tensors, save_calls
+from kdump.cli import main
+from kdump.errors import CannotRunError, ExitCode
+from kdump.replay.addresses import PlacedTensor, locate
+from kdump.replay.sanitizer import find_sanitizer, parse_report
 
 DATA = Path(__file__).parent / "data"
 
@@ -102,3 +108,110 @@ def test_real_fault_report_fields() -> None:
     # D of the script: 2048 x 256 bf16 = 1 MiB at the nearest allocation's address
     d = PlacedTensor("d", 0x7F6F4EC00000, 2, (2048, 256), (256, 1))
     assert locate(r.address, [d]) == "401 bytes past the end of d"
+
+
+# --- sanitizer mode end to end, with a stand-in compute-sanitizer ------------------------------
+
+FAKE = Path(__file__).parent / "standins" / "fake_sanitizer.py"
+TESTS = Path(__file__).parent
+
+
+@pytest.fixture
+def targets_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(TESTS))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+    )
+
+
+def _record(path: Path, fn_name: str) -> Path:
+    from targets import replay_targets
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(16, 8, generator=gen)
+    out = torch.empty(16, 8)
+    call = capture_call(f"targets.replay_targets:{fn_name}", [x, out], {}, names=["x", "out"])
+    live = input_tensors(call, [x, out], {})
+    replay_targets.scale_into(x, out)
+    attach_outputs(call, live, [1])
+    save_calls(path, [call])
+    return path
+
+
+def _replay_json(
+    capsys: pytest.CaptureFixture[str], bundle: Path, sanitizer: Path | str
+) -> tuple[int, dict]:
+    argv = ["replay", str(bundle), "--mode", "sanitizer", "--sanitizer", str(sanitizer)]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--device", "cpu", "--backend", "library", "--json"])
+    return int(exc.value.code or 0), json.loads(capsys.readouterr().out)
+
+
+def test_sanitizer_clean_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], targets_importable: None
+) -> None:
+    code, out = _replay_json(capsys, _record(tmp_path / "s.kdump", "scale_into"), FAKE)
+    assert code == 0, out["verdicts"][0]["headline"]
+    names = [s["name"] for s in out["verdicts"][0]["steps"]]
+    assert "sanitizer/memcheck/eager/run 1" in names and "sanitizer/memcheck" in names
+
+
+def test_sanitizer_on_a_sample_capture_with_the_reference(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    bundle = TESTS.parent / "captures" / "contiguous_fp32.kdump"
+    argv = ["replay", str(bundle), "--mode", "sanitizer", "--sanitizer", str(FAKE)]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--device", "cpu", "--backend", "reference", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert exc.value.code == 0, out["verdicts"][0]["headline"]
+    steps = {s["name"]: s for s in out["verdicts"][0]["steps"]}
+    assert steps["sanitizer/memcheck"]["message"].startswith("0 error(s)")
+
+
+def test_sanitizer_replay_that_dies_is_kernel_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], targets_importable: None
+) -> None:
+    code, out = _replay_json(capsys, _record(tmp_path / "c.kdump", "crash"), FAKE)
+    assert code == ExitCode.KERNEL_ERROR
+    [f] = out["verdicts"][0]["findings"]
+    assert f["kind"] == "kernel_error"
+    assert f["step"] == "sanitizer/memcheck/eager/run 1"
+    assert "SIGABRT" in f["message"] and "crash" in f["message"]
+
+
+@pytest.mark.parametrize("sanitizer", ["stand-in", "/bin/true"])
+def test_sanitizer_that_never_runs_the_replay_is_internal_error(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    targets_importable: None,
+    sanitizer: str,
+) -> None:
+    monkeypatch.setenv("FAKE_SANITIZER", "noop")
+    binary = FAKE if sanitizer == "stand-in" else Path(sanitizer)
+    if not binary.is_file():
+        pytest.skip(f"{binary} is not on this machine")
+    code, out = _replay_json(capsys, _record(tmp_path / "s.kdump", "scale_into"), binary)
+    assert code == ExitCode.INTERNAL
+    [f] = out["verdicts"][0]["findings"]
+    assert f["kind"] == "internal"
+    assert "never ran" in f["message"] and str(binary) in f["message"]
+    assert "exit status 0" in f["message"]
+
+
+def test_sanitizer_report_errors_are_memory_findings(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    targets_importable: None,
+) -> None:
+    monkeypatch.setenv("FAKE_SANITIZER", "report")
+    monkeypatch.setenv("FAKE_SANITIZER_REPORT", str(DATA / "memcheck-sm120-faulty.log"))
+    code, out = _replay_json(capsys, _record(tmp_path / "s.kdump", "scale_into"), FAKE)
+    assert code == ExitCode.MEMORY_FINDING
+    mem = [f for f in out["verdicts"][0]["findings"] if f["kind"] == "memory"]
+    assert len(mem) == 4
+    assert mem[0]["details"]["kernel"] == "kd_gemm_labels_fp32_stale"
+    assert mem[0]["details"]["address"] == 0x7F6F4ED00190
+    assert mem[0]["message"].startswith("Invalid __global__ write of size 4 bytes")

@@ -436,44 +436,5 @@ def validate_records(storages: Sequence[StorageRecord], tensors: Sequence[Tensor
             )
 
 
-def locate_address(
-    addr: int,
-    storages: Sequence[StorageRecord],
-    tensors: Sequence[TensorRecord],
-    names: Sequence[str],
-) -> str | None:
-    """Describe which recorded argument an absolute address falls in or near (None if far)."""
-    best: tuple[int, str] | None = None
-    for name, rec in zip(names, tensors):
-        st = storages[rec.storage]
-        lo = st.base_ptr + rec.storage_offset * rec.itemsize
-        _, hi_rel = rec.byte_extent()
-        hi = st.base_ptr + hi_rel
-        if lo <= addr < hi:
-            return describe_element(name, rec, addr - lo)
-        dist = lo - addr if addr < lo else addr - hi + 1
-        where = (
-            f"{dist} bytes before {name}" if addr < lo else f"{dist} bytes past the end of {name}"
-        )
-        if best is None or dist < best[0]:
-            best = (dist, where)
-    return best[1] if best else None
-
-
-def describe_element(name: str, rec: TensorRecord, byte_off: int) -> str:
-    """'name[i, j]' for the element at `byte_off` bytes from the view's first element."""
-    elem = byte_off // rec.itemsize
-    idx = []
-    # Walk dimensions by decreasing stride: exact for non-overlapping dense layouts.
-    dims = sorted(range(len(rec.shape)), key=lambda d: -rec.stride[d])
-    coord = [0] * len(rec.shape)
-    for d in dims:
-        if rec.stride[d] > 0 and rec.shape[d] > 1:
-            coord[d] = min(elem // rec.stride[d], rec.shape[d] - 1)
-            elem -= coord[d] * rec.stride[d]
-    idx = ", ".join(str(c) for c in coord)
-    return f"{name}[{idx}]"
-
-
 def as_tensor_list(values: Sequence[Any]) -> list[torch.Tensor]:
     return [v for v in values if isinstance(v, torch.Tensor)]

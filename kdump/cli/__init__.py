@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from kdump import __version__
+from kdump.errors import exit_codes_help
 
 COMMANDS = {
     "record": ("kdump.cli.record", "Run a program with recording active in all its processes."),
@@ -38,16 +39,16 @@ class LazyGroup(click.Group):
             formatter.write_dl([(n, h) for n, (_, h) in COMMANDS.items()])
 
 
-EPILOG = """\b
-Exit codes: 0 clean, 1 wrong results, 2 usage error or invalid bundle, 3 kernel error
-(crash, illegal address, hang), 4 memory finding, 5 contract violation, 70 internal error,
-125 cannot run here (no GPU, library missing).
+EPILOG = (
+    exit_codes_help()
+    + """
 \b
 Examples:
   kdump replay captures/contiguous_ue8m0.kdump
   kdump record --target deep_gemm -- python -m sglang.launch_server ...
   kdump info dumps/ --json
 """
+)
 
 
 @click.group(cls=LazyGroup, epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})

@@ -3,13 +3,27 @@ from __future__ import annotations
 import click
 
 from kdump.cli.common import console, emit_json, json_option
+from kdump.errors import exit_codes_help
+from kdump.replay.options import BACKEND_NAMES, MODES, TOOLS
+
+EPILOG = (
+    exit_codes_help()
+    + """
+\b
+Examples:
+  kdump replay captures/contiguous_ue8m0.kdump
+  kdump replay dumps/ --backend deep_gemm --repeat 5 --json
+  kdump replay a.kdump --mode graph --then b.kdump --save-failing repro/
+  kdump replay a.kdump --mode sanitizer --tool memcheck --tool racecheck
+"""
+)
 
 
-@click.command("replay")
+@click.command("replay", epilog=EPILOG)
 @click.argument("bundles", nargs=-1, required=True, type=click.Path())
 @click.option(
     "--mode",
-    type=click.Choice(["eager", "graph", "sanitizer", "all"]),
+    type=click.Choice(MODES),
     default="eager",
     show_default=True,
     help="eager: run and compare; graph: capture, identical replay, replays after in-place "
@@ -17,7 +31,7 @@ from kdump.cli.common import console, emit_json, json_option
 )
 @click.option(
     "--backend",
-    type=click.Choice(["auto", "reference", "deep_gemm", "packaged", "library", "packaged-faulty"]),
+    type=click.Choice(BACKEND_NAMES),
     default="auto",
     show_default=True,
     help="auto = installed library on a GPU, else packaged kernel on a GPU, else the torch "
@@ -66,7 +80,7 @@ from kdump.cli.common import console, emit_json, json_option
 @click.option(
     "--tool",
     "tools",
-    type=click.Choice(["memcheck", "racecheck", "initcheck", "synccheck", "all"]),
+    type=click.Choice((*TOOLS, "all")),
     multiple=True,
     help="sanitizer: tool(s) to run (default memcheck).",
 )
@@ -121,43 +135,33 @@ def command(
     and results are compared with the torch reference, with the output recorded in the bundle
     (bitwise when backend, library version and GPU match the recording) and across runs.
 
-    \b
-    Exit codes: 0 clean, 1 wrong results, 2 invalid bundle / usage, 3 kernel error or hang,
-    4 memory finding, 5 contract violation, 70 internal error, 125 cannot run here.
-    \b
-    Examples:
-      kdump replay captures/contiguous_ue8m0.kdump
-      kdump replay dumps/ --backend deep_gemm --repeat 5 --json
-      kdump replay a.kdump --mode graph --then b.kdump --save-failing repro/
-      kdump replay a.kdump --mode sanitizer --tool memcheck --tool racecheck
     """
     from kdump.errors import worst_exit_code
     from kdump.replay import replay
+    from kdump.replay.options import GraphOptions, ReplayOptions, SanitizerOptions
 
-    options = {"then": list(then), "mutations": mutations, "seed": seed, "halo": halo}
-    if save_failing:
-        options["save_failing"] = save_failing
-    if sanitizer_logs:
-        options["sanitizer_log_dir"] = sanitizer_logs
-    if "all" in tools:
-        tools = ("memcheck", "racecheck", "initcheck", "synccheck")
-    verdicts = replay(
-        bundles,
+    options = ReplayOptions(
         mode=mode,
         backend=backend,
         device=device,
-        calls=list(calls) or None,
         repeat=repeat,
         force=force,
         timeout=timeout,
+        halo=halo,
+        then=then,
+        save_failing=save_failing,
         isolate=not in_process,
-        options=options,
-        tools=tools or ("memcheck",),
-        sanitize_graph=sanitize_graph,
-        sanitizer=sanitizer,
-        kernel_filter=kernel_filter,
         jobs=jobs,
+        graph=GraphOptions(mutations=mutations, seed=seed),
+        sanitizer=SanitizerOptions(
+            tools=TOOLS if "all" in tools else (tools or ("memcheck",)),
+            graph=sanitize_graph,
+            binary=sanitizer,
+            kernel_filter=kernel_filter,
+            log_dir=sanitizer_logs,
+        ),
     )
+    verdicts = replay(bundles, options, calls=list(calls) or None)
     code = worst_exit_code([v.exit_code for v in verdicts])
     if as_json:
         emit_json({"exit_code": code, "verdicts": [v.to_json() for v in verdicts]})

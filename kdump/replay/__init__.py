@@ -1,97 +1,92 @@
 """Offline replay of recorded calls: eager, graph, sanitizer.
 
-`replay()` runs each (bundle, call) in a child process (a crash becomes a verdict) and returns
-one Verdict per call.
+`replay()` runs each (bundle, call) in a child process (kdump.replay.child: a crash becomes a
+verdict) and returns one Verdict per call.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from kdump.bundle import iter_bundles, load_bundle
 from kdump.errors import UsageError
-from kdump.replay.isolate import run_in_child, run_in_process
+from kdump.replay.options import ReplayOptions, from_keywords
 from kdump.replay.session import Request
 from kdump.replay.verdict import Finding, Step, Verdict
-
-MODES = ("eager", "graph", "sanitizer", "all")
 
 
 def replay(
     paths: Iterable[str | Path],
+    options: ReplayOptions | Mapping[str, Any] | None = None,
     *,
-    mode: str = "eager",
-    backend: str = "auto",
-    device: str = "auto",
     calls: Sequence[int] | None = None,
-    repeat: int = 2,
-    force: bool = False,
-    timeout: float | None = 600.0,
-    isolate: bool = True,
-    options: dict | None = None,
-    tools: Sequence[str] = ("memcheck",),
-    sanitize_graph: bool = False,
-    sanitizer: str | None = None,
-    kernel_filter: str | None = None,
-    jobs: int = 1,
+    **keywords: Any,
 ) -> list[Verdict]:
-    """Replay every selected call of `paths`; one Verdict per call (mode "all": one combined)."""
-    if mode not in MODES:
-        raise UsageError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-    options = dict(options or {})
-    if options.get("then"):
-        check_then([str(p) for p in paths], options["then"])
-    plan = SanitizerPlan(tuple(tools), sanitize_graph, sanitizer, timeout, kernel_filter)
-    if mode == "sanitizer":
+    """Replay every selected call of `paths`; one Verdict per call (mode "all": one combined).
+
+    `options` is a ReplayOptions; keyword arguments (mode=, backend=, repeat=, tools=, ...) and
+    a plain mapping of the older flat option names (then, mutations, seed, halo, save_failing,
+    sanitizer_log_dir) override it."""
+    if isinstance(options, ReplayOptions):
+        opts = from_keywords(options, **keywords)
+    else:
+        opts = from_keywords(None, **{**dict(options or {}), **keywords})
+    paths = [str(p) for p in paths]
+    if opts.then:
+        check_then(paths, opts.then)
+    if opts.mode == "sanitizer":
         from kdump.replay.sanitizer import find_sanitizer
 
-        plan = replace(plan, binary=str(find_sanitizer(sanitizer)))
+        binary = str(find_sanitizer(opts.sanitizer.binary))
+        opts = replace(opts, sanitizer=replace(opts.sanitizer, binary=binary))
     work: list[tuple[str, int]] = []
     for path in iter_bundles(paths):
         bundle = load_bundle(path)  # validate in the parent: a bad bundle is exit 2, not a crash
         indices = [c.index for c in bundle.calls] if calls is None else list(calls)
-        if mode in ("graph", "all") and calls is None:
+        if opts.mode in ("graph", "all") and calls is None:
             indices = _capture_calls(bundle)
         for i in indices:
             bundle.call(i)
             work.append((str(path), i))
 
     def one(item: tuple[str, int], gpu: int | None) -> Verdict:
+        from kdump.replay.child import run_in_child, run_in_process
+
         path, i = item
         env = None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
-        base = Request(path, i, mode, backend, device, repeat, force, options)
+        base = Request(path, i, opts)
 
         def run(m: str) -> Verdict:
-            req = replace(base, mode=m)
-            return run_in_child(req, timeout, env) if isolate else run_in_process(req)
+            req = replace(base, options=opts.for_child(m))
+            return run_in_child(req, opts.timeout, env) if opts.isolate else run_in_process(req)
 
-        if mode in ("eager", "graph"):
-            v = run(mode)
-        elif mode == "sanitizer":
-            v = _sanitize(base, plan, env)
+        if opts.mode in ("eager", "graph"):
+            v = run(opts.mode)
+        elif opts.mode == "sanitizer":
+            v = _sanitize(base, env)
         else:
-            v = _all(base, plan, run, env)
+            v = _all(base, run, env)
         if not v.target:
             v.target = load_bundle(path).call(i).target
         return v
 
-    gpus = _gpu_count() if jobs > 1 else 0
-    if jobs > 1 and len(work) > 1:
-        with ThreadPoolExecutor(jobs) as pool:
+    gpus = _gpu_count() if opts.jobs > 1 else 0
+    if opts.jobs > 1 and len(work) > 1:
+        with ThreadPoolExecutor(opts.jobs) as pool:
             futures = [
                 pool.submit(one, item, (k % gpus) if gpus else None) for k, item in enumerate(work)
             ]
             verdicts = [f.result() for f in futures]
     else:
         verdicts = [one(item, None) for item in work]
-    save_dir = options.get("save_failing")
-    if save_dir:
+    if opts.save_failing:
         # A replay that died before it could report leaves its inputs pending: they reproduce.
-        for p in Path(save_dir).glob("*.kdump.pending"):
+        for p in Path(opts.save_failing).glob("*.kdump.pending"):
             p.rename(p.with_suffix(""))
     return verdicts
 
@@ -102,38 +97,23 @@ def _gpu_count() -> int:
     return torch.cuda.device_count()
 
 
-@dataclass(frozen=True)
-class SanitizerPlan:
-    """How sanitizer replays run: tools, whether the graph chain runs too, which binary."""
-
-    tools: tuple[str, ...]
-    graph: bool
-    binary: str | None
-    timeout: float | None
-    kernel_filter: str | None
-
-
-def _sanitize(base: Request, plan: SanitizerPlan, env: dict[str, str] | None) -> Verdict:
+def _sanitize(base: Request, env: dict[str, str] | None) -> Verdict:
     from kdump.replay.sanitizer import find_sanitizer, run_sanitizer
 
+    plan = base.options.sanitizer
     binary = find_sanitizer(plan.binary)
     combined: Verdict | None = None
     for m in ["eager"] + (["graph"] if plan.graph else []):
         for tool in plan.tools:
-            req = replace(base, mode=m, repeat=1)
-            v = run_sanitizer(req, tool, binary, plan.timeout, plan.kernel_filter, env)
+            req = replace(base, options=base.options.for_child(m))
+            v = run_sanitizer(req, tool, binary, env)
             combined = _merge(combined, v, f"sanitizer/{tool}" + ("/graph" if m == "graph" else ""))
-    assert combined is not None
+    assert combined is not None  # ReplayOptions has at least one tool
     combined.mode = "sanitizer"
     return combined
 
 
-def _all(
-    base: Request,
-    plan: SanitizerPlan,
-    run: Callable[[str], Verdict],
-    env: dict[str, str] | None,
-) -> Verdict:
+def _all(base: Request, run: Callable[[str], Verdict], env: dict[str, str] | None) -> Verdict:
     """eager, graph (on a GPU) and sanitizer (when found) in one verdict."""
     from kdump.errors import CannotRunError
     from kdump.replay.sanitizer import find_sanitizer
@@ -142,11 +122,12 @@ def _all(
     if combined.device.startswith("cuda"):
         combined = _merge(combined, run("graph"), "graph")
         try:
-            binary = find_sanitizer(plan.binary)
+            binary = find_sanitizer(base.options.sanitizer.binary)
         except CannotRunError as exc:
             combined.notes.append(f"sanitizer skipped: {exc}")
         else:
-            sanitized = _sanitize(base, replace(plan, binary=str(binary), graph=False), env)
+            plan = replace(base.options.sanitizer, binary=str(binary), graph=False)
+            sanitized = _sanitize(replace(base, options=replace(base.options, sanitizer=plan)), env)
             combined = _merge(combined, sanitized, "sanitizer")
     else:
         combined.notes.append("graph and sanitizer modes skipped: no CUDA GPU")
@@ -155,10 +136,15 @@ def _all(
 
 
 def _merge(into: Verdict | None, v: Verdict, prefix: str) -> Verdict:
-    """Fold `v` into `into`, prefixing step names that do not already carry a mode."""
+    """Fold `v` into `into`, prefixing the step names (of steps and of findings) that do not
+    already carry a mode."""
+    mode = prefix.split("/")[0] + "/"
     for s in v.steps:
-        if not s.name.startswith(prefix.split("/")[0] + "/"):
+        if not s.name.startswith(mode):
             s.name = f"{prefix}/{s.name}"
+    for f in v.findings:
+        if not f.step.startswith(mode):
+            f.step = f"{prefix}/{f.step}"
     if into is None:
         return v
     into.steps.extend(v.steps)
@@ -197,4 +183,4 @@ def check_then(paths: Sequence[str], then: Sequence[str]) -> None:
                 )
 
 
-__all__ = ["Finding", "Request", "Step", "Verdict", "replay"]
+__all__ = ["Finding", "ReplayOptions", "Request", "Step", "Verdict", "replay"]

@@ -9,7 +9,7 @@ generator (permuted lengths, all empty, one hot group, maximum skew, ±1 around 
 random draws). Every replay's meaningful output is checked against the reference computed for that
 replay's inputs; outputs are poisoned first and the halos around every tensor are checked for stray
 writes. A replay that kills the CUDA context ends this process; the parent goes on from the next
-step in a fresh one (isolate.py).
+step in a fresh one (child.py).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def recorded_phases(s: Session) -> list[Phase]:
     for c in s.bundle.calls:
         if c.index > s.call.index and c.target == s.call.target and same_layout(s.call, c) is None:
             sources.append((f"call {c.index}", c))
-    for spec in s.req.options.get("then", []):
+    for spec in s.req.options.then:
         path, idx = parse_then(spec)
         other = load_bundle(path).call(idx)
         why = same_layout(s.call, other)
@@ -109,12 +109,12 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
     outputs = s.output_indices(mc, bound)
     fn = s.backend.resolve(s.spec, s.call.target)
     pristine = s.snapshot(mc)
-    skip = set(req.options.get("skip_steps", []))
-    save_dir = req.options.get("save_failing")
+    skip = set(req.options.graph.skip_steps)
+    save_dir = req.options.save_failing
 
     phases = recorded_phases(s)
-    mutations = int(req.options.get("mutations", 3))
-    seed = int(req.options.get("seed", 0))
+    mutations = req.options.graph.mutations
+    seed = req.options.graph.seed
     for m in s.spec.mutations(bound, seed=seed, count=mutations):
         phases.append(Phase(m.name, values=m.values))
     s.note(f"{len(phases)} mutation(s): {', '.join(p.name for p in phases) or 'none'}")

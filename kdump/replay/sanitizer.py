@@ -8,27 +8,20 @@ mapped back to the argument and element they fall in or near.
 
 from __future__ import annotations
 
-import json
 import re
 import tempfile
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kdump.bundle.tensors import StorageRecord, TensorRecord, locate_address
-from kdump.errors import CannotRunError
-from kdump.replay.isolate import (
-    child_environment,
-    read_events,
-    run_group,
-    verdict_from_events,
-    worker_command,
-)
+from kdump.errors import CannotRunError, FindingKind
+from kdump.replay.addresses import PlacedTensor, locate
+from kdump.replay.child import child_environment, judge, launch
+from kdump.replay.options import TOOLS as TOOLS
 from kdump.replay.session import Request
 from kdump.replay.verdict import Finding, Step, Verdict
 from kdump.tools import find_tool, tool_version
 
-TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 SANITIZER_EXIT = 86  # --error-exitcode: tells "errors found" apart from the program's own codes
 
 _PREFIX = re.compile(r"^=+ ?")
@@ -134,32 +127,6 @@ def parse_report(text: str, tool: str = "memcheck") -> SanitizerReport:
     return SanitizerReport(tool, errors, records)
 
 
-@dataclass(frozen=True)
-class PlacedTensor:
-    """Where a replayed argument lived in the sanitizer run."""
-
-    name: str
-    data_ptr: int
-    itemsize: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-def locate(addr: int, tensors: list[PlacedTensor]) -> str:
-    """'d[4097, 12]' or '16 bytes past the end of d' for the nearest argument."""
-    storages = [StorageRecord("cuda", t.data_ptr, 0, 0, 0) for t in tensors]
-    records = [
-        TensorRecord(i, _DTYPE_BY_SIZE[t.itemsize], t.shape, t.stride, 0, data_ptr=t.data_ptr)
-        for i, t in enumerate(tensors)
-    ]
-    found = locate_address(addr, storages, records, [t.name for t in tensors])
-    return found or "no argument nearby"
-
-
-# locate_address needs only the element size of a placed tensor, not its real dtype.
-_DTYPE_BY_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
-
-
 def find_sanitizer(explicit: str | None = None) -> Path:
     if explicit:
         p = Path(explicit)
@@ -176,75 +143,81 @@ def find_sanitizer(explicit: str | None = None) -> Path:
     return found
 
 
+def sanitizer_flags(tool: str, log_path: Path, kernel_filter: str | None) -> list[str]:
+    """compute-sanitizer's command line up to the program it runs."""
+    flags = [
+        "--tool",
+        tool,
+        "--error-exitcode",
+        str(SANITIZER_EXIT),
+        "--report-api-errors",
+        "no",
+        "--print-limit",
+        "200",
+        "--log-file",
+        str(log_path),
+        "--target-processes",
+        "application-only",
+    ]
+    if kernel_filter:
+        return [*flags, "--kernel-name", f"kns={kernel_filter}"]
+    return [*flags, "--kernel-name-exclude", "kns=at::native"]  # torch's own kernels
+
+
 def run_sanitizer(
     req: Request,
     tool: str,
     sanitizer: Path,
-    timeout: float | None,
-    kernel_filter: str | None,
     base_env: dict[str, str] | None = None,
 ) -> Verdict:
-    """Run one eager (or graph, `req.mode`) replay under `tool`; findings are exit 4."""
-    child_req = replace(
-        req,
-        repeat=1,
-        options={**req.options, "placement": "flush_end", "halo": 0, "reference": False},
+    """Run one eager (or graph, `req.mode`) replay under `tool`; findings are exit 4. A replay
+    that dies or hangs under the sanitizer is a kernel error, one that never ran an internal
+    error, exactly as without it (kdump.replay.child)."""
+    opts = req.options
+    child_req = Request(req.bundle, req.call, opts.for_sanitizer(req.mode))
+    env = child_environment(
+        base_env,
+        PYTORCH_NO_CUDA_MEMORY_CACHING="1",
+        DG_USE_TEMP_CUBLASLT_WORKSPACE="1",
+        DG_JIT_WITH_LINEINFO="1",
     )
     with tempfile.TemporaryDirectory(prefix="kdump-sanitizer-") as tmp:
-        req_path, result_path = Path(tmp, "request.json"), Path(tmp, "result.json")
-        progress_path, log_path = Path(tmp, "progress"), Path(tmp, "sanitizer.log")
-        req_path.write_text(json.dumps(asdict(child_req)))
-        cmd = [
-            str(sanitizer),
-            "--tool",
-            tool,
-            "--error-exitcode",
-            str(SANITIZER_EXIT),
-            "--report-api-errors",
-            "no",
-            "--print-limit",
-            "200",
-            "--log-file",
-            str(log_path),
-            "--target-processes",
-            "application-only",
-        ]
-        if kernel_filter:
-            cmd += ["--kernel-name", f"kns={kernel_filter}"]
-        else:
-            cmd += ["--kernel-name-exclude", "kns=at::native"]  # torch's own kernels
-        cmd += worker_command(req_path, result_path, progress_path)
-        env = child_environment(
-            base_env,
-            PYTORCH_NO_CUDA_MEMORY_CACHING="1",
-            DG_USE_TEMP_CUBLASLT_WORKSPACE="1",
-            DG_JIT_WITH_LINEINFO="1",
-        )
-        rc, stderr = run_group(cmd, env, timeout)
+        log_path = Path(tmp, "sanitizer.log")
+        wrapper = [str(sanitizer), *sanitizer_flags(tool, log_path, opts.sanitizer.kernel_filter)]
+        ended = launch(child_req, opts.timeout, env, wrapper)
         log = log_path.read_text(errors="replace") if log_path.exists() else ""
-        keep = req.options.get("sanitizer_log_dir")
-        if keep and log:
-            Path(keep).mkdir(parents=True, exist_ok=True)
-            name = f"{Path(req.bundle).stem}-call{req.call}-{req.mode}-{tool}.log"
-            Path(keep, name).write_text(log)
-        events = read_events(progress_path)
-        if result_path.exists():
-            v = Verdict.from_json(json.loads(result_path.read_text()))
-        else:
-            v = verdict_from_events(req, events)
-        placed = next((e["placed"] for e in events if "placed" in e), [])
-        tensors = [
-            PlacedTensor(
-                p["name"], p["data_ptr"], p["itemsize"], tuple(p["shape"]), tuple(p["stride"])
-            )
-            for p in placed
-        ]
+    keep = opts.sanitizer.log_dir
+    if keep and log:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        name = f"{Path(req.bundle).stem}-call{req.call}-{req.mode}-{tool}.log"
+        Path(keep, name).write_text(log)
+    low = ended.stderr.lower()
+    if not ended.events and ("refused" in low or ("not supported" in low and not log)):
+        raise CannotRunError(f"compute-sanitizer cannot run here: {ended.stderr.strip()[:200]}")
+    v = judge(child_req, ended, opts.timeout, f"compute-sanitizer ({sanitizer})").verdict
     v.mode = f"sanitizer/{tool}"
-    if rc is None:
-        v.findings.append(Finding("hang", f"sanitizer/{tool}", f"no result after {timeout:g} s"))
-        return v
-    if "refused" in stderr.lower() or ("not supported" in stderr.lower() and not log):
-        raise CannotRunError(f"compute-sanitizer cannot run here: {stderr.strip()[:200]}")
+    if ended.rc is None or not ended.events:
+        return v  # hung or never ran: the report, if any, does not cover the replay
+    placed = next((e["placed"] for e in ended.events if "placed" in e), [])
+    tensors = [
+        PlacedTensor(p["name"], p["data_ptr"], p["itemsize"], tuple(p["shape"]), tuple(p["stride"]))
+        for p in placed
+    ]
+    _add_report(v, tool, log, ended.rc, ended.stderr, tensors, sanitizer)
+    return v
+
+
+def _add_report(
+    v: Verdict,
+    tool: str,
+    log: str,
+    rc: int,
+    stderr: str,
+    tensors: list[PlacedTensor],
+    sanitizer: Path,
+) -> None:
+    """The sanitizer's step and its memory findings."""
+    step = f"sanitizer/{tool}"
     report = parse_report(log, tool)
     for r in report.records:
         if r.address is not None:
@@ -255,24 +228,16 @@ def run_sanitizer(
         f"{report.errors if report.errors is not None else len(report.records)} error(s) "
         f"(compute-sanitizer {version or '?'})"
     )
-    v.steps.append(
-        Step(
-            f"sanitizer/{tool}",
-            status,
-            summary,
-            0.0,
-            {"errors": report.errors, "records": len(report.records)},
-        )
-    )
+    metrics = {"errors": report.errors, "records": len(report.records)}
+    v.steps.append(Step(step, status, summary, 0.0, metrics))
+    memory = FindingKind.MEMORY.value
     for r in report.records[:20]:
-        v.findings.append(Finding("memory", f"sanitizer/{tool}", r.describe(), asdict(r)))
+        v.findings.append(Finding(memory, step, r.describe(), asdict(r)))
     if status == "fail" and not report.records:
+        last = log.strip().splitlines()[-1] if log.strip() else stderr[-200:]
         v.findings.append(
             Finding(
-                "memory",
-                f"sanitizer/{tool}",
-                f"compute-sanitizer reported errors the parser did not read: "
-                f"{log.strip().splitlines()[-1] if log.strip() else stderr[-200:]}",
+                memory, step, f"compute-sanitizer reported errors the parser did not read: {last}"
             )
         )
     if tool == "memcheck":
@@ -280,4 +245,3 @@ def run_sanitizer(
             "memcheck does not see TMA loads past an allocation on older drivers "
             "(compute-sanitizer before 2026.2): the halo pass of eager/graph mode covers those"
         )
-    return v

@@ -1,4 +1,4 @@
-"""What every replay mode shares inside the worker process: loading the call, choosing spec,
+"""What every replay mode shares inside the child process: loading the call, choosing spec,
 backend and device, checking the contract, re-applying library settings, and comparing outputs."""
 
 from __future__ import annotations
@@ -17,27 +17,51 @@ from kdump.kernels.backends import DeepGemmBackend, choose_backend
 from kdump.kernels.plugin import Backend, GenericSpec, KernelSpec
 from kdump.replay import halo
 from kdump.replay.compare import bitwise_diff, compare_to_reference, poison
+from kdump.replay.options import ReplayOptions
 from kdump.replay.verdict import Finding, Step, Verdict
 
 # Reports events to the parent as they happen: ("begin", step name), ("step", Step),
 # ("finding", Finding), ("note", str), ("meta", dict). A crash loses nothing already reported.
 Progress = Callable[[str, Any], None]
 
-DEFAULT_HALO = 4096  # bytes of poisoned guard before and after every storage
 
-
-@dataclass
+@dataclass(frozen=True)
 class Request:
-    """One replay of one call (what the parent sends to a worker process)."""
+    """One replay of one call (what the parent sends to a child process)."""
 
     bundle: str
     call: int
-    mode: str = "eager"
-    backend: str = "auto"
-    device: str = "auto"
-    repeat: int = 2
-    force: bool = False
-    options: dict[str, Any] = field(default_factory=dict)
+    options: ReplayOptions = field(default_factory=ReplayOptions)
+
+    @property
+    def mode(self) -> str:
+        return self.options.mode
+
+    @property
+    def backend(self) -> str:
+        return self.options.backend
+
+    @property
+    def device(self) -> str:
+        return self.options.device
+
+    @property
+    def repeat(self) -> int:
+        return self.options.repeat
+
+    @property
+    def force(self) -> bool:
+        return self.options.force
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bundle": self.bundle, "call": self.call, "options": self.options.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Request:
+        unknown = sorted(set(d) - {"bundle", "call", "options"})
+        if unknown:
+            raise UsageError(f"unknown replay request key(s) {', '.join(unknown)}")
+        return cls(str(d["bundle"]), int(d["call"]), ReplayOptions.from_dict(d["options"]))
 
 
 def resolve_device(name: str, backend: str) -> torch.device:
@@ -110,9 +134,9 @@ class Session:
 
     def placement(self) -> Placement:
         """Halos around every storage (eager/graph), or flush ends (sanitizer)."""
-        if self.req.options.get("placement") == "flush_end":
+        if self.req.options.placement == "flush_end":
             return Placement(flush_end=True, halo=0)
-        return Placement(halo=int(self.req.options.get("halo", DEFAULT_HALO)))
+        return Placement(halo=self.req.options.halo)
 
     def materialize(self) -> MaterializedCall:
         self.progress("begin", f"{self.req.mode}/materialize")
@@ -155,7 +179,7 @@ class Session:
         return (
             self.spec.has_reference()
             and self.backend.name != "reference"
-            and self.req.options.get("reference", True)
+            and self.req.options.reference
         )
 
     def snapshot(self, mc: MaterializedCall) -> list[torch.Tensor]:

@@ -3,36 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
-from kdump.errors import ExitCode, worst_exit_code
+from kdump.errors import kind_exit_code, precedence_rank, worst_exit_code
 
 
 @dataclass
 class Finding:
     """One problem found. `kind` decides the exit code."""
 
-    kind: str  # mismatch | nondeterminism | kernel_error | hang | memory | contract | cannot_run
-    #           | usage | internal
+    kind: str  # a kdump.errors.FindingKind value
     step: str
     message: str
     details: dict[str, Any] = field(default_factory=dict)
 
-    KIND_CODES: ClassVar[dict[str, ExitCode]] = {
-        "mismatch": ExitCode.MISMATCH,
-        "nondeterminism": ExitCode.MISMATCH,
-        "kernel_error": ExitCode.KERNEL_ERROR,
-        "hang": ExitCode.KERNEL_ERROR,
-        "memory": ExitCode.MEMORY_FINDING,
-        "contract": ExitCode.CONTRACT,
-        "cannot_run": ExitCode.CANNOT_RUN,
-        "usage": ExitCode.USAGE,
-        "internal": ExitCode.INTERNAL,
-    }
-
     @property
     def exit_code(self) -> int:
-        return int(self.KIND_CODES.get(self.kind, ExitCode.INTERNAL))
+        return int(kind_exit_code(self.kind))
 
 
 @dataclass
@@ -67,7 +54,7 @@ class Verdict:
     def headline(self) -> str:
         if not self.findings:
             return "clean"
-        first = min(self.findings, key=lambda f: _precedence(f.exit_code))
+        first = min(self.findings, key=lambda f: precedence_rank(f.exit_code))
         return f"{first.kind.replace('_', ' ')}: {first.message} (step {first.step})"
 
     def to_json(self) -> dict[str, Any]:
@@ -89,12 +76,3 @@ class Verdict:
             findings=[Finding(**f) for f in d.get("findings", [])],
             notes=list(d.get("notes", [])),
         )
-
-
-def _precedence(code: int) -> int:
-    from kdump.errors import EXIT_PRECEDENCE
-
-    try:
-        return EXIT_PRECEDENCE.index(ExitCode(code))
-    except ValueError:
-        return len(EXIT_PRECEDENCE)

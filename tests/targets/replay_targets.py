@@ -36,3 +36,7 @@ def overread(x: torch.Tensor, out: torch.Tensor) -> None:
     n = x.numel() + x.shape[1]
     raw = torch.frombuffer((ctypes.c_float * n).from_address(x.data_ptr()), dtype=torch.float32)
     out.copy_(raw[x.shape[1] :].view(x.shape) * 2.0)
+
+
+def exits(x: torch.Tensor, out: torch.Tensor) -> None:
+    os._exit(3)  # a library that ends the process without a signal

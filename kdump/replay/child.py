@@ -1,0 +1,358 @@
+"""The one protocol between kdump and a replay child process, in every mode.
+
+The parent writes the request (bundle, call, options as a dict) into a fresh folder and runs
+`python -m kdump.replay.child FOLDER`, directly or under compute-sanitizer. The child appends
+progress events to FOLDER/progress as they happen (one JSON object a line: started, begin, step,
+finding, note, meta, placed), lets faulthandler write a fatal signal's report to FOLDER/fault, and
+writes FOLDER/result.json atomically when it is done. The parent judges what came back:
+
+- a result: the child's verdict;
+- a hang (timeout): a `hang` finding naming the step that was running;
+- progress but no result (a signal, a nonzero exit): a `kernel_error` naming the step that was
+  running and the cause (signal name, stderr tail);
+- neither progress nor result: the replay never ran (e.g. a sanitizer binary that exits without
+  starting it): an `internal` finding naming the cause.
+
+A graph chain whose process died goes on in a fresh process from the next step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, is_dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from kdump.errors import FindingKind, KdumpError
+from kdump.replay.session import Request
+from kdump.replay.verdict import Finding, Step, Verdict
+
+STDERR_TAIL = 1500
+MAX_RESTARTS = 32
+REQUEST, RESULT, PROGRESS, FAULT = "request.json", "result.json", "progress", "fault"
+
+# faulthandler's first line for each fatal signal it reports.
+_FAULT_SIGNALS = {
+    "Aborted": "SIGABRT",
+    "Segmentation fault": "SIGSEGV",
+    "Bus error": "SIGBUS",
+    "Floating-point exception": "SIGFPE",
+    "Illegal instruction": "SIGILL",
+}
+
+
+@dataclass(frozen=True)
+class Ended:
+    """How a child process ended, before any judgement."""
+
+    rc: int | None  # None: killed after the timeout
+    stderr: str
+    events: list[dict[str, Any]]
+    result: dict[str, Any] | None
+    fault: str = ""  # faulthandler's report of a fatal signal
+
+    @property
+    def begun(self) -> list[str]:
+        return [e["begin"] for e in self.events if "begin" in e]
+
+
+@dataclass
+class ChildRun:
+    verdict: Verdict
+    died_at: str | None = None  # step that was running when the process died or hung
+    begun: list[str] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+def child_command(folder: Path) -> list[str]:
+    """The replay child's command line."""
+    return [sys.executable, "-m", "kdump.replay.child", str(folder)]
+
+
+def child_environment(base: dict[str, str] | None, **extra: str) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.pop("KDUMP_RECORD", None)  # a replay is never recorded
+    env.update(extra)
+    return env
+
+
+def launch(
+    req: Request,
+    timeout: float | None,
+    env: dict[str, str] | None = None,
+    wrapper: Sequence[str] = (),
+) -> Ended:
+    """Run the child for `req` (under `wrapper`, e.g. compute-sanitizer and its flags)."""
+    with tempfile.TemporaryDirectory(prefix="kdump-replay-") as tmp:
+        folder = Path(tmp)
+        (folder / REQUEST).write_text(json.dumps(req.to_dict()))
+        rc, err = run_group(
+            [*wrapper, *child_command(folder)], env or child_environment(None), timeout
+        )
+        result = None
+        if (folder / RESULT).exists():
+            try:
+                result = json.loads((folder / RESULT).read_text())
+            except ValueError:
+                result = None
+        fault = (folder / FAULT).read_text(errors="replace") if (folder / FAULT).exists() else ""
+        return Ended(rc, err, read_events(folder / PROGRESS), result, fault)
+
+
+def run_group(cmd: list[str], env: dict[str, str], timeout: float | None) -> tuple[int | None, str]:
+    """Run `cmd` in its own process group; (exit status, stderr), status None after a hang (the
+    whole group is killed: a sanitizer's child too)."""
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=timeout)
+        return proc.returncode, err or ""
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        return None, err or ""
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    try:
+        text = path.read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut by the crash
+    return out
+
+
+def verdict_from_events(req: Request, events: list[dict[str, Any]]) -> Verdict:
+    """What a child reported before it died: its steps, findings, notes and setup."""
+    v = Verdict(req.bundle, req.call, "", req.mode, req.backend, req.device)
+    for e in events:
+        if "step" in e:
+            v.steps.append(Step(**e["step"]))
+        elif "finding" in e:
+            v.findings.append(Finding(**e["finding"]))
+        elif "note" in e:
+            v.notes.append(e["note"])
+        elif "meta" in e:
+            v.target = e["meta"].get("target", v.target)
+            v.backend = e["meta"].get("backend", v.backend)
+            v.device = e["meta"].get("device", v.device)
+    return v
+
+
+def judge(req: Request, ended: Ended, timeout: float | None, runner: str) -> ChildRun:
+    """The verdict of a child run; `runner` names what ran it, for messages."""
+    begun = ended.begun
+    if ended.result is not None and ended.rc is not None:
+        return ChildRun(Verdict.from_json(ended.result), None, begun, ended.events)
+    v = verdict_from_events(req, ended.events)
+    tail = ended.stderr[-STDERR_TAIL:].strip()
+    details = {"stderr_tail": tail, "exit_status": ended.rc}
+    if ended.rc is None:
+        last = begun[-1] if begun else f"{req.mode}/setup"
+        msg = f"no result after {timeout:g} s; {runner} was killed"
+        v.steps.append(Step(last, "error", msg))
+        v.findings.append(Finding(FindingKind.HANG.value, last, msg, details))
+        return ChildRun(v, last, begun, ended.events)
+    if not ended.events:
+        cause = _cause(tail) or "no output"
+        msg = (
+            f"the replay never ran: {runner} ended ({_how(ended)}) before the replay started "
+            f"({cause})"
+        )
+        step = f"{req.mode}/start"
+        v.steps.append(Step(step, "error", msg))
+        v.findings.append(Finding(FindingKind.INTERNAL.value, step, msg, details))
+        return ChildRun(v, step, begun, ended.events)
+    last = begun[-1] if begun else f"{req.mode}/setup"
+    cause = _fault_frame(ended.fault) or _cause(tail)
+    msg = f"the replay process died ({_how(ended)}){': ' + cause if cause else ''}"
+    v.steps.append(Step(last, "error", msg))
+    v.findings.append(
+        Finding(FindingKind.KERNEL_ERROR.value, last, msg, {**details, "fault": ended.fault})
+    )
+    return ChildRun(v, last, begun, ended.events)
+
+
+def _how(ended: Ended) -> str:
+    """'signal SIGABRT' or 'exit status 3'."""
+    rc = ended.rc
+    first = ended.fault.strip().splitlines()[0] if ended.fault.strip() else ""
+    named = next((s for text, s in _FAULT_SIGNALS.items() if text in first), None)
+    if rc is not None and rc < 0:
+        return f"signal {signal.Signals(-rc).name}"
+    if named:
+        return f"signal {named}, exit status {rc}"
+    return f"exit status {rc}"
+
+
+def _fault_frame(fault: str) -> str:
+    """'in crash (replay_targets.py:17)': the innermost frame of faulthandler's report."""
+    for line in fault.splitlines():
+        line = line.strip()
+        if line.startswith('File "'):
+            path, _, rest = line[6:].partition('", line ')
+            number, _, func = rest.partition(" in ")
+            return f"in {func} ({Path(path).name}:{number})"
+    return ""
+
+
+def _cause(stderr: str) -> str:
+    """The most telling line of a dead child's stderr."""
+    keys = (
+        "illegal memory access",
+        "illegal address",
+        "misaligned",
+        "CUDA error",
+        "Segmentation fault",
+        "terminate called",
+        "Error",
+    )
+    for key in keys:
+        for line in stderr.splitlines():
+            if key.lower() in line.lower():
+                return line.strip()[:300]
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    return lines[-1].strip()[:300] if lines else ""
+
+
+def run_child(req: Request, timeout: float | None, env: dict[str, str] | None = None) -> ChildRun:
+    return judge(req, launch(req, timeout, child_environment(env)), timeout, "the replay process")
+
+
+def _crashed_replay(run: ChildRun) -> str | None:
+    """The graph replay step that killed the CUDA context in this run, if any."""
+    if run.died_at is not None:
+        return run.died_at if run.died_at.startswith("graph/replay") else None
+    for f in run.verdict.findings:
+        if f.kind == FindingKind.KERNEL_ERROR.value and f.step.startswith("graph/replay"):
+            return f.step
+    return None
+
+
+def run_in_child(req: Request, timeout: float | None, env: dict[str, str] | None = None) -> Verdict:
+    """Run `req`. In graph mode, when a replay kills the CUDA context the chain goes on from the
+    next step in a fresh process (`options.graph.skip_steps` lists the steps done)."""
+    run = run_child(req, timeout, env)
+    verdict = run.verdict
+    done = set(req.options.graph.skip_steps)
+    for _ in range(MAX_RESTARTS):
+        crashed = _crashed_replay(run) if req.mode == "graph" else None
+        if crashed is None:
+            break
+        done |= {b for b in run.begun if b.startswith("graph/replay")} | {crashed}
+        graph = replace(req.options.graph, skip_steps=tuple(sorted(done)))
+        req = replace(req, options=replace(req.options, graph=graph))
+        run = run_child(req, timeout, env)
+        verdict.steps.append(Step("restart", "ok", f"fresh process after {crashed}"))
+        verdict.steps.extend(s for s in run.verdict.steps if s.name.startswith("graph/replay"))
+        verdict.findings.extend(
+            f for f in run.verdict.findings if f.step.startswith("graph/replay")
+        )
+        verdict.notes.extend(n for n in run.verdict.notes if n not in verdict.notes)
+    return verdict
+
+
+def run_in_process(req: Request) -> Verdict:
+    return run_request(req, None)
+
+
+# --- the child side ---------------------------------------------------------------------------
+
+
+def _apply_recorded_env(bundle_path: str) -> None:
+    """Set the recorded DG_* variables before any kernel library is imported."""
+    try:
+        from kdump.bundle import load_bundle
+
+        env = load_bundle(bundle_path).env.get("env_vars", {})
+    except Exception:
+        return  # the replay itself reports an unreadable bundle
+    for name, value in env.items():
+        if name.startswith("DG_") and name not in os.environ and value != "<redacted>":
+            os.environ[name] = value
+
+
+def run_request(req: Request, progress_path: Path | None) -> Verdict:
+    """Run one request in this process; every error becomes a finding."""
+    progress_file = open(progress_path, "a", buffering=1) if progress_path else None  # noqa: SIM115
+
+    def progress(kind: str, payload: object) -> None:
+        if progress_file:
+            value = asdict(payload) if is_dataclass(payload) else payload  # type: ignore[arg-type]
+            progress_file.write(json.dumps({kind: value}, default=str) + "\n")
+            progress_file.flush()
+
+    progress("started", {"pid": os.getpid()})
+    try:
+        _apply_recorded_env(req.bundle)
+        if req.mode == "eager":
+            from kdump.replay.eager import run_eager
+
+            return run_eager(req, progress)
+        if req.mode == "graph":
+            from kdump.replay.graph import run_graph
+
+            return run_graph(req, progress)
+        raise KdumpError(f"a child process runs eager or graph replays, not {req.mode!r}")
+    except KdumpError as exc:
+        v = Verdict(req.bundle, req.call, "", req.mode)
+        v.findings.append(Finding(exc.finding_kind.value, f"{req.mode}/setup", str(exc)))
+        return v
+    except Exception as exc:
+        v = Verdict(req.bundle, req.call, "", req.mode)
+        v.findings.append(
+            Finding(
+                FindingKind.INTERNAL.value,
+                f"{req.mode}/setup",
+                f"{type(exc).__name__}: {exc}",
+                {"traceback": traceback.format_exc()[-4000:]},
+            )
+        )
+        return v
+
+
+def main(argv: list[str]) -> None:
+    import faulthandler
+
+    (folder_arg,) = argv
+    folder = Path(folder_arg)
+    fault = open(folder / FAULT, "w")  # noqa: SIM115 (open until the process ends)
+    faulthandler.enable(file=fault, all_threads=False)
+    try:
+        req = Request.from_dict(json.loads((folder / REQUEST).read_text()))
+    except KdumpError as exc:
+        req = None
+        verdict = Verdict("", 0, "", "")
+        verdict.findings.append(Finding(exc.finding_kind.value, "start", str(exc)))
+    if req is not None:
+        verdict = run_request(req, folder / PROGRESS)
+    tmp = folder / (RESULT + ".tmp")
+    tmp.write_text(json.dumps(verdict.to_json(), default=str))
+    os.replace(tmp, folder / RESULT)
+    sys.stdout.flush()
+    # Skip interpreter teardown: after a sticky CUDA error torch aborts at exit, which would hide
+    # nothing (the verdict is written) but pollutes stderr.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

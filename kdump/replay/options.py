@@ -1,0 +1,162 @@
+"""Typed replay options: what the CLI builds, `replay()` runs and a child process receives.
+
+The choices of mode, tool and backend are defined here once; the CLI offers exactly these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from kdump.errors import UsageError
+from kdump.kernels.backends import BACKEND_NAMES as BACKEND_NAMES  # plug-ins will name these
+
+MODES = ("eager", "graph", "sanitizer", "all")
+CHILD_MODES = ("eager", "graph")  # what one child process runs; the others combine them
+TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
+PLACEMENTS = ("halo", "flush_end")
+DEFAULT_HALO = 4096  # bytes of poisoned guard before and after every storage
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    """Graph mode: the synthesised mutations, and where a restarted chain goes on from."""
+
+    mutations: int = 3  # random routing draws on top of the fixed synthesised phases
+    seed: int = 0
+    skip_steps: tuple[str, ...] = ()  # steps a previous process of the same chain ran
+
+
+@dataclass(frozen=True)
+class SanitizerOptions:
+    """Sanitizer mode: which compute-sanitizer, with which tools, on which kernels."""
+
+    tools: tuple[str, ...] = ("memcheck",)
+    graph: bool = False  # also run the graph chain under each tool
+    binary: str | None = None  # compute-sanitizer; None: look it up
+    kernel_filter: str | None = None  # only kernels whose name contains this
+    log_dir: str | None = None  # keep the raw reports here
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    mode: str = "eager"
+    backend: str = "auto"
+    device: str = "auto"
+    repeat: int = 2  # eager runs; runs after the first must be bit-identical to it
+    force: bool = False  # launch even when the call violates the contract
+    timeout: float | None = 600.0  # seconds before a replay counts as a hang
+    halo: int = DEFAULT_HALO  # bytes of poisoned guard (0 = off)
+    placement: str = "halo"  # flush_end: storages end flush with their allocation (sanitizer)
+    reference: bool = True  # compare with the torch reference where the spec has one
+    then: tuple[str, ...] = ()  # graph: OTHER.kdump[:CALL] replayed into the captured graph
+    save_failing: str | None = None  # graph: folder for a bundle per failing replay
+    isolate: bool = True  # run each replay in a child process
+    jobs: int = 1  # replays at once (one per GPU)
+    graph: GraphOptions = field(default_factory=GraphOptions)
+    sanitizer: SanitizerOptions = field(default_factory=SanitizerOptions)
+
+    def __post_init__(self) -> None:
+        _choice("mode", self.mode, MODES)
+        _choice("backend", self.backend, BACKEND_NAMES)
+        _choice("placement", self.placement, PLACEMENTS)
+        for tool in self.sanitizer.tools:
+            _choice("sanitizer tool", tool, TOOLS)
+        if not self.sanitizer.tools:
+            raise UsageError("no sanitizer tool given; pass --tool memcheck (or another)")
+        if self.repeat < 1:
+            raise UsageError(f"repeat must be at least 1, not {self.repeat}")
+        if self.halo < 0:
+            raise UsageError(f"halo must be 0 or more bytes, not {self.halo}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ReplayOptions:
+        """Inverse of `to_dict`; an unknown key is a UsageError (a request from another kdump)."""
+        return _build(cls, d, "")
+
+    def for_child(self, mode: str) -> ReplayOptions:
+        """The options of one child process running `mode` (eager or graph)."""
+        _choice("child mode", mode, CHILD_MODES)
+        return replace(self, mode=mode)
+
+    def for_sanitizer(self, mode: str) -> ReplayOptions:
+        """One run under compute-sanitizer: storages end flush with their allocation (slack would
+        hide near out-of-bounds accesses), no halo, no reference, a single run."""
+        return replace(
+            self.for_child(mode), placement="flush_end", halo=0, reference=False, repeat=1
+        )
+
+
+def _choice(what: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise UsageError(f"unknown {what} {value!r}; choose one of {', '.join(choices)}")
+
+
+_NESTED: dict[str, type] = {"graph": GraphOptions, "sanitizer": SanitizerOptions}
+
+
+def _build(cls: type, d: Mapping[str, Any], prefix: str) -> Any:
+    if not isinstance(d, Mapping):
+        raise UsageError(f"replay options {prefix}: expected a mapping, not {type(d).__name__}")
+    known = [f.name for f in fields(cls)]
+    unknown = sorted(set(d) - set(known))
+    if unknown:
+        raise UsageError(
+            f"unknown replay option(s) {', '.join(prefix + k for k in unknown)}; known: "
+            f"{', '.join(prefix + k for k in known)}"
+        )
+    kwargs: dict[str, Any] = {}
+    for name, value in d.items():
+        if cls is ReplayOptions and name in _NESTED:
+            value = _build(_NESTED[name], value, f"{name}.")
+        elif isinstance(value, list):
+            value = tuple(value)  # JSON has no tuples
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+# Keyword arguments of `kdump.replay.replay()` before options were typed, and the keys of its old
+# `options` dict: (section, field).
+_LEGACY: dict[str, tuple[str, str]] = {
+    "mode": ("", "mode"),
+    "backend": ("", "backend"),
+    "device": ("", "device"),
+    "repeat": ("", "repeat"),
+    "force": ("", "force"),
+    "timeout": ("", "timeout"),
+    "isolate": ("", "isolate"),
+    "jobs": ("", "jobs"),
+    "halo": ("", "halo"),
+    "then": ("", "then"),
+    "save_failing": ("", "save_failing"),
+    "mutations": ("graph", "mutations"),
+    "seed": ("graph", "seed"),
+    "tools": ("sanitizer", "tools"),
+    "sanitize_graph": ("sanitizer", "graph"),
+    "sanitizer": ("sanitizer", "binary"),
+    "kernel_filter": ("sanitizer", "kernel_filter"),
+    "sanitizer_log_dir": ("sanitizer", "log_dir"),
+}
+
+
+def from_keywords(base: ReplayOptions | None = None, **kw: Any) -> ReplayOptions:
+    """Options from `replay()`'s keyword arguments (and its old flat `options` dict keys)."""
+    sections: dict[str, dict[str, Any]] = {"": {}, "graph": {}, "sanitizer": {}}
+    for key, value in kw.items():
+        if key not in _LEGACY:
+            raise UsageError(f"unknown replay option {key!r}; known: {', '.join(_LEGACY)}")
+        section, name = _LEGACY[key]
+        if isinstance(value, list):
+            value = tuple(value)
+        sections[section][name] = value
+    opts = base or ReplayOptions()
+    return replace(
+        opts,
+        **sections[""],
+        graph=replace(opts.graph, **sections["graph"]),
+        sanitizer=replace(opts.sanitizer, **sections["sanitizer"]),
+    )
