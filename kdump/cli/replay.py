@@ -3,6 +3,7 @@ from __future__ import annotations
 import click
 
 from kdump.cli.common import console, emit_json, json_option
+from kdump.kernels.registry import backend_names
 
 
 @click.command("replay")
@@ -17,7 +18,7 @@ from kdump.cli.common import console, emit_json, json_option
 )
 @click.option(
     "--backend",
-    type=click.Choice(["auto", "reference", "deep_gemm", "packaged", "library", "packaged-faulty"]),
+    type=click.Choice(backend_names()),
     default="auto",
     show_default=True,
     help="auto = installed library on a GPU, else packaged kernel on a GPU, else the torch "

@@ -44,7 +44,7 @@ from typing import Any, Protocol
 
 from kdump import config, envinfo
 from kdump.errors import UsageError
-from kdump.kernels.deepgemm import state as deepgemm_state
+from kdump.kernels import registry as kernel_registry
 from kdump.record.hooks import HookState, PatchSet, TargetSpec, busy, log, log_once, parse_targets
 from kdump.record.triggers import Limits, Trigger, TriggerConfig, Written, rank_allowed
 
@@ -590,8 +590,7 @@ class Recording:
     def _on_setter(
         self, st: HookState, called_as: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        if st.id.startswith("deep_gemm:"):
-            deepgemm_state.note_setter(st.spec.qualname, args, kwargs)
+        kernel_registry.note_setter(st.id, st.spec.qualname, args, kwargs)
 
     def fail(self, st: HookState, what: str, exc: BaseException) -> None:
         """Log once and switch the target off; never raises."""

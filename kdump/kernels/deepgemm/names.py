@@ -38,6 +38,15 @@ DEEPGEMM_SETTERS: tuple[str, ...] = (
     "set_ignore_compile_dims",
     "set_block_size_multiple_of",
 )
+# setting name (the key recorded state and KernelSpec.with_settings use) -> its setter.
+DEEPGEMM_SETTINGS: dict[str, str] = {
+    "num_sms": "set_num_sms",
+    "tc_util": "set_tc_util",
+    "pdl": "set_pdl",
+    "mk_alignment": "set_mk_alignment_for_contiguous_layout",
+    "ignore_compile_dims": "set_ignore_compile_dims",
+    "block_size_multiple_of": "set_block_size_multiple_of",
+}
 DEEPGEMM_GETTERS: dict[str, str] = {
     "num_sms": "get_num_sms",
     "tc_util": "get_tc_util",

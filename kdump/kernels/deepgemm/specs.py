@@ -49,12 +49,10 @@ from kdump.kernels.deepgemm.scales import (
     tma_aligned_size,
 )
 
-# DeepGEMM's global settings in the environment manifest: one provider, shared with recording
-# (importing it registers it).
-# DeepGEMM's global settings in the environment manifest: one provider, shared with recording
-# (importing it registers it); re-exported as `library_state`.
+# DeepGEMM's global settings in the environment manifest (the plug-in's state provider),
+# re-exported as `library_state`.
 from kdump.kernels.deepgemm.state import state as library_state  # noqa: F401
-from kdump.kernels.plugin import KernelSpec, Mutation, Param, Role, Tolerance, Violation
+from kdump.kernels.spec import KernelSpec, Mutation, Param, Role, Tolerance, Violation
 
 DEFAULT_MK_ALIGNMENT = 128
 FP8_BLOCK_K = 128  # DeepGEMM's FP8 kernels step K by 128 with one scale per block
