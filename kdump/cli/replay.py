@@ -6,6 +6,21 @@ from kdump.cli.common import console, emit_json, json_option
 from kdump.kernels.registry import backend_names
 
 
+class _BackendChoice(click.Choice):
+    """The registry's backend names, read when used (plug-ins may add backends)."""
+
+    def __init__(self) -> None:
+        super().__init__(())
+
+    @property
+    def choices(self) -> tuple[str, ...]:  # type: ignore[override]
+        return backend_names()
+
+    @choices.setter
+    def choices(self, value: object) -> None:
+        pass
+
+
 @click.command("replay")
 @click.argument("bundles", nargs=-1, required=True, type=click.Path())
 @click.option(
@@ -18,7 +33,7 @@ from kdump.kernels.registry import backend_names
 )
 @click.option(
     "--backend",
-    type=click.Choice(backend_names()),
+    type=_BackendChoice(),
     default="auto",
     show_default=True,
     help="auto = installed library on a GPU, else packaged kernel on a GPU, else the torch "
