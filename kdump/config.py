@@ -50,6 +50,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("KDUMP_LOG", "file that kdump's own log lines go to (default: stderr)"),
     EnvVar("KDUMP_CACHE_DIR", "cache for compiled kernels", "~/.cache/kdump"),
     EnvVar("KDUMP_SANITIZER", "path of the compute-sanitizer binary to use"),
+    EnvVar("CUDA_HOME", "CUDA toolkit root: the packaged kernel looks for CUDA headers there"),
+    EnvVar("CUDA_PATH", "CUDA toolkit root, when CUDA_HOME is not set (as on Windows)"),
 )
 
 _BY_NAME = {v.name: v for v in ENV_VARS}

@@ -61,6 +61,12 @@ class CannotRunError(KdumpError):
     exit_code = ExitCode.CANNOT_RUN
 
 
+class InternalError(KdumpError):
+    """A bug in kdump itself (e.g. its own CUDA source does not compile)."""
+
+    exit_code = ExitCode.INTERNAL
+
+
 class ContractViolation(KdumpError):
     """The recorded call violates the kernel's documented contract."""
 

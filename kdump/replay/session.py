@@ -12,7 +12,7 @@ import torch
 
 from kdump.bundle import Bundle, Call, MaterializedCall, load_bundle
 from kdump.bundle.tensors import Placement
-from kdump.errors import CannotRunError, UsageError
+from kdump.errors import CannotRunError, ExitCode, KdumpError, UsageError
 from kdump.kernels import registry
 from kdump.kernels.generic import GenericSpec
 from kdump.kernels.registry import choose_backend
@@ -261,7 +261,12 @@ class Session:
             lines = str(exc).strip().splitlines()
             text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
             self.step(step, "error", text, dt)
-            self.finding("kernel_error", step, _describe_error(text), {"error": text})
+            # A backend's typed error (cannot run here, contract, kdump bug) keeps its exit code.
+            kind = _KIND_OF_CODE.get(int(exc.exit_code)) if isinstance(exc, KdumpError) else None
+            if kind is not None:
+                self.finding(kind, step, lines[0] if lines else text, {"error": text})
+            else:
+                self.finding("kernel_error", step, _describe_error(text), {"error": text})
             return None
         dt = time.perf_counter() - t0
         return dt
@@ -350,6 +355,14 @@ class Session:
                             f"{name} differs from the recorded output: {cmp.message}",
                             {"output": name, **cmp.metrics},
                         )
+
+
+_KIND_OF_CODE = {
+    int(ExitCode.CANNOT_RUN): "cannot_run",
+    int(ExitCode.CONTRACT): "contract",
+    int(ExitCode.INTERNAL): "internal",
+    int(ExitCode.USAGE): "usage",
+}
 
 
 def _describe_error(text: str) -> str:
