@@ -147,8 +147,8 @@ class KernelSpec:
         return None
 
     def with_settings(self, settings: Mapping[str, Any] | None) -> KernelSpec:
-        """This spec configured with the library's recorded global settings (the bundle's
-        env["libraries"][spec.library()], e.g. DeepGEMM's mk alignment); self when they change
+        """This spec configured with the library's recorded global settings by name (its
+        plug-in's KernelPlugin.settings, e.g. DeepGEMM's mk_alignment); self when they change
         nothing."""
         return self
 

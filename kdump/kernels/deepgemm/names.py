@@ -55,7 +55,7 @@ DEEPGEMM_GETTERS: dict[str, str] = {
 }
 
 # DeepGEMM's parameter names by entry-point family. Recording needs them without
-# importing torch (pybind bindings hide their signatures); the specs in kernels/deepgemm.py carry
+# importing torch (pybind bindings hide their signatures); the specs in deepgemm/specs.py carry
 # the same names with roles and defaults (a test keeps the two in step).
 DEEPGEMM_PARAMS: dict[str, tuple[str, ...]] = {
     "contiguous": (
