@@ -22,8 +22,7 @@ from pathlib import Path
 import torch
 
 from kdump.bundle import capture_call, save_calls
-from kdump.kernels.backends import get_backend
-from kdump.kernels.registry import spec_for
+from kdump.kernels.registry import get_backend, spec_for
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 

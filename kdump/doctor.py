@@ -52,28 +52,14 @@ def diagnose() -> dict[str, Any]:
             )
         )
     checks.append(_check("backend reference", True, "torch reference (CPU and GPU)"))
-    from kdump.kernels.backends import import_deep_gemm
+    from kdump.kernels.registry import plugins
 
-    try:
-        mod = import_deep_gemm()
-        checks.append(
-            _check(
-                "backend deep_gemm",
-                gpu,
-                f"DeepGEMM {getattr(mod, '__version__', '?')} at {getattr(mod, '__file__', '?')}",
-                "" if gpu else "needs a CUDA GPU",
-            )
-        )
-    except Exception as exc:
-        checks.append(
-            _check(
-                "backend deep_gemm",
-                False,
-                str(exc).split(";")[0],
-                "pip install the DeepGEMM build the bundle was recorded with (e.g. sgl-deep-gemm)",
-            )
-        )
-    checks.append(_packaged_check(gpu))
+    for plugin in plugins():
+        try:
+            lines = plugin.checks(gpu)
+        except Exception as exc:  # a broken plug-in is one failed line, not a crashed doctor
+            lines = [_check(f"plug-in {plugin.name}", False, f"{type(exc).__name__}: {exc}")]
+        checks.extend(lines)
     san = find_tool("compute-sanitizer")
     if san:
         checks.append(_check("compute-sanitizer", True, f"{san} ({tool_version(san) or '?'})"))
@@ -88,22 +74,6 @@ def diagnose() -> dict[str, Any]:
             )
         )
     return {"checks": checks}
-
-
-def _packaged_check(gpu: bool) -> dict[str, Any]:
-    try:
-        from kdump.kernels.sm120 import api
-    except Exception as exc:
-        return _check(
-            "backend packaged", False, f"cannot load: {exc}", "pip install 'kdump-gpu[kernel]'"
-        )
-    ok, why = api.is_available()
-    return _check(
-        "backend packaged",
-        ok and gpu,
-        "NVRTC + CUTLASS headers found" if ok else why,
-        "" if ok and gpu else (why if not ok else "needs a CUDA GPU"),
-    )
 
 
 # What `kdump doctor --selftest` replays on the packaged kernel: every routing layout it has,

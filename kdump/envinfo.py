@@ -1,7 +1,7 @@
 """The environment manifest a bundle carries: machine, software, GPU, and kernel-library state.
 
-Kernel libraries add their process-global settings through `register_state_provider` (DeepGEMM's
-num_sms, tc_util, pdl, mk alignment are provided by `kdump.kernels.deepgemm.state`).
+Kernel-library plug-ins provide their process-global settings (KernelPlugin.state, e.g. DeepGEMM's
+num_sms, tc_util, pdl, mk alignment); `register_state_provider` adds others.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ def register_state_provider(library: str, provider: StateProvider) -> None:
 
 def library_state() -> dict[str, Any]:
     """Global state of every registered library that is loaded; errors are recorded, not raised."""
-    out: dict[str, Any] = {}
+    from kdump.kernels.registry import library_states
+
+    out: dict[str, Any] = library_states()
     for name, provider in _PROVIDERS.items():
         try:
             state = provider()

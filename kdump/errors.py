@@ -164,6 +164,12 @@ class CannotRunError(KdumpError):
     finding_kind = FindingKind.CANNOT_RUN
 
 
+class InternalError(KdumpError):
+    """A bug in kdump itself (e.g. its own CUDA source does not compile)."""
+
+    exit_code = ExitCode.INTERNAL
+
+
 class ContractViolation(KdumpError):
     """The recorded call violates the kernel's documented contract."""
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kdump.bundle import load_bundle
-from kdump.kernels.plugin import GenericSpec
+from kdump.kernels.generic import GenericSpec
 from kdump.kernels.registry import spec_for
 from kdump.replay.metrics import calc_diff
 

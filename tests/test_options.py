@@ -24,8 +24,8 @@ from kdump.errors import (
     exit_codes_markdown,
     kind_exit_code,
 )
+from kdump.kernels.registry import backend_names
 from kdump.replay.options import (
-    BACKEND_NAMES,
     MODES,
     TOOLS,
     GraphOptions,
@@ -41,7 +41,7 @@ ROOT = Path(__file__).parent.parent
 options = st.builds(
     ReplayOptions,
     mode=st.sampled_from(MODES),
-    backend=st.sampled_from(BACKEND_NAMES),
+    backend=st.sampled_from(backend_names()),
     device=st.sampled_from(["auto", "cpu", "cuda:1"]),
     repeat=st.integers(1, 1000),
     force=st.booleans(),
@@ -119,7 +119,7 @@ def test_cli_choices_are_the_options_choices() -> None:
 
     choices = {p.name: tuple(p.type.choices) for p in command.params if hasattr(p.type, "choices")}
     assert choices["mode"] == MODES
-    assert choices["backend"] == BACKEND_NAMES
+    assert choices["backend"] == backend_names()
     assert choices["tools"] == (*TOOLS, "all")
 
 

@@ -104,3 +104,88 @@ def test_alias_recorded_call_replays(tmp_path: Path) -> None:
     )
     [v] = replay([path], device="cpu", repeat=1)
     assert v.exit_code == 0, v.headline()
+
+
+STANDINS = Path(__file__).parent / "standins"
+
+
+@pytest.fixture
+def standin_deep_gemm(monkeypatch: pytest.MonkeyPatch):
+    """The stand-in DeepGEMM, importable here and in replay children; its state restored."""
+    import sys
+
+    from kdump.kernels.deepgemm import state as deepgemm_state
+
+    monkeypatch.syspath_prepend(str(STANDINS))
+    monkeypatch.setenv("PYTHONPATH", str(STANDINS))
+    for m in ("deep_gemm", "deep_gemm._C", "dg_inputs"):
+        sys.modules.pop(m, None)
+    deepgemm_state.reset()
+    import deep_gemm._C as C
+
+    saved = dict(C._STATE)
+    yield deep_gemm_module()
+    C._STATE.clear()
+    C._STATE.update(saved)
+    deepgemm_state.reset()
+    for m in ("deep_gemm", "deep_gemm._C", "dg_inputs"):
+        sys.modules.pop(m, None)
+
+
+def deep_gemm_module():
+    import deep_gemm
+
+    return deep_gemm
+
+
+def _record_after(dg, tmp_path: Path, **setters: object) -> Path:
+    """Record one contiguous call with 64-row groups after calling DeepGEMM's setters."""
+    from dg_inputs import make_contiguous
+
+    import kdump
+
+    with kdump.recording("deep_gemm", out=tmp_path) as rec:
+        for name, value in setters.items():
+            getattr(dg, name)(value)
+        a, b, d, layout = make_contiguous(3, groups=4, m_per_group=64)
+        dg.m_grouped_fp8_gemm_nt_contiguous(a, b, d, layout)
+    [path] = rec.written
+    return Path(path)
+
+
+def test_setter_recorded_alignment_is_reapplied(standin_deep_gemm, tmp_path: Path) -> None:
+    from kdump.cli import main
+
+    path = _record_after(standin_deep_gemm, tmp_path, set_mk_alignment_for_contiguous_layout=64)
+    # Without the setting the same call breaks the default 128-row alignment.
+    call = load_bundle(path).calls[0]
+    bound = spec_for(call.target).bind(call.args, call.kwargs)
+    assert spec_for(call.target).validate(bound)
+    [v] = replay([path], backend="reference", device="cpu")
+    assert v.exit_code == ExitCode.CLEAN, v.headline()
+    assert any("mk_alignment=64" in n for n in v.notes), v.notes
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", str(path), "--backend", "reference", "--device", "cpu"])
+    assert exc.value.code == 0
+
+
+def test_setting_invalid_here_is_noted_not_applied(
+    standin_deep_gemm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import deep_gemm._C as C
+
+    from kdump.kernels.deepgemm import plugin as dg_plugin
+
+    path = _record_after(
+        standin_deep_gemm, tmp_path, set_num_sms=500, set_mk_alignment_for_contiguous_layout=64
+    )
+    C._STATE.update(num_sms=132, mk_alignment=128)
+    # This "device" has 132 SMs: the recorded 500 cannot be applied (in-process replay).
+    monkeypatch.setattr(dg_plugin, "_sm_count", lambda device: 132)
+    [v] = replay([path], backend="reference", device="cpu", isolate=False)
+    assert v.exit_code == ExitCode.CLEAN, v.headline()
+    assert any("num_sms=500 not applied: this GPU has 132 SMs" in n for n in v.notes), v.notes
+    assert C._STATE["num_sms"] == 132  # the library was loaded here and kept its value
+    assert C._STATE["mk_alignment"] == 64  # the valid setting was re-applied to the library
+    applied = [n for n in v.notes if "applied to the library and the contract" in n]
+    assert len(applied) == 1 and "mk_alignment=64" in applied[0] and "num_sms" not in applied[0]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kdump.errors import CannotRunError, ContractViolation, ExitCode, InternalError
 from kdump.kernels.sm120 import build, configs
 from kdump.kernels.sm120.build import BuildRequest, PackagedKernelError
 
@@ -282,8 +283,75 @@ def test_compile_error_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> Non
     if _why_not is not None:
         pytest.skip(_why_not)
     monkeypatch.setattr(build, "kernel_source", lambda: "this is not C++;")
-    with pytest.raises(PackagedKernelError, match="NVRTC failed to compile"):
+    with pytest.raises(InternalError, match="NVRTC failed to compile") as info:
         build.build_cubin(BuildRequest("sm_120a", configs.CONFIGS[120]), use_cache=False)
+    assert info.value.exit_code == ExitCode.INTERNAL
+    assert "\n" not in str(info.value)
+
+
+def test_missing_prerequisites_are_cannot_run() -> None:
+    assert issubclass(PackagedKernelError, CannotRunError)
+    assert PackagedKernelError("x").exit_code == ExitCode.CANNOT_RUN
+
+
+PROBES = Path(__file__).parent / "plugin_pkg"
+
+
+def _replay_probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fn: str, args: list) -> int:
+    """Record a call of tests/plugin_pkg/sm120_probes.<fn> and replay it in this process."""
+    import torch
+
+    from kdump.bundle import capture_call, save_calls
+    from kdump.replay import replay
+
+    monkeypatch.syspath_prepend(str(PROBES))
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    assert tensors
+    path = tmp_path / f"{fn}.kdump"
+    save_calls(path, [capture_call(f"sm120_probes:{fn}", args, {})])
+    [v] = replay([path], backend="library", device="cpu", isolate=False, repeat=1)
+    return v.exit_code
+
+
+def test_broken_kdump_source_replays_as_internal_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if _why_not is not None:
+        pytest.skip(_why_not)
+    import torch
+
+    monkeypatch.setattr(build, "kernel_source", lambda: "__global__ void k() { undeclared(); }")
+    x = torch.randn(4, 3, device="cpu")
+    assert _replay_probe(tmp_path, monkeypatch, "compile_packaged", [x]) == ExitCode.INTERNAL
+
+
+def test_missing_include_dir_replays_as_cannot_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "cutlass_library" else real(n, *a)
+    )
+    monkeypatch.setattr(build, "nvrtc_version", lambda: (13, 0))  # NVRTC itself is not the point
+    x = torch.randn(4, 3, device="cpu")
+    assert _replay_probe(tmp_path, monkeypatch, "compile_packaged", [x]) == ExitCode.CANNOT_RUN
+
+
+def test_bad_argument_to_packaged_kernel_replays_as_contract_violation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(5)
+    a = (torch.randn(128, 256, generator=g) * 8).to(torch.float8_e4m3fn)
+    b = (torch.randn(2, 128, 256, generator=g) * 8).to(torch.float8_e4m3fn)
+    sa, sb = torch.rand(128, 2, generator=g) + 0.5, torch.rand(2, 1, 2, generator=g) + 0.5
+    d = torch.randn(128, 64, generator=g).to(torch.bfloat16)  # N = 64, b says 128
+    labels = torch.randint(0, 2, (128,), generator=g, dtype=torch.int32)
+    code = _replay_probe(tmp_path, monkeypatch, "call_packaged", [(a, sa), (b, sb), d, labels])
+    assert code == ExitCode.CONTRACT
 
 
 def test_api_rejects_bad_arguments_on_cpu() -> None:
@@ -296,11 +364,13 @@ def test_api_rejects_bad_arguments_on_cpu() -> None:
     sb = torch.ones(2, 1, 2)
     d = torch.zeros(128, 128, dtype=torch.bfloat16)
     lab = torch.zeros(128, dtype=torch.int32)
-    with pytest.raises(ValueError, match="CUDA device"):
+    with pytest.raises(ContractViolation, match="CUDA device"):
         sm120.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), d, lab)
-    with pytest.raises(ValueError, match="float8_e4m3fn"):
+    with pytest.raises(ContractViolation, match="float8_e4m3fn"):
         sm120.m_grouped_fp8_gemm_nt_contiguous((a.float(), sa), (b, sb), d, lab)
-    with pytest.raises(ValueError, match="pair"):
+    with pytest.raises(ContractViolation, match="expected an int32 tensor"):
+        sm120.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), d, lab.tolist())
+    with pytest.raises(ContractViolation, match="pair"):
         sm120.m_grouped_fp8_gemm_nt_masked(a, (b, sb), d, lab, 1)
     assert sm120.m_grouped_fp8_fp4_gemm_nt_contiguous is sm120.m_grouped_fp8_gemm_nt_contiguous
     assert sm120.m_grouped_fp8_fp4_gemm_nt_masked is sm120.m_grouped_fp8_gemm_nt_masked

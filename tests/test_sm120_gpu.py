@@ -18,6 +18,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():  # the lead's conftest skips gpu tests too; be safe standalone
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from kdump.errors import ContractViolation  # noqa: E402
 from kdump.kernels import sm120  # noqa: E402
 from kdump.kernels.sm120 import launch  # noqa: E402
 
@@ -308,13 +309,13 @@ def test_argument_errors() -> None:
     p = Problem((256,), 2, 128, 256, False, seed=2)
     labels = labels_packed([100, 100])
     d = poisoned((256, 128))
-    with pytest.raises(ValueError, match="float8_e4m3fn"):
+    with pytest.raises(ContractViolation, match="float8_e4m3fn"):
         sm120.m_grouped_fp8_gemm_nt_contiguous((p.a_fp8.float(), p.sfa), p.b, d, labels)
-    with pytest.raises(ValueError, match="shape"):
+    with pytest.raises(ContractViolation, match="shape"):
         sm120.m_grouped_fp8_gemm_nt_contiguous(p.a, p.b, d[:128], labels)
-    with pytest.raises(ValueError, match="both be float32"):
+    with pytest.raises(ContractViolation, match="both be float32"):
         sm120.m_grouped_fp8_gemm_nt_contiguous(p.a, (p.b_fp8, p.sfb.int()), d, labels)
-    with pytest.raises(ValueError, match="int32"):
+    with pytest.raises(ContractViolation, match="int32"):
         sm120.m_grouped_fp8_gemm_nt_contiguous(p.a, p.b, d, labels.long())
 
 

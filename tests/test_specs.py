@@ -18,8 +18,9 @@ from kdump.kernels.deepgemm.specs import (
     MGroupedFP8NTMasked,
     library_state,
 )
-from kdump.kernels.plugin import GenericSpec, Role
+from kdump.kernels.generic import GenericSpec
 from kdump.kernels.registry import all_specs, spec_for
+from kdump.kernels.spec import Role
 
 SMALL = {"num_groups": 4, "n": 256, "k": 512, "expected_m": 60}
 

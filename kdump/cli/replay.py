@@ -4,7 +4,24 @@ import click
 
 from kdump.cli.common import console, emit_json, json_option
 from kdump.errors import exit_codes_help
-from kdump.replay.options import BACKEND_NAMES, MODES, TOOLS
+from kdump.kernels.registry import backend_names
+from kdump.replay.options import MODES, TOOLS
+
+
+class _BackendChoice(click.Choice):
+    """The registry's backend names, read when used (plug-ins may add backends)."""
+
+    def __init__(self) -> None:
+        super().__init__(())
+
+    @property
+    def choices(self) -> tuple[str, ...]:  # type: ignore[override]
+        return backend_names()
+
+    @choices.setter
+    def choices(self, value: object) -> None:
+        pass
+
 
 EPILOG = (
     exit_codes_help()
@@ -31,7 +48,7 @@ Examples:
 )
 @click.option(
     "--backend",
-    type=click.Choice(BACKEND_NAMES),
+    type=_BackendChoice(),
     default="auto",
     show_default=True,
     help="auto = installed library on a GPU, else packaged kernel on a GPU, else the torch "

@@ -1,187 +1,131 @@
-"""The kernel-spec and backend interfaces that the replayer drives.
+"""The kernel-library plug-in interface: one KernelPlugin object per library (DeepGEMM is one).
 
-A spec knows one entry point's signature and argument roles, how to check a call against the
-kernel's contract, which output elements are meaningful, how to compute the reference, and how to
-generate synthetic calls. A backend runs a call: the installed library, kdump's packaged kernel, or
-the torch reference.
+A plug-in names the targets the recorder hooks (presets, aliases), reads and re-applies the
+library's process-global state, and provides the specs and backends that replay its calls.
+Canonical target ids are '<plugin name>:<function>'.
+
+This module is imported by the recorder inside the recorded program: it must not import torch.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from kdump.errors import UsageError
-
-
-class Role(str, Enum):
-    INPUT = "input"  # read by the kernel
-    OUTPUT = "output"  # written in place by the kernel
-    ROUTING = "routing"  # routing metadata (grouped_layout, masked_m): mutated by graph replays
-    SCALAR = "scalar"  # changes the computation (recipe, flags)
-    HINT = "hint"  # performance hint only (expected_m, compiled_dims)
-
-
-_EMPTY = inspect.Parameter.empty
+    from kdump.kernels.spec import Backend, KernelSpec
 
 
 @dataclass(frozen=True)
-class Param:
-    name: str
-    role: Role
-    default: Any = _EMPTY
-    aliases: tuple[str, ...] = ()  # older argument names (e.g. m_indices for grouped_layout)
+class TargetSpec:
+    """One thing to patch: an attribute path inside a module (or torch.ops namespace)."""
+
+    module: str
+    qualname: str
+    id: str  # canonical id ('<plugin>:<function>', or 'module:qualname' without a plug-in)
+    kind: str = "call"  # "call": recorded; "setter": only its latest arguments are kept
+    optional: bool = False  # preset members that a given build may lack: missing is not an error
+    output_names: tuple[str, ...] = ()  # parameters written in place (default outputs)
+    param_names: tuple[str, ...] | None = None  # positional parameter names, when known
+
+    @property
+    def text(self) -> str:
+        return f"{self.module}:{self.qualname}"
+
+    @property
+    def is_op(self) -> bool:
+        return self.module == "torch.ops" or self.module.startswith("torch.ops.")
 
 
-@dataclass(frozen=True)
-class Tolerance:
-    """When results count as equal to the reference."""
-
-    calc_diff: float  # DeepGEMM's metric threshold
-    atol: float  # per-element: |x - y| <= atol + rtol * |y|
-    rtol: float
-
-
-@dataclass
-class Violation:
-    """A way the call breaks the kernel's contract."""
-
-    argument: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.argument}: {self.message}"
-
-
-@dataclass
-class Mutation:
-    """New values for routing metadata (and inputs), written in place for a graph replay."""
-
-    name: str
-    values: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-class KernelSpec:
-    """Base class of entry-point specs. Subclasses set `id`, `aliases`, `params`."""
-
-    id: str = ""
-    aliases: tuple[str, ...] = ()
-    params: tuple[Param, ...] = ()
-
-    # --- binding -------------------------------------------------------------------------------
-    def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        """Arguments by parameter name (defaults applied); older keyword names accepted."""
-        if len(args) > len(self.params):
-            raise UsageError(
-                f"{self.id}: {len(args)} positional arguments, at most {len(self.params)}"
-            )
-        bound: dict[str, Any] = {}
-        for p, a in zip(self.params, args):
-            bound[p.name] = a
-        by_alias = {al: p.name for p in self.params for al in (p.name, *p.aliases)}
-        for k, v in kwargs.items():
-            name = by_alias.get(k)
-            if name is None:
-                raise UsageError(f"{self.id}: unexpected argument {k!r}")
-            if name in bound:
-                raise UsageError(f"{self.id}: argument {name!r} given twice")
-            bound[name] = v
-        for p in self.params:
-            if p.name not in bound:
-                if p.default is _EMPTY:
-                    raise UsageError(f"{self.id}: missing argument {p.name!r}")
-                bound[p.name] = p.default
-        return bound
-
-    def param_names(self) -> list[str]:
-        return [p.name for p in self.params]
-
-    def names_with_role(self, *roles: Role) -> list[str]:
-        return [p.name for p in self.params if p.role in roles]
-
-    def output_names(self, bound: Mapping[str, Any]) -> list[str]:
-        return self.names_with_role(Role.OUTPUT)
-
-    # --- contract ------------------------------------------------------------------------------
-    def validate(self, bound: Mapping[str, Any]) -> list[Violation]:
-        """Contract violations of this call (empty when it is valid). Must not launch anything."""
-        return []
-
-    # --- results -------------------------------------------------------------------------------
-    def has_reference(self) -> bool:
-        return False
-
-    def reference(self, bound: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        """Expected value of each output, computed with torch on the arguments' device."""
-        raise NotImplementedError(f"{self.id} has no reference")
-
-    def meaningful(self, bound: Mapping[str, Any], output: str) -> torch.Tensor | None:
-        """Boolean mask (broadcastable to the output) of elements the kernel promises to write,
-        or None for all of them."""
-        return None
-
-    def tolerance(self, bound: Mapping[str, Any]) -> Tolerance:
-        return Tolerance(calc_diff=1e-3, atol=1e-2, rtol=1e-2)
-
-    # --- synthesis -----------------------------------------------------------------------------
-    def generate(
-        self, seed: int = 0, device: str = "cpu", **shape: Any
-    ) -> tuple[list[Any], dict[str, Any]]:
-        """A synthetic call (args, kwargs) with random data."""
-        raise NotImplementedError(f"{self.id} has no generator")
-
-    def mutations(
-        self, bound: Mapping[str, Any], seed: int = 0, count: int = 0
-    ) -> Iterator[Mutation]:
-        """Shape-preserving changes of routing metadata for graph replays."""
-        return iter(())
-
-    # --- library settings ----------------------------------------------------------------------
-    def library(self) -> str | None:
-        """Name of the kernel library whose global settings matter (for envinfo), if any."""
-        return None
-
-    def with_settings(self, settings: Mapping[str, Any] | None) -> KernelSpec:
-        """This spec configured with the library's recorded global settings (the bundle's
-        env["libraries"][spec.library()], e.g. DeepGEMM's mk alignment); self when they change
-        nothing."""
-        return self
-
-
-class GenericSpec(KernelSpec):
-    """Any target without a dedicated spec: no reference; outputs are the tensors the bundle
-    recorded after the call (or none)."""
-
-    def __init__(self, target: str, names: Sequence[str] | None = None) -> None:
-        self.id = target
-        self._names = list(names or [])
-
-    def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        bound = {
-            (self._names[i] if i < len(self._names) else f"args[{i}]"): a
-            for i, a in enumerate(args)
-        }
-        bound.update(kwargs)
-        return bound
-
-
-class Backend:
-    """Runs calls of a spec."""
+class KernelPlugin(ABC):
+    """A kernel library kdump knows. Subclasses set `name` and implement the abstract methods;
+    the others have defaults for libraries without global state or a library backend."""
 
     name: str = ""
+    # The backend that runs the installed library (a recorded call ran it), if any.
+    library_backend: str | None = None
 
-    def available(self, spec: KernelSpec, device: torch.device) -> tuple[bool, str]:
-        """Whether this backend can run `spec` on `device`, and if not, what to do about it."""
-        raise NotImplementedError
+    # --- recording -----------------------------------------------------------------------------
+    @abstractmethod
+    def presets(self) -> Mapping[str, Sequence[TargetSpec]]:
+        """Preset name -> the targets it hooks (setters included, kind="setter")."""
 
-    def resolve(self, spec: KernelSpec, target: str) -> Callable[..., Any]:
-        """The callable to invoke with the recorded (args, kwargs)."""
-        raise NotImplementedError
-
-    def version(self) -> str | None:
+    def canonical_id(self, target: str) -> str | None:
+        """The canonical id of `target` ('module:qualname', an alias, a bare function name) when
+        it belongs to this library, else None."""
         return None
+
+    def target(self, module: str, qualname: str) -> TargetSpec | None:
+        """Hook details (outputs, parameter names) of an explicitly named target of this library,
+        or None to hook it as a generic target."""
+        return None
+
+    def state(self) -> dict[str, Any] | None:
+        """The library's process-global state for the bundle (None when it is not loaded).
+        Called at record time; must never import the library or raise."""
+        return None
+
+    def note_setter(
+        self, target_id: str, qualname: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """A hooked setter of this library returned normally: remember its value for state()."""
+        return None
+
+    # --- replay --------------------------------------------------------------------------------
+    def settings(self, recorded: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The recorded state (what state() returned) as settings by name, for
+        KernelSpec.with_settings."""
+        return {}
+
+    def apply_state(self, recorded: Mapping[str, Any] | None, device: torch.device) -> list[str]:
+        """Re-apply the recorded state before a replayed call; notes for the verdict: what was
+        applied, and what was not because it is invalid here."""
+        return []
+
+    def same_build(self, recorded: Mapping[str, Any] | None, backend: Backend) -> bool:
+        """Whether `backend` runs the build the call was recorded with (bitwise comparison)."""
+        return True
+
+    @abstractmethod
+    def specs(self) -> Sequence[KernelSpec]:
+        """One instance of every spec of this library (default settings)."""
+
+    def spec(self, target_id: str) -> KernelSpec | None:
+        """The spec of a canonical target id (or an alias id), or None."""
+        for spec in self.specs():
+            if target_id == spec.id or target_id in {f"{self.name}:{a}" for a in spec.aliases}:
+                return spec
+        return None
+
+    def backends(self) -> Sequence[Backend]:
+        """The backends this library brings (names unique across plug-ins)."""
+        return ()
+
+    def auto_order(self) -> Sequence[str]:
+        """Backend names `--backend auto` tries, in order, for this library's specs (before the
+        generic reference and library backends)."""
+        return ()
+
+    def checks(self, gpu: bool) -> list[dict[str, Any]]:
+        """`kdump doctor` lines: {"name", "ok", "detail", "fix"}."""
+        return []
+
+
+_SPEC_NAMES = ("Backend", "KernelSpec", "Mutation", "Param", "Role", "Tolerance", "Violation")
+
+
+def __getattr__(name: str) -> Any:
+    # Older importers took the spec types and GenericSpec from here; loaded lazily (torch).
+    if name in _SPEC_NAMES:
+        from kdump.kernels import spec
+
+        return getattr(spec, name)
+    if name == "GenericSpec":
+        from kdump.kernels.generic import GenericSpec
+
+        return GenericSpec
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

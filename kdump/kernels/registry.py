@@ -1,35 +1,161 @@
-"""Which spec handles a recorded target: by canonical id and aliases, else GenericSpec."""
+"""Where kernel-library plug-ins are found, and the one place that maps a target, a spec or a
+backend name to its plug-in.
+
+Built-in plug-ins load directly (kdump also runs from a source checkout without installed
+metadata); third-party ones come from the entry-point group "kdump.kernels", whose entry points
+resolve to a KernelPlugin instance or class. A plug-in that fails to load is logged once and
+skipped. Importing this module does not import torch (the recorder uses it).
+"""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
-from typing import Any
+from importlib import metadata
+from typing import TYPE_CHECKING, Any
 
-from kdump.kernels.deepgemm.names import canonical_id, deepgemm_id
-from kdump.kernels.plugin import GenericSpec, KernelSpec
+from kdump.errors import CannotRunError, UsageError
+from kdump.kernels.plugin import KernelPlugin, TargetSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from kdump.kernels.spec import Backend, KernelSpec
+
+ENTRY_POINT_GROUP = "kdump.kernels"
+GENERIC_BACKENDS = ("reference", "library")  # tried last by `auto`, in this order
+
+
+def _builtin() -> list[KernelPlugin]:
+    from kdump.kernels.deepgemm.plugin import PLUGIN
+
+    return [PLUGIN]
+
+
+def _warn(message: str) -> None:
+    try:
+        sys.stderr.write(f"kdump: {message}\n")
+    except Exception:
+        pass
+
+
+_warned: set[str] = set()
+
+
+def _skip(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        _warn(message)
+
+
+def _from_entry_point(ep: Any) -> KernelPlugin | None:
+    try:
+        obj = ep.load()
+        if isinstance(obj, type) and issubclass(obj, KernelPlugin):
+            obj = obj()
+        if not isinstance(obj, KernelPlugin) or not obj.name:
+            raise TypeError(f"{type(obj).__name__} is not a named KernelPlugin")
+        return obj
+    except Exception as exc:  # a broken third-party plug-in never breaks kdump
+        _skip(
+            ep.name, f"kernel plug-in {ep.name!r} ({ep.value}) skipped: {type(exc).__name__}: {exc}"
+        )
+        return None
 
 
 @lru_cache(maxsize=1)
-def _index() -> dict[str, KernelSpec]:
-    from kdump.kernels.deepgemm.specs import SPEC_CLASSES
+def plugins() -> tuple[KernelPlugin, ...]:
+    """Every plug-in, built-in ones first, de-duplicated by name."""
+    found: dict[str, KernelPlugin] = {p.name: p for p in _builtin()}
+    try:
+        eps = list(metadata.entry_points(group=ENTRY_POINT_GROUP))
+    except Exception as exc:
+        _skip("<entry points>", f"kernel plug-ins not searched: {type(exc).__name__}: {exc}")
+        eps = []
+    for ep in eps:
+        if ep.name in found:
+            continue  # the built-in copy (or an earlier duplicate) wins
+        plugin = _from_entry_point(ep)
+        if plugin is not None:
+            found.setdefault(plugin.name, plugin)
+    return tuple(found.values())
 
-    index: dict[str, KernelSpec] = {}
-    for cls in SPEC_CLASSES:
-        spec = cls()
-        index[spec.id] = spec
-        for alias in spec.aliases:
-            index[deepgemm_id(alias)] = spec
-            index[f"deep_gemm:{alias}"] = spec
-    return index
+
+def reload() -> None:
+    """Search the plug-ins again (after sys.path or installed metadata changed)."""
+    plugins.cache_clear()
+    _backend_index.cache_clear()
 
 
+def plugin(name: str) -> KernelPlugin | None:
+    return next((p for p in plugins() if p.name == name), None)
+
+
+# --- targets ------------------------------------------------------------------------------------
+def canonical_id(target: str) -> str:
+    """'<plugin>:<function>' for a target a plug-in knows (by any alias or binding module);
+    'module:qualname' otherwise ('module.attr' for torch.ops becomes 'module:attr')."""
+    for p in plugins():
+        canon = p.canonical_id(target)
+        if canon:
+            return canon
+    module, sep, name = target.partition(":")
+    if not sep:
+        module, _, name = target.rpartition(".")
+    return f"{module}:{name}" if module else name
+
+
+def plugin_for(target: str) -> KernelPlugin | None:
+    """The plug-in a target (or canonical id) belongs to."""
+    return plugin(canonical_id(target).partition(":")[0])
+
+
+def presets() -> dict[str, tuple[TargetSpec, ...]]:
+    out: dict[str, tuple[TargetSpec, ...]] = {}
+    for p in plugins():
+        for name, specs in p.presets().items():
+            out.setdefault(name, tuple(specs))
+    return out
+
+
+def target_spec(module: str, qualname: str) -> TargetSpec:
+    """How to hook an explicitly named target: a plug-in's details, else a generic target."""
+    canon = canonical_id(f"{module}:{qualname}")
+    p = plugin(canon.partition(":")[0])
+    spec = p.target(module, qualname) if p is not None else None
+    return spec or TargetSpec(module, qualname, canon)
+
+
+def note_setter(
+    target_id: str, qualname: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """A hooked setter returned: its plug-in keeps the value for the library's state."""
+    try:
+        p = plugin(target_id.partition(":")[0])
+        if p is not None:
+            p.note_setter(target_id, qualname, args, kwargs)
+    except Exception as exc:  # recording never breaks the program
+        _skip(f"setter {target_id}", f"setter {target_id} not noted: {type(exc).__name__}: {exc}")
+
+
+def library_states() -> dict[str, Any]:
+    """Each plug-in's global state (loaded libraries only); errors are recorded, not raised."""
+    out: dict[str, Any] = {}
+    for p in plugins():
+        try:
+            st = p.state()
+        except Exception as exc:
+            st = {"error": f"{type(exc).__name__}: {exc}"}
+        if st is not None:
+            out[p.name] = st
+    return out
+
+
+# --- specs --------------------------------------------------------------------------------------
 def all_specs() -> list[KernelSpec]:
-    """One instance of every dedicated spec (default settings)."""
-    seen: dict[str, KernelSpec] = {}
-    for spec in _index().values():
-        seen.setdefault(spec.id, spec)
-    return list(seen.values())
+    """One instance of every plug-in's specs (default settings)."""
+    return [s for p in plugins() for s in p.specs()]
 
 
 def spec_for(
@@ -37,14 +163,85 @@ def spec_for(
     names: Sequence[str] | None = None,
     settings: Mapping[str, Any] | None = None,
 ) -> KernelSpec:
-    """The spec of `target` ('module:qualname', a canonical id such as
-    'deep_gemm:m_grouped_fp8_gemm_nt_contiguous', or a bare DeepGEMM function name), configured
-    with the library's recorded `settings`; a GenericSpec (positional `names`) for anything
-    else."""
-    index = _index()
-    spec = index.get(canonical_id(target)) or index.get(target)
-    if spec is None and ":" not in target and "." not in target:
-        spec = index.get(deepgemm_id(target))
+    """The spec of `target` ('module:qualname', a canonical id, or a bare function name a plug-in
+    knows), configured with the library's `settings`; a GenericSpec (positional `names`) for
+    anything else."""
+    from kdump.kernels.generic import GenericSpec
+
+    canon = canonical_id(target)
+    p = plugin(canon.partition(":")[0])
+    spec = p.spec(canon) if p is not None else None
     if spec is None:
         return GenericSpec(target, names)
     return spec.with_settings(settings)
+
+
+def recorded_state(
+    p: KernelPlugin, env: Mapping[str, Any], meta: Mapping[str, Any]
+) -> Mapping[str, Any] | None:
+    """A library's state when the call was recorded: the call's own, else the bundle's."""
+    per_call = (meta.get("library_state") or {}).get(p.name)
+    return per_call if per_call else (env.get("libraries") or {}).get(p.name)
+
+
+# --- backends -----------------------------------------------------------------------------------
+@lru_cache(maxsize=1)
+def _backend_index() -> dict[str, tuple[Backend, KernelPlugin | None]]:
+    from kdump.kernels.generic import LibraryBackend, ReferenceBackend
+
+    index: dict[str, tuple[Backend, KernelPlugin | None]] = {
+        "reference": (ReferenceBackend(), None),
+        "library": (LibraryBackend(), None),
+    }
+    for p in plugins():
+        try:
+            backends = list(p.backends())
+        except Exception as exc:
+            _skip(f"{p.name} backends", f"backends of plug-in {p.name!r} skipped: {exc}")
+            continue
+        for b in backends:
+            index.setdefault(b.name, (b, p))
+    return index
+
+
+def backend_names() -> tuple[str, ...]:
+    """Every `--backend` choice: auto, the generic ones, then each plug-in's."""
+    return ("auto", *_backend_index())
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return _backend_index()[name][0]
+    except KeyError:
+        raise UsageError(
+            f"unknown backend {name!r}; choose one of {', '.join(backend_names())}"
+        ) from None
+
+
+def backend_plugin(name: str) -> KernelPlugin | None:
+    """The plug-in that brings backend `name` (None for the generic ones)."""
+    entry = _backend_index().get(name)
+    return entry[1] if entry else None
+
+
+def auto_order(spec: KernelSpec) -> list[str]:
+    p = plugin(spec.library() or spec.id.partition(":")[0])
+    first = list(p.auto_order()) if p is not None else []
+    return [*first, *(g for g in GENERIC_BACKENDS if g not in first)]
+
+
+def choose_backend(name: str, spec: KernelSpec, device: torch.device) -> Backend:
+    """Resolve 'auto' (the spec's plug-in order, e.g. the installed library then the packaged
+    kernel on a GPU; then the reference; then the recorded target) and check that the chosen
+    backend can run here."""
+    if name != "auto":
+        backend = get_backend(name)
+        ok, why = backend.available(spec, device)
+        if not ok:
+            raise CannotRunError(f"backend {name} cannot run {spec.id} here: {why}")
+        return backend
+    index = _backend_index()
+    for cand in auto_order(spec):
+        if cand in index and index[cand][0].available(spec, device)[0]:
+            return index[cand][0]
+    raise CannotRunError(f"no backend can run {spec.id} on {device}")

@@ -4,8 +4,9 @@ Targets:
   'module:qualname'        any Python callable: function, method ('mod:Class.method', also static
                            and class methods), builtin / pybind function, callable object
   'torch.ops.ns.op'        a torch operator (also 'torch.ops.ns:op')
-  'deep_gemm'              preset: every DeepGEMM entry point and alias in each module of
-                           kdump.kernels.deepgemm.names.DEEPGEMM_MODULES, plus its global setters
+  a preset                 a kernel plug-in's target list (kdump.kernels.registry.presets), e.g.
+                           'deep_gemm': every DeepGEMM entry point and alias in each module that
+                           binds it, plus its global setters
 
 How a target is patched. A call is identified by the ORIGINAL OBJECT, never by its name:
   1. The object is looked up where the target names it and replaced there by a wrapper.
@@ -47,61 +48,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kdump.errors import UsageError
-from kdump.kernels.deepgemm import names as knames
+from kdump.kernels.plugin import TargetSpec
 from kdump.log import log_once
 
 # ---------------------------------------------------------------------------------------------
 # Targets
 
-PRESETS = ("deep_gemm",)
 
+def _presets() -> dict[str, tuple[TargetSpec, ...]]:
+    from kdump.kernels import registry
 
-@dataclass(frozen=True)
-class TargetSpec:
-    """One thing to patch: an attribute path inside a module (or torch.ops namespace)."""
-
-    module: str
-    qualname: str
-    id: str  # canonical id (kdump.kernels.deepgemm.names)
-    kind: str = "call"  # "call": recorded; "setter": only its latest arguments are kept
-    optional: bool = False  # preset members that a given build may lack: missing is not an error
-    output_names: tuple[str, ...] = ()  # parameters written in place (default outputs)
-    param_names: tuple[str, ...] | None = None  # positional parameter names, when known
-
-    @property
-    def text(self) -> str:
-        return f"{self.module}:{self.qualname}"
-
-    @property
-    def is_op(self) -> bool:
-        return self.module == "torch.ops" or self.module.startswith("torch.ops.")
-
-
-def _deep_gemm_specs() -> list[TargetSpec]:
-    out: list[TargetSpec] = []
-    for mod in knames.DEEPGEMM_MODULES:
-        for canon, aliases in knames.DEEPGEMM_ENTRY_POINTS.items():
-            for name in (canon, *aliases):
-                out.append(
-                    TargetSpec(
-                        mod,
-                        name,
-                        knames.deepgemm_id(name),
-                        optional=True,
-                        output_names=("d",),
-                        param_names=knames.deepgemm_params(canon),
-                    )
-                )
-        for setter in knames.DEEPGEMM_SETTERS:
-            out.append(TargetSpec(mod, setter, f"deep_gemm:{setter}", kind="setter", optional=True))
-    return out
+    return registry.presets()
 
 
 def parse_target(text: str) -> list[TargetSpec]:
     """Expand one target string (a preset or 'module:qualname' / 'torch.ops.ns.op')."""
     text = text.strip()
-    if text in PRESETS:
-        return _deep_gemm_specs()
+    presets = _presets()
+    if text in presets:
+        return list(presets[text])
     if text.startswith("torch.ops.") and ":" not in text:
         module, _, name = text.rpartition(".")
     else:
@@ -109,19 +74,15 @@ def parse_target(text: str) -> list[TargetSpec]:
         if not sep:
             raise UsageError(
                 f"target {text!r}: give 'module:qualname' (e.g. mypkg.ops:gemm), "
-                f"'torch.ops.<ns>.<op>', or a preset ({', '.join(PRESETS)})"
+                f"'torch.ops.<ns>.<op>', or a preset ({', '.join(presets)})"
             )
     if not module or not name or any(not p.isidentifier() for p in name.split(".")):
         raise UsageError(f"target {text!r}: {name!r} is not a valid qualified name")
     if module.startswith("torch.ops") and (module.count(".") != 2 or "." in name):
         raise UsageError(f"target {text!r}: torch operators are named torch.ops.<namespace>.<op>")
-    canon = knames.canonical_id(f"{module}:{name}")
-    outputs: tuple[str, ...] = ()
-    params = None
-    if canon.startswith("deep_gemm:") and canon.split(":", 1)[1] in knames.DEEPGEMM_ENTRY_POINTS:
-        outputs = ("d",)
-        params = knames.deepgemm_params(canon.split(":", 1)[1])
-    return [TargetSpec(module, name, canon, output_names=outputs, param_names=params)]
+    from kdump.kernels import registry
+
+    return [registry.target_spec(module, name)]
 
 
 def parse_targets(texts: str | Iterable[str]) -> list[TargetSpec]:

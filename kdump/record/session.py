@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kdump.errors import UsageError
-from kdump.kernels.deepgemm import state as deepgemm_state
+from kdump.kernels import registry as kernel_registry
 from kdump.log import log, log_once
 from kdump.record.config import RecordConfig
 from kdump.record.hooks import HookState, PatchSet, parse_targets
@@ -148,8 +148,7 @@ class Recording:
     def _on_setter(
         self, st: HookState, called_as: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        if st.id.startswith("deep_gemm:"):
-            deepgemm_state.note_setter(st.spec.qualname, args, kwargs)
+        kernel_registry.note_setter(st.id, st.spec.qualname, args, kwargs)
 
     def fail(self, st: HookState, what: str, exc: BaseException) -> None:
         """Log once and switch the target off; never raises."""

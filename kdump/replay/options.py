@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from kdump.errors import UsageError
-from kdump.kernels.backends import BACKEND_NAMES as BACKEND_NAMES  # plug-ins will name these
+from kdump.kernels.registry import backend_names
 
 MODES = ("eager", "graph", "sanitizer", "all")
 CHILD_MODES = ("eager", "graph")  # what one child process runs; the others combine them
@@ -59,7 +59,7 @@ class ReplayOptions:
 
     def __post_init__(self) -> None:
         _choice("mode", self.mode, MODES)
-        _choice("backend", self.backend, BACKEND_NAMES)
+        _choice("backend", self.backend, backend_names())
         _choice("placement", self.placement, PLACEMENTS)
         for tool in self.sanitizer.tools:
             _choice("sanitizer tool", tool, TOOLS)

@@ -12,9 +12,11 @@ import torch
 
 from kdump.bundle import Bundle, Call, MaterializedCall, load_bundle
 from kdump.bundle.tensors import Placement
-from kdump.errors import CannotRunError, UsageError
-from kdump.kernels.backends import DeepGemmBackend, choose_backend
-from kdump.kernels.plugin import Backend, GenericSpec, KernelSpec
+from kdump.errors import CannotRunError, ExitCode, KdumpError, UsageError
+from kdump.kernels import registry
+from kdump.kernels.generic import GenericSpec
+from kdump.kernels.registry import choose_backend
+from kdump.kernels.spec import Backend, KernelSpec
 from kdump.replay import halo
 from kdump.replay.compare import bitwise_diff, compare_to_reference, poison
 from kdump.replay.options import ReplayOptions
@@ -96,7 +98,15 @@ class Session:
         self.call: Call = self.bundle.call(req.call)
         spec = spec_for(self.call)
         # The recorded library settings (e.g. DeepGEMM's mk alignment) shape the contract.
-        self.spec = spec.with_settings((self.bundle.env.get("libraries") or {}).get(spec.library()))
+        self.plugin = registry.plugin_for(self.call.target)
+        self.library_state = (
+            registry.recorded_state(self.plugin, self.bundle.env, self.call.meta)
+            if self.plugin is not None
+            else None
+        )
+        if self.plugin is not None:
+            spec = spec.with_settings(self.plugin.settings(self.library_state))
+        self.spec = spec
         self.device = resolve_device(req.device, req.backend)
         self.verdict = Verdict(
             bundle=req.bundle,
@@ -222,9 +232,8 @@ class Session:
                 f"GPU architecture differs: recorded cc {rec_cc} ({env.get('gpu_name')}), "
                 f"here cc {here.major}.{here.minor} ({here.name})"
             )
-        if isinstance(self.backend, DeepGemmBackend):
-            recorded = (env.get("libraries") or {}).get("deep_gemm") or {}
-            for text in self.backend.apply_settings(recorded):
+        if self.plugin is not None:
+            for text in self.plugin.apply_state(self.library_state, self.device):
                 self.note(text)
 
     def output_indices(self, mc: MaterializedCall, bound: dict[str, Any]) -> dict[str, int]:
@@ -252,14 +261,12 @@ class Session:
         meta = self.call.meta
         env = self.bundle.env
         rec_backend = meta.get("backend") or (
-            "deep_gemm" if self.call.target.startswith("deep_gemm:") else "library"
+            (self.plugin.library_backend if self.plugin else None) or "library"
         )
         if rec_backend != self.backend.name:
             return False
-        if self.backend.name == "deep_gemm":
-            rec_version = ((env.get("libraries") or {}).get("deep_gemm") or {}).get("version")
-            if rec_version and rec_version != self.backend.version():
-                return False
+        if self.plugin is not None and not self.plugin.same_build(self.library_state, self.backend):
+            return False
         if self.device.type == "cuda":
             p = torch.cuda.get_device_properties(self.device)
             return env.get("compute_capability") == f"{p.major}.{p.minor}"
@@ -278,7 +285,12 @@ class Session:
             lines = str(exc).strip().splitlines()
             text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
             self.step(step, "error", text, dt)
-            self.finding("kernel_error", step, _describe_error(text), {"error": text})
+            # A backend's typed error (cannot run here, contract, kdump bug) keeps its exit code.
+            kind = _KIND_OF_CODE.get(int(exc.exit_code)) if isinstance(exc, KdumpError) else None
+            if kind is not None:
+                self.finding(kind, step, lines[0] if lines else text, {"error": text})
+            else:
+                self.finding("kernel_error", step, _describe_error(text), {"error": text})
             return None
         dt = time.perf_counter() - t0
         return dt
@@ -367,6 +379,14 @@ class Session:
                             f"{name} differs from the recorded output: {cmp.message}",
                             {"output": name, **cmp.metrics},
                         )
+
+
+_KIND_OF_CODE = {
+    int(ExitCode.CANNOT_RUN): "cannot_run",
+    int(ExitCode.CONTRACT): "contract",
+    int(ExitCode.INTERNAL): "internal",
+    int(ExitCode.USAGE): "usage",
+}
 
 
 def _describe_error(text: str) -> str:

@@ -38,6 +38,15 @@ DEEPGEMM_SETTERS: tuple[str, ...] = (
     "set_ignore_compile_dims",
     "set_block_size_multiple_of",
 )
+# setting name (the key recorded state and KernelSpec.with_settings use) -> its setter.
+DEEPGEMM_SETTINGS: dict[str, str] = {
+    "num_sms": "set_num_sms",
+    "tc_util": "set_tc_util",
+    "pdl": "set_pdl",
+    "mk_alignment": "set_mk_alignment_for_contiguous_layout",
+    "ignore_compile_dims": "set_ignore_compile_dims",
+    "block_size_multiple_of": "set_block_size_multiple_of",
+}
 DEEPGEMM_GETTERS: dict[str, str] = {
     "num_sms": "get_num_sms",
     "tc_util": "get_tc_util",
@@ -46,7 +55,7 @@ DEEPGEMM_GETTERS: dict[str, str] = {
 }
 
 # DeepGEMM's parameter names by entry-point family. Recording needs them without
-# importing torch (pybind bindings hide their signatures); the specs in kernels/deepgemm.py carry
+# importing torch (pybind bindings hide their signatures); the specs in deepgemm/specs.py carry
 # the same names with roles and defaults (a test keeps the two in step).
 DEEPGEMM_PARAMS: dict[str, tuple[str, ...]] = {
     "contiguous": (

@@ -49,12 +49,10 @@ from kdump.kernels.deepgemm.scales import (
     tma_aligned_size,
 )
 
-# DeepGEMM's global settings in the environment manifest: one provider, shared with recording
-# (importing it registers it).
-# DeepGEMM's global settings in the environment manifest: one provider, shared with recording
-# (importing it registers it); re-exported as `library_state`.
+# DeepGEMM's global settings in the environment manifest (the plug-in's state provider),
+# re-exported as `library_state`.
 from kdump.kernels.deepgemm.state import state as library_state  # noqa: F401
-from kdump.kernels.plugin import KernelSpec, Mutation, Param, Role, Tolerance, Violation
+from kdump.kernels.spec import KernelSpec, Mutation, Param, Role, Tolerance, Violation
 
 DEFAULT_MK_ALIGNMENT = 128
 FP8_BLOCK_K = 128  # DeepGEMM's FP8 kernels step K by 128 with one scale per block
@@ -179,8 +177,15 @@ class _MGroupedSpec(KernelSpec):
             return None, None
         return v[0], v[1]
 
+    def check_operands(self, bound: Mapping[str, Any]) -> list[Violation]:
+        """The structural contract every implementation of this signature shares (pairs, dtypes,
+        ranks, shapes, majors, A/B TMA alignment, the routing tensor, scalars), without
+        DeepGEMM's own limits (K in whole 128-blocks, recipes, its scale and D layouts). Reads
+        no tensor values, so it is safe during CUDA-graph capture."""
+        return self._analyse(bound, self.mk_alignment, library_limits=False)[1]
+
     def _analyse(
-        self, bound: Mapping[str, Any], alignment: int
+        self, bound: Mapping[str, Any], alignment: int, library_limits: bool = True
     ) -> tuple[_Call | None, list[Violation]]:
         out: list[Violation] = []
         a, sfa = self._operand(bound, "a", out)
@@ -234,7 +239,7 @@ class _MGroupedSpec(KernelSpec):
             out.append(Violation(an, f"has {a.shape[0]} groups, b has {groups}"))
         if groups <= 0 or n <= 0 or k <= 0:
             out.append(Violation(bn, f"empty problem: G = {groups}, N = {n}, K = {k}"))
-        if self.fp8 and k % FP8_BLOCK_K:
+        if library_limits and self.fp8 and k % FP8_BLOCK_K:
             out.append(
                 Violation(
                     an,
@@ -242,7 +247,7 @@ class _MGroupedSpec(KernelSpec):
                     f"{FP8_BLOCK_K}-element blocks with one scale each",
                 )
             )
-        self._check_layout(an, a, b_nt, bn, d, out)
+        self._check_layout(an, a, b_nt, bn, d, out, library_limits)
 
         per_group = self.masked or bound.get("use_psum_layout") is True
         want_r, rdesc = (groups, "[G]") if per_group else (m, "[M]")
@@ -256,7 +261,7 @@ class _MGroupedSpec(KernelSpec):
         self._check_scalars(bound, out)
         gran_a = _Granularity(1, FP8_BLOCK_K)
         gran_b = _Granularity(1, FP8_BLOCK_K)
-        if self.fp8 and sfa is not None and sfb is not None:
+        if library_limits and self.fp8 and sfa is not None and sfb is not None:
             grans = _resolve_recipe(bound, sfa, sfb, out)
             if grans is not None:
                 gran_a, gran_b = grans
@@ -290,8 +295,10 @@ class _MGroupedSpec(KernelSpec):
         bn: str,
         d: torch.Tensor,
         out: list[Violation],
+        library_limits: bool = True,
     ) -> None:
-        """Majors and TMA alignment: 16-byte aligned base addresses and non-unit strides."""
+        """Majors and TMA alignment: 16-byte aligned base addresses and non-unit strides (D's
+        only with `library_limits`: DeepGEMM stores D with TMA)."""
         if a.stride(-1) != 1:
             out.append(Violation(an, f"must be K-major (stride(-1) = 1), strides {a.stride()}"))
         if b_nt.stride(-1) != 1 and b_nt.stride(-2) != 1:
@@ -299,7 +306,8 @@ class _MGroupedSpec(KernelSpec):
             out.append(Violation(bn, f"must be {major}, strides {b_nt.stride()}"))
         if d.stride(-1) != 1:
             out.append(Violation("d", f"must be row-major (stride(-1) = 1), strides {d.stride()}"))
-        for name, t in ((an, a), (bn, b_nt), ("d", d)):
+        tma = ((an, a), (bn, b_nt), ("d", d)) if library_limits else ((an, a), (bn, b_nt))
+        for name, t in tma:
             esize = t.element_size()
             if t.data_ptr() % TMA_BYTES:
                 out.append(

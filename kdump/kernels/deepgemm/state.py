@@ -1,7 +1,7 @@
 """DeepGEMM's process-global settings, for the environment manifest of every bundle.
 
-Registered as envinfo's "deep_gemm" state provider when this module is imported (the recorder
-imports it). It never imports DeepGEMM: when no binding module is loaded it reports nothing.
+The DeepGEMM plug-in's state provider (kdump.kernels.deepgemm.plugin). It never imports
+DeepGEMM: when no binding module is loaded it reports nothing.
 Reported: the getters of kdump.kernels.deepgemm.names.DEEPGEMM_GETTERS that exist, the library's
 `__version__` and `__file__`, and the latest arguments of every hooked setter (setters without a
 getter, such as `set_ignore_compile_dims`, are only known this way).
@@ -13,7 +13,6 @@ import sys
 import threading
 from typing import Any
 
-from kdump import envinfo
 from kdump.kernels.deepgemm.names import DEEPGEMM_GETTERS, DEEPGEMM_MODULES
 
 # setter name -> latest value seen (JSON-safe), process-global; written by the setter hooks.
@@ -78,6 +77,3 @@ def state() -> dict[str, Any] | None:
             out[key] = {"error": f"{type(exc).__name__}: {exc}"}
     out["setters"] = seen
     return out
-
-
-envinfo.register_state_provider("deep_gemm", state)

@@ -30,7 +30,9 @@ Semantics implemented (what a replay against this kernel can rely on):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from kdump.errors import ContractViolation
 
 from .build import PackagedKernelError
 from .launch import KdParams, encode_tma_3d, get_module, launch_gemm, launch_plan
@@ -39,8 +41,6 @@ if TYPE_CHECKING:
     import torch
 
     from .configs import TileConfig
-
-GROUP_ALIGN = 128  # DeepGEMM's mk alignment for contiguous layouts
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -79,56 +79,37 @@ def is_available() -> tuple[bool, str]:
 # ----------------------------------------------------------------------------- argument checks
 
 
-def _fail(msg: str) -> None:
-    raise ValueError(f"packaged grouped GEMM: {msg}")
+def _fail(msg: str) -> NoReturn:
+    raise ContractViolation(f"packaged grouped GEMM: {msg}")
 
 
-def _check_fp8(name: str, t: torch.Tensor, ndim: int) -> None:
-    import torch
+def _check_contract(function: str, bound: dict[str, Any]) -> None:
+    """The structural contract this kernel shares with DeepGEMM's signature (the spec's)."""
+    from kdump.kernels.deepgemm.plugin import PLUGIN
 
-    if not isinstance(t, torch.Tensor):
-        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.float8_e4m3fn:
-        _fail(f"{name} must be float8_e4m3fn, got {t.dtype}")
-    if t.dim() != ndim:
-        _fail(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    if not t.is_cuda:
-        _fail(f"{name} must be on a CUDA device")
-    if t.stride(-1) != 1:
-        _fail(f"{name} must be K-major (stride(-1) == 1), got strides {t.stride()}")
-    for i in range(ndim - 1):
-        if t.size(i) > 1 and t.stride(i) % 16:
-            _fail(f"{name}.stride({i}) = {t.stride(i)} bytes is not a multiple of 16 (TMA)")
-    if t.data_ptr() % 16:
-        _fail(f"{name} base address is not 16-byte aligned (TMA)")
+    spec = PLUGIN.spec(f"deep_gemm:{function}")
+    violations = spec.check_operands(bound) if spec is not None else []
+    if violations:
+        _fail("; ".join(str(v) for v in violations[:3]))
 
 
-def _check_int32(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
-    import torch
-
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
-        _fail(f"{name} must be an int32 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
-    if tuple(t.shape) != shape:
-        _fail(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if t.device != device:
-        _fail(f"{name} is on {t.device}, expected {device}")
-    if t.numel() > 1 and t.stride(0) != 1:
-        _fail(f"{name} must be contiguous, got stride {t.stride()}")
+def _check_cuda(dev: torch.device, tensors: dict[str, torch.Tensor]) -> None:
+    if dev.type != "cuda":
+        _fail("a must be on a CUDA device")
+    for name, t in tensors.items():
+        if t.device != dev:
+            _fail(f"{name} is on {t.device}, expected {dev}")
 
 
-def _check_d(d: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
-    import torch
+def _check_b_k_major(b: torch.Tensor) -> None:
+    # The spec also allows N-major B for NT; this kernel's TMA box reads K-major rows.
+    if b.stride(-1) != 1:
+        _fail(f"b must be K-major (stride(-1) == 1), got strides {b.stride()}")
 
-    if not isinstance(d, torch.Tensor) or d.dtype != torch.bfloat16:
-        _fail(f"d must be a bfloat16 tensor, got {getattr(d, 'dtype', type(d).__name__)}")
-    if tuple(d.shape) != shape:
-        _fail(f"d must have shape {shape}, got {tuple(d.shape)}")
-    if d.device != device:
-        _fail(f"d is on {d.device}, expected {device}")
-    if d.stride(-1) != 1:
-        _fail(f"d must be row-major (stride(-1) == 1), got strides {d.stride()}")
+
+def _check_d_words(d: torch.Tensor) -> None:
     # bf16 pairs are stored as 4-byte words.
-    if d.data_ptr() % 4 or any(d.stride(i) % 2 for i in range(d.dim() - 1)) or shape[-1] % 2:
+    if d.data_ptr() % 4 or any(d.stride(i) % 2 for i in range(d.dim() - 1)) or d.size(-1) % 2:
         _fail("d needs a 4-byte aligned base, even row strides and an even N")
 
 
@@ -136,9 +117,6 @@ def _scale_format(sfa: torch.Tensor, sfb: torch.Tensor) -> bool:
     """True for packed UE8M0 (int32), False for SM90 fp32."""
     import torch
 
-    for name, t in (("a scale", sfa), ("b scale", sfb)):
-        if not isinstance(t, torch.Tensor):
-            _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if sfa.dtype == torch.float32 and sfb.dtype == torch.float32:
         return False
     if sfa.dtype == torch.int32 and sfb.dtype == torch.int32:
@@ -147,7 +125,6 @@ def _scale_format(sfa: torch.Tensor, sfb: torch.Tensor) -> bool:
         f"scales must both be float32 (SM90 format) or both int32 (packed UE8M0), "
         f"got {sfa.dtype} and {sfb.dtype}"
     )
-    return False  # unreachable
 
 
 _MAX_SCALE_STRIDE = 1 << 24
@@ -177,12 +154,6 @@ def _check_recipe(recipe: Any, recipe_a: Any, recipe_b: Any, ue8m0: bool) -> Non
     ok_b = {None, (1, 128)} if ue8m0 else {None, (128, 128)}
     if norm(recipe_b) not in ok_b:
         _fail(f"recipe_b {recipe_b} does not match the {'UE8M0' if ue8m0 else 'fp32'} scales")
-
-
-def _unpack(name: str, pair: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-        _fail(f"{name} must be a (fp8 tensor, scale tensor) pair")
-    return pair[0], pair[1]
 
 
 # ----------------------------------------------------------------------------- launch plumbing
@@ -275,21 +246,17 @@ def _prepare_contiguous(
     recipe_b: Any,
     use_psum_layout: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool, KdParams]:
-    a_fp8, sfa = _unpack("a", a)
-    b_fp8, sfb = _unpack("b", b)
-    _check_fp8("a", a_fp8, 2)
-    _check_fp8("b", b_fp8, 3)
+    _check_contract(
+        "m_grouped_fp8_gemm_nt_contiguous",
+        dict(a=a, b=b, d=d, grouped_layout=grouped_layout, use_psum_layout=use_psum_layout),
+    )
+    (a_fp8, sfa), (b_fp8, sfb) = a, b
     m, k = a_fp8.shape
-    g, n, kb_ = b_fp8.shape
-    if kb_ != k:
-        _fail(f"K mismatch: a has K={k}, b has K={kb_}")
-    if g < 1 or n < 1 or k < 1:
-        _fail(f"empty problem: G={g}, N={n}, K={k}")
+    g, n, _ = b_fp8.shape
     dev = a_fp8.device
-    if b_fp8.device != dev:
-        _fail(f"a is on {dev}, b on {b_fp8.device}")
-    _check_d(d, (m, n), dev)
-    _check_int32("grouped_layout", grouped_layout, (g,) if use_psum_layout else (m,), dev)
+    _check_cuda(dev, {"b": b_fp8, "d": d, "grouped_layout": grouped_layout})
+    _check_b_k_major(b_fp8)
+    _check_d_words(d)
     ue8m0 = _scale_format(sfa, sfb)
     _check_recipe(recipe, recipe_a, recipe_b, ue8m0)
     if ue8m0:
@@ -353,23 +320,17 @@ def m_grouped_fp8_gemm_nt_masked(
     disable_ue8m0_cast: bool = False,
 ) -> None:
     """d[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g]^T with block scales; other rows untouched."""
-    a_fp8, sfa = _unpack("a", a)
-    b_fp8, sfb = _unpack("b", b)
-    _check_fp8("a", a_fp8, 3)
-    _check_fp8("b", b_fp8, 3)
+    _check_contract(
+        "m_grouped_fp8_gemm_nt_masked",
+        dict(a=a, b=b, d=d, masked_m=masked_m, expected_m=expected_m),
+    )
+    (a_fp8, sfa), (b_fp8, sfb) = a, b
     g, max_m, k = a_fp8.shape
-    gb, n, kb_ = b_fp8.shape
-    if gb != g or kb_ != k:
-        _fail(f"shape mismatch: a is {tuple(a_fp8.shape)}, b is {tuple(b_fp8.shape)}")
-    if g < 1 or n < 1 or k < 1:
-        _fail(f"empty problem: G={g}, N={n}, K={k}")
+    n = b_fp8.shape[1]
     dev = a_fp8.device
-    if b_fp8.device != dev:
-        _fail(f"a is on {dev}, b on {b_fp8.device}")
-    _check_d(d, (g, max_m, n), dev)
-    _check_int32("masked_m", masked_m, (g,), dev)
-    if not isinstance(expected_m, int):
-        _fail(f"expected_m must be an int, got {type(expected_m).__name__}")
+    _check_cuda(dev, {"b": b_fp8, "d": d, "masked_m": masked_m})
+    _check_b_k_major(b_fp8)
+    _check_d_words(d)
     ue8m0 = _scale_format(sfa, sfb)
     _check_recipe(recipe, recipe_a, recipe_b, ue8m0)
     kdiv = 512 if ue8m0 else 128

@@ -17,6 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kdump import config
+from kdump.errors import CannotRunError, InternalError
+
 from .configs import TileConfig
 
 SOURCE_NAME = "grouped_gemm.cu"
@@ -36,15 +39,19 @@ KERNEL_NAMES: tuple[str, ...] = (
 )
 
 
-class PackagedKernelError(RuntimeError):
-    """The packaged kernel cannot be built or launched here; the message says what to do."""
+class PackagedKernelError(CannotRunError):
+    """The packaged kernel cannot be built or launched here (NVRTC, headers or driver missing or
+    too old); the message says what to do."""
+
+
+class PackagedSourceError(InternalError):
+    """kdump's own CUDA source does not compile: a bug in kdump, not in this machine."""
 
 
 def cache_dir() -> Path:
     """Where cubins are cached: $KDUMP_CACHE_DIR/sm120, default ~/.cache/kdump/sm120."""
-    root = os.environ.get(CACHE_ENV_VAR)
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "kdump"
-    return base / "sm120"
+    root = config.get(CACHE_ENV_VAR) or str(Path.home() / ".cache" / "kdump")
+    return Path(root).expanduser() / "sm120"
 
 
 def kernel_source() -> str:
@@ -78,8 +85,9 @@ def cuda_include_dir() -> Path:
         for loc in spec.submodule_search_locations:
             candidates += [Path(loc) / "cu13" / "include", Path(loc) / "cuda_runtime" / "include"]
     for var in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var):
-            candidates.append(Path(os.environ[var]) / "include")
+        root = config.get(var)
+        if root:
+            candidates.append(Path(root) / "include")
     candidates.append(Path("/usr/local/cuda/include"))
     for inc in candidates:
         if (inc / "cuda_bf16.h").is_file() and (inc / "cccl" / "cuda" / "std").is_dir():
@@ -195,8 +203,9 @@ def build_cubin(req: BuildRequest, use_cache: bool = True) -> BuildResult:
         obj = Program(source, "c++", opts).compile("cubin", logs=None)
     except Exception as exc:
         first = str(exc).strip().splitlines()
-        raise PackagedKernelError(
-            f"NVRTC failed to compile {SOURCE_NAME} for {req.arch}: "
+        raise PackagedSourceError(
+            f"NVRTC failed to compile kdump's {SOURCE_NAME} for {req.arch} (a kdump bug; report "
+            "it with this line): "
             f"{' | '.join(first[:6]) if first else type(exc).__name__}"
         ) from exc
     seconds = time.perf_counter() - t0

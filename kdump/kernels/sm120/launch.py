@@ -64,13 +64,18 @@ def _driver():
     return driver
 
 
+class PackagedLaunchError(RuntimeError):
+    """A CUDA driver call of the packaged kernel failed (a kernel error, e.g. an illegal address
+    left sticky by an earlier launch), not a missing prerequisite."""
+
+
 def _check(result: Any, what: str) -> Any:
     """cuda.bindings returns (CUresult, *values); raise on error, return the values."""
     driver = _driver()
     err, *rest = result if isinstance(result, tuple) else (result,)
     if err != driver.CUresult.CUDA_SUCCESS:
         _, name = driver.cuGetErrorName(err)
-        raise PackagedKernelError(f"{what} failed: {name.decode() if name else err}")
+        raise PackagedLaunchError(f"{what} failed: {name.decode() if name else err}")
     if not rest:
         return None
     return rest[0] if len(rest) == 1 else tuple(rest)

@@ -83,3 +83,7 @@ get_num_sms = PybindLike("get_num_sms", _getter("num_sms"))
 set_tc_util = PybindLike("set_tc_util", _setter("tc_util"))
 get_tc_util = PybindLike("get_tc_util", _getter("tc_util"))
 set_ignore_compile_dims = PybindLike("set_ignore_compile_dims", _setter("ignore_compile_dims"))
+# A setter without a getter here (as in builds whose getter is not exported).
+set_mk_alignment_for_contiguous_layout = PybindLike(
+    "set_mk_alignment_for_contiguous_layout", _setter("mk_alignment")
+)

@@ -7,6 +7,7 @@ from deep_gemm._C import (
     get_tc_util,
     m_grouped_fp8_fp4_gemm_nt_contiguous,
     set_ignore_compile_dims,
+    set_mk_alignment_for_contiguous_layout,
     set_num_sms,
     set_tc_util,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "m_grouped_fp8_fp4_gemm_nt_contiguous",
     "m_grouped_fp8_gemm_nt_contiguous",
     "set_ignore_compile_dims",
+    "set_mk_alignment_for_contiguous_layout",
     "set_num_sms",
     "set_tc_util",
 ]

@@ -1,0 +1,75 @@
+"""The "deep_gemm" backend: the installed DeepGEMM, imported from any module that binds it."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kdump.errors import CannotRunError
+from kdump.kernels.deepgemm.names import DEEPGEMM_ENTRY_POINTS, DEEPGEMM_MODULES
+from kdump.kernels.spec import Backend, KernelSpec
+
+
+def _function_name(spec: KernelSpec) -> str:
+    return spec.id.partition(":")[2]
+
+
+def _is_deepgemm(spec: KernelSpec) -> bool:
+    return spec.library() == "deep_gemm"
+
+
+def import_deep_gemm() -> Any:
+    errors = []
+    for mod in DEEPGEMM_MODULES:
+        try:
+            return importlib.import_module(mod)
+        except ImportError as exc:
+            errors.append(f"{mod}: {exc}")
+        except Exception as exc:  # a broken build (torch ABI mismatch) raises other errors
+            errors.append(f"{mod}: {type(exc).__name__}: {exc}")
+    raise CannotRunError(
+        "DeepGEMM is not importable here (" + "; ".join(errors)[:300] + "); install the build "
+        "the bundle was recorded with, or use --backend packaged / reference"
+    )
+
+
+class DeepGemmBackend(Backend):
+    """The installed DeepGEMM, resolved by the canonical name or any alias it exports."""
+
+    name = "deep_gemm"
+
+    def available(self, spec: KernelSpec, device: torch.device) -> tuple[bool, str]:
+        if not _is_deepgemm(spec):
+            return False, f"{spec.id} is not a DeepGEMM entry point"
+        if device.type != "cuda":
+            return False, "DeepGEMM needs a CUDA GPU"
+        try:
+            self._function(spec)
+        except CannotRunError as exc:
+            return False, str(exc)
+        return True, ""
+
+    def _function(self, spec: KernelSpec) -> Callable[..., Any]:
+        module = import_deep_gemm()
+        name = _function_name(spec)
+        for cand in (name, *DEEPGEMM_ENTRY_POINTS.get(name, ())):
+            fn = getattr(module, cand, None)
+            if fn is not None:
+                return fn
+        raise CannotRunError(
+            f"the installed DeepGEMM ({getattr(module, '__version__', '?')}) has no {name} or any "
+            "of its aliases; use --backend packaged or reference"
+        )
+
+    def resolve(self, spec: KernelSpec, target: str) -> Callable[..., Any]:
+        return self._function(spec)
+
+    def version(self) -> str | None:
+        try:
+            mod = import_deep_gemm()
+        except CannotRunError:
+            return None
+        return str(getattr(mod, "__version__", "unknown"))

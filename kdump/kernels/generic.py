@@ -1,0 +1,89 @@
+"""What every target has without a plug-in of its own: the generic spec, the "library" backend
+(runs the recorded target itself) and the "reference" backend (runs any spec's torch reference)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kdump.errors import CannotRunError, UsageError
+from kdump.kernels.spec import Backend, KernelSpec
+
+
+class GenericSpec(KernelSpec):
+    """Any target without a dedicated spec: no reference; outputs are the tensors the bundle
+    recorded after the call (or none)."""
+
+    def __init__(self, target: str, names: Sequence[str] | None = None) -> None:
+        self.id = target
+        self._names = list(names or [])
+
+    def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        bound = {
+            (self._names[i] if i < len(self._names) else f"args[{i}]"): a
+            for i, a in enumerate(args)
+        }
+        bound.update(kwargs)
+        return bound
+
+
+class ReferenceBackend(Backend):
+    """The spec's torch reference, written into the outputs' meaningful elements only (elements
+    the kernel does not promise to write are left untouched, as on SM120)."""
+
+    name = "reference"
+
+    def available(self, spec: KernelSpec, device: torch.device) -> tuple[bool, str]:
+        if not spec.has_reference():
+            return False, f"{spec.id} has no torch reference; use --backend library"
+        return True, ""
+
+    def resolve(self, spec: KernelSpec, target: str) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> None:
+            bound = spec.bind(args, kwargs)
+            expected = spec.reference(bound)
+            for name, value in expected.items():
+                out = bound[name]
+                mask = spec.meaningful(bound, name)
+                value = value.to(out.device, out.dtype)
+                if mask is None:
+                    out.copy_(value)
+                else:
+                    out.copy_(torch.where(mask.to(out.device).expand(out.shape), value, out))
+
+        return run
+
+    def version(self) -> str | None:
+        return f"torch {torch.__version__}"
+
+
+class LibraryBackend(Backend):
+    """The recorded target itself, imported by its 'module:qualname' (generic targets)."""
+
+    name = "library"
+
+    def available(self, spec: KernelSpec, device: torch.device) -> tuple[bool, str]:
+        return True, ""
+
+    def resolve(self, spec: KernelSpec, target: str) -> Callable[..., Any]:
+        module, _, qualname = target.partition(":")
+        if not qualname:
+            raise UsageError(f"target {target!r} is not 'module:qualname'")
+        if module.startswith("torch.ops."):
+            obj: Any = torch.ops
+            parts = [*module.split(".")[2:], *qualname.split(".")]
+        else:
+            try:
+                obj = importlib.import_module(module)
+            except ImportError as exc:
+                raise CannotRunError(f"cannot import {module} to replay {target}: {exc}") from None
+            parts = qualname.split(".")
+        for part in parts:
+            try:
+                obj = getattr(obj, part)
+            except AttributeError:
+                raise CannotRunError(f"{target}: {part!r} not found in the installed {module}")
+        return obj
