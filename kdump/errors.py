@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from enum import IntEnum
+from enum import Enum, IntEnum
 
 
 class ExitCode(IntEnum):
@@ -49,10 +49,30 @@ class UsageError(KdumpError):
     exit_code = ExitCode.USAGE
 
 
+class BundleErrorKind(str, Enum):
+    """What is wrong with a bundle (tests and callers match this, not the message)."""
+
+    INVALID = "invalid"  # generic
+    NOT_FOUND = "not-found"  # no such file, a directory, unreadable
+    NOT_A_BUNDLE = "not-a-bundle"
+    TRUNCATED = "truncated"
+    BAD_HEADER = "bad-header"
+    UNSUPPORTED_VERSION = "unsupported-version"
+    SCHEMA = "schema"  # a field missing, mistyped, out of range or inconsistent
+    UNKNOWN_SOURCE = "unknown-source"
+    CHECKSUM = "checksum"
+    MISSING_BLOB = "missing-blob"
+    LIMIT = "limit"  # over a size limit of the format
+
+
 class BundleError(KdumpError):
     """The bundle is unreadable, corrupt, or not something this reader can trust."""
 
     exit_code = ExitCode.USAGE
+
+    def __init__(self, message: str, kind: BundleErrorKind = BundleErrorKind.INVALID) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class CannotRunError(KdumpError):

@@ -17,9 +17,9 @@ from kdump.bundle.tensors import (
     group_storages,
     locate_address,
     materialize,
-    validate_records,
     view_byte_extent,
 )
+from kdump.bundle.validate import validate_records
 from kdump.errors import BundleError
 
 GEN = torch.Generator().manual_seed(1234)

@@ -347,11 +347,7 @@ class SyncRecorder:
     ) -> Any:
         from kdump.bundle import argtree, capture_call
 
-        tensors: list[Any] = []
-        for a in args:
-            argtree.encode(a, tensors)
-        for v in kwargs.values():
-            argtree.encode(v, tensors)
+        tensors = argtree.tensors_in(*args, *kwargs.values())
         capturing, stream = _cuda_state(tensors)
         names = st.names()
         pos_names = list(names[: len(args)]) if names and len(names) >= len(args) else None
@@ -385,8 +381,12 @@ class SyncRecorder:
                 "tensors": [asdict(r) for r in records],
             },
         )
-        ph_args = tuple(_placeholders(a, tensors) for a in args)
-        ph_kwargs = {k: _placeholders(v, tensors) for k, v in kwargs.items()}
+
+        def placeholder(t: Any) -> TensorPlaceholder:
+            return TensorPlaceholder(next(k for k, x in enumerate(tensors) if x is t), t)
+
+        ph_args = argtree.map_tensors(tuple(args), placeholder)
+        ph_kwargs = argtree.map_tensors(dict(kwargs), placeholder)
         return capture_call(
             st.id, ph_args, ph_kwargs, called_as=called_as, names=pos_names, meta=meta
         )
@@ -506,23 +506,6 @@ def _cuda_state(tensors: Sequence[Any]) -> tuple[bool, int | None]:
     )
 
 
-def _placeholders(value: Any, tensors: list[Any], depth: int = 0) -> Any:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        i = next(k for k, t in enumerate(tensors) if t is value)
-        return TensorPlaceholder(i, value)
-    if depth > 32:
-        return value
-    if isinstance(value, tuple):
-        return tuple(_placeholders(v, tensors, depth + 1) for v in value)
-    if isinstance(value, list):
-        return [_placeholders(v, tensors, depth + 1) for v in value]
-    if isinstance(value, dict):
-        return {k: _placeholders(v, tensors, depth + 1) for k, v in value.items()}
-    return value
-
-
 def output_indices(
     outputs: str | tuple[str | int, ...],
     spec: TargetSpec | None,
@@ -548,9 +531,7 @@ def output_indices(
             objs.append(args[names.index(w)])
     from kdump.bundle import argtree
 
-    found: list[Any] = []
-    for o in objs:
-        argtree.encode(o, found)
+    found = argtree.tensors_in(*objs)
     return [i for i, t in enumerate(live) if any(t is f for f in found)]
 
 
@@ -786,7 +767,9 @@ def dump_call(
             "trigger": "dump_call",
             "library_state": envinfo.library_state(),
         }
-        tensors = [t for t in _walk_tensors((args, kwargs))]
+        from kdump.bundle import argtree
+
+        tensors = argtree.tensors_in(args, kwargs)
         capturing, stream = _cuda_state(tensors)
         if capturing:
             raise UsageError("dump_call cannot read tensors during CUDA-graph capture")
@@ -822,14 +805,6 @@ def _save_one(path: Any, call: Any, save_calls: Callable[..., Any]) -> None:
         save_calls(Path(path), [call], env=envinfo.collect(), info={"recorder": "dump_call"})
     except Exception as exc:
         log(f"dump_call: cannot write {path} ({type(exc).__name__}: {exc})")
-
-
-def _walk_tensors(value: Any) -> list[Any]:
-    from kdump.bundle import argtree
-
-    found: list[Any] = []
-    argtree.encode(value, found)
-    return found
 
 
 def _callable_text(fn: Any) -> str:
