@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import struct
+from enum import Enum
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 from kdump.bundle.format import (
     FORMAT_NAME,
@@ -32,11 +33,18 @@ from kdump.errors import BundleErrorKind as K
 _STORAGE_INTS = ("base_ptr", "storage_nbytes", "span_start", "span_nbytes")
 _STORAGE_FIELDS = {1: {"device", "blob", *_STORAGE_INTS}}
 _STORAGE_FIELDS[2] = _STORAGE_FIELDS[1] | {"source"}
+E = TypeVar("E", bound=Enum)
+_BLOB_FIELDS = {"nbytes", "where", "checksum"}
 _SHA_DIGITS = frozenset("0123456789abcdef")
 
 
 def is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _member(kind: type[E], x: object) -> E | None:
+    """The member of a str enum spelled `x`, or None (for any other value or type)."""
+    return kind._value2member_map_.get(x) if isinstance(x, str) else None  # type: ignore[return-value]
 
 
 def read_header(f: BinaryIO, size: int, path: Path) -> tuple[bytes, int]:
@@ -143,26 +151,26 @@ class _Parser:
         )
 
     def blob(self, sha: str, info: Any, version: int) -> BlobRecord:
+        where = _member(Where, info.get("where")) if isinstance(info, dict) else None
         ok = (
-            isinstance(info, dict)
+            where is not None
             and is_int(info.get("nbytes"))
             and info["nbytes"] >= 0
-            and info.get("where") in {w.value for w in Where}
             and len(sha) == 64
             and set(sha) <= _SHA_DIGITS
-            and set(info)
-            <= ({"nbytes", "where", "checksum"} if version >= 2 else {"nbytes", "where"})
+            and (version < 2 or set(info) <= _BLOB_FIELDS)  # version 1 tolerated extra fields
         )
         if not ok:
             raise self.fail("", f"malformed blob table entry {sha[:16]!r}")
         algo = info.get("checksum", Checksum.SHA256.value)
-        if algo not in {c.value for c in Checksum}:
+        checksum = _member(Checksum, algo)
+        if checksum is None:
             raise self.fail(
-                "", f"blob {sha[:12]}… uses checksum {algo!r}, unknown here; upgrade kdump-gpu"
+                "",
+                f"blob {sha[:12]}… uses checksum {str(algo)[:20]!r}, unknown here; "
+                "upgrade kdump-gpu",
             )
-        return BlobRecord(
-            nbytes=info["nbytes"], where=Where(info["where"]), checksum=Checksum(algo)
-        )
+        return BlobRecord(nbytes=info["nbytes"], where=where, checksum=checksum)
 
     def storages(self, raw: Any, where: str, version: int) -> tuple[StorageRecord, ...]:
         if not isinstance(raw, list):
@@ -178,17 +186,18 @@ class _Parser:
             extra = set(s) - _STORAGE_FIELDS[version]
             if extra:
                 raise self.fail(where, f"storage {j} has unknown fields {sorted(map(str, extra))}")
-            source = s.get("source", Source.BLOB.value)  # version 1 knows only blobs
-            if source not in {k.value for k in Source}:
+            raw_source = s.get("source", Source.BLOB.value)  # version 1 knows only blobs
+            source = _member(Source, raw_source)
+            if source is None:
                 raise self.fail(
                     where,
-                    f"storage {j} has source {str(source)[:40]!r}, unknown to this kdump "
+                    f"storage {j} has source {str(raw_source)[:40]!r}, unknown to this kdump "
                     f"(it reads {', '.join(k.value for k in Source)}); upgrade kdump-gpu",
                     K.UNKNOWN_SOURCE,
                 )
             out.append(
                 StorageRecord(
-                    **{k: s[k] for k in ("device", "blob", *_STORAGE_INTS)}, source=Source(source)
+                    **{k: s[k] for k in ("device", "blob", *_STORAGE_INTS)}, source=source
                 )
             )
         return tuple(out)
