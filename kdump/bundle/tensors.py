@@ -128,12 +128,10 @@ def group_storages(
     return storages, records
 
 
-def capture(tensors: Sequence[torch.Tensor], *, copy: bool = True) -> Captured:
+def capture(tensors: Sequence[torch.Tensor]) -> Captured:
     """Snapshot the storage spans that `tensors` cover, as CPU bytes.
 
-    Device tensors are copied to pinned host memory in one batch and synchronised once. With
-    `copy=False`, CPU spans are views of the live storage (only safe when nothing mutates them
-    before they are written).
+    Device tensors are copied to pinned host memory in one batch and synchronised once.
     """
     storages, records = group_storages(tensors)
     firsts: dict[int, torch.Tensor] = {}
@@ -144,7 +142,7 @@ def capture(tensors: Sequence[torch.Tensor], *, copy: bool = True) -> Captured:
     for idx, st in enumerate(storages):
         src = _byte_view(firsts[idx], st.span_start, st.span_nbytes)
         if src.device.type == "cpu":
-            data.append(src.clone() if copy else src)
+            data.append(src.clone())
         else:
             host = torch.empty(st.span_nbytes, dtype=torch.uint8, pin_memory=True)
             host.copy_(src, non_blocking=True)
