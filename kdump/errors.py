@@ -74,6 +74,9 @@ class BundleError(KdumpError):
         super().__init__(message)
         self.kind = kind
 
+    def __reduce__(self) -> tuple[type[BundleError], tuple[str, BundleErrorKind]]:
+        return type(self), (str(self), self.kind)  # the kind survives a worker process
+
 
 class CannotRunError(KdumpError):
     """This machine cannot run the request: no GPU, wrong architecture, library missing."""

@@ -701,3 +701,10 @@ def test_atomic_write_replaces_whole_or_not_at_all(tmp_path: Path) -> None:
     assert sorted(p.name for p in target.parent.iterdir()) == ["f.bin"]
     atomic_write(target, lambda f: f.write(payload[::-1]))
     assert target.read_bytes() == payload[::-1]
+
+
+def test_bundle_error_kind_survives_pickling() -> None:
+    import pickle
+
+    err = pickle.loads(pickle.dumps(BundleError("bad blob: re-record", K.CHECKSUM)))
+    assert (type(err), str(err), err.kind) == (BundleError, "bad blob: re-record", K.CHECKSUM)
