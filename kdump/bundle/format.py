@@ -1,6 +1,6 @@
 """The bundle format's constants and its manifest as frozen typed records (torch-free).
 
-A reader parses the manifest into these records once (`kdump.bundle.reader`), validates them in one
+A reader parses the manifest into these records once (`kdump.bundle.parse`), validates them in one
 pass (`kdump.bundle.validate`) and keeps them; the writer builds them and serialises them with
 `manifest_json`. docs/FORMAT.md is the normative description.
 """
