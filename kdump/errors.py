@@ -152,10 +152,33 @@ class UsageError(KdumpError):
     finding_kind = FindingKind.USAGE
 
 
+class BundleErrorKind(str, Enum):
+    """What is wrong with a bundle (tests and callers match this, not the message)."""
+
+    INVALID = "invalid"  # generic
+    NOT_FOUND = "not-found"  # no such file, a directory, unreadable
+    NOT_A_BUNDLE = "not-a-bundle"
+    TRUNCATED = "truncated"
+    BAD_HEADER = "bad-header"
+    UNSUPPORTED_VERSION = "unsupported-version"
+    SCHEMA = "schema"  # a field missing, mistyped, out of range or inconsistent
+    UNKNOWN_SOURCE = "unknown-source"
+    CHECKSUM = "checksum"
+    MISSING_BLOB = "missing-blob"
+    LIMIT = "limit"  # over a size limit of the format
+
+
 class BundleError(KdumpError):
     """The bundle is unreadable, corrupt, or not something this reader can trust."""
 
     finding_kind = FindingKind.BUNDLE
+
+    def __init__(self, message: str, kind: BundleErrorKind = BundleErrorKind.INVALID) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+    def __reduce__(self) -> tuple[type[BundleError], tuple[str, BundleErrorKind]]:
+        return type(self), (str(self), self.kind)  # the kind survives a worker process
 
 
 class CannotRunError(KdumpError):

@@ -27,6 +27,7 @@ from kdump.bundle import (
 from kdump.bundle.argtree import Opaque, RecordedEnum
 from kdump.bundle.tensors import ALIGN_MOD
 from kdump.errors import BundleError, KdumpError
+from kdump.errors import BundleErrorKind as K
 
 GEN = torch.Generator().manual_seed(99)
 
@@ -210,7 +211,7 @@ def test_public_api(tmp_path: Path) -> None:
     plain = capture_call("other:g", [rand((2,), torch.int32)])
     path = save_calls(tmp_path / "b.kdump", [rec, plain], env={"hostname": "h"}, info={"m": 1})
     b = kdump.load_bundle(path)
-    assert (b.version, len(b.calls), b.env["hostname"], b.info) == (1, 2, "h", {"m": 1})
+    assert (b.version, len(b.calls), b.env["hostname"], b.info) == (2, 2, "h", {"m": 1})
     c = b.calls[0]
     assert (c.target, c.called_as, c.meta, c.index) == ("deep_gemm:fn", "fn_alias", {"rank": 3}, 0)
     assert c.tensor_names == ["a[0]", "a[1]", "d"]
@@ -221,7 +222,7 @@ def test_public_api(tmp_path: Path) -> None:
     assert b.calls[1].outputs is None and b.call(1).target == "other:g"
     with pytest.raises(BundleError, match="no call 5"):
         b.call(5)
-    assert "kdump.Call" in repr(c) and "v1" in repr(b)
+    assert "kdump.Call" in repr(c) and "v2" in repr(b)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,7 +261,7 @@ def test_blob_store_shared_pack_and_missing_store(tmp_path: Path) -> None:
     shutil.copy(p1, moved)
     shutil.rmtree(cap / "blobs")
     b = load_bundle(packed)
-    assert all(info["where"] == "inline" for info in b.blobs.values())
+    assert [info.where.value for info in b.blobs.values()] == ["inline"] * len(b.blobs)
     assert_exact(b.calls[0].args[0], x1)
     assert_exact(b.calls[0].args[1], w)
     b.verify()
@@ -318,23 +319,23 @@ def test_truncated_and_lying_files(bundle_path: Path) -> None:
     raw = bundle_path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     cases = {
-        "empty": (b"", "too short"),
-        "seven": (raw[:7], "too short"),
-        "header cut": (raw[: 8 + n // 2], "header length"),
-        "data cut": (raw[:-10], "data section"),
-        "length too big": (struct.pack("<Q", n + 1000) + raw[8:], "header length"),
-        "length zero": (struct.pack("<Q", 0) + raw[8:], "header length"),
-        "length huge": (struct.pack("<Q", 2**63) + raw[8:], "header length"),
-        "length short": (struct.pack("<Q", n - 8) + raw[8:], "not valid JSON"),
-        "garbage": (b"\xff" * 64, "header length"),
-        "binary header": (struct.pack("<Q", 8) + b"\xff" * 8, "not valid JSON"),
-        "not object": (struct.pack("<Q", 8) + b"[1,2,3] ", "not a JSON object"),
+        "empty": (b"", "too short", K.TRUNCATED),
+        "seven": (raw[:7], "too short", K.TRUNCATED),
+        "header cut": (raw[: 8 + n // 2], "header length", K.TRUNCATED),
+        "data cut": (raw[:-10], "data section", K.TRUNCATED),
+        "length too big": (struct.pack("<Q", n + 1000) + raw[8:], "header length", K.TRUNCATED),
+        "length zero": (struct.pack("<Q", 0) + raw[8:], "header length", K.TRUNCATED),
+        "length huge": (struct.pack("<Q", 2**63) + raw[8:], "header length", K.TRUNCATED),
+        "length short": (struct.pack("<Q", n - 8) + raw[8:], "not valid JSON", K.BAD_HEADER),
+        "garbage": (b"\xff" * 64, "header length", K.TRUNCATED),
+        "binary header": (struct.pack("<Q", 8) + b"\xff" * 8, "not valid JSON", K.BAD_HEADER),
+        "not object": (struct.pack("<Q", 8) + b"[1,2,3] ", "not a JSON object", K.BAD_HEADER),
     }
-    for name, (content, match) in cases.items():
+    for content, match, kind in cases.values():
         bundle_path.write_bytes(content)
-        with pytest.raises(BundleError, match=match):
+        with pytest.raises(BundleError, match=match) as err:
             load_bundle(bundle_path)
-        assert name
+        assert err.value.kind is kind
 
 
 def test_plain_safetensors_file_is_not_a_bundle(tmp_path: Path) -> None:
@@ -352,7 +353,7 @@ def test_directory_and_missing_file(tmp_path: Path) -> None:
         load_bundle(tmp_path / "nope.kdump")
 
 
-def _mutations() -> dict[str, tuple[Any, str]]:
+def _mutations() -> dict[str, tuple[Any, str, K]]:
     def storage(c: dict, **kw: Any) -> None:
         c["calls"][0]["storages"][0].update(kw)
 
@@ -360,39 +361,53 @@ def _mutations() -> dict[str, tuple[Any, str]]:
         c["calls"][0]["tensors"][0].update(kw)
 
     return {
-        "version": (lambda m: m.update(version=2), "version 2 is not supported"),
-        "version str": (lambda m: m.update(version="1"), "not supported"),
-        "format": (lambda m: m.update(format="other"), "not a kdump manifest"),
-        "neg shape": (lambda m: tensor(m, shape=[-7, 14]), "negative or absurd"),
-        "huge shape": (lambda m: tensor(m, shape=[2**62, 14]), "negative or absurd"),
-        "huge stride": (lambda m: tensor(m, stride=[2**62, 1]), "negative or absurd"),
-        "float shape": (lambda m: tensor(m, shape=[7.0, 14]), "malformed"),
-        "outside span": (lambda m: tensor(m, shape=[9, 14]), "outside the stored span"),
-        "offset": (lambda m: tensor(m, storage_offset=100), "outside the stored span"),
-        "dtype": (lambda m: tensor(m, dtype="float128"), "unknown dtype 'float128'"),
-        "storage idx": (lambda m: tensor(m, storage=5), "does not exist"),
-        "span lie": (lambda m: storage(m, span_nbytes=4), "does not hold"),
-        "neg span": (lambda m: storage(m, span_start=-4), "malformed"),
-        "unknown blob": (lambda m: storage(m, blob="ab" * 32), "does not hold"),
-        "extra field": (lambda m: storage(m, color="red"), "unknown fields"),
-        "index": (lambda m: m["calls"][0].update(index=3), "out of order"),
-        "bad ref": (lambda m: m["calls"][0]["args"].append({"$tensor": 9}), "does not exist"),
-        "bad node": (lambda m: m["calls"][0]["args"].append({"$evil": 1}), "unknown node"),
+        "version": (
+            lambda m: m.update(version=3),
+            "version 3 is not supported",
+            K.UNSUPPORTED_VERSION,
+        ),
+        "version str": (lambda m: m.update(version="1"), "not supported", K.UNSUPPORTED_VERSION),
+        "format": (lambda m: m.update(format="other"), "not a kdump manifest", K.NOT_A_BUNDLE),
+        "neg shape": (lambda m: tensor(m, shape=[-7, 14]), "negative or absurd", K.LIMIT),
+        "huge shape": (lambda m: tensor(m, shape=[2**62, 14]), "negative or absurd", K.LIMIT),
+        "huge stride": (lambda m: tensor(m, stride=[2**62, 1]), "negative or absurd", K.LIMIT),
+        "float shape": (lambda m: tensor(m, shape=[7.0, 14]), "malformed", K.SCHEMA),
+        "outside span": (lambda m: tensor(m, shape=[9, 14]), "outside the stored span", K.SCHEMA),
+        "offset": (lambda m: tensor(m, storage_offset=100), "outside the stored span", K.SCHEMA),
+        "dtype": (lambda m: tensor(m, dtype="float128"), "unknown dtype 'float128'", K.SCHEMA),
+        "storage idx": (lambda m: tensor(m, storage=5), "does not exist", K.SCHEMA),
+        "span lie": (lambda m: storage(m, span_nbytes=4), "does not hold", K.MISSING_BLOB),
+        "neg span": (lambda m: storage(m, span_start=-4), "malformed", K.SCHEMA),
+        "unknown blob": (lambda m: storage(m, blob="ab" * 32), "does not hold", K.MISSING_BLOB),
+        "extra field": (lambda m: storage(m, color="red"), "unknown fields", K.SCHEMA),
+        "index": (lambda m: m["calls"][0].update(index=3), "out of order", K.SCHEMA),
+        "bad ref": (
+            lambda m: m["calls"][0]["args"].append({"$tensor": 9}),
+            "does not exist",
+            K.SCHEMA,
+        ),
+        "bad node": (
+            lambda m: m["calls"][0]["args"].append({"$evil": 1}),
+            "unknown node",
+            K.SCHEMA,
+        ),
         "blob nbytes": (
             lambda m: [v.update(nbytes=v["nbytes"] + 1) for v in m["blobs"].values()],
             "listed inline but not stored",
+            K.MISSING_BLOB,
         ),
-        "calls": (lambda m: m.update(calls={}), "lacks its blob table"),
-        "env": (lambda m: m.update(env=[]), "not an object"),
+        "calls": (lambda m: m.update(calls={}), "lacks its blob table", K.SCHEMA),
+        "env": (lambda m: m.update(env=[]), "not an object", K.SCHEMA),
     }
 
 
 @pytest.mark.parametrize("case", list(_mutations()))
 def test_manifest_mutations_raise_bundle_error(bundle_path: Path, case: str) -> None:
-    fn, match = _mutations()[case]
+    fn, match, kind = _mutations()[case]
     edit_manifest(bundle_path, fn)
-    with pytest.raises(BundleError, match=match):
+    with pytest.raises(BundleError, match=match) as err:
         load_bundle(bundle_path)
+    assert err.value.kind is kind
 
 
 def test_offsets_past_end(bundle_path: Path) -> None:
@@ -425,15 +440,15 @@ def test_duplicates_written_before_their_hash_is_known(
 
     from safetensors import safe_open
 
-    import kdump.bundle as kb
+    import kdump.bundle.writer as kb
 
-    real = kb._sha256
+    real = kb.sha256_hex
 
     def slow(view: Any) -> str:
         time.sleep(0.02)
         return real(view)
 
-    monkeypatch.setattr(kb, "_sha256", slow)
+    monkeypatch.setattr(kb, "sha256_hex", slow)
     w = rand((64, 256))
     xs = [rand((8, 256)) for _ in range(4)]
     calls = [capture_call("m:f", [w, x, w[1:]]) for x in xs]
@@ -448,3 +463,248 @@ def test_duplicates_written_before_their_hash_is_known(
         assert_exact(call.args[2], w[1:])
     with safe_open(str(path), framework="pt") as f:
         assert len(list(f.keys())) == 5
+
+
+# ---------------------------------------------------------------------------------------------
+# Format version 2, version 1 compatibility, strict types
+
+
+DATA = Path(__file__).parent / "data"
+
+
+def _sha(t: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(bits(t)).hexdigest()
+
+
+def test_version_1_bundle_loads_bit_exactly(tmp_path: Path) -> None:
+    """tests/data/v1_bundle.kdump was written by the version-1 writer: a strided view at a storage
+    offset and a second argument sharing its storage, a tuple, and a recorded output."""
+    expected = json.loads((DATA / "v1_bundle.expected.json").read_text())
+    b = load_bundle(DATA / "v1_bundle.kdump")
+    assert b.version == 1 and [s.source.value for s in b.calls[0].storages] == ["blob"] * 3
+    b.verify()
+    c = b.calls[0]
+    assert c.tensor_names == ["a", "b[0]", "b[1]", "out"]
+    mat = c.materialize("cpu")
+    for t, exp in zip(mat.tensors, expected["tensors"], strict=True):
+        assert (str(t.dtype), list(t.shape), list(t.stride())) == (
+            f"torch.{exp['dtype']}",
+            exp["shape"],
+            exp["stride"],
+        )
+        assert t.storage_offset() == exp["storage_offset"] and _sha(t) == exp["sha256"]
+    a, (shared, _), k, alpha = mat.args
+    assert a.storage_offset() > 0 and (k, alpha) == (3, 1.5)
+    assert a.untyped_storage().data_ptr() == shared.untyped_storage().data_ptr()
+    outs = c.materialize_outputs("cpu")
+    assert {str(i): _sha(t) for i, t in outs.items()} == expected["outputs"]
+    # pack rewrites it as version 2 with the same content
+    packed = load_bundle(pack(DATA / "v1_bundle.kdump", tmp_path / "v2.kdump"))
+    assert packed.version == 2
+    again = packed.calls[0].materialize("cpu").tensors
+    assert [_sha(t) for t in again] == [e["sha256"] for e in expected["tensors"]]
+
+
+def test_writer_writes_version_2_sources_and_checksums(bundle_path: Path) -> None:
+    _, manifest, _ = read_manifest(bundle_path)
+    assert manifest["version"] == 2
+    assert {s["source"] for s in manifest["calls"][0]["storages"]} == {"blob"}
+    assert {b["checksum"] for b in manifest["blobs"].values()} == {"sha256"}
+
+
+def _set_storage(m: dict, **kw: Any) -> None:
+    m["calls"][0]["storages"][0].update(kw)
+
+
+def _set_tensor(m: dict, **kw: Any) -> None:
+    m["calls"][0]["tensors"][0].update(kw)
+
+
+def _set_blob(m: dict, **kw: Any) -> None:
+    for info in m["blobs"].values():
+        info.update(kw)
+
+
+STRICT = {
+    "version true": (lambda m: m.update(version=True), K.UNSUPPORTED_VERSION),
+    "version 2.0": (lambda m: m.update(version=2.0), K.UNSUPPORTED_VERSION),
+    "index 0.0": (lambda m: m["calls"][0].update(index=0.0), K.SCHEMA),
+    "index false": (lambda m: m["calls"][0].update(index=False), K.SCHEMA),
+    "shape [true]": (lambda m: _set_tensor(m, shape=[True, 14]), K.SCHEMA),
+    "data_ptr 1.5": (lambda m: _set_tensor(m, data_ptr=1.5), K.SCHEMA),
+    "storage_offset 2.0": (lambda m: _set_tensor(m, storage_offset=2.0), K.SCHEMA),
+    "requires_grad 1": (lambda m: _set_tensor(m, requires_grad=1), K.SCHEMA),
+    "storage true": (lambda m: _set_tensor(m, storage=True), K.SCHEMA),
+    "dtype 5": (lambda m: _set_tensor(m, dtype=5), K.SCHEMA),
+    "span_start true": (lambda m: _set_storage(m, span_start=True), K.SCHEMA),
+    "base_ptr 1e3": (lambda m: _set_storage(m, base_ptr=1e3), K.SCHEMA),
+    "device 0": (lambda m: _set_storage(m, device=0), K.SCHEMA),
+    "nbytes true": (lambda m: _set_blob(m, nbytes=True), K.SCHEMA),
+    "names [1]": (lambda m: m["calls"][0].update(names=[1]), K.SCHEMA),
+    "target 5": (lambda m: m["calls"][0].update(target=5), K.SCHEMA),
+    "writer 1": (lambda m: m.update(writer=1), K.SCHEMA),
+    "inplace [[0.0, 0]]": (
+        lambda m: m["calls"][0].update(
+            outputs={"storages": [], "tensors": [], "inplace": [[0.0, 0]], "returned": None}
+        ),
+        K.SCHEMA,
+    ),
+    "unknown source": (lambda m: _set_storage(m, source="by-reference"), K.UNKNOWN_SOURCE),
+    "source list": (lambda m: _set_storage(m, source=["blob"]), K.UNKNOWN_SOURCE),
+    "unknown checksum": (lambda m: _set_blob(m, checksum="md5"), K.SCHEMA),
+    "checksum list": (lambda m: _set_blob(m, checksum=["sha256"]), K.SCHEMA),
+    "where list": (lambda m: _set_blob(m, where=["inline"]), K.SCHEMA),
+    "blob extra field": (lambda m: _set_blob(m, color="red"), K.SCHEMA),
+    "v1 with a source": (lambda m: m.update(version=1), K.SCHEMA),
+}
+
+
+@pytest.mark.parametrize("case", list(STRICT))
+def test_manifest_types_are_strict(bundle_path: Path, case: str) -> None:
+    fn, kind = STRICT[case]
+    edit_manifest(bundle_path, fn)
+    with pytest.raises(BundleError) as err:
+        load_bundle(bundle_path)
+    assert err.value.kind is kind
+    assert "\n" not in str(err.value) and str(bundle_path) in str(err.value)
+
+
+def test_unknown_source_message_says_what_to_do(bundle_path: Path) -> None:
+    edit_manifest(bundle_path, lambda m: _set_storage(m, source="sparse"))
+    with pytest.raises(BundleError, match=r"source 'sparse', unknown .* upgrade kdump-gpu"):
+        load_bundle(bundle_path)
+
+
+def test_version_1_without_source_still_loads(bundle_path: Path) -> None:
+    def to_v1(m: dict) -> None:
+        m["version"] = 1
+        for c in m["calls"]:
+            for st in c["storages"]:
+                del st["source"]
+        for info in m["blobs"].values():
+            del info["checksum"]
+
+    x = load_bundle(bundle_path).calls[0].args[1]
+    edit_manifest(bundle_path, to_v1)
+    b = load_bundle(bundle_path)
+    assert b.version == 1
+    assert_exact(b.calls[0].args[1], x)
+
+
+def test_error_kinds_of_checksum_and_missing_store(tmp_path: Path) -> None:
+    x = rand((64,))
+    path = save_calls(tmp_path / "b.kdump", [capture_call("m:f", [x])])
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0x41
+    path.write_bytes(bytes(raw))
+    with pytest.raises(BundleError) as err:
+        load_bundle(path).verify()
+    assert err.value.kind is K.CHECKSUM
+    capdir = tmp_path / "cap"
+    stored = save_calls(
+        capdir / "p" / "s.kdump", [capture_call("m:f", [x])], store=BlobStore(capdir)
+    )
+    moved = shutil.copy(stored, tmp_path / "alone.kdump")
+    with pytest.raises(BundleError) as err:
+        load_bundle(moved).calls[0].materialize("cpu")
+    assert err.value.kind is K.MISSING_BLOB
+    assert BundleError("x").kind is K.INVALID
+
+
+def test_reading_a_manifest_does_not_import_torch(bundle_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys\n"
+        "from kdump.bundle import load_bundle\n"
+        "from kdump.bundle.inspect import describe_bundle\n"
+        f"rep = describe_bundle(load_bundle({str(bundle_path)!r}))\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "print(json.dumps([t['name'] for t in rep['calls'][0]['tensors']]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == ["args[0]", "args[1]"]
+
+
+def _json_keys(node: Any, path: str = "") -> set[str]:
+    """Every key path of a manifest; blob digests and list positions are folded into '*'."""
+    keys: set[str] = set()
+    if isinstance(node, dict):
+        for k, v in node.items():
+            name = "*" if path.endswith("blobs") else k
+            keys.add(f"{path}.{name}")
+            keys |= _json_keys(v, f"{path}.{name}")
+    elif isinstance(node, list):
+        for v in node:
+            keys |= _json_keys(v, f"{path}[]")
+    return keys
+
+
+def test_format_doc_example_matches_the_writer(tmp_path: Path) -> None:
+    doc = (Path(__file__).parent.parent / "docs" / "FORMAT.md").read_text()
+    section = doc[doc.index("### 4.1 Example") :]
+    example = json.loads(section[section.index("```json") + 7 : section.index("```\n", 10)])
+    x, d = rand((4, 8)), rand((4, 4))
+    args, kwargs = [x[1:], x], {"d": d}
+    rec = capture_call("m:f", args, kwargs, names=["a", "b"], meta={"rank": 0})
+    attach_outputs(rec, input_tensors(rec, args, kwargs), [2])
+    path = save_calls(tmp_path / "b.kdump", [rec], env={"host": "h"}, info={"mode": "sync"})
+    _, written, _ = read_manifest(path)
+    assert _json_keys(example) == _json_keys(written)
+    assert example["version"] == written["version"] == kdump.bundle.FORMAT_VERSION
+    c = load_bundle(path).calls[0]
+    assert [t.storage_offset for t in c.tensors] == [
+        t["storage_offset"] for t in example["calls"][0]["tensors"]
+    ]
+
+
+def test_iter_bundles_skips_only_stores_under_a_capture_root(tmp_path: Path) -> None:
+    from kdump.bundle import iter_bundles
+
+    rec = capture_call("m:f", [rand((4,))])
+    root = tmp_path / "blobs" / "runs"  # a user folder that happens to be called blobs
+    wanted = [
+        save_calls(root / "a.kdump", [rec]),
+        save_calls(root / "proc" / "b.kdump", [rec]),
+        save_calls(root / "deeper" / "blobs" / "c.kdump", [rec]),  # not under a capture root
+    ]
+    (root / "proc" / "index.json").write_text("{}")
+    save_calls(root / "blobs" / "ab" / "x.kdump", [rec])  # the root's store
+    save_calls(root / "proc" / "blobs" / "cd" / "y.kdump", [rec])  # a process folder's store
+    assert list(iter_bundles([root])) == sorted(wanted)
+    # given directly, a store folder is an ordinary folder (the root whose store it is is not)
+    assert list(iter_bundles([root / "blobs"])) == [root / "blobs" / "ab" / "x.kdump"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(BundleError, match="holds no") as err:
+        list(iter_bundles([tmp_path / "empty"]))
+    assert err.value.kind is K.NOT_FOUND
+
+
+def test_atomic_write_replaces_whole_or_not_at_all(tmp_path: Path) -> None:
+    from kdump.bundle import atomic_write
+
+    target = tmp_path / "sub" / "f.bin"
+    payload = bytes(rand((64,), torch.uint8).tolist())
+    assert atomic_write(target, payload) == target and target.read_bytes() == payload
+
+    def broken(f: Any) -> None:
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(target, broken)
+    assert target.read_bytes() == payload
+    assert sorted(p.name for p in target.parent.iterdir()) == ["f.bin"]
+    atomic_write(target, lambda f: f.write(payload[::-1]))
+    assert target.read_bytes() == payload[::-1]
+
+
+def test_bundle_error_kind_survives_pickling() -> None:
+    import pickle
+
+    err = pickle.loads(pickle.dumps(BundleError("bad blob: re-record", K.CHECKSUM)))
+    assert (type(err), str(err), err.kind) == (BundleError, "bad blob: re-record", K.CHECKSUM)

@@ -35,13 +35,15 @@ def read_container(path: Path) -> tuple[dict[str, Any], bytes, dict[str, Any]]:
     header = json.loads(raw[8 : 8 + n].decode("utf-8"))
     data = raw[8 + n :]
     manifest = json.loads(header["__metadata__"]["kdump.manifest"])
-    if manifest["format"] != "kdump" or manifest["version"] != 1:
-        raise FormatError("not a kdump v1 manifest")
+    if manifest["format"] != "kdump" or manifest["version"] not in (1, 2):
+        raise FormatError("not a kdump v1 or v2 manifest")
     return header, data, manifest
 
 
 def read_blob(path: Path, header: dict[str, Any], data: bytes, manifest: dict, sha: str) -> bytes:
     info = manifest["blobs"][sha]
+    if info.get("checksum", "sha256") != "sha256":  # §3: sha256 is the only algorithm
+        raise FormatError("unknown checksum algorithm")
     if info["nbytes"] == 0:
         out = b""
     elif info["where"] == "inline":
@@ -99,6 +101,8 @@ def read_call(path: Path, index: int) -> tuple[list[Any], dict[str, Any], list[t
     assert call["index"] == index
     buffers = []
     for st in call["storages"]:
+        if st.get("source", "blob") != "blob":  # §5.2: no source means a blob, the only kind
+            raise FormatError("unknown storage source")
         # Re-create the storage from its original start: unrecorded prefix, then the span.
         blob = read_blob(path, header, data, manifest, st["blob"])
         assert len(blob) == st["span_nbytes"]
@@ -214,3 +218,38 @@ def test_safetensors_opens_the_bundle(tmp_path: Path) -> None:
             assert t.dtype == torch.uint8 and t.dim() == 1
             assert hashlib.sha256(t.numpy().tobytes()).hexdigest() == sha
             assert manifest["blobs"][sha]["nbytes"] == t.numel()
+
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_independent_reader_reads_version_1(tmp_path: Path) -> None:
+    """A bundle written by the version-1 writer (tests/data) still reads bit for bit."""
+    expected = json.loads((DATA / "v1_bundle.expected.json").read_text())
+    _, _, manifest = read_container(DATA / "v1_bundle.kdump")
+    assert manifest["version"] == expected["version"] == 1
+    _, _, got = read_call(DATA / "v1_bundle.kdump", 0)
+    assert len(got) == len(expected["tensors"]) == 4
+    for t, exp in zip(got, expected["tensors"]):
+        assert str(t.dtype) == f"torch.{exp['dtype']}"
+        assert (list(t.shape), list(t.stride())) == (exp["shape"], exp["stride"])
+        assert t.storage_offset() == exp["storage_offset"]
+        assert hashlib.sha256(_bits(t)).hexdigest() == exp["sha256"]
+    assert got[0].untyped_storage().data_ptr() == got[1].untyped_storage().data_ptr()
+
+
+def test_independent_reader_rejects_unknown_source(tmp_path: Path) -> None:
+    from kdump import capture_call, save_calls
+
+    path = save_calls(tmp_path / "b.kdump", [capture_call("m:f", [torch.randn(9)], {})])
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    manifest = json.loads(header["__metadata__"]["kdump.manifest"])
+    assert manifest["version"] == 2 and manifest["calls"][0]["storages"][0]["source"] == "blob"
+    manifest["calls"][0]["storages"][0]["source"] = "sparse"
+    header["__metadata__"]["kdump.manifest"] = json.dumps(manifest)
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+    with pytest.raises(FormatError, match="unknown storage source"):
+        read_call(path, 0)

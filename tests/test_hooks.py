@@ -63,7 +63,7 @@ def _returned(call):
     """The recorded return value (a tensor) of a loaded call."""
     from kdump.bundle.tensors import materialize
 
-    tree = call._entry["outputs"]["returned"]
+    tree = call.entry.outputs.returned
     mat = materialize(
         call.output_storages,
         call.output_tensors,
@@ -261,7 +261,7 @@ def test_builtin_without_signature(standins, tmp_path):
     call = load_bundle(rec.written[0]).calls[0]
     assert call.names == ["data", "crc"]  # from the builtin's text signature
     assert call.args[1] == 7
-    assert call._entry["outputs"]["returned"] == expected
+    assert call.entry.outputs.returned == expected
 
 
 def test_methods_and_static_methods(standins, tmp_path):

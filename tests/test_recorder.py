@@ -222,7 +222,7 @@ def _cheap_target_results(n: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("failure", ["enospc", "readonly", "sparse"])
 def test_failures_never_change_results_and_log_once(tmp_path, monkeypatch, capfd, failure):
-    import kdump.bundle as bundle
+    import kdump.bundle.writer as bundle
 
     expected = _cheap_target_results(4)
     capfd.readouterr()

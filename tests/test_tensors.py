@@ -15,9 +15,9 @@ from kdump.bundle.tensors import (
     capture,
     group_storages,
     materialize,
-    validate_records,
     view_byte_extent,
 )
+from kdump.bundle.validate import validate_records
 from kdump.errors import BundleError
 
 GEN = torch.Generator().manual_seed(1234)

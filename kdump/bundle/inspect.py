@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kdump.bundle import Bundle, Call
-from kdump.bundle.tensors import ALIGN_MOD
+from kdump.bundle.format import ALIGN_MOD, Where
 
 
 def aliasing_groups(call: Call) -> list[list[str]]:
@@ -58,7 +58,7 @@ def describe_bundle(bundle: Bundle) -> dict[str, Any]:
         "file_bytes": bundle.file_size,
         "blob_bytes": bundle.nbytes,
         "blobs": len(bundle.blobs),
-        "blobs_in_store": sum(1 for b in bundle.blobs.values() if b["where"] == "store"),
+        "blobs_in_store": sum(1 for b in bundle.blobs.values() if b.where is Where.STORE),
         "logical_bytes": sum(c.nbytes for c in bundle.calls),
         "calls": [describe_call(c) for c in bundle.calls],
         "env": bundle.env,

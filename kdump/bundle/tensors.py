@@ -9,50 +9,27 @@ base) survives the round trip. Absolute addresses are kept so fault addresses ma
 from __future__ import annotations
 
 import ctypes
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from kdump.bundle.format import (
+    ALIGN_MOD,
+    DTYPE_SIZES,
+    StorageRecord,
+    TensorRecord,
+    view_byte_extent,
+)
 from kdump.errors import BundleError, CannotRunError
 
-# Base addresses are re-created modulo this (TMA needs 16 B, swizzled tiles up to 1024 B).
-ALIGN_MOD = 1024
-
-# Every dtype a bundle may hold, by its stable name in the format.
+# Every dtype a bundle may hold that this torch has, by its stable name in the format.
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
-    for name in (
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "float8_e8m0fnu",
-        "float8_e4m3fnuz",
-        "float8_e5m2fnuz",
-        "float4_e2m1fn_x2",
-        "bfloat16",
-        "float16",
-        "float32",
-        "float64",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "uint8",
-        "uint16",
-        "uint32",
-        "uint64",
-        "bool",
-        "complex64",
-    )
+    for name in DTYPE_SIZES
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-
-# Upper bounds that keep a hostile header from describing absurd objects.
-MAX_NDIM = 16
-MAX_DIM = 1 << 48
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -67,62 +44,6 @@ def dtype_from_name(name: str) -> torch.dtype:
         return DTYPES[name]
     except (KeyError, TypeError):
         raise BundleError(f"unknown dtype {name!r} in bundle (this kdump knows {sorted(DTYPES)})")
-
-
-@dataclass(frozen=True)
-class StorageRecord:
-    """One storage span as seen at the call: where it lived and which bytes the views cover."""
-
-    device: str
-    base_ptr: int  # storage's data pointer at the call
-    storage_nbytes: int  # the whole storage's size at the call
-    span_start: int  # byte offset of the stored span inside the storage
-    span_nbytes: int  # bytes stored
-    blob: str = ""  # sha256 of the span's bytes, filled in by the writer
-
-    @property
-    def span_ptr(self) -> int:
-        return self.base_ptr + self.span_start
-
-    @property
-    def alignment(self) -> int:
-        """Address of the span's first byte modulo ALIGN_MOD."""
-        return self.span_ptr % ALIGN_MOD
-
-
-@dataclass(frozen=True)
-class TensorRecord:
-    """One tensor view over a stored storage."""
-
-    storage: int  # index into the call's storage list
-    dtype: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    storage_offset: int  # in elements, relative to the original storage's start
-    requires_grad: bool = False
-    data_ptr: int = 0  # absolute address of element 0 at the call
-
-    @property
-    def itemsize(self) -> int:
-        return dtype_from_name(self.dtype).itemsize
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    def byte_extent(self) -> tuple[int, int]:
-        """[first, end) byte offsets inside the storage that the view can touch."""
-        return view_byte_extent(self.shape, self.stride, self.storage_offset, self.itemsize)
-
-
-def view_byte_extent(
-    shape: Sequence[int], stride: Sequence[int], offset: int, itemsize: int
-) -> tuple[int, int]:
-    start = offset * itemsize
-    if any(s == 0 for s in shape):
-        return start, start
-    last = offset + sum((n - 1) * st for n, st in zip(shape, stride))
-    return start, (last + 1) * itemsize
 
 
 @dataclass
@@ -207,12 +128,10 @@ def group_storages(
     return storages, records
 
 
-def capture(tensors: Sequence[torch.Tensor], *, copy: bool = True) -> Captured:
+def capture(tensors: Sequence[torch.Tensor]) -> Captured:
     """Snapshot the storage spans that `tensors` cover, as CPU bytes.
 
-    Device tensors are copied to pinned host memory in one batch and synchronised once. With
-    `copy=False`, CPU spans are views of the live storage (only safe when nothing mutates them
-    before they are written).
+    Device tensors are copied to pinned host memory in one batch and synchronised once.
     """
     storages, records = group_storages(tensors)
     firsts: dict[int, torch.Tensor] = {}
@@ -223,7 +142,7 @@ def capture(tensors: Sequence[torch.Tensor], *, copy: bool = True) -> Captured:
     for idx, st in enumerate(storages):
         src = _byte_view(firsts[idx], st.span_start, st.span_nbytes)
         if src.device.type == "cpu":
-            data.append(src.clone() if copy else src)
+            data.append(src.clone())
         else:
             host = torch.empty(st.span_nbytes, dtype=torch.uint8, pin_memory=True)
             host.copy_(src, non_blocking=True)
@@ -411,30 +330,3 @@ def materialize(
             t.requires_grad_(True)
         out.append(t)
     return Materialized(out, allocations)
-
-
-def validate_records(storages: Sequence[StorageRecord], tensors: Sequence[TensorRecord]) -> None:
-    """Reject views that reach outside their stored span, absurd shapes and unknown dtypes."""
-    for i, rec in enumerate(tensors):
-        if not 0 <= rec.storage < len(storages):
-            raise BundleError(f"tensor {i} refers to storage {rec.storage}, which does not exist")
-        dtype = dtype_from_name(rec.dtype)
-        if len(rec.shape) != len(rec.stride) or len(rec.shape) > MAX_NDIM:
-            raise BundleError(f"tensor {i}: shape {rec.shape} and stride {rec.stride} do not match")
-        if any(not 0 <= n <= MAX_DIM for n in rec.shape) or any(
-            not 0 <= s <= MAX_DIM for s in rec.stride
-        ):
-            raise BundleError(f"tensor {i}: negative or absurd shape {rec.shape} / {rec.stride}")
-        if not 0 <= rec.storage_offset <= MAX_DIM:
-            raise BundleError(f"tensor {i}: invalid storage offset {rec.storage_offset}")
-        lo, hi = view_byte_extent(rec.shape, rec.stride, rec.storage_offset, dtype.itemsize)
-        st = storages[rec.storage]
-        if hi > lo and (lo < st.span_start or hi > st.span_start + st.span_nbytes):
-            raise BundleError(
-                f"tensor {i} reaches bytes [{lo}, {hi}) of its storage, outside the stored span "
-                f"[{st.span_start}, {st.span_start + st.span_nbytes})"
-            )
-
-
-def as_tensor_list(values: Sequence[Any]) -> list[torch.Tensor]:
-    return [v for v in values if isinstance(v, torch.Tensor)]

@@ -127,13 +127,16 @@ def _bundle_files(folder: Path) -> list[Path]:
 
 
 def process_folders(root: str | os.PathLike[str]) -> list[Path]:
-    """Folders under `root` (itself included) that hold bundles or an index, blob stores skipped."""
+    """Folders under `root` (itself included) that hold bundles or an index. A folder named
+    `blobs` is a blob store (skipped) only directly under a capture root: `root` itself or a
+    process folder (one that holds an index), as in `kdump.bundle.iter_bundles`."""
     root = Path(root)
     found: set[Path] = set()
     if not root.is_dir():
         return []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d != STORE_DIRNAME]
+        if dirpath == str(root) or INDEX_NAME in filenames:
+            dirnames[:] = [d for d in dirnames if d != STORE_DIRNAME]
         if INDEX_NAME in filenames or any(f.endswith(BUNDLE_SUFFIX) for f in filenames):
             found.add(Path(dirpath))
     return sorted(found)

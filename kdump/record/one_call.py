@@ -14,7 +14,6 @@ from kdump import envinfo
 from kdump.errors import UsageError
 from kdump.log import log
 from kdump.record.hooks import HookState, TargetSpec, busy
-from kdump.record.session import _walk_tensors
 from kdump.record.sync import cuda_state, output_indices
 
 
@@ -49,7 +48,9 @@ def dump_call(
             "trigger": "dump_call",
             "library_state": envinfo.library_state(),
         }
-        tensors = _walk_tensors((args, kwargs))
+        from kdump.bundle import argtree
+
+        tensors = argtree.tensors_in(args, kwargs)
         capturing, stream = cuda_state(tensors)
         if capturing:
             raise UsageError("dump_call cannot read tensors during CUDA-graph capture")

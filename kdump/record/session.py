@@ -71,48 +71,6 @@ def make_recorder(cfg: RecordConfig, session: Recording) -> Recorder:
 
 
 # ---------------------------------------------------------------------------------------------
-# Argument-tree walkers
-
-
-class TensorPlaceholder:
-    """Stands for a tensor whose bytes were not read (metadata-only capture)."""
-
-    def __init__(self, index: int, t: Any) -> None:
-        self.text = (
-            f"tensor#{index} {str(t.dtype).replace('torch.', '')} {list(t.shape)} "
-            f"stride {list(t.stride())} at {t.data_ptr():#x} on {t.device}"
-        )
-
-    def __repr__(self) -> str:
-        return self.text
-
-
-def _placeholders(value: Any, tensors: list[Any], depth: int = 0) -> Any:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        i = next(k for k, t in enumerate(tensors) if t is value)
-        return TensorPlaceholder(i, value)
-    if depth > 32:
-        return value
-    if isinstance(value, tuple):
-        return tuple(_placeholders(v, tensors, depth + 1) for v in value)
-    if isinstance(value, list):
-        return [_placeholders(v, tensors, depth + 1) for v in value]
-    if isinstance(value, dict):
-        return {k: _placeholders(v, tensors, depth + 1) for k, v in value.items()}
-    return value
-
-
-def _walk_tensors(value: Any) -> list[Any]:
-    from kdump.bundle import argtree
-
-    found: list[Any] = []
-    argtree.encode(value, found)
-    return found
-
-
-# ---------------------------------------------------------------------------------------------
 # Sessions
 
 _ACTIVE: list[Recording] = []

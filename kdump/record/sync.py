@@ -22,7 +22,6 @@ from kdump.log import log_once
 from kdump.record.capture_dir import CaptureDir
 from kdump.record.config import Outputs, RecordConfig
 from kdump.record.hooks import HookState, TargetSpec, busy
-from kdump.record.session import _placeholders
 from kdump.record.triggers import Limits, rank_allowed
 
 if TYPE_CHECKING:
@@ -34,6 +33,19 @@ CAPTURE_NOTE = (
     "recorded during CUDA-graph capture: a sync recorder cannot read tensor data there; the "
     "flight recorder (mode ring) is needed for the values a replay of this graph sees"
 )
+
+
+class TensorPlaceholder:
+    """Stands for a tensor whose bytes were not read (metadata-only capture)."""
+
+    def __init__(self, index: int, t: Any) -> None:
+        self.text = (
+            f"tensor#{index} {str(t.dtype).replace('torch.', '')} {list(t.shape)} "
+            f"stride {list(t.stride())} at {t.data_ptr():#x} on {t.device}"
+        )
+
+    def __repr__(self) -> str:
+        return self.text
 
 
 class _Process:
@@ -191,11 +203,7 @@ class SyncRecorder:
     ) -> Any:
         from kdump.bundle import argtree, capture_call
 
-        tensors: list[Any] = []
-        for a in args:
-            argtree.encode(a, tensors)
-        for v in kwargs.values():
-            argtree.encode(v, tensors)
+        tensors = argtree.tensors_in(*args, *kwargs.values())
         capturing, stream = cuda_state(tensors)
         names = st.names()
         pos_names = list(names[: len(args)]) if names and len(names) >= len(args) else None
@@ -229,8 +237,12 @@ class SyncRecorder:
                 "tensors": [asdict(r) for r in records],
             },
         )
-        ph_args = tuple(_placeholders(a, tensors) for a in args)
-        ph_kwargs = {k: _placeholders(v, tensors) for k, v in kwargs.items()}
+
+        def placeholder(t: Any) -> TensorPlaceholder:
+            return TensorPlaceholder(next(k for k, x in enumerate(tensors) if x is t), t)
+
+        ph_args = argtree.map_tensors(tuple(args), placeholder)
+        ph_kwargs = argtree.map_tensors(dict(kwargs), placeholder)
         return capture_call(
             st.id, ph_args, ph_kwargs, called_as=called_as, names=pos_names, meta=meta
         )
@@ -317,7 +329,5 @@ def output_indices(
             objs.append(args[names.index(w)])
     from kdump.bundle import argtree
 
-    found: list[Any] = []
-    for o in objs:
-        argtree.encode(o, found)
+    found = argtree.tensors_in(*objs)
     return [i for i, t in enumerate(live) if any(t is f for f in found)]

@@ -1,0 +1,240 @@
+"""The bundle format's constants and its manifest as frozen typed records (torch-free).
+
+A reader parses the manifest into these records once (`kdump.bundle.parse`), validates them in one
+pass (`kdump.bundle.validate`) and keeps them; the writer builds them and serialises them with
+`manifest_json`. docs/FORMAT.md is the normative description.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+FORMAT_NAME = "kdump"
+FORMAT_VERSION = 2  # what this writer writes
+SUPPORTED_VERSIONS = (1, 2)  # what this reader reads
+MANIFEST_KEY = "kdump.manifest"
+MAX_HEADER = 100 * 1000 * 1000  # safetensors' own cap
+STORE_DIRNAME = "blobs"
+
+# Base addresses are re-created modulo this (TMA needs 16 B, swizzled tiles up to 1024 B).
+ALIGN_MOD = 1024
+
+# Upper bounds that keep a hostile header from describing absurd objects.
+MAX_NDIM = 16
+MAX_DIM = 1 << 48
+
+# Every dtype a bundle may hold, by its stable name in the format, with its size in bytes.
+DTYPE_SIZES: dict[str, int] = {
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e8m0fnu": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "float4_e2m1fn_x2": 1,
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float64": 8,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "uint8": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "bool": 1,
+    "complex64": 8,
+}
+
+
+class Source(str, Enum):
+    """Where a storage's bytes come from. A reader rejects a kind it does not know."""
+
+    BLOB = "blob"  # the span's bytes are a blob of the blob table
+
+
+class Where(str, Enum):
+    """Where a blob's bytes live."""
+
+    INLINE = "inline"  # this file's data section
+    STORE = "store"  # the capture directory's shared store
+
+
+class Checksum(str, Enum):
+    """The algorithm a blob is verified with (its name is always its SHA-256)."""
+
+    SHA256 = "sha256"
+
+
+@dataclass(frozen=True)
+class StorageRecord:
+    """One storage span as seen at the call: where it lived and which bytes the views cover."""
+
+    device: str
+    base_ptr: int  # storage's data pointer at the call
+    storage_nbytes: int  # the whole storage's size at the call
+    span_start: int  # byte offset of the stored span inside the storage
+    span_nbytes: int  # bytes stored
+    blob: str = ""  # sha256 of the span's bytes, filled in by the writer
+    source: Source = Source.BLOB
+
+    @property
+    def span_ptr(self) -> int:
+        return self.base_ptr + self.span_start
+
+    @property
+    def alignment(self) -> int:
+        """Address of the span's first byte modulo ALIGN_MOD."""
+        return self.span_ptr % ALIGN_MOD
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One tensor view over a stored storage."""
+
+    storage: int  # index into the call's storage list
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int  # in elements, relative to the original storage's start
+    requires_grad: bool = False
+    data_ptr: int = 0  # absolute address of element 0 at the call
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def byte_extent(self) -> tuple[int, int]:
+        """[first, end) byte offsets inside the storage that the view can touch."""
+        return view_byte_extent(self.shape, self.stride, self.storage_offset, self.itemsize)
+
+
+def view_byte_extent(
+    shape: Sequence[int], stride: Sequence[int], offset: int, itemsize: int
+) -> tuple[int, int]:
+    start = offset * itemsize
+    if any(s == 0 for s in shape):
+        return start, start
+    last = offset + sum((n - 1) * st for n, st in zip(shape, stride))
+    return start, (last + 1) * itemsize
+
+
+@dataclass(frozen=True)
+class BlobRecord:
+    """One entry of the blob table."""
+
+    nbytes: int
+    where: Where
+    checksum: Checksum = Checksum.SHA256
+
+
+@dataclass(frozen=True)
+class OutputsRecord:
+    """Post-call snapshots of a call."""
+
+    storages: tuple[StorageRecord, ...]
+    tensors: tuple[TensorRecord, ...]
+    inplace: tuple[tuple[int, int], ...]  # (input tensor index, output tensor index)
+    returned: Any  # encoded argument tree; its tensors index `tensors`
+
+
+@dataclass(frozen=True)
+class CallEntry:
+    """One call of the manifest."""
+
+    index: int
+    target: str
+    called_as: str
+    names: tuple[str, ...] | None
+    args: list[Any]  # encoded argument trees
+    kwargs: dict[str, Any]
+    storages: tuple[StorageRecord, ...]
+    tensors: tuple[TensorRecord, ...]
+    outputs: OutputsRecord | None
+    meta: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A whole manifest."""
+
+    version: int
+    writer: str
+    created: str
+    env: dict[str, Any]
+    info: dict[str, Any]
+    blobs: dict[str, BlobRecord]  # by SHA-256
+    calls: tuple[CallEntry, ...]
+
+
+def storage_json(st: StorageRecord) -> dict[str, Any]:
+    return {
+        "device": st.device,
+        "base_ptr": st.base_ptr,
+        "storage_nbytes": st.storage_nbytes,
+        "span_start": st.span_start,
+        "span_nbytes": st.span_nbytes,
+        "blob": st.blob,
+        "source": st.source.value,
+    }
+
+
+def tensor_json(t: TensorRecord) -> dict[str, Any]:
+    return {
+        "storage": t.storage,
+        "dtype": t.dtype,
+        "shape": list(t.shape),
+        "stride": list(t.stride),
+        "storage_offset": t.storage_offset,
+        "requires_grad": t.requires_grad,
+        "data_ptr": t.data_ptr,
+    }
+
+
+def call_json(c: CallEntry) -> dict[str, Any]:
+    out = None
+    if c.outputs is not None:
+        out = {
+            "storages": [storage_json(s) for s in c.outputs.storages],
+            "tensors": [tensor_json(t) for t in c.outputs.tensors],
+            "inplace": [list(p) for p in c.outputs.inplace],
+            "returned": c.outputs.returned,
+        }
+    return {
+        "index": c.index,
+        "target": c.target,
+        "called_as": c.called_as,
+        "names": list(c.names) if c.names is not None else None,
+        "args": c.args,
+        "kwargs": c.kwargs,
+        "storages": [storage_json(s) for s in c.storages],
+        "tensors": [tensor_json(t) for t in c.tensors],
+        "outputs": out,
+        "meta": c.meta,
+    }
+
+
+def manifest_json(m: Manifest) -> dict[str, Any]:
+    """The manifest as written (always the current FORMAT_VERSION's layout)."""
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "writer": m.writer,
+        "created": m.created,
+        "env": m.env,
+        "info": m.info,
+        "blobs": {
+            sha: {"nbytes": b.nbytes, "where": b.where.value, "checksum": b.checksum.value}
+            for sha, b in m.blobs.items()
+        },
+        "calls": [call_json(c) for c in m.calls],
+    }

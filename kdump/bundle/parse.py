@@ -1,0 +1,287 @@
+"""Parse a bundle's header and manifest JSON into typed records (torch-free, type-strict).
+
+Only types and shapes are checked here (an int is an int: never a bool or a float); how the records
+relate to each other is checked once, afterwards, by `kdump.bundle.validate`.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from enum import Enum
+from pathlib import Path
+from typing import Any, BinaryIO, TypeVar
+
+from kdump.bundle.format import (
+    FORMAT_NAME,
+    MANIFEST_KEY,
+    MAX_HEADER,
+    SUPPORTED_VERSIONS,
+    BlobRecord,
+    CallEntry,
+    Checksum,
+    Manifest,
+    OutputsRecord,
+    Source,
+    StorageRecord,
+    TensorRecord,
+    Where,
+)
+from kdump.errors import BundleError
+from kdump.errors import BundleErrorKind as K
+
+_STORAGE_INTS = ("base_ptr", "storage_nbytes", "span_start", "span_nbytes")
+_STORAGE_FIELDS = {1: {"device", "blob", *_STORAGE_INTS}}
+_STORAGE_FIELDS[2] = _STORAGE_FIELDS[1] | {"source"}
+E = TypeVar("E", bound=Enum)
+_BLOB_FIELDS = {"nbytes", "where", "checksum"}
+_SHA_DIGITS = frozenset("0123456789abcdef")
+
+
+def is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _member(kind: type[E], x: object) -> E | None:
+    """The member of a str enum spelled `x`, or None (for any other value or type)."""
+    return kind._value2member_map_.get(x) if isinstance(x, str) else None  # type: ignore[return-value]
+
+
+def read_header(f: BinaryIO, size: int, path: Path) -> tuple[bytes, int]:
+    """The raw header bytes and where the data section starts."""
+    if size < 8:
+        raise BundleError(
+            f"{path}: file is {size} bytes, too short to be a .kdump bundle", K.TRUNCATED
+        )
+    (n,) = struct.unpack("<Q", f.read(8))
+    if n == 0 or n > MAX_HEADER or n > size - 8:
+        raise BundleError(
+            f"{path}: header length {n} does not fit the {size}-byte file (truncated or not a "
+            ".kdump bundle)",
+            K.TRUNCATED,
+        )
+    return f.read(n), 8 + n
+
+
+def parse_header(raw: bytes, data_size: int, path: Path) -> tuple[Any, dict[str, tuple[int, int]]]:
+    """The manifest JSON (not yet parsed into records) and the inline blobs' byte ranges."""
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise BundleError(
+            f"{path}: header is not valid JSON (corrupt or not a .kdump bundle)", K.BAD_HEADER
+        )
+    if not isinstance(header, dict):
+        raise BundleError(f"{path}: header is not a JSON object", K.BAD_HEADER)
+    meta = header.pop("__metadata__", None)
+    if not isinstance(meta, dict) or not isinstance(meta.get(MANIFEST_KEY), str):
+        raise BundleError(
+            f"{path}: safetensors file without a kdump manifest (not a .kdump bundle)",
+            K.NOT_A_BUNDLE,
+        )
+    inline: dict[str, tuple[int, int]] = {}
+    for name, entry in header.items():
+        offs = entry.get("data_offsets") if isinstance(entry, dict) else None
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if (
+            not isinstance(entry, dict)
+            or entry.get("dtype") != "U8"
+            or not isinstance(offs, list)
+            or len(offs) != 2
+            or not all(is_int(o) for o in offs)
+            or not isinstance(shape, list)
+            or len(shape) != 1
+            or not is_int(shape[0])
+        ):
+            raise BundleError(
+                f"{path}: blob {name[:16]!r} has a malformed header entry", K.BAD_HEADER
+            )
+        b, e = offs
+        if not 0 <= b <= e <= data_size or e - b != shape[0]:
+            raise BundleError(
+                f"{path}: blob {name[:16]!r} claims bytes [{b}, {e}) but the data section has "
+                f"{data_size} bytes (truncated or corrupt)",
+                K.TRUNCATED,
+            )
+        inline[name] = (b, e)
+    try:
+        manifest = json.loads(meta[MANIFEST_KEY])
+    except (ValueError, RecursionError):
+        raise BundleError(f"{path}: kdump manifest is not valid JSON", K.BAD_HEADER)
+    return manifest, inline
+
+
+class _Parser:
+    """Turns manifest JSON into records; every message starts with the file and the place."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, where: str, what: str, kind: K = K.SCHEMA) -> BundleError:
+        return BundleError(f"{self.path}: {where}{': ' if where else ''}{what}", kind)
+
+    def manifest(self, m: Any) -> Manifest:
+        if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
+            raise self.fail("", "manifest is not a kdump manifest", K.NOT_A_BUNDLE)
+        version = m.get("version")
+        if not is_int(version) or version not in SUPPORTED_VERSIONS:
+            raise self.fail(
+                "",
+                f"format version {version!r} is not supported by this kdump (reads "
+                f"{', '.join(map(str, SUPPORTED_VERSIONS))}); upgrade kdump-gpu",
+                K.UNSUPPORTED_VERSION,
+            )
+        blobs, calls = m.get("blobs"), m.get("calls")
+        if not isinstance(blobs, dict) or not isinstance(calls, list):
+            raise self.fail("", "manifest lacks its blob table or call list")
+        for key in ("env", "info"):
+            if key in m and not isinstance(m[key], dict):
+                raise self.fail("", f"manifest field {key!r} is not an object")
+        for key in ("writer", "created"):
+            if key in m and not isinstance(m[key], str):
+                raise self.fail("", f"manifest field {key!r} is not a string")
+        return Manifest(
+            version=version,
+            writer=m.get("writer", ""),
+            created=m.get("created", ""),
+            env=m.get("env", {}),
+            info=m.get("info", {}),
+            blobs={sha: self.blob(sha, info, version) for sha, info in blobs.items()},
+            calls=tuple(self.call(c, i, version) for i, c in enumerate(calls)),
+        )
+
+    def blob(self, sha: str, info: Any, version: int) -> BlobRecord:
+        where = _member(Where, info.get("where")) if isinstance(info, dict) else None
+        ok = (
+            where is not None
+            and is_int(info.get("nbytes"))
+            and info["nbytes"] >= 0
+            and len(sha) == 64
+            and set(sha) <= _SHA_DIGITS
+            and (version < 2 or set(info) <= _BLOB_FIELDS)  # version 1 tolerated extra fields
+        )
+        if not ok:
+            raise self.fail("", f"malformed blob table entry {sha[:16]!r}")
+        algo = info.get("checksum", Checksum.SHA256.value)
+        checksum = _member(Checksum, algo)
+        if checksum is None:
+            raise self.fail(
+                "",
+                f"blob {sha[:12]}… uses checksum {str(algo)[:20]!r}, unknown here; "
+                "upgrade kdump-gpu",
+            )
+        return BlobRecord(nbytes=info["nbytes"], where=where, checksum=checksum)
+
+    def storages(self, raw: Any, where: str, version: int) -> tuple[StorageRecord, ...]:
+        if not isinstance(raw, list):
+            raise self.fail(where, "storages is not a list")
+        out = []
+        for j, s in enumerate(raw):
+            if not isinstance(s, dict) or not all(
+                is_int(s.get(k)) and s[k] >= 0 for k in _STORAGE_INTS
+            ):
+                raise self.fail(where, f"storage {j} is malformed")
+            if not isinstance(s.get("device"), str) or not isinstance(s.get("blob"), str):
+                raise self.fail(where, f"storage {j} lacks its device or blob")
+            extra = set(s) - _STORAGE_FIELDS[version]
+            if extra:
+                raise self.fail(where, f"storage {j} has unknown fields {sorted(map(str, extra))}")
+            raw_source = s.get("source", Source.BLOB.value)  # version 1 knows only blobs
+            source = _member(Source, raw_source)
+            if source is None:
+                raise self.fail(
+                    where,
+                    f"storage {j} has source {str(raw_source)[:40]!r}, unknown to this kdump "
+                    f"(it reads {', '.join(k.value for k in Source)}); upgrade kdump-gpu",
+                    K.UNKNOWN_SOURCE,
+                )
+            out.append(
+                StorageRecord(
+                    **{k: s[k] for k in ("device", "blob", *_STORAGE_INTS)}, source=source
+                )
+            )
+        return tuple(out)
+
+    def tensors(self, raw: Any, where: str) -> tuple[TensorRecord, ...]:
+        if not isinstance(raw, list):
+            raise self.fail(where, "tensors is not a list")
+        out = []
+        for j, t in enumerate(raw):
+            if (
+                not isinstance(t, dict)
+                or not is_int(t.get("storage"))
+                or not isinstance(t.get("dtype"), str)
+                or not isinstance(t.get("shape"), list)
+                or not isinstance(t.get("stride"), list)
+                or not is_int(t.get("storage_offset"))
+                or not all(is_int(x) for x in t["shape"] + t["stride"])
+                or not isinstance(t.get("requires_grad", False), bool)
+                or not is_int(t.get("data_ptr", 0))
+            ):
+                raise self.fail(where, f"tensor {j} is malformed")
+            out.append(
+                TensorRecord(
+                    storage=t["storage"],
+                    dtype=t["dtype"],
+                    shape=tuple(t["shape"]),
+                    stride=tuple(t["stride"]),
+                    storage_offset=t["storage_offset"],
+                    requires_grad=t.get("requires_grad", False),
+                    data_ptr=t.get("data_ptr", 0),
+                )
+            )
+        return tuple(out)
+
+    def call(self, c: Any, i: int, version: int) -> CallEntry:
+        where = f"call {i}"
+        if not isinstance(c, dict) or c.get("index") != i or not is_int(c.get("index")):
+            raise self.fail("", f"{where} is malformed or out of order")
+        for key in ("target", "called_as"):
+            if not isinstance(c.get(key), str):
+                raise self.fail("", f"{where} lacks its {key}")
+        for key in ("names", "outputs"):  # both may be null, neither may be missing
+            if key not in c:
+                raise self.fail("", f"{where} lacks its {key!r} field")
+        names = c["names"]
+        if names is not None and (
+            not isinstance(names, list) or not all(isinstance(n, str) for n in names)
+        ):
+            raise self.fail(where, "names is not a list of strings")
+        if not isinstance(c.get("args"), list) or not isinstance(c.get("kwargs"), dict):
+            raise self.fail(where, "args/kwargs malformed")
+        if not isinstance(c.get("meta"), dict):
+            raise self.fail(where, "meta is not an object")
+        return CallEntry(
+            index=i,
+            target=c["target"],
+            called_as=c["called_as"],
+            names=tuple(names) if names is not None else None,
+            args=c["args"],
+            kwargs=c["kwargs"],
+            storages=self.storages(c.get("storages"), where, version),
+            tensors=self.tensors(c.get("tensors"), where),
+            outputs=self.outputs(c["outputs"], where + " outputs", version),
+            meta=c["meta"],
+        )
+
+    def outputs(self, out: Any, where: str, version: int) -> OutputsRecord | None:
+        if out is None:
+            return None
+        if not isinstance(out, dict):
+            raise self.fail(where, "outputs is malformed")
+        inplace = out.get("inplace")
+        if not isinstance(inplace, list) or not all(
+            isinstance(p, list) and len(p) == 2 and is_int(p[0]) and is_int(p[1]) for p in inplace
+        ):
+            raise self.fail(where, "outputs.inplace is malformed")
+        return OutputsRecord(
+            storages=self.storages(out.get("storages"), where, version),
+            tensors=self.tensors(out.get("tensors"), where),
+            inplace=tuple((p[0], p[1]) for p in inplace),
+            returned=out.get("returned"),
+        )
+
+
+def parse_manifest(m: Any, path: Path) -> Manifest:
+    """Manifest JSON -> typed records (BundleError, kind SCHEMA and others, on any mistyping)."""
+    return _Parser(path).manifest(m)

@@ -1,0 +1,373 @@
+"""Reading bundles: `load_bundle` parses and validates the manifest once (torch-free) and keeps
+the typed records; tensors are built, and torch imported, only when a call is materialised."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import mmap
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kdump.bundle import argtree
+from kdump.bundle.format import (
+    STORE_DIRNAME,
+    BlobRecord,
+    CallEntry,
+    Manifest,
+    StorageRecord,
+    TensorRecord,
+    Where,
+)
+from kdump.bundle.parse import parse_header, parse_manifest, read_header
+from kdump.bundle.store import BlobStore, sha256_hex
+from kdump.bundle.validate import validate_manifest
+from kdump.errors import BundleError
+from kdump.errors import BundleErrorKind as K
+
+if TYPE_CHECKING:
+    import torch
+
+    from kdump.bundle.tensors import Materialized, Placement
+
+STORE_SEARCH_DEPTH = 3  # a bundle looks for the shared store in its folder and this many parents
+# A recording process's folder holds an index (a capture root of its own); version 1 of the
+# capture-folder layout wrote index.json, later versions an append-only index.jsonl.
+INDEX_NAMES = ("index.jsonl", "index.json")
+_THREADS = max(1, min(8, os.cpu_count() or 1))
+_COPY_CHUNK = 1 << 20  # copy-and-hash granularity: small enough to stay in cache
+
+
+@dataclass
+class MaterializedCall:
+    """A call's arguments re-created on one device, with the allocations behind them."""
+
+    args: list[Any]
+    kwargs: dict[str, Any]
+    tensors: list[torch.Tensor]
+    tensor_names: list[str]
+    materialized: Materialized
+
+    def call(self, fn: Callable[..., Any]) -> Any:
+        return fn(*self.args, **self.kwargs)
+
+
+class Call:
+    """One recorded call in a loaded bundle. Tensors materialise lazily."""
+
+    def __init__(self, bundle: Bundle, entry: CallEntry) -> None:
+        self._bundle = bundle
+        self.entry = entry
+        self.index = entry.index
+        self.target = entry.target
+        self.called_as = entry.called_as
+        self.names: list[str] | None = list(entry.names) if entry.names is not None else None
+        self.meta = entry.meta
+        self.storages: list[StorageRecord] = list(entry.storages)
+        self.tensors: list[TensorRecord] = list(entry.tensors)
+        out = entry.outputs
+        self.output_storages: list[StorageRecord] = list(out.storages) if out else []
+        self.output_tensors: list[TensorRecord] = list(out.tensors) if out else []
+        self.inplace: list[tuple[int, int]] = list(out.inplace) if out else []
+        self._cpu: MaterializedCall | None = None
+
+    def __repr__(self) -> str:
+        return f"<kdump.Call {self.index} {self.target} ({len(self.tensors)} tensors)>"
+
+    @property
+    def encoded_args(self) -> list[Any]:
+        return self.entry.args
+
+    @property
+    def encoded_kwargs(self) -> dict[str, Any]:
+        return self.entry.kwargs
+
+    @property
+    def tensor_names(self) -> list[str]:
+        names = argtree.tensor_paths(self.names, self.encoded_args, self.encoded_kwargs)
+        return names + [f"tensor{i}" for i in range(len(names), len(self.tensors))]
+
+    @property
+    def has_outputs(self) -> bool:
+        return self.entry.outputs is not None
+
+    def materialize(
+        self, device: torch.device | str = "cpu", placement: Placement | None = None
+    ) -> MaterializedCall:
+        """A fresh copy of the call's arguments on `device` (exact layout)."""
+        mat = self._bundle.materialize_records(self.storages, self.tensors, device, placement)
+        args = [argtree.decode(a, mat.tensors.__getitem__) for a in self.encoded_args]
+        kwargs = {
+            k: argtree.decode(v, mat.tensors.__getitem__) for k, v in self.encoded_kwargs.items()
+        }
+        return MaterializedCall(args, kwargs, mat.tensors, self.tensor_names, mat)
+
+    def _cpu_call(self) -> MaterializedCall:
+        if self._cpu is None:
+            self._cpu = self.materialize("cpu")
+        return self._cpu
+
+    @property
+    def args(self) -> list[Any]:
+        return self._cpu_call().args
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return self._cpu_call().kwargs
+
+    def materialize_outputs(self, device: torch.device | str = "cpu") -> dict[int, torch.Tensor]:
+        """Recorded post-call values, keyed by the input tensor index they belong to."""
+        if not self.has_outputs:
+            return {}
+        mat = self._bundle.materialize_records(self.output_storages, self.output_tensors, device)
+        return {inp: mat.tensors[out] for inp, out in self.inplace}
+
+    @property
+    def outputs(self) -> dict[str, torch.Tensor] | None:
+        """Recorded outputs by argument path ('d', 'args[2]'), or None when not recorded."""
+        if not self.has_outputs:
+            return None
+        names = self.tensor_names
+        return {names[i]: t for i, t in self.materialize_outputs("cpu").items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.span_nbytes for s in self.storages + self.output_storages)
+
+
+class Bundle:
+    """A loaded .kdump file. Use `load_bundle`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = None
+        self._map: mmap.mmap | None = None
+        self._verified: set[str] = set()
+        self._lock = threading.Lock()
+        try:
+            self._file = open(path, "rb")  # noqa: SIM115 - lives as long as the bundle
+        except FileNotFoundError:
+            raise BundleError(f"{path}: no such file", K.NOT_FOUND)
+        except IsADirectoryError:
+            raise BundleError(f"{path} is a directory; give a .kdump file", K.NOT_FOUND)
+        except OSError as exc:
+            raise BundleError(f"{path}: cannot open ({exc.strerror})", K.NOT_FOUND)
+        size = os.fstat(self._file.fileno()).st_size
+        self.file_size = size
+        header, self.data_start = read_header(self._file, size, path)
+        raw, self.inline = parse_header(header, size - self.data_start, path)
+        self.manifest: Manifest = parse_manifest(raw, path)
+        validate_manifest(self.manifest, self.inline, path)
+        self.env: dict[str, Any] = self.manifest.env
+        self.info: dict[str, Any] = self.manifest.info
+        self.version: int = self.manifest.version
+        self.blobs: dict[str, BlobRecord] = self.manifest.blobs
+        self.calls = [Call(self, c) for c in self.manifest.calls]
+        self._store_root: Path | None = None
+
+    def __enter__(self) -> Bundle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        # The mmap stays open while tensors built from it may live; copies are made on read.
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __repr__(self) -> str:
+        return f"<kdump.Bundle {self.path} v{self.version} calls={len(self.calls)}>"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.blobs.values())
+
+    def _mapped(self) -> mmap.mmap:
+        with self._lock:  # blobs are read from several threads
+            if self._map is None:
+                if self._file is None:
+                    self._file = open(self.path, "rb")  # noqa: SIM115
+                # Copy-on-write: tensors built over it can never write into the file.
+                self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
+            return self._map
+
+    def _store_path(self, sha: str) -> Path:
+        if self._store_root is None:
+            here = self.path.resolve().parent
+            for cand in [here, *list(here.parents)[:STORE_SEARCH_DEPTH]]:
+                if (cand / STORE_DIRNAME).is_dir():
+                    self._store_root = cand
+                    break
+            else:
+                raise BundleError(
+                    f"{self.path}: its blobs live in a capture directory's '{STORE_DIRNAME}/' "
+                    "store, which was not found next to it; copy the whole capture directory or "
+                    "run `kdump pack` where it is complete",
+                    K.MISSING_BLOB,
+                )
+        return BlobStore(self._store_root).path(sha)
+
+    def blob_bytes(self, sha: str) -> memoryview:
+        """Raw bytes of a blob (not verified)."""
+        info = self.blobs.get(sha)
+        if info is None:
+            raise BundleError(
+                f"{self.path}: manifest refers to blob {sha[:12]}…, which it lacks", K.MISSING_BLOB
+            )
+        if info.nbytes == 0:
+            return memoryview(b"")
+        if info.where is Where.INLINE:
+            begin, end = self.inline[sha]
+            return memoryview(self._mapped())[self.data_start + begin : self.data_start + end]
+        p = self._store_path(sha)
+        try:
+            with open(p, "rb") as f:
+                if os.fstat(f.fileno()).st_size != info.nbytes:
+                    raise BundleError(
+                        f"{p}: store blob has the wrong size (expected {info.nbytes})", K.CHECKSUM
+                    )
+                return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+        except FileNotFoundError:
+            raise BundleError(
+                f"{self.path}: blob {sha[:12]}… is missing from the store {p.parent.parent}; "
+                "copy the whole capture directory or re-pack the bundle",
+                K.MISSING_BLOB,
+            )
+
+    def verify_blob(self, sha: str, view: memoryview | None = None) -> None:
+        if sha in self._verified:
+            return
+        self._accept(sha, sha256_hex(view if view is not None else self.blob_bytes(sha)))
+
+    def _accept(self, sha: str, got: str) -> None:
+        """Remember a blob whose SHA-256 matched its name; a mismatch means a corrupt bundle."""
+        if got != sha:
+            raise BundleError(
+                f"{self.path}: checksum mismatch in blob {sha[:12]}… (got {got[:12]}…): the "
+                "bundle is corrupt; record it again or restore the file",
+                K.CHECKSUM,
+            )
+        with self._lock:
+            self._verified.add(sha)
+
+    def read_blob(self, sha: str) -> torch.Tensor:
+        """A blob as a CPU uint8 tensor (verified on first read; a copy-on-write view)."""
+        import torch
+
+        view = self.blob_bytes(sha)
+        self.verify_blob(sha, view)
+        if len(view) == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(view, dtype=torch.uint8)
+
+    def copy_blob_into(self, sha: str, dest: torch.Tensor) -> None:
+        """Copy a blob into `dest` (contiguous CPU uint8), verifying its SHA-256 in the same pass
+        (each chunk is hashed right after it was copied, while it is still in cache)."""
+        view = self.blob_bytes(sha)
+        n = len(view)
+        if dest.numel() != n:
+            raise BundleError(
+                f"{self.path}: blob {sha[:12]}… holds {n} bytes, the manifest says {dest.numel()}",
+                K.SCHEMA,
+            )
+        if n == 0:
+            self.verify_blob(sha, view)
+            return
+        src = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        dst = dest.data_ptr()
+        h = hashlib.sha256() if sha not in self._verified else None
+        for off in range(0, n, _COPY_CHUNK):
+            k = min(_COPY_CHUNK, n - off)
+            ctypes.memmove(dst + off, src + off, k)  # releases the GIL, like hashlib below
+            if h is not None:
+                h.update((ctypes.c_char * k).from_address(dst + off))
+        if h is not None:
+            self._accept(sha, h.hexdigest())
+
+    def materialize_records(
+        self,
+        storages: Sequence[StorageRecord],
+        tensors: Sequence[TensorRecord],
+        device: torch.device | str = "cpu",
+        placement: Placement | None = None,
+    ) -> Materialized:
+        """Re-create tensor records from this bundle's blobs (verified), blobs in parallel."""
+        import torch
+
+        from kdump.bundle.tensors import materialize
+
+        def fill(batch: Sequence[tuple[int, torch.Tensor]]) -> None:
+            jobs = [(storages[i].blob, dest) for i, dest in batch]
+            if len(jobs) == 1 or sum(d.numel() for _, d in jobs) < (8 << 20):
+                for sha, dest in jobs:
+                    self.copy_blob_into(sha, dest)
+                return
+            with ThreadPoolExecutor(min(_THREADS, len(jobs))) as pool:
+                list(pool.map(lambda job: self.copy_blob_into(*job), jobs))
+
+        if torch.device(device).type != "cpu":  # verify in parallel first, then copy one by one
+            todo = sorted({s.blob for s in storages if s.blob not in self._verified})
+            if len(todo) > 1:
+                with ThreadPoolExecutor(min(_THREADS, len(todo))) as pool:
+                    list(pool.map(self.verify_blob, todo))
+        return materialize(
+            storages,
+            tensors,
+            lambda i: self.read_blob(storages[i].blob),
+            device,
+            placement,
+            fill_spans=fill,
+        )
+
+    def verify(self, progress: Callable[[int], None] | None = None) -> None:
+        """Check every blob's SHA-256 (parallel over blobs)."""
+
+        def one(sha: str) -> None:
+            self.verify_blob(sha)
+            if progress:
+                progress(self.blobs[sha].nbytes)
+
+        with ThreadPoolExecutor(_THREADS) as pool:
+            list(pool.map(one, list(self.blobs)))
+
+    def call(self, index: int) -> Call:
+        for c in self.calls:
+            if c.index == index:
+                return c
+        raise BundleError(f"{self.path} has no call {index} (it holds {len(self.calls)} calls)")
+
+
+def load_bundle(path: str | os.PathLike[str]) -> Bundle:
+    """Open a bundle: header and manifest validated; blobs load lazily, verified on first use."""
+    return Bundle(Path(path))
+
+
+def iter_bundles(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Path]:
+    """Expand folders into the .kdump files they hold (sorted), keep files as given.
+
+    A folder named `blobs` is a blob store (skipped) only directly under a capture root: the
+    folder given, or a recording process's folder (one that holds an index file).
+    """
+    for p in paths:
+        p = Path(p)
+        if p.is_dir():
+            found = sorted(_bundles_under(p))
+            if not found:
+                raise BundleError(f"{p}: folder holds no .kdump bundles", K.NOT_FOUND)
+            yield from found
+        else:
+            yield p
+
+
+def _bundles_under(root: Path) -> Iterator[Path]:
+    for folder, subdirs, files in os.walk(root):
+        if folder == str(root) or any(n in files for n in INDEX_NAMES):
+            subdirs[:] = [d for d in subdirs if d != STORE_DIRNAME]
+        yield from (Path(folder) / f for f in files if f.endswith(".kdump"))

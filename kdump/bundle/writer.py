@@ -1,0 +1,313 @@
+"""Writing bundles: snapshot a call (`capture_call`), write calls as one bundle (`save_calls`),
+and fold a store bundle into one self-contained file (`pack`)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import struct
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from kdump.bundle import argtree
+from kdump.bundle.format import (
+    FORMAT_VERSION,
+    MANIFEST_KEY,
+    MAX_HEADER,
+    BlobRecord,
+    CallEntry,
+    Manifest,
+    OutputsRecord,
+    StorageRecord,
+    Where,
+    manifest_json,
+)
+from kdump.bundle.store import BlobStore, atomic_write, sha256_hex
+from kdump.bundle.tensors import Captured, capture
+from kdump.errors import BundleError
+from kdump.errors import BundleErrorKind as K
+
+HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
+def _kdump_version() -> str:
+    from kdump import __version__
+
+    return __version__
+
+
+@dataclass
+class CallRecord:
+    """One captured call, ready to be written."""
+
+    target: str  # canonical entry-point id, "module:qualname"
+    called_as: str  # the name it was called by
+    args: list[Any]  # encoded argument trees (argtree.encode)
+    kwargs: dict[str, Any]
+    names: list[str] | None  # parameter name of each positional argument, when known
+    inputs: Captured  # tensors of the tree, snapshot before the call
+    outputs: Captured | None = None  # snapshots after the call
+    inplace: list[tuple[int, int]] = field(default_factory=list)  # (input idx, output idx)
+    returned: Any = None  # encoded tree of the return value (tensors refer to outputs)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return self.inputs.nbytes + (self.outputs.nbytes if self.outputs else 0)
+
+
+def capture_call(
+    target: str,
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    called_as: str | None = None,
+    names: Sequence[str] | None = None,
+    meta: dict[str, Any] | None = None,
+) -> CallRecord:
+    """Snapshot a call's arguments (before the call runs)."""
+    kwargs = kwargs or {}
+    tensors: list[torch.Tensor] = []
+    args_tree = [argtree.encode(a, tensors) for a in args]
+    kwargs_tree = {str(k): argtree.encode(v, tensors) for k, v in kwargs.items()}
+    return CallRecord(
+        target=target,
+        called_as=called_as or target,
+        args=args_tree,
+        kwargs=kwargs_tree,
+        names=list(names) if names is not None else None,
+        inputs=capture(tensors),
+        meta=dict(meta or {}),
+    )
+
+
+def input_tensors(
+    call: CallRecord, args: Sequence[Any], kwargs: dict[str, Any]
+) -> list[torch.Tensor]:
+    """The live tensors of a call in the order of its tensor table (same walk as capture_call)."""
+    return argtree.tensors_in(*args, *kwargs.values())
+
+
+def attach_outputs(
+    call: CallRecord, live: Sequence[torch.Tensor], indices: Iterable[int], returned: Any = None
+) -> None:
+    """Snapshot tensors `indices` of the call's tensor table after the call (in-place outputs),
+    and tensors in the return value."""
+    idx = sorted(set(indices))
+    extra: list[torch.Tensor] = [live[i] for i in idx]
+    ret_tree = argtree.encode(returned, extra) if returned is not None else None
+    call.outputs = capture(extra)
+    call.inplace = [(i, k) for k, i in enumerate(idx)]
+    call.returned = ret_tree
+
+
+def _blob_view(t: torch.Tensor) -> memoryview:
+    """Zero-copy bytes of a contiguous CPU uint8 tensor."""
+    n = t.numel()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def _hash_all(views: Sequence[memoryview]) -> list[str]:
+    if len(views) <= 1 or sum(len(v) for v in views) < (8 << 20):
+        return [sha256_hex(v) for v in views]
+    with ThreadPoolExecutor(HASH_THREADS) as pool:  # hashlib releases the GIL on large data
+        return list(pool.map(sha256_hex, views))
+
+
+def _entries(calls: Sequence[CallRecord], shas: Sequence[str]) -> tuple[CallEntry, ...]:
+    """The manifest records of `calls`, their storages named by `shas` (in capture order)."""
+    it = iter(shas)
+
+    def named(cap: Captured) -> tuple[StorageRecord, ...]:
+        return tuple(replace(st, blob=next(it)) for st in cap.storages)
+
+    out = []
+    for i, call in enumerate(calls):
+        storages = named(call.inputs)
+        outputs = None
+        if call.outputs is not None:
+            outputs = OutputsRecord(
+                storages=named(call.outputs),
+                tensors=tuple(call.outputs.tensors),
+                inplace=tuple(call.inplace),
+                returned=call.returned,
+            )
+        out.append(
+            CallEntry(
+                index=i,
+                target=call.target,
+                called_as=call.called_as,
+                names=tuple(call.names) if call.names is not None else None,
+                args=call.args,
+                kwargs=call.kwargs,
+                storages=storages,
+                tensors=tuple(call.inputs.tensors),
+                outputs=outputs,
+                meta=call.meta,
+            )
+        )
+    return tuple(out)
+
+
+def save_calls(
+    path: str | os.PathLike[str],
+    calls: Sequence[CallRecord],
+    *,
+    env: dict[str, Any] | None = None,
+    store: BlobStore | None = None,
+    info: dict[str, Any] | None = None,
+) -> Path:
+    """Write `calls` as one bundle, atomically. Identical storages are stored once.
+
+    With `store`, blobs go to the shared store (each written once per capture directory) and the
+    bundle holds only the manifest.
+    """
+    path = Path(path)
+    views = [
+        _blob_view(d)
+        for call in calls
+        for cap in (call.inputs, call.outputs)
+        if cap is not None
+        for d in cap.data
+    ]
+    where = Where.STORE if store is not None else Where.INLINE
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+    def make_manifest(shas: Sequence[str]) -> dict[str, Any]:
+        blobs: dict[str, BlobRecord] = {}
+        for sha, view in zip(shas, views):
+            blobs.setdefault(sha, BlobRecord(nbytes=len(view), where=where))
+        return manifest_json(
+            Manifest(
+                version=FORMAT_VERSION,
+                writer=f"kdump {_kdump_version()}",
+                created=created,
+                env=env or {},
+                info=info or {},
+                blobs=blobs,
+                calls=_entries(calls, shas),
+            )
+        )
+
+    if store is None and _write_pipelined(path, views, make_manifest):
+        return path
+    shas = _hash_all(views)
+    blobs: dict[str, memoryview] = {}
+    for sha, view in zip(shas, views):
+        blobs.setdefault(sha, view)
+    if store is not None:
+        for sha, view in blobs.items():
+            store.put(sha, view)
+        _write_safetensors(path, make_manifest(shas), {})
+    else:
+        _write_safetensors(path, make_manifest(shas), blobs)
+    return path
+
+
+def pack(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
+    """Rewrite a bundle (whose blobs may live in a shared store) as one self-contained file."""
+    from kdump.bundle.reader import load_bundle
+
+    bundle = load_bundle(src)
+    bundle.verify()
+    m = bundle.manifest
+    inline = {sha: replace(b, where=Where.INLINE) for sha, b in m.blobs.items()}
+    views = {sha: bundle.blob_bytes(sha) for sha, b in m.blobs.items() if b.nbytes}
+    out = Path(dst)
+    _write_safetensors(out, manifest_json(replace(m, blobs=inline)), views)
+    return out
+
+
+def _header_json(manifest: dict[str, Any], layout: dict[str, tuple[int, int]]) -> bytes:
+    header: dict[str, Any] = {
+        sha: {"dtype": "U8", "shape": [e - b], "data_offsets": [b, e]}
+        for sha, (b, e) in layout.items()
+    }
+    header["__metadata__"] = {MANIFEST_KEY: json.dumps(manifest, separators=(",", ":"))}
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
+def _write_pipelined(
+    path: Path,
+    views: Sequence[memoryview],
+    make_manifest: Callable[[Sequence[str]], dict[str, Any]],
+) -> bool:
+    """Write an inline bundle while its blobs are still being hashed (False: header too big).
+
+    The header goes first in the file but names blobs by their hashes, so its space is reserved
+    from an upper bound (every blob unique: de-duplication only shortens it) and the real header
+    is padded with spaces to that size. Blobs are written in order while a thread pool hashes
+    them all; a blob whose hash turns out to repeat an earlier one is overwritten by the next.
+    """
+    placeholders = [f"{i:064x}" for i in range(len(views))]
+    upper: dict[str, tuple[int, int]] = {}
+    off = 0
+    for name, view in zip(placeholders, views):
+        upper[name] = (off, off + len(view))
+        off += len(view)
+    reserved = len(_header_json(make_manifest(placeholders), upper))
+    reserved += -reserved % 8  # safetensors pads the header to 8 bytes
+    if reserved > MAX_HEADER:
+        return False
+    data_start = 8 + reserved
+
+    def write(f: BinaryIO) -> None:
+        layout: dict[str, tuple[int, int]] = {}
+        shas: list[str] = []
+        pos = 0
+        with ThreadPoolExecutor(HASH_THREADS) as pool:
+            futures = [pool.submit(sha256_hex, v) for v in views]
+            for view, fut in zip(views, futures):
+                if fut.done() and fut.result() in layout:
+                    shas.append(fut.result())
+                    continue
+                f.seek(data_start + pos)
+                f.write(view)
+                sha = fut.result()
+                shas.append(sha)
+                if sha not in layout:
+                    layout[sha] = (pos, pos + len(view))
+                    pos += len(view)
+        f.truncate(data_start + pos)
+        raw = _header_json(make_manifest(shas), layout)
+        if len(raw) > reserved:  # cannot happen: dedup only removes entries and digits
+            raise BundleError("internal error: bundle header outgrew its reserved space", K.LIMIT)
+        f.seek(0)
+        f.write(struct.pack("<Q", reserved))
+        f.write(raw + b" " * (reserved - len(raw)))
+
+    atomic_write(path, write)
+    return True
+
+
+def _write_safetensors(path: Path, manifest: dict[str, Any], blobs: dict[str, memoryview]) -> None:
+    layout: dict[str, tuple[int, int]] = {}
+    offset = 0
+    for sha, view in blobs.items():
+        layout[sha] = (offset, offset + len(view))
+        offset += len(view)
+    raw = _header_json(manifest, layout)
+    raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
+    if len(raw) > MAX_HEADER:
+        raise BundleError(
+            f"bundle manifest is {len(raw)} bytes, over the {MAX_HEADER}-byte header limit: "
+            "write fewer calls per bundle",
+            K.LIMIT,
+        )
+
+    def write(f: BinaryIO) -> None:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for view in blobs.values():
+            f.write(view)
+
+    atomic_write(path, write)
