@@ -6,9 +6,10 @@ from __future__ import annotations
 import html
 import unicodedata
 
-# Characters that Markdown (CommonMark and GitHub's tables) gives a meaning; a backslash
-# before any ASCII punctuation makes it literal.
-_MD_SPECIAL = set("\\`*_{}[]()<>#+-.!|~")
+# Characters that Markdown (CommonMark, GitHub's tables) gives a meaning inside a line; a
+# backslash before ASCII punctuation makes it literal. Line-start syntax (#, -, 1.) is avoided by
+# never starting a line with a bundle string.
+_MD_SPECIAL = set("\\`*_[]|~")
 
 
 def _visible(ch: str) -> str:
