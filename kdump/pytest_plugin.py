@@ -7,7 +7,8 @@ brackets) that replays every call of the bundle: verdict exit 0 passes, 125 (can
 skips with the reason, anything else fails with the verdict's headline and findings. Items are
 independent, so pytest-xdist spreads them over workers; with several GPUs, worker gwN replays on
 GPU N mod count. Installed, the plugin loads itself (entry point `pytest11`); from a source
-checkout add `-p kdump.pytest_plugin`.
+checkout add `-p kdump.pytest_plugin` (only there: pytest refuses a plugin loaded twice under two
+names).
 
 Tests can also replay a bundle themselves through the `kdump_replay` fixture:
 
@@ -77,19 +78,23 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     base = config.invocation_params.dir
     given = [Path(p) for p in config.getoption("kdump_paths")]
-    roots = [p if p.is_absolute() else base / p for p in given] or list(
-        config.getini("kdump_paths")
-    )
+    roots = [p if p.is_absolute() else base / p for p in given]
+    if not roots:
+        roots = list(config.getini("kdump_paths"))  # ini paths are relative to the ini file
     config.stash[_ROOTS] = [r.resolve() for r in roots]
-    if not given:
+    if not roots:
         return
-    # `pytest --kdump DIR` collects DIR, not the project's testpaths; positional paths stay.
-    if config.args_source != pytest.Config.ArgsSource.ARGS:
+    # `pytest --kdump DIR` collects DIR instead of the project's testpaths (positional paths
+    # stay); ini paths are collected along with the testpaths, not when paths were given.
+    explicit = config.args_source == pytest.Config.ArgsSource.ARGS
+    if not given and explicit:
+        return
+    if given and not explicit:
         config.args = []
-    covered = [Path(a.split("::")[0]).resolve() for a in config.args]
-    for root, text in zip(config.stash[_ROOTS], given):
+    covered = [(base / a.split("::")[0]).resolve() for a in config.args]
+    for root in config.stash[_ROOTS]:
         if not any(root == c or c in root.parents for c in covered):
-            config.args.append(str(text))
+            config.args.append(str(root))
 
 
 def _under(path: Path, roots: Sequence[Path]) -> bool:
@@ -135,7 +140,9 @@ def _visible_gpus() -> list[str]:
 def _worker_gpu(device: str) -> Iterator[None]:
     """CUDA_VISIBLE_DEVICES for the replay children: one GPU per xdist worker."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
-    gpu = gpu_for_worker(worker, _visible_gpus()) if worker and device != "cpu" else None
+    # An explicit cuda:N names its GPU itself; pinning would hide it.
+    pin = worker is not None and device in ("auto", "cuda")
+    gpu = gpu_for_worker(worker, _visible_gpus()) if pin else None
     if gpu is None:
         yield
         return

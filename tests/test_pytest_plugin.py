@@ -20,12 +20,22 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
 CAPTURES = ROOT / "captures"
 GEN = torch.Generator().manual_seed(9)
-BASE = ["-p", "kdump.pytest_plugin", "-p", "no:cacheprovider", "-q"]
+
+
+def _installed() -> bool:
+    """Whether the plugin's entry point is installed (then pytest loads it without -p)."""
+    from importlib.metadata import entry_points
+
+    return any(ep.value == "kdump.pytest_plugin" for ep in entry_points(group="pytest11"))
+
+
+BASE = [*([] if _installed() else ["-p", "kdump.pytest_plugin"]), "-p", "no:cacheprovider", "-q"]
 CPU = ["--kdump-backend", "reference", "--kdump-device", "cpu"]
 
 
-def pytest_run(args: list[str], cwd: Path, extra_path: str = "") -> subprocess.CompletedProcess:
-    paths = [str(ROOT), str(TESTS), *([extra_path] if extra_path else [])]
+def pytest_run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    inherited = os.environ.get("PYTHONPATH", "")
+    paths = [str(ROOT), str(TESTS), *([inherited] if inherited else [])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     env.pop("PYTEST_XDIST_WORKER", None)
     return subprocess.run(
@@ -133,6 +143,18 @@ def test_failing_bundle_fails_and_fixture_replays(
     assert "1 failed, 2 passed" in res.stdout
     assert "bundles/bad.kdump::[eager]" in res.stdout
     assert "mismatch" in res.stdout and "[3, 5]" in res.stdout
+
+
+def test_ini_paths_are_collected_with_testpaths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(TESTS))
+    (tmp_path / "bundles").mkdir()
+    _bundle(tmp_path / "bundles" / "good.kdump", corrupt=False)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nkdump_paths = bundles\nkdump_device = cpu\n")
+    res = pytest_run(["-v", "-v"], tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "bundles/good.kdump::[eager] PASSED" in res.stdout and "1 passed" in res.stdout
 
 
 def test_cannot_run_skips_with_reason() -> None:

@@ -14,6 +14,7 @@ VALUE = "<redacted>"
 _HOME = re.compile(r"/(?:home|Users)/([^/\s'\"]+)")
 _PATH = re.compile(r"(?<![\w.<>-])(?:~|\.{1,2})?(?:/[^\s/'\",;:=]+)+/?")
 _USER_VARS = ("USER", "LOGNAME", "USERNAME")
+_MIN_SECRET = 8
 
 
 def _strings(tree: Any) -> Iterable[str]:
@@ -52,7 +53,9 @@ class Redactor:
                 for k, v in env_vars.items():
                     if k in _USER_VARS and isinstance(v, str) and v:
                         users.add(v)
-                    if isinstance(v, str) and len(v) >= 3:
+                    # Short values ("1", "false") would blank unrelated words of the report;
+                    # they are hidden in the environment table only.
+                    if isinstance(v, str) and len(v) >= _MIN_SECRET:
                         values.add(v)
             for s in _strings(env):
                 users.update(m.group(1) for m in _HOME.finditer(s))
