@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from kdump.bundle import Bundle, Call
@@ -56,7 +56,7 @@ class CallDiff:
             "a": self.a_label,
             "b": self.b_label,
             "identical": self.identical,
-            "differences": [d.__dict__ for d in self.differences],
+            "differences": [asdict(d) for d in self.differences],
             "routing": [r.to_json() for r in self.routing],
         }
 
