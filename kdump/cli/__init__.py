@@ -16,6 +16,8 @@ COMMANDS = {
     "record": ("kdump.cli.record", "Run a program with recording active in all its processes."),
     "replay": ("kdump.cli.replay", "Replay bundles against a kernel and say which step fails."),
     "info": ("kdump.cli.info", "Show what is inside a bundle."),
+    "diff": ("kdump.cli.diff", "Show what differs between two recorded calls or bundles."),
+    "report": ("kdump.cli.report", "Write a Markdown bug report of a bundle, ready for an issue."),
     "pack": ("kdump.cli.pack", "Fold a bundle and its shared blobs into one file to attach."),
     "salvage": ("kdump.cli.salvage", "Turn a dead process' flight-recorder journal into bundles."),
     "doctor": (

@@ -1,0 +1,241 @@
+"""pytest plugin: recorded bundles as regression tests.
+
+    pytest --kdump captures/ --kdump-mode eager --kdump-backend reference -n 4
+
+Each .kdump file under a --kdump path becomes one test item (named by its path, the mode in
+brackets) that replays every call of the bundle: verdict exit 0 passes, 125 (cannot run here)
+skips with the reason, anything else fails with the verdict's headline and findings. Items are
+independent, so pytest-xdist spreads them over workers; with several GPUs, worker gwN replays on
+GPU N mod count. Installed, the plugin loads itself (entry point `pytest11`); from a source
+checkout add `-p kdump.pytest_plugin` (the entry point has the module's name, so passing it when
+kdump is installed too is harmless).
+
+Tests can also replay a bundle themselves through the `kdump_replay` fixture:
+
+    @pytest.mark.kdump("bug123.kdump")  # relative to the test file's folder
+    def test_bug123(kdump_replay):
+        assert kdump_replay().exit_code == 0
+
+This module imports neither torch nor the rest of kdump until a bundle is replayed, so loading
+the plugin costs nothing in test runs that do not use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Folder of a capture directory's shared blob store (kdump.bundle.STORE_DIRNAME; not imported so
+# that collecting needs no torch).
+_STORE_DIRNAME = "blobs"
+_SETTINGS = {"mode": "eager", "backend": "auto", "device": "auto"}
+_CANNOT_RUN = 125
+_ROOTS = pytest.StashKey[list[Path]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kdump", "replay recorded kdump bundles as tests")
+    group.addoption(
+        "--kdump",
+        action="append",
+        default=[],
+        dest="kdump_paths",
+        metavar="PATH",
+        help="Bundle file or folder of bundles to replay, one test per bundle (repeatable).",
+    )
+    group.addoption(
+        "--kdump-mode", dest="kdump_mode", help="eager, graph, sanitizer or all (default eager)."
+    )
+    group.addoption(
+        "--kdump-backend",
+        dest="kdump_backend",
+        help="auto, reference, deep_gemm, packaged or library (default auto).",
+    )
+    group.addoption(
+        "--kdump-device", dest="kdump_device", help="auto, cpu, cuda or cuda:N (default auto)."
+    )
+    parser.addini("kdump_paths", "Bundles or folders to replay as tests.", type="paths")
+    for name, default in _SETTINGS.items():
+        parser.addini(f"kdump_{name}", f"Replay {name} of kdump items.", default=default)
+
+
+def setting(config: pytest.Config, name: str) -> str:
+    """A replay setting: command line, else ini file, else the default."""
+    value = config.getoption(f"kdump_{name}")
+    return str(value) if value else str(config.getini(f"kdump_{name}") or _SETTINGS[name])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "kdump(path): the bundle that the kdump_replay fixture replays"
+    )
+    base = config.invocation_params.dir
+    given = [Path(p) for p in config.getoption("kdump_paths")]
+    roots = [p if p.is_absolute() else base / p for p in given]
+    if not roots:
+        roots = list(config.getini("kdump_paths"))  # ini paths are relative to the ini file
+    config.stash[_ROOTS] = [r.resolve() for r in roots]
+    if not roots:
+        return
+    # `pytest --kdump DIR` collects DIR instead of the project's testpaths (positional paths
+    # stay); ini paths are collected along with the testpaths, not when paths were given.
+    explicit = config.args_source == pytest.Config.ArgsSource.ARGS
+    if not given and explicit:
+        return
+    if given and not explicit:
+        config.args = []
+    covered = [(base / a.split("::")[0]).resolve() for a in config.args]
+    for root in config.stash[_ROOTS]:
+        if not any(root == c or c in root.parents for c in covered):
+            config.args.append(str(root))
+
+
+def _under(path: Path, roots: Sequence[Path]) -> bool:
+    return any(path == r or r in path.parents for r in roots)
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    if file_path.suffix != ".kdump" or _STORE_DIRNAME in file_path.parts[:-1]:
+        return None
+    if not _under(file_path.resolve(), parent.config.stash.get(_ROOTS, [])):
+        return None
+    return KdumpFile.from_parent(parent, path=file_path)
+
+
+class KdumpFile(pytest.File):
+    def collect(self) -> Iterator[pytest.Item]:
+        yield KdumpItem.from_parent(self, name=f"[{setting(self.config, 'mode')}]")
+
+
+class ReplayFailed(Exception):
+    """A replay verdict other than clean or cannot-run; the message is the report."""
+
+
+def gpu_for_worker(worker: str | None, visible: Sequence[str]) -> str | None:
+    """The GPU an xdist worker (gwN) replays on: visible[N mod len], or None when there is no
+    worker id or fewer than two GPUs (then nothing is pinned)."""
+    match = re.fullmatch(r"gw(\d+)", worker or "")
+    if match is None or len(visible) < 2:
+        return None
+    return visible[int(match.group(1)) % len(visible)]
+
+
+def _visible_gpus() -> list[str]:
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d.strip() for d in listed.split(",") if d.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+@contextlib.contextmanager
+def _worker_gpu(device: str) -> Iterator[None]:
+    """CUDA_VISIBLE_DEVICES for the replay children: one GPU per xdist worker."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    # An explicit cuda:N names its GPU itself; pinning would hide it.
+    pin = worker is not None and device in ("auto", "cuda")
+    gpu = gpu_for_worker(worker, _visible_gpus()) if pin else None
+    if gpu is None:
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
+def run_replay(path: Path | str, mode: str, backend: str, device: str, **kw: Any) -> list[Any]:
+    from kdump.replay import replay
+
+    with _worker_gpu(device):
+        return replay([path], mode=mode, backend=backend, device=device, **kw)
+
+
+def describe(verdicts: Sequence[Any]) -> str:
+    """Verdicts as the text of a failure report: headline, findings, notes."""
+    lines = []
+    for v in verdicts:
+        lines.append(f"call {v.call} ({v.target}): exit {v.exit_code}: {v.headline()}")
+        lines += [f"  {f.kind} at {f.step}: {f.message}" for f in v.findings]
+        lines += [f"  note: {n}" for n in v.notes]
+    return "\n".join(lines)
+
+
+def outcome(verdicts: Sequence[Any]) -> tuple[str, str]:
+    """("passed" | "skipped" | "failed", why). A call that cannot run here does not hide a
+    failing call of the same bundle."""
+    codes = [v.exit_code for v in verdicts]
+    if any(c not in (0, _CANNOT_RUN) for c in codes):
+        return "failed", describe(verdicts)
+    if _CANNOT_RUN in codes:
+        return "skipped", "; ".join(v.headline() for v in verdicts if v.exit_code == _CANNOT_RUN)
+    return "passed", ""
+
+
+class KdumpItem(pytest.Item):
+    def runtest(self) -> None:
+        mode, backend, device = (setting(self.config, n) for n in ("mode", "backend", "device"))
+        verdicts = run_replay(self.path, mode, backend, device)
+        self.user_properties.append(
+            ("kdump_verdicts", json.dumps([v.to_json() for v in verdicts], default=str))
+        )
+        result, why = outcome(verdicts)
+        if result == "skipped":
+            pytest.skip(why)
+        if result == "failed":
+            raise ReplayFailed(why)
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> Any:
+        if isinstance(excinfo.value, ReplayFailed):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo, style=style)
+
+    def reportinfo(self) -> tuple[Path, int | None, str]:
+        return self.path, None, f"kdump replay {self.name}"
+
+
+@pytest.fixture
+def kdump_replay(request: pytest.FixtureRequest) -> Callable[..., Any]:
+    """A function that replays one call of a bundle and returns its Verdict. The bundle defaults
+    to the test's @pytest.mark.kdump(path); mode, backend and device to the kdump settings."""
+    marker = request.node.get_closest_marker("kdump")
+    default = marker.args[0] if marker is not None and marker.args else None
+
+    def run(
+        path: str | Path | None = None,
+        *,
+        call: int = 0,
+        mode: str | None = None,
+        backend: str | None = None,
+        device: str | None = None,
+    ) -> Any:
+        chosen = path if path is not None else default
+        if chosen is None:
+            raise pytest.UsageError("kdump_replay: give a path or mark the test with kdump(path)")
+        p = Path(chosen)
+        if not p.is_absolute() and not p.exists():
+            p = request.path.parent / p
+        cfg = request.config
+        [verdict] = run_replay(
+            p,
+            mode or setting(cfg, "mode"),
+            backend or setting(cfg, "backend"),
+            device or setting(cfg, "device"),
+            calls=[call],
+        )
+        return verdict
+
+    return run

@@ -1,0 +1,1 @@
+"""Bug reports from bundles: what differs between two calls, routing summaries, Markdown."""

@@ -1,0 +1,89 @@
+"""`--redact`: take host names, user names, paths and environment values out of a report."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import PurePath
+from typing import Any
+
+HOST = "<host>"
+USER = "<user>"
+VALUE = "<redacted>"
+_HOME = re.compile(r"/(?:home|Users)/([^/\s'\"]+)")
+_PATH = re.compile(r"(?<![\w.<>-])(?:~|\.{1,2})?(?:/[^\s/'\",;:=]+)+/?")
+_USER_VARS = ("USER", "LOGNAME", "USERNAME")
+_MIN_SECRET = 8
+
+
+def _strings(tree: Any) -> Iterable[str]:
+    if isinstance(tree, str):
+        yield tree
+    elif isinstance(tree, Mapping):
+        for k, v in tree.items():
+            yield str(k)
+            yield from _strings(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _strings(v)
+
+
+@dataclass(frozen=True)
+class Redactor:
+    """Identity when disabled; else replaces what `from_env` learnt is private."""
+
+    enabled: bool = False
+    hosts: tuple[str, ...] = ()
+    users: tuple[str, ...] = ()
+    extra: tuple[str, ...] = field(default=())  # literal strings to hide (env values)
+
+    @classmethod
+    def from_env(cls, envs: Iterable[Mapping[str, Any]], enabled: bool) -> Redactor:
+        if not enabled:
+            return cls()
+        hosts, users, values = set(), set(), set()
+        for env in envs:
+            host = env.get("hostname")
+            if isinstance(host, str) and host:
+                hosts.add(host)
+                hosts.add(host.split(".")[0])
+            env_vars = env.get("env_vars") or {}
+            if isinstance(env_vars, Mapping):
+                for k, v in env_vars.items():
+                    if k in _USER_VARS and isinstance(v, str) and v:
+                        users.add(v)
+                    # Short values ("1", "false") would blank unrelated words of the report;
+                    # they are hidden in the environment table only.
+                    if isinstance(v, str) and len(v) >= _MIN_SECRET:
+                        values.add(v)
+            for s in _strings(env):
+                users.update(m.group(1) for m in _HOME.finditer(s))
+        return cls(
+            True,
+            tuple(sorted(hosts, key=len, reverse=True)),
+            tuple(sorted(users, key=len, reverse=True)),
+            tuple(sorted(values, key=len, reverse=True)),
+        )
+
+    def text(self, value: Any) -> str:
+        s = str(value)
+        if not self.enabled:
+            return s
+        for v in self.extra:
+            s = s.replace(v, VALUE)
+        s = _PATH.sub(lambda m: f"<path>/{PurePath(m.group(0)).name}", s)
+        for h in self.hosts:
+            s = re.sub(rf"(?<![\w-]){re.escape(h)}(?![\w-])", HOST, s)
+        for u in self.users:
+            s = re.sub(rf"(?<![\w-]){re.escape(u)}(?![\w-])", USER, s)
+        return s
+
+    def env_value(self, key: str, value: str) -> str:
+        """Environment variable values are hidden whole: they may hold tokens or paths."""
+        if self.enabled and key.startswith("env_vars."):
+            return VALUE
+        return self.text(value)
+
+    def path(self, path: str) -> str:
+        return PurePath(path).name if self.enabled else path
