@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU evidence run on the project's H200 (it has no network): wheels the machine
-# lacks come from .whl/ (nvidia-cutlass, tokenspeed-deepgemm, hypothesis and its needs), then the
+# lacks come from .whl/ (nvidia-cutlass, tokenspeed-deepgemm, hypothesis, pytest-xdist and their needs), then the
 # GPU tests and benchmarks named by STAGE. Logs and raw sanitizer reports go to $OUT.
 #   Three stages cover the WHOLE test suite, each under the machine's 10-minute command limit:
 #   STAGE=tests  : every test not marked gpu (CPU tests must pass on a GPU machine too)
@@ -22,7 +22,9 @@ python3 -c "import torch, deep_gemm; print('torch', torch.__version__, 'deep_gem
 python3 -m kdump doctor
 case "${STAGE:-tests}" in
 tests)
-  timeout 540 python3 -m pytest -q -rfE -m "not gpu" 2>&1 | tee "$OUT/pytest-cpu.log"
+  # 16 cores: spread the CPU tests over 8 pytest-xdist workers when its wheel came along
+  xd=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
+  timeout 540 python3 -m pytest -q -rfE -m "not gpu" $xd 2>&1 | tee "$OUT/pytest-cpu.log"
   ;;
 gpu)
   timeout 540 python3 -m pytest -q -rfE -m gpu --ignore tests/test_sm120_gpu.py 2>&1 | tee "$OUT/pytest-gpu.log"
