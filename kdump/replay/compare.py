@@ -217,7 +217,14 @@ def agree(
     exact_only = bitwise or not a.dtype.is_floating_point or diff["count"] < 0
     if exact_only:
         return Agreement(False, False, {"differing": diff["count"], **diff}, diff["message"])
-    cmp = compare_to_reference(a, b, mask, tol or default_tolerance(a.dtype))
+    if tol is None:
+        # Reordered sums err relative to the magnitude of the terms, not of the (maybe cancelled)
+        # result: the absolute part scales with the output's largest finite magnitude.
+        tol = default_tolerance(a.dtype)
+        finite = b.float()[_expand_mask(mask, b) & torch.isfinite(b.float())]
+        scale = float(finite.abs().max()) if finite.numel() else 0.0
+        tol = Tolerance(tol.calc_diff, max(tol.atol, tol.rtol * scale), tol.rtol)
+    cmp = compare_to_reference(a, b, mask, tol)
     metrics = {**cmp.metrics, "differing": diff["count"], "index": diff["index"]}
     if cmp.ok:
         msg = (

@@ -97,8 +97,10 @@ def _judge_repeats(s: Session, bound: dict, runs: list[dict[str, torch.Tensor]])
         first_bad = next(
             st
             for st in s.verdict.steps
-            if st.name.startswith("eager/run ") and st.name.endswith(" vs run 1")
-            and st.status == "fail" and st.message.startswith(f"{name}:")
+            if st.name.startswith("eager/run ")
+            and st.name.endswith(" vs run 1")
+            and st.status == "fail"
+            and st.message.startswith(f"{name}:")
         )
         s.finding(
             "nondeterminism",

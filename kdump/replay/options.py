@@ -113,6 +113,16 @@ class ReplayOptions:
             graph=GraphOptions(),
         )
 
+    def refuse_inapplicable(self) -> None:
+        """Options that mean nothing in the chosen mode are a usage error, not silently ignored."""
+        graphy = self.mode in ("graph", "all")
+        if self.then and not graphy:
+            raise UsageError(f"--then applies to --mode graph (or all), not {self.mode}")
+        if self.save_failing and not graphy:
+            raise UsageError(f"--save-failing applies to --mode graph (or all), not {self.mode}")
+        if self.oracle == "fresh" and self.mode == "sanitizer":
+            raise UsageError("--oracle fresh applies to --mode eager, graph or all, not sanitizer")
+
     def wants_fresh_oracle(self, has_reference: bool) -> bool:
         return self.oracle == "fresh" or (self.oracle == "auto" and not has_reference)
 

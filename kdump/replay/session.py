@@ -321,8 +321,12 @@ class Session:
                 bitwise=self.req.options.bitwise,
             )
             out[name] = ag
-            self.step(f"{step} vs {label}", "ok" if ag.ok else "fail", f"{name}: {ag.message}",
-                      **_plain(ag.metrics))
+            self.step(
+                f"{step} vs {label}",
+                "ok" if ag.ok else "fail",
+                f"{name}: {ag.message}",
+                **_plain(ag.metrics),
+            )
             if ag.note:
                 self.note(f"{name}: {ag.note}")
         return out
