@@ -30,3 +30,11 @@ def workspace_rows(x: torch.Tensor, labels: torch.Tensor, out: torch.Tensor) -> 
 
 def reset() -> None:
     _workspaces.clear()
+
+
+def atomic_rowsum_cuda(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Row sums by float atomics on the GPU (index_add_ on CUDA adds atomically, in no fixed
+    order); capture-safe."""
+    rows = torch.arange(x.shape[0], device=x.device).repeat_interleave(x.shape[1])
+    out.zero_()
+    out.index_add_(0, rows, (x * 1.0001).flatten())
