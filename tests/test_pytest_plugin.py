@@ -108,7 +108,7 @@ def _bundle(path: Path, corrupt: bool) -> Path:
     replay_targets.scale_into(x, out)
     attach_outputs(call, live, [1])
     if corrupt:
-        call.outputs.data[0][4 * (3 * 8 + 5)] ^= 0x40  # flip a bit of out[3, 5]
+        call.outputs.data[0][4 * (3 * 8 + 5) + 2] ^= 0x40  # a high mantissa bit of out[3, 5]
     return save_calls(path, [call])
 
 

@@ -262,3 +262,38 @@ def test_deepgemm_graph_then_second_recorded_distribution(tmp_path: Path) -> Non
     assert v.exit_code == 0, v.headline()
     names = [s.name for s in v.steps]
     assert "graph/replay 1 (recorded b.kdump:0) vs recorded" in names
+
+
+def test_graph_atomics_noise_clean_with_note(tmp_path: Path) -> None:
+    """Float-atomics-like noise is a note, exit 0, in eager and graph mode."""
+    x = torch.randn(64, 256, device="cuda")
+    out = torch.zeros(64, device="cuda")
+    want = (x * 1.0001).sum(1)
+    path = _save(
+        tmp_path / "a.kdump",
+        "targets.verdict_targets:atomic_rowsum_cuda",
+        [x, out],
+        ["x", "out"],
+        [1],
+        {1: want},
+    )
+    for mode in ("eager", "graph"):
+        [v] = replay([path], mode=mode, repeat=3)
+        assert v.exit_code == 0, (mode, v.headline())
+
+
+def test_graph_overread_named_by_halo_pass(tmp_path: Path) -> None:
+    x = torch.randn(64, 32, device="cuda")
+    want = torch.zeros(64, 32, device="cuda")
+    want[:63] = 2 * x[1:]
+    path = _save(
+        tmp_path / "tma.kdump",
+        "targets.tma_overread:shifted_double",
+        [x, torch.zeros(64, 32, device="cuda")],
+        ["x", "out"],
+        [1],
+        {1: want},
+    )
+    [v] = replay([path], mode="graph", repeat=1)
+    assert v.exit_code == ExitCode.MEMORY_FINDING, v.headline()
+    assert "reads past the end of x" in v.headline()

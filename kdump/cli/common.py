@@ -20,7 +20,10 @@ def run_cli(group: click.Group, argv: list[str]) -> None:
         click.echo("kdump: aborted", err=True)
         sys.exit(130)
     except click.ClickException as exc:  # usage errors: one line, exit 2
-        exc.show()
+        if "--json" in argv:
+            emit_json({"exit_code": int(ExitCode.USAGE), "error": exc.format_message()})
+        else:
+            exc.show()
         sys.exit(ExitCode.USAGE)
     except KdumpError as exc:
         if verbose:

@@ -5,7 +5,8 @@ import click
 from kdump.cli.common import console, emit_json, json_option
 from kdump.errors import exit_codes_help
 from kdump.kernels.registry import backend_names
-from kdump.replay.options import MODES, TOOLS
+from kdump.replay.options import MODES, ORACLES, TOOLS
+from kdump.text import markup
 
 
 class _BackendChoice(click.Choice):
@@ -64,7 +65,20 @@ Examples:
     type=click.IntRange(1, 1000),
     default=2,
     show_default=True,
-    help="Eager runs per call; runs after the first must be bit-identical to it.",
+    help="Eager runs per call; runs after the first must agree with it (within tolerance).",
+)
+@click.option(
+    "--bitwise",
+    is_flag=True,
+    help="Float differences within the dtype tolerance fail (default: a note).",
+)
+@click.option(
+    "--oracle",
+    type=click.Choice(ORACLES),
+    default="auto",
+    show_default=True,
+    help="fresh: also compare every replay with an eager run of its inputs in a fresh process "
+    "(auto: only for targets without a reference).",
 )
 @click.option(
     "--then",
@@ -121,6 +135,7 @@ Examples:
     "--jobs", type=click.IntRange(1, 64), default=1, help="Replays at once (one per GPU)."
 )
 @click.option("--in-process", is_flag=True, help="Do not isolate replays in a child process.")
+@click.option("-v", "--verbose", is_flag=True, help="Show every comparison row.")
 @json_option
 def command(
     bundles: tuple[str, ...],
@@ -129,6 +144,8 @@ def command(
     device: str,
     calls: tuple[int, ...],
     repeat: int,
+    bitwise: bool,
+    oracle: str,
     then: tuple[str, ...],
     mutations: int,
     seed: int,
@@ -143,6 +160,7 @@ def command(
     timeout: float,
     jobs: int,
     in_process: bool,
+    verbose: bool,
     as_json: bool,
 ) -> int:
     """Replay the calls in BUNDLES (files or capture folders) and say which step fails and how.
@@ -153,62 +171,99 @@ def command(
     (bitwise when backend, library version and GPU match the recording) and across runs.
 
     """
-    from kdump.errors import worst_exit_code
+    from kdump.errors import KdumpError, UsageError, worst_exit_code
     from kdump.replay import replay
     from kdump.replay.options import GraphOptions, ReplayOptions, SanitizerOptions
 
-    options = ReplayOptions(
-        mode=mode,
-        backend=backend,
-        device=device,
-        repeat=repeat,
-        force=force,
-        timeout=timeout,
-        halo=halo,
-        then=then,
-        save_failing=save_failing,
-        isolate=not in_process,
-        jobs=jobs,
-        graph=GraphOptions(mutations=mutations, seed=seed),
-        sanitizer=SanitizerOptions(
-            tools=TOOLS if "all" in tools else (tools or ("memcheck",)),
-            graph=sanitize_graph,
-            binary=sanitizer,
-            kernel_filter=kernel_filter,
-            log_dir=sanitizer_logs,
-        ),
-    )
-    verdicts = replay(bundles, options, calls=list(calls) or None)
+    try:
+        if tools and mode not in ("sanitizer", "all"):
+            raise UsageError(f"--tool applies to --mode sanitizer (or all), not {mode}")
+        options = ReplayOptions(
+            mode=mode,
+            backend=backend,
+            device=device,
+            repeat=repeat,
+            bitwise=bitwise,
+            oracle=oracle,
+            force=force,
+            timeout=timeout,
+            halo=halo,
+            then=then,
+            save_failing=save_failing,
+            isolate=not in_process,
+            jobs=jobs,
+            graph=GraphOptions(mutations=mutations, seed=seed),
+            sanitizer=SanitizerOptions(
+                tools=TOOLS if "all" in tools else (tools or ("memcheck",)),
+                graph=sanitize_graph,
+                binary=sanitizer,
+                kernel_filter=kernel_filter,
+                log_dir=sanitizer_logs,
+            ),
+        )
+        verdicts = replay(bundles, options, calls=list(calls) or None)
+    except KdumpError as exc:
+        if not as_json:
+            raise
+        emit_json({"exit_code": int(exc.exit_code), "error": str(exc), "verdicts": []})
+        return int(exc.exit_code)
     code = worst_exit_code([v.exit_code for v in verdicts])
     if as_json:
         emit_json({"exit_code": code, "verdicts": [v.to_json() for v in verdicts]})
     else:
-        render(verdicts)
+        render(verdicts, verbose=verbose)
+        if len(verdicts) > 1:
+            bad = sum(1 for v in verdicts if v.exit_code)
+            console().print(
+                f"\n{len(verdicts)} replays, {len(verdicts) - bad} clean, {bad} not: exit {code}"
+            )
     return code
 
 
-def render(verdicts: list) -> None:
+_STATUS = {"ok": "[green]ok[/]", "fail": "[red]FAIL[/]", "error": "[red]ERROR[/]"}
+
+
+def rows(v, verbose: bool = False) -> list[tuple[str, str, str]]:
+    """(step, status, detail) per step: one row per step name (the worst status of its
+    comparisons wins); per-tensor comparison rows only where they fail, all with `verbose`."""
+    out: dict[str, list[str]] = {}
+    status: dict[str, str] = {}
+    rank = {"error": 0, "fail": 1, "ok": 2, "skipped": 3}
+    for s in v.steps:
+        base = s.name.split(" vs ")[0]
+        status.setdefault(base, s.status)
+        if rank.get(s.status, 3) < rank.get(status[base], 3):
+            status[base] = s.status
+        detail = out.setdefault(base, [])
+        is_cmp = " vs " in s.name
+        if s.message and (verbose or not is_cmp or s.status != "ok"):
+            oracle = f"vs {s.name.split(' vs ', 1)[1]}: " if is_cmp else ""
+            detail.append(oracle + s.message)
+    return [(name, status[name], "; ".join(out[name])) for name in out]
+
+
+def render(verdicts: list, verbose: bool = False) -> None:
     from rich.table import Table
 
     con = console()
     for v in verdicts:
         colour = "green" if v.clean else "red"
         con.print(
-            f"\n[bold]{v.bundle}[/] call {v.call} {v.target} — mode {v.mode}, backend "
-            f"{v.backend or '?'}, device {v.device or '?'}"
+            f"\n[bold]{markup(v.bundle)}[/] call {v.call} {markup(v.target)}: {v.mode}, "
+            f"{markup(v.backend or '?')}, {markup(v.device or '?')}"
         )
-        table = Table(show_edge=False, pad_edge=False)
-        table.add_column("step")
-        table.add_column("status")
-        table.add_column("time", justify="right")
-        table.add_column("detail", overflow="fold")
-        for s in v.steps:
-            st = {"ok": "[green]ok[/]", "fail": "[red]FAIL[/]", "error": "[red]ERROR[/]"}.get(
-                s.status, s.status
-            )
-            table.add_row(s.name, st, f"{s.seconds * 1e3:.1f} ms" if s.seconds else "", s.message)
+        table = Table(show_edge=False, pad_edge=False, box=None, width=min(con.width, 80))
+        table.add_column("step", overflow="fold", max_width=30)
+        table.add_column("status", width=6)
+        table.add_column("detail", overflow="fold", ratio=1)
+        for name, st, detail in rows(v, verbose):
+            limit = None if verbose else 200
+            table.add_row(markup(name), _STATUS.get(st, markup(st)), markup(detail, limit))
         if v.steps:
             con.print(table)
         for note in v.notes:
-            con.print(f"note: {note}")
-        con.print(f"[{colour} bold]verdict: {v.headline()}[/] (exit {v.exit_code})")
+            con.print(f"note: {markup(note)}")
+        con.print(f"[{colour} bold]verdict: {markup(v.headline())}[/] (exit {v.exit_code})")
+
+
+__all__ = ["command", "render", "rows"]

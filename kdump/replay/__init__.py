@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kdump.bundle import iter_bundles, load_bundle
-from kdump.errors import UsageError
+from kdump.errors import BundleError, UsageError
 from kdump.replay.options import ReplayOptions, from_keywords
 from kdump.replay.session import Request
 from kdump.replay.verdict import Finding, Step, Verdict
@@ -37,6 +37,7 @@ def replay(
     else:
         opts = from_keywords(None, **{**dict(options or {}), **keywords})
     paths = [str(p) for p in paths]
+    opts.refuse_inapplicable()
     if opts.then:
         check_then(paths, opts.then)
     if opts.mode == "sanitizer":
@@ -45,8 +46,15 @@ def replay(
         binary = str(find_sanitizer(opts.sanitizer.binary))
         opts = replace(opts, sanitizer=replace(opts.sanitizer, binary=binary))
     work: list[tuple[str, int]] = []
+    unreadable: list[Verdict] = []
     for path in iter_bundles(paths):
-        bundle = load_bundle(path)  # validate in the parent: a bad bundle is exit 2, not a crash
+        try:
+            bundle = load_bundle(path)  # validated in the parent: a bad bundle is exit 2
+        except BundleError as exc:
+            if len(paths) == 1 and not Path(paths[0]).is_dir():
+                raise  # the one bundle asked for: a usage error
+            unreadable.append(_unreadable(str(path), opts.mode, exc))
+            continue
         indices = [c.index for c in bundle.calls] if calls is None else list(calls)
         if opts.mode in ("graph", "all") and calls is None:
             indices = _capture_calls(bundle)
@@ -84,11 +92,18 @@ def replay(
             verdicts = [f.result() for f in futures]
     else:
         verdicts = [one(item, None) for item in work]
+    verdicts = unreadable + verdicts
     if opts.save_failing:
         # A replay that died before it could report leaves its inputs pending: they reproduce.
         for p in Path(opts.save_failing).glob("*.kdump.pending"):
             p.rename(p.with_suffix(""))
     return verdicts
+
+
+def _unreadable(path: str, mode: str, exc: BundleError) -> Verdict:
+    v = Verdict(path, -1, "", mode)
+    v.findings.append(Finding("bundle", "load", str(exc), {"bundle_error": exc.kind.value}))
+    return v
 
 
 def _gpu_count() -> int:
@@ -124,13 +139,18 @@ def _all(base: Request, run: Callable[[str], Verdict], env: dict[str, str] | Non
         try:
             binary = find_sanitizer(base.options.sanitizer.binary)
         except CannotRunError as exc:
-            combined.notes.append(f"sanitizer skipped: {exc}")
+            combined.notes.append(f"sanitizer mode could not run: {exc}")
+            if combined.clean:
+                combined.findings.append(Finding("cannot_run", "sanitizer", str(exc)))
         else:
             plan = replace(base.options.sanitizer, binary=str(binary), graph=False)
             sanitized = _sanitize(replace(base, options=replace(base.options, sanitizer=plan)), env)
             combined = _merge(combined, sanitized, "sanitizer")
     else:
-        combined.notes.append("graph and sanitizer modes skipped: no CUDA GPU")
+        skipped = "graph and sanitizer modes could not run: no CUDA GPU here"
+        combined.notes.append(skipped)
+        if combined.clean:  # never a silent clean; a reproduced failure keeps its own code
+            combined.findings.append(Finding("cannot_run", "all", skipped))
     combined.mode = "all"
     return combined
 

@@ -162,3 +162,93 @@ def _scalar(x: torch.Tensor) -> Any:
     if x.dtype.is_floating_point:
         return float(x.float())
     return x.item()
+
+
+# Per-dtype (atol, rtol) when a kernel's result is compared with another run of itself or with
+# its recorded output: enough for reordered float sums (atomics), far below any real bug.
+_DTYPE_TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-10, 1e-9),
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (1e-3, 2e-3),
+    torch.bfloat16: (1e-2, 1.6e-2),
+}
+_FP8_TOLERANCE = (1.25e-1, 1.25e-1)
+
+
+def default_tolerance(dtype: torch.dtype) -> Tolerance:
+    """The dtype-aware tolerance of repeat and recorded comparisons."""
+    atol, rtol = _DTYPE_TOLERANCE.get(dtype, _FP8_TOLERANCE)
+    return Tolerance(calc_diff=rtol, atol=atol, rtol=rtol)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Two results of the same inputs: identical, equal within tolerance (a note), or not."""
+
+    ok: bool
+    exact: bool
+    metrics: dict[str, Any]
+    message: str
+
+    @property
+    def note(self) -> str:
+        """What an `ok` but inexact agreement means."""
+        if self.ok and not self.exact:
+            return (
+                f"not bitwise reproducible: {self.metrics.get('differing', '?')} elements differ, "
+                f"max rel {self.metrics.get('max_rel_err', 0.0):.1e} — float atomics?"
+            )
+        return ""
+
+
+def agree(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    bitwise: bool = False,
+    tol: Tolerance | None = None,
+) -> Agreement:
+    """`a` against `b` under the tolerance policy: bit-identical meaningful elements agree; other
+    float differences agree within `tol` (dtype default) unless `bitwise`; integers are exact."""
+    diff = bitwise_diff(a, b, mask)
+    if diff is None:
+        return Agreement(True, True, {"differing": 0}, "bit-identical")
+    exact_only = bitwise or not a.dtype.is_floating_point or diff["count"] < 0
+    if exact_only:
+        return Agreement(False, False, {"differing": diff["count"], **diff}, diff["message"])
+    if tol is None:
+        # Reordered sums err relative to the magnitude of the terms, not of the (maybe cancelled)
+        # result: the absolute part scales with the output's largest finite magnitude.
+        tol = default_tolerance(a.dtype)
+        finite = b.float()[_expand_mask(mask, b) & torch.isfinite(b.float())]
+        scale = float(finite.abs().max()) if finite.numel() else 0.0
+        tol = Tolerance(tol.calc_diff, max(tol.atol, tol.rtol * scale), tol.rtol)
+    cmp = compare_to_reference(a, b, mask, tol)
+    metrics = {**cmp.metrics, "differing": diff["count"], "index": diff["index"]}
+    if cmp.ok:
+        msg = (
+            f"equal within tolerance ({diff['count']} elements differ, max rel "
+            f"{metrics['max_rel_err']:.1e})"
+        )
+        return Agreement(True, False, metrics, msg)
+    worst = metrics.get("worst") or metrics.get("first_failure") or {}
+    msg = (
+        f"{metrics.get('failing_elements', diff['count'])} elements out of tolerance, max error "
+        f"{metrics['max_abs_err']:.3g}; worst at {worst.get('index')}: got {worst.get('actual')}, "
+        f"expected {worst.get('expected')}"
+    )
+    if metrics.get("nan") or metrics.get("inf"):
+        msg = f"{metrics['nan']} NaN / {metrics['inf']} Inf; " + msg
+    return Agreement(False, False, metrics, msg)
+
+
+def distinct_results(
+    runs: list[torch.Tensor], mask: torch.Tensor | None, *, bitwise: bool = False
+) -> int:
+    """How many results of `runs` differ beyond tolerance (greedy clustering on the first)."""
+    reps: list[torch.Tensor] = []
+    for r in runs:
+        if not any(agree(r, p, mask, bitwise=bitwise).ok for p in reps):
+            reps.append(r)
+    return len(reps)

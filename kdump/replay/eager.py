@@ -1,17 +1,35 @@
-"""Eager replay: materialise with exact layout, poison outputs, run, compare with the reference,
-the recorded output and itself (bitwise over --repeat runs)."""
+"""Eager replay: materialise with exact layout, poison outputs, run, compare with the oracles (the
+reference, the recorded output, a fresh eager run) and with itself over --repeat runs.
+
+A call with earlier calls of the same target and layout in its bundle is replayed in sequence
+when the fresh-eager oracle applies: the earlier calls run first in the same buffers (as in
+production), and the call's result is then compared with a fresh process's run of its inputs.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import tempfile
+from pathlib import Path
 
 import torch
 
-from kdump.bundle import MaterializedCall
-from kdump.replay import halo
+from kdump.bundle import Call, MaterializedCall
+from kdump.replay import oracle
+from kdump.replay.compare import distinct_results
+from kdump.replay.overreads import attribute_overreads, unexplained_nans
 from kdump.replay.session import Progress, Request, Session, poison_outputs
 from kdump.replay.verdict import Verdict
+
+
+def earlier_calls(s: Session) -> list[Call]:
+    """Earlier calls of the same target whose inputs fit this call's buffers."""
+    from kdump.replay.graph import same_layout
+
+    return [
+        c
+        for c in s.bundle.calls
+        if c.index < s.call.index and c.target == s.call.target and same_layout(s.call, c) is None
+    ]
 
 
 def run_eager(req: Request, progress: Progress) -> Verdict:
@@ -31,11 +49,19 @@ def run_eager(req: Request, progress: Progress) -> Verdict:
     fn = s.backend.resolve(s.spec, s.call.target)
 
     pristine = s.snapshot(mc)
-    first: dict[str, torch.Tensor] = {}
+    prelude = earlier_calls(s) if req.options.wants_fresh_oracle(s.spec.has_reference()) else []
+    for c in prelude:
+        step = f"eager/call {c.index} (in sequence)"
+        for a, blob in zip(mc.materialized.allocations, c.storages):
+            a.span.copy_(c._bundle.read_blob(blob.blob).to(a.span.device))
+        if s.run_kernel(fn, mc, step) is None:
+            return s.verdict
+        s.step(step, "ok", "earlier call of the same target, in the same buffers")
+    runs: list[dict[str, torch.Tensor]] = []
+    reproduced: dict[str, bool] = {}
     for r in range(1, max(1, req.repeat) + 1):
         step = f"eager/run {r}"
-        if r > 1:
-            s.restore(mc, pristine)  # every run sees the recorded inputs, at the same addresses
+        s.restore(mc, pristine)  # every run sees the recorded inputs, at the same addresses
         poisoned = poison_outputs(s, mc, outputs)
         seconds = s.run_kernel(fn, mc, step)
         if seconds is None:
@@ -43,83 +69,89 @@ def run_eager(req: Request, progress: Progress) -> Verdict:
         s.step(step, "ok", f"poisoned {', '.join(poisoned) or 'nothing'}", seconds)
         s.check_halos(mc, step)
         actual = {name: mc.tensors[idx].clone() for name, idx in outputs.items()}
+        runs.append(actual)
         if r == 1:
-            first = actual
-            s.compare_outputs(step, bound, outputs, actual, expected, recorded)
-            nan_seen = _nan_count(s, mc, outputs, bound) if s.placement().halo else 0
-            if nan_seen:
-                attribute_overreads(s, mc, fn, outputs, bound, pristine, nan_seen)
+            reproduced = s.compare_outputs(step, bound, outputs, actual, expected, recorded)
+            if s.placement().halo:
+                _halo_pass(s, mc, fn, outputs, bound, pristine, expected, recorded)
             continue
-        s.compare_bitwise(
-            step, bound, actual, first, "run 1", "nondeterminism", "is not deterministic"
-        )
+        s.compare_runs(step, bound, actual, runs[0], "run 1")
+    _judge_repeats(s, bound, runs)
+    if prelude and runs and outputs:
+        _fresh_oracle(s, mc, outputs, pristine, runs[0], reproduced)
     if not outputs:
         s.note("no outputs to compare: the spec names none and the bundle recorded none")
     return s.verdict
 
 
-def _nan_count(s: Session, mc: MaterializedCall, outputs: dict[str, int], bound: dict) -> int:
-    """NaNs in the meaningful elements of the outputs."""
-    n = 0
-    for name, idx in outputs.items():
-        t = mc.tensors[idx]
-        if not t.dtype.is_floating_point:
-            continue
-        bad = torch.isnan(t)
+def _judge_repeats(s: Session, bound: dict, runs: list[dict[str, torch.Tensor]]) -> None:
+    """Repeats that disagree beyond tolerance: nondeterminism, counted in distinct results."""
+    if len(runs) < 2:
+        return
+    for name in runs[0]:
         mask = s.spec.meaningful(bound, name)
-        if mask is not None:
-            bad &= mask.to(t.device).bool().expand(t.shape)
-        n += int(bad.sum())
-    return n
+        results = [r[name] for r in runs]
+        k = distinct_results(results, mask, bitwise=s.req.options.bitwise)
+        if k < 2:
+            continue
+        first_bad = next(
+            st
+            for st in s.verdict.steps
+            if st.name.startswith("eager/run ")
+            and st.name.endswith(" vs run 1")
+            and st.status == "fail"
+            and st.message.startswith(f"{name}:")
+        )
+        s.finding(
+            "nondeterminism",
+            "eager/repeat",
+            f"{name} is nondeterministic: {k} distinct results in {len(runs)} runs "
+            f"({first_bad.message.split(': ', 1)[-1]})",
+            {"output": name, "distinct": k, "runs": len(runs), **first_bad.metrics},
+        )
 
 
-def attribute_overreads(
+def _halo_pass(
     s: Session,
     mc: MaterializedCall,
-    fn: Callable[..., Any],
+    fn,
     outputs: dict[str, int],
     bound: dict,
     pristine: list[torch.Tensor],
-    nan_seen: int,
+    expected: dict[str, torch.Tensor] | None,
+    recorded: dict[int, torch.Tensor],
 ) -> None:
-    """Find which input's halo NaNs in the output come from. First a run with every halo zeroed:
-    if the NaNs stay, they are not from the halos (unwritten elements, or the kernel's own).
-    Otherwise one run per halo side with only that side poisoned names the tensor that was read
-    out of bounds (which memcheck may miss: TMA loads)."""
-    allocs = mc.materialized.allocations
+    known: dict[str, list[torch.Tensor]] = {}
+    for name, idx in outputs.items():
+        known[name] = [t for t in ((expected or {}).get(name), recorded.get(idx)) if t is not None]
 
-    def run(step: str) -> int | None:
+    def count() -> int:
+        return unexplained_nans(s, mc, outputs, bound, known)
+
+    nan_seen = count()
+    if not nan_seen:
+        return
+
+    def run(step: str) -> bool:
         s.restore(mc, pristine)
         poison_outputs(s, mc, outputs)
-        if s.run_kernel(fn, mc, step) is None:
-            return None
-        return _nan_count(s, mc, outputs, bound)
+        return s.run_kernel(fn, mc, step) is not None
 
-    halo.neutralize(allocs)
-    baseline = run("eager/halo neutral")
-    if baseline is None or baseline >= nan_seen:
-        halo.fill(allocs, s.call.tensors)
-        s.guards = halo.snapshot(allocs)
-        return
-    out_storages = {s.call.tensors[i].storage for i in outputs.values()}
-    for a in allocs:
-        if a.storage in out_storages:
-            continue
-        names = [n for n, rec in zip(mc.tensor_names, s.call.tensors) if rec.storage == a.storage]
-        for side in ("before", "after"):
-            step = f"eager/halo {'/'.join(names)} {side}"
-            halo.neutralize(allocs)
-            halo.poison_side(a, side)
-            n = run(step)
-            if n is None:
-                return
-            if n > baseline:
-                where = "past the end of" if side == "after" else "before the start of"
-                msg = (
-                    f"out-of-bounds read {where} {' / '.join(names)}: NaNs from its poisoned "
-                    f"halo reached {n - baseline} output element(s)"
-                )
-                s.step(step, "fail", msg)
-                s.finding("memory", "eager/run 1", msg, {"tensors": names, "side": side})
-    halo.fill(allocs, s.call.tensors)
-    s.guards = halo.snapshot(allocs)
+    attribute_overreads(s, mc, run, count, outputs, "eager", "eager/run 1", nan_seen)
+
+
+def _fresh_oracle(
+    s: Session,
+    mc: MaterializedCall,
+    outputs: dict[str, int],
+    pristine: list[torch.Tensor],
+    result: dict[str, torch.Tensor],
+    reproduced: dict[str, bool],
+) -> None:
+    with tempfile.TemporaryDirectory(prefix="kdump-oracle-") as tmp:
+        path = oracle.save_inputs(
+            s, mc, pristine, {idx: result[n] for n, idx in outputs.items()}, Path(tmp, "o.kdump")
+        )
+        fresh = oracle.run_fresh(s, {"eager/run 1": path})["eager/run 1"]
+    rep = all(reproduced.values()) if reproduced else None
+    oracle.judge(s, "eager/run 1", fresh, rep)

@@ -14,6 +14,7 @@ step in a fresh one (child.py).
 
 from __future__ import annotations
 
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ import torch
 from kdump.bundle import Call, MaterializedCall, capture_call, load_bundle, save_calls
 from kdump.bundle.tensors import capture
 from kdump.errors import CannotRunError, UsageError
+from kdump.replay import oracle
+from kdump.replay.overreads import attribute_overreads, unexplained_nans
 from kdump.replay.session import Progress, Request, Session, poison_outputs
 from kdump.replay.verdict import Verdict
 
@@ -129,14 +132,15 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
         expected: dict[str, torch.Tensor] | None,
         recorded: dict[int, torch.Tensor] | None,
         baseline: dict[str, torch.Tensor] | None,
-    ) -> None:
+    ) -> dict[str, bool]:
         actual = {name: mc.tensors[idx].clone() for name, idx in outputs.items()}
-        s.compare_outputs(step, bound, outputs, actual, expected, recorded or {})
+        reproduced = s.compare_outputs(step, bound, outputs, actual, expected, recorded or {})
         if expected is None and baseline is not None:
-            s.compare_bitwise(
-                step, bound, actual, baseline, "eager", "mismatch", "differs from the eager run"
-            )
+            for name, ag in s.compare_runs(step, bound, actual, baseline, "eager").items():
+                if not ag.ok:
+                    s.finding("mismatch", step, f"{name} differs from the eager run: {ag.message}")
         s.check_halos(mc, step)
+        return reproduced
 
     # (1) eager
     expected = expected_now()
@@ -179,7 +183,7 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
         "graph/capture", "ok", "warm-up on a side stream, then captured", time.perf_counter() - t0
     )
 
-    def replay(step: str, phase: Phase | None) -> bool:
+    def prepare(phase: Phase | None) -> None:
         s.restore(mc, pristine)
         if phase is not None and phase.spans is not None:
             for a, data in zip(allocs, phase.spans):
@@ -188,8 +192,18 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
             for name, value in phase.values.items():
                 target = bound[name]
                 target.copy_(value.to(target.device))
+
+    fresh = req.options.wants_fresh_oracle(s.spec.has_reference()) and bool(outputs)
+    oracle_dir = tempfile.TemporaryDirectory(prefix="kdump-oracle-") if fresh else None
+    oracles: dict[str, tuple[Path, dict[str, bool]]] = {}
+    halo_done = False
+
+    def replay(step: str, phase: Phase | None) -> bool:
+        nonlocal halo_done
+        prepare(phase)
         exp = expected_now()
         poison_outputs(s, mc, outputs)
+        inputs = [a.span.clone() for a in allocs] if fresh else []
         if save_dir:
             _save_pending(s, mc, save_dir, step, phase)
         torch.cuda.synchronize(s.device)
@@ -207,12 +221,38 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
             return False
         s.step(step, "ok", "", time.perf_counter() - t)
         n_before = len(s.verdict.findings)
-        check(
-            step,
-            exp,
-            phase.recorded_outputs if phase else None,
-            baseline if phase is None else None,
-        )
+        recorded = phase.recorded_outputs if phase else None
+        reproduced = check(step, exp, recorded, baseline if phase is None else None)
+        if oracle_dir is not None:
+            result = {idx: mc.tensors[idx].clone() for idx in outputs.values()}
+            path = Path(oracle_dir.name, f"{len(oracles)}.kdump")
+            oracles[step] = (oracle.save_inputs(s, mc, inputs, result, path), reproduced)
+        if s.placement().halo and not halo_done:
+            known = {
+                name: [
+                    t for t in ((exp or {}).get(name), (recorded or {}).get(idx)) if t is not None
+                ]
+                for name, idx in outputs.items()
+            }
+
+            def count() -> int:
+                return unexplained_nans(s, mc, outputs, bound, known)
+
+            def again(trial: str) -> bool:
+                prepare(phase)
+                poison_outputs(s, mc, outputs)
+                s.progress("begin", trial)
+                try:
+                    graph.replay()
+                    torch.cuda.synchronize(s.device)
+                except Exception:
+                    return False
+                return True
+
+            nan_seen = count()
+            if nan_seen:
+                halo_done = True
+                attribute_overreads(s, mc, again, count, outputs, step, step, nan_seen)
         if len(s.verdict.findings) > n_before:
             _keep_pending(save_dir, step)
         else:
@@ -223,11 +263,20 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
     steps = [("graph/replay identical", None)] + [
         (f"graph/replay {i + 1} ({p.name})", p) for i, p in enumerate(phases)
     ]
-    for step, phase in steps:
-        if step in skip:
-            continue
-        if not replay(step, phase):
-            return s.verdict  # the context is gone; the parent continues in a fresh process
+    try:
+        for step, phase in steps:
+            if step in skip:
+                continue
+            if not replay(step, phase):
+                return s.verdict  # the context is gone; the parent continues in a fresh process
+        if oracles:
+            results = oracle.run_fresh(s, {k: p for k, (p, _) in oracles.items()})
+            for step, (_, reproduced) in oracles.items():
+                rep = all(reproduced.values()) if reproduced else None
+                oracle.judge(s, step, results[step], rep)
+    finally:
+        if oracle_dir is not None:
+            oracle_dir.cleanup()
     return s.verdict
 
 

@@ -105,3 +105,17 @@ def poison_side(a: Allocation, side: str) -> None:
         a.buffer[: a.span_offset].fill_(FLOAT_FILL)
     else:
         a.buffer[a.span_offset + a.span_nbytes :].fill_(FLOAT_FILL)
+
+
+def poison_near(a: Allocation, side: str, nbytes: int) -> None:
+    """Poison only the `nbytes` halo bytes nearest the span on `side` (the rest stays as is)."""
+    if side == "before":
+        start = max(0, a.span_offset - nbytes)
+        a.buffer[start : a.span_offset].fill_(FLOAT_FILL)
+    else:
+        end = a.span_offset + a.span_nbytes
+        a.buffer[end : end + nbytes].fill_(FLOAT_FILL)
+
+
+def halo_bytes(a: Allocation, side: str) -> int:
+    return a.span_offset if side == "before" else a.buffer.numel() - a.span_offset - a.span_nbytes

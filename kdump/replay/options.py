@@ -16,6 +16,9 @@ MODES = ("eager", "graph", "sanitizer", "all")
 CHILD_MODES = ("eager", "graph")  # what one child process runs; the others combine them
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 PLACEMENTS = ("halo", "flush_end")
+# auto: a fresh-process eager oracle for targets without a reference; fresh: for every target;
+# off: none (what an oracle process itself runs with).
+ORACLES = ("auto", "fresh", "off")
 DEFAULT_HALO = 4096  # bytes of poisoned guard before and after every storage
 
 
@@ -44,7 +47,9 @@ class ReplayOptions:
     mode: str = "eager"
     backend: str = "auto"
     device: str = "auto"
-    repeat: int = 2  # eager runs; runs after the first must be bit-identical to it
+    repeat: int = 2  # eager runs; runs after the first must agree with it (within tolerance)
+    bitwise: bool = False  # float differences within tolerance are failures, not notes
+    oracle: str = "auto"  # see ORACLES
     force: bool = False  # launch even when the call violates the contract
     timeout: float | None = 600.0  # seconds before a replay counts as a hang
     halo: int = DEFAULT_HALO  # bytes of poisoned guard (0 = off)
@@ -61,6 +66,7 @@ class ReplayOptions:
         _choice("mode", self.mode, MODES)
         _choice("backend", self.backend, backend_names())
         _choice("placement", self.placement, PLACEMENTS)
+        _choice("oracle", self.oracle, ORACLES)
         for tool in self.sanitizer.tools:
             _choice("sanitizer tool", tool, TOOLS)
         if not self.sanitizer.tools:
@@ -87,8 +93,38 @@ class ReplayOptions:
         """One run under compute-sanitizer: storages end flush with their allocation (slack would
         hide near out-of-bounds accesses), no halo, no reference, a single run."""
         return replace(
-            self.for_child(mode), placement="flush_end", halo=0, reference=False, repeat=1
+            self.for_child(mode),
+            placement="flush_end",
+            halo=0,
+            reference=False,
+            repeat=1,
+            oracle="off",
         )
+
+    def for_oracle(self) -> ReplayOptions:
+        """A fresh-process eager oracle: one run of the inputs it is given, nothing else."""
+        return replace(
+            self.for_child("eager"),
+            repeat=1,
+            reference=False,
+            oracle="off",
+            then=(),
+            save_failing=None,
+            graph=GraphOptions(),
+        )
+
+    def refuse_inapplicable(self) -> None:
+        """Options that mean nothing in the chosen mode are a usage error, not silently ignored."""
+        graphy = self.mode in ("graph", "all")
+        if self.then and not graphy:
+            raise UsageError(f"--then applies to --mode graph (or all), not {self.mode}")
+        if self.save_failing and not graphy:
+            raise UsageError(f"--save-failing applies to --mode graph (or all), not {self.mode}")
+        if self.oracle == "fresh" and self.mode == "sanitizer":
+            raise UsageError("--oracle fresh applies to --mode eager, graph or all, not sanitizer")
+
+    def wants_fresh_oracle(self, has_reference: bool) -> bool:
+        return self.oracle == "fresh" or (self.oracle == "auto" and not has_reference)
 
 
 def _choice(what: str, value: str, choices: tuple[str, ...]) -> None:
@@ -133,6 +169,8 @@ _LEGACY: dict[str, tuple[str, str]] = {
     "halo": ("", "halo"),
     "then": ("", "then"),
     "save_failing": ("", "save_failing"),
+    "bitwise": ("", "bitwise"),
+    "oracle": ("", "oracle"),
     "mutations": ("graph", "mutations"),
     "seed": ("graph", "seed"),
     "tools": ("sanitizer", "tools"),

@@ -16,9 +16,9 @@ from kdump.errors import CannotRunError, ExitCode, KdumpError, UsageError
 from kdump.kernels import registry
 from kdump.kernels.generic import GenericSpec
 from kdump.kernels.registry import choose_backend
-from kdump.kernels.spec import Backend, KernelSpec
+from kdump.kernels.spec import Backend, KernelSpec, Tolerance
 from kdump.replay import halo
-from kdump.replay.compare import bitwise_diff, compare_to_reference, poison
+from kdump.replay.compare import Agreement, agree, compare_to_reference, poison
 from kdump.replay.options import ReplayOptions
 from kdump.replay.verdict import Finding, Step, Verdict
 
@@ -295,25 +295,41 @@ class Session:
         dt = time.perf_counter() - t0
         return dt
 
-    def compare_bitwise(
+    def tolerance_for(self, bound: dict[str, Any], got: torch.Tensor) -> Tolerance | None:
+        """Tolerance against the recorded output on another setup: the spec's, or for a target
+        without one the dtype default (None)."""
+        if isinstance(self.spec, GenericSpec):
+            return None
+        return self.spec.tolerance(bound)
+
+    def compare_runs(
         self,
         step: str,
         bound: dict[str, Any],
         actual: dict[str, torch.Tensor],
         baseline: dict[str, torch.Tensor],
         label: str,
-        kind: str,
-        verb: str,
-    ) -> None:
-        """Meaningful elements of every output must be bit-identical to `baseline` (another run
-        of the same inputs); a difference is a `kind` finding ("{name} {verb}: ...")."""
+    ) -> dict[str, Agreement]:
+        """Every output against `baseline` (another run of the same inputs) under the tolerance
+        policy; returns the agreements (the caller decides what a disagreement means)."""
+        out: dict[str, Agreement] = {}
         for name, got in actual.items():
-            diff = bitwise_diff(got, baseline[name], self.spec.meaningful(bound, name))
-            if diff is None:
-                self.step(f"{step} vs {label}", "ok", f"{name}: bit-identical")
-                continue
-            self.step(f"{step} vs {label}", "fail", f"{name}: {diff['message']}")
-            self.finding(kind, step, f"{name} {verb}: {diff['message']}", {"output": name, **diff})
+            ag = agree(
+                got,
+                baseline[name],
+                self.spec.meaningful(bound, name),
+                bitwise=self.req.options.bitwise,
+            )
+            out[name] = ag
+            self.step(
+                f"{step} vs {label}",
+                "ok" if ag.ok else "fail",
+                f"{name}: {ag.message}",
+                **_plain(ag.metrics),
+            )
+            if ag.note:
+                self.note(f"{name}: {ag.note}")
+        return out
 
     def compare_outputs(
         self,
@@ -323,9 +339,13 @@ class Session:
         actual: dict[str, torch.Tensor],
         expected: dict[str, torch.Tensor] | None,
         recorded: dict[int, torch.Tensor],
-    ) -> None:
+    ) -> dict[str, bool]:
+        """Outputs against the reference (spec tolerance) and the recorded output (the tolerance
+        policy on the recording's setup, the spec's tolerance on another). Returns, per output
+        compared with its recording, whether it reproduces production."""
         tol = self.spec.tolerance(bound)
-        bitwise = self.same_setup_as_recording()
+        same_setup = self.same_setup_as_recording()
+        reproduced: dict[str, bool] = {}
         for name, idx in outputs.items():
             mask = self.spec.meaningful(bound, name)
             got = actual[name]
@@ -342,43 +362,40 @@ class Session:
                         "mismatch",
                         step,
                         f"{name} differs from the reference: {cmp.message}",
-                        {"output": name, **cmp.metrics},
+                        {"output": name, "oracle": "reference", **cmp.metrics},
                     )
-            if idx in recorded:
-                rec = recorded[idx]
-                if bitwise:
-                    diff = bitwise_diff(got, rec, mask)
-                    ok = diff is None
-                    msg = "bit-identical to the recorded output" if ok else diff["message"]
-                    self.step(
-                        f"{step} vs recorded",
-                        "ok" if ok else "fail",
-                        f"{name}: {msg}",
-                        bitwise=True,
-                    )
-                    if not ok:
-                        self.finding(
-                            "mismatch",
-                            step,
-                            f"{name} differs from the recorded output: {msg}",
-                            {"output": name, **diff},
-                        )
-                else:
-                    cmp = compare_to_reference(got, rec, mask, tol)
-                    self.step(
-                        f"{step} vs recorded",
-                        "ok" if cmp.ok else "fail",
-                        f"{name}: {cmp.message} (tolerance: setup differs from the recording)",
-                        bitwise=False,
-                        **cmp.metrics,
-                    )
-                    if not cmp.ok:
-                        self.finding(
-                            "mismatch",
-                            step,
-                            f"{name} differs from the recorded output: {cmp.message}",
-                            {"output": name, **cmp.metrics},
-                        )
+            if idx not in recorded:
+                continue
+            rec = recorded[idx]
+            if same_setup:
+                ag = agree(got, rec, mask, bitwise=self.req.options.bitwise)
+            else:
+                ag = agree(got, rec, mask, tol=self.tolerance_for(bound, got))
+            reproduced[name] = ag.ok
+            setup = "" if same_setup else " (setup differs from the recording)"
+            verb = "reproduces production" if ag.ok else "differs from production"
+            self.step(
+                f"{step} vs recorded",
+                "ok" if ag.ok else "fail",
+                f"{name} {verb}: {ag.message}{setup}",
+                bitwise=ag.exact,
+                **_plain(ag.metrics),
+            )
+            if ag.note:
+                self.note(f"{name}: {ag.note}")
+            if not ag.ok:
+                self.finding(
+                    "mismatch",
+                    step,
+                    f"{name} differs from the recorded output (production): {ag.message}",
+                    {"output": name, "oracle": "recorded", **_plain(ag.metrics)},
+                )
+        return reproduced
+
+
+def _plain(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Metrics without the keys that would clash with Step's own fields."""
+    return {k: v for k, v in metrics.items() if k not in ("message", "name", "status")}
 
 
 _KIND_OF_CODE = {

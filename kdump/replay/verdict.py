@@ -53,9 +53,15 @@ class Verdict:
 
     def headline(self) -> str:
         if not self.findings:
+            if not any(" vs " in s.name for s in self.steps):
+                return "ran without error — no oracle to compare with"
             return "clean"
         first = min(self.findings, key=lambda f: precedence_rank(f.exit_code))
-        return f"{first.kind.replace('_', ' ')}: {first.message} (step {first.step})"
+        kind = first.kind.replace("_", " ")
+        # Messages that already start with their kind ("hang: ...") are not prefixed twice.
+        msg = first.message
+        text = msg if msg.lower().startswith(kind) else f"{kind}: {msg}"
+        return f"{text} (step {first.step})"
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

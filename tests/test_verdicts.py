@@ -1,0 +1,261 @@
+"""Verdicts on generic targets: tolerance policy, the fresh-eager oracle, the halo pass without a
+reference, no silent clean, CLI refusals and JSON errors (CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdump.bundle import attach_outputs, capture_call, input_tensors, save_calls
+from kdump.cli import main
+from kdump.errors import ExitCode
+from kdump.replay import replay
+from kdump.replay.compare import agree, default_tolerance, distinct_results
+from kdump.replay.oracle import FreshResult, story
+
+TESTS = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _child_can_import_targets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(TESTS))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+    )
+
+
+def _one(path: Path, fn: str, args: list, names: list[str], outs: list[int], produce) -> Path:
+    target = fn if ":" in fn else f"targets.verdict_targets:{fn}"
+    call = capture_call(target, args, {}, names=names)
+    live = input_tensors(call, args, {})
+    produce(*args)
+    attach_outputs(call, live, outs)
+    save_calls(path, [call])
+    return path
+
+
+def _rowsum_bundle(path: Path) -> Path:
+    from targets import verdict_targets
+
+    x = torch.randn(64, 256)
+    return _one(
+        path,
+        "atomic_rowsum",
+        [x, torch.empty(64)],
+        ["x", "out"],
+        [1],
+        verdict_targets.atomic_rowsum,
+    )
+
+
+def test_dtype_tolerance_policy() -> None:
+    a = torch.randn(128, 64)
+    b = a.clone()
+    b.view(torch.int32)[5, 7] ^= 1  # last bit
+    ag = agree(a, b)
+    assert ag.ok and not ag.exact and ag.metrics["differing"] == 1
+    assert "not bitwise reproducible: 1 elements differ" in ag.note
+    assert not agree(a, b, bitwise=True).ok
+    c = a.clone()
+    c[3, 2] += 0.5
+    bad = agree(a, c)
+    assert not bad.ok and "[3, 2]" in bad.message
+    ints = torch.randint(0, 9, (32,))
+    other = ints.clone()
+    other[4] += 1
+    assert not agree(ints, other).ok  # integers are exact
+    assert default_tolerance(torch.bfloat16).rtol > default_tolerance(torch.float32).rtol
+    assert distinct_results([a, b, c, a], None) == 2
+
+
+def test_atomics_noise_is_clean_with_note(tmp_path: Path) -> None:
+    path = _rowsum_bundle(tmp_path / "a.kdump")
+    [v] = replay([path], device="cpu", repeat=4)
+    assert v.exit_code == 0, v.headline()
+    assert any("not bitwise reproducible" in n and "float atomics?" in n for n in v.notes)
+    [v] = replay([path], device="cpu", repeat=4, bitwise=True)
+    assert v.exit_code == ExitCode.MISMATCH
+    nd = [f for f in v.findings if f.kind == "nondeterminism"]
+    assert nd and "distinct results in 4 runs" in nd[0].message
+
+
+def test_nondeterminism_counts_distinct_results(tmp_path: Path) -> None:
+    from targets import replay_targets
+
+    x = torch.randn(16, 8)
+    path = _one(
+        tmp_path / "n.kdump",
+        "targets.replay_targets:noisy",
+        [x, torch.empty(16, 8)],
+        ["x", "out"],
+        [1],
+        replay_targets.noisy,
+    )
+    [v] = replay([path], device="cpu", repeat=3)
+    [nd] = [f for f in v.findings if f.kind == "nondeterminism"]
+    assert "nondeterministic: 3 distinct results in 3 runs" in nd.message
+    assert v.exit_code == ExitCode.MISMATCH
+
+
+def _workspace_bundle(path: Path) -> Path:
+    from targets import verdict_targets
+
+    verdict_targets.reset()
+    x = torch.randn(32, 8)
+    out = torch.empty(32, 8)
+    labels = torch.full((32,), -1, dtype=torch.int64)
+    calls = []
+    for n in (10, 25):  # the second call routes more rows into the same buffers
+        labels.fill_(-1)
+        labels[:n] = 0
+        call = capture_call(
+            "targets.verdict_targets:workspace_rows",
+            [x, labels, out],
+            {},
+            names=["x", "labels", "out"],
+        )
+        live = input_tensors(call, [x, labels, out], {})
+        verdict_targets.workspace_rows(x, labels, out)  # production: in sequence, stale rows
+        attach_outputs(call, live, [2])
+        calls.append(call)
+    save_calls(path, calls)
+    return path
+
+
+def test_fresh_eager_oracle_names_state_across_calls(tmp_path: Path) -> None:
+    path = _workspace_bundle(tmp_path / "w.kdump")
+    [first] = replay([path], calls=[0], device="cpu", repeat=1)
+    assert first.exit_code == 0, first.headline()
+    [v] = replay([path], calls=[1], device="cpu", repeat=1)
+    assert v.exit_code == ExitCode.MISMATCH, v.headline()
+    step = next(s for s in v.steps if s.name == "eager/run 1 vs fresh eager")
+    assert step.status == "fail"
+    assert "matches what production recorded" in step.message
+    assert "keeps state across calls (capture-unsafe)" in v.headline()
+    rec = next(s for s in v.steps if s.name == "eager/run 1 vs recorded")
+    assert "reproduces production" in rec.message
+
+
+def test_story_of_the_fresh_oracle() -> None:
+    agrees = FreshResult(True, True, 0, 0.0, "")
+    differs = FreshResult(True, False, 120, 3.5, "")
+    assert story(agrees, True) == (True, "matches a fresh eager run of the same inputs")
+    ok, text = story(differs, True)
+    assert not ok and "(120 elements, max error 3.5) and matches what production recorded" in text
+    ok, text = story(differs, False)
+    assert not ok and "and from what production recorded" in text
+    ok, text = story(FreshResult(False, False, 0, 0.0, "it crashed"), None)
+    assert ok and "it crashed" in text
+
+
+def test_overread_attributed_without_reference(tmp_path: Path) -> None:
+    x = torch.randn(16, 8)
+    path = _one(
+        tmp_path / "o.kdump",
+        "targets.replay_targets:overread",
+        [x, torch.empty(16, 8)],
+        ["x", "out"],
+        [1],
+        lambda x, out: out.copy_(torch.cat([x[1:], x[:1]]) * 2),
+    )
+    [v] = replay([path], device="cpu", repeat=1)
+    assert v.exit_code == ExitCode.MEMORY_FINDING, v.headline()
+    assert v.headline().startswith("memory: reads past the end of x (by up to 64 bytes)")
+    assert "evidence: the halo pass" in v.headline()
+
+
+def test_no_oracle_is_never_plain_clean(tmp_path: Path) -> None:
+    x = torch.randn(16, 8)
+    call = capture_call(
+        "targets.replay_targets:scale_into", [x, torch.empty(16, 8)], {}, names=["x", "out"]
+    )
+    save_calls(tmp_path / "n.kdump", [call])
+    [v] = replay([tmp_path / "n.kdump"], device="cpu", repeat=1)
+    assert v.exit_code == 0 and v.headline() == "ran without error — no oracle to compare with"
+
+
+def test_mode_all_without_gpu_is_not_a_silent_clean(tmp_path: Path) -> None:
+    path = _rowsum_bundle(tmp_path / "a.kdump")
+    [v] = replay([path], mode="all", device="cpu", repeat=1)
+    assert v.exit_code == ExitCode.CANNOT_RUN
+    assert "could not run" in v.headline()
+    x = torch.randn(16, 8)
+    bad = _one(
+        tmp_path / "b.kdump",
+        "targets.replay_targets:overread",
+        [x, torch.empty(16, 8)],
+        ["x", "out"],
+        [1],
+        lambda x, out: out.copy_(x),
+    )
+    [v] = replay([bad], mode="all", device="cpu", repeat=1)
+    assert v.exit_code == ExitCode.MEMORY_FINDING  # a reproduced failure keeps its own code
+
+
+def _cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    out = capsys.readouterr()
+    return int(exc.value.code), out.out, out.err
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--then", "x.kdump"], ["--tool", "racecheck"], ["--save-failing", "d"]],
+)
+def test_options_that_do_not_apply_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str]
+) -> None:
+    path = _rowsum_bundle(tmp_path / "a.kdump")
+    code, _, err = _cli(["replay", str(path), "--device", "cpu", *extra], capsys)
+    assert code == 2 and "applies to --mode" in err
+    code, out, _ = _cli(["replay", str(path), "--device", "cpu", "--json", *extra], capsys)
+    assert code == 2 and "applies to --mode" in json.loads(out)["error"]
+
+
+def test_oracle_fresh_refused_in_sanitizer_mode(tmp_path: Path, capsys) -> None:
+    path = _rowsum_bundle(tmp_path / "a.kdump")
+    code, _, err = _cli(["replay", str(path), "--mode", "sanitizer", "--oracle", "fresh"], capsys)
+    assert code == 2 and "--oracle fresh applies" in err
+
+
+def test_json_usage_error_is_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _cli(["replay", "x.kdump", "--mode", "nope", "--json"], capsys)
+    assert code == 2 and json.loads(out)["exit_code"] == 2
+
+
+def test_folder_with_unreadable_bundle_replays_the_others(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "caps"
+    folder.mkdir()
+    _rowsum_bundle(folder / "a.kdump")
+    (folder / "b.kdump").write_bytes(os.urandom(64))
+    code, out, _ = _cli(
+        ["replay", str(folder), "--device", "cpu", "--repeat", "1", "--json"], capsys
+    )
+    doc = json.loads(out)
+    assert code == 2 and doc["exit_code"] == 2
+    codes = {Path(v["bundle"]).name: v["exit_code"] for v in doc["verdicts"]}
+    assert codes == {"a.kdump": 0, "b.kdump": 2}
+    code, out, _ = _cli(["replay", str(folder), "--device", "cpu", "--repeat", "1"], capsys)
+    assert code == 2 and "2 replays, 1 clean, 1 not: exit 2" in out
+
+
+def test_render_fits_80_columns_and_escapes(tmp_path: Path, capsys) -> None:
+    x = torch.randn(16, 8)
+    call = capture_call(
+        "targets.replay_targets:overread", [x, torch.empty(16, 8)], {}, names=["x", "out"]
+    )
+    live = input_tensors(call, [x, torch.empty(16, 8)], {})
+    attach_outputs(call, live, [1])
+    call.target = "targets.replay_targets:overread\x1b[31m"
+    save_calls(tmp_path / "r.kdump", [call])
+    code, out, _ = _cli(["replay", str(tmp_path / "r.kdump"), "--device", "cpu", "-v"], capsys)
+    assert code == ExitCode.CANNOT_RUN  # the escape makes the target unimportable
+    assert "\x1b" not in out and "\\x1b" in out
+    assert max(len(line) for line in out.splitlines()) <= 80
