@@ -66,9 +66,13 @@ class Request:
         return cls(str(d["bundle"]), int(d["call"]), ReplayOptions.from_dict(d["options"]))
 
 
-def resolve_device(name: str, backend: str) -> torch.device:
+def resolve_device(name: str, call: Call, generic: bool) -> torch.device:
+    """`auto`: a GPU when there is one, except for a target without a spec recorded on the CPU
+    (a user's own function gets the tensors it was called with, on the device it saw)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        recorded_on_gpu = any(st.device.startswith("cuda") for st in call.storages)
+        use_gpu = torch.cuda.is_available() and (recorded_on_gpu or not generic)
+        return torch.device("cuda" if use_gpu else "cpu")
     try:
         dev = torch.device(name)
     except RuntimeError:
@@ -107,7 +111,7 @@ class Session:
         if self.plugin is not None:
             spec = spec.with_settings(self.plugin.settings(self.library_state))
         self.spec = spec
-        self.device = resolve_device(req.device, req.backend)
+        self.device = resolve_device(req.device, self.call, isinstance(spec, GenericSpec))
         self.verdict = Verdict(
             bundle=req.bundle,
             call=self.call.index,
