@@ -121,6 +121,29 @@ Examples:
     "--jobs", type=click.IntRange(1, 64), default=1, help="Replays at once (one per GPU)."
 )
 @click.option("--in-process", is_flag=True, help="Do not isolate replays in a child process.")
+@click.option(
+    "--allow-target",
+    "allow_targets",
+    multiple=True,
+    metavar="MOD:FN",
+    help="Run this target although no kernel plug-in knows it (repeatable; globs like 'mod:*'). "
+    "Only for bundles you trust: the bundle chooses the arguments.",
+)
+@click.option(
+    "--path",
+    "paths",
+    multiple=True,
+    type=click.Path(file_okay=False),
+    help="Folder the replay imports targets from (repeatable); the current folder never is.",
+)
+@click.option(
+    "--apply-env",
+    "apply_env",
+    multiple=True,
+    metavar="NAME",
+    help="Set this recorded environment variable in the replay (repeatable), e.g. "
+    "DG_JIT_CACHE_DIR; others are only shown.",
+)
 @json_option
 def command(
     bundles: tuple[str, ...],
@@ -143,6 +166,9 @@ def command(
     timeout: float,
     jobs: int,
     in_process: bool,
+    allow_targets: tuple[str, ...],
+    paths: tuple[str, ...],
+    apply_env: tuple[str, ...],
     as_json: bool,
 ) -> int:
     """Replay the calls in BUNDLES (files or capture folders) and say which step fails and how.
@@ -169,6 +195,9 @@ def command(
         save_failing=save_failing,
         isolate=not in_process,
         jobs=jobs,
+        allow_targets=allow_targets,
+        paths=paths,
+        apply_env=apply_env,
         graph=GraphOptions(mutations=mutations, seed=seed),
         sanitizer=SanitizerOptions(
             tools=TOOLS if "all" in tools else (tools or ("memcheck",)),
@@ -190,12 +219,14 @@ def command(
 def render(verdicts: list) -> None:
     from rich.table import Table
 
+    from kdump.text import markup as m  # every string here may quote the bundle
+
     con = console()
     for v in verdicts:
         colour = "green" if v.clean else "red"
         con.print(
-            f"\n[bold]{v.bundle}[/] call {v.call} {v.target} — mode {v.mode}, backend "
-            f"{v.backend or '?'}, device {v.device or '?'}"
+            f"\n[bold]{m(v.bundle)}[/] call {v.call} {m(v.target)} — mode {m(v.mode)}, backend "
+            f"{m(v.backend or '?')}, device {m(v.device or '?')}"
         )
         table = Table(show_edge=False, pad_edge=False)
         table.add_column("step")
@@ -204,11 +235,12 @@ def render(verdicts: list) -> None:
         table.add_column("detail", overflow="fold")
         for s in v.steps:
             st = {"ok": "[green]ok[/]", "fail": "[red]FAIL[/]", "error": "[red]ERROR[/]"}.get(
-                s.status, s.status
+                s.status, m(s.status)
             )
-            table.add_row(s.name, st, f"{s.seconds * 1e3:.1f} ms" if s.seconds else "", s.message)
+            time = f"{s.seconds * 1e3:.1f} ms" if s.seconds else ""
+            table.add_row(m(s.name), st, time, m(s.message))
         if v.steps:
             con.print(table)
         for note in v.notes:
-            con.print(f"note: {note}")
-        con.print(f"[{colour} bold]verdict: {v.headline()}[/] (exit {v.exit_code})")
+            con.print(f"note: {m(note)}")
+        con.print(f"[{colour} bold]verdict: {m(v.headline())}[/] (exit {v.exit_code})")
