@@ -7,7 +7,6 @@ record their values (see `envinfo`).
 from __future__ import annotations
 
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,6 +131,15 @@ def user_config(env: Mapping[str, str] | None = None) -> dict[str, object]:
     except OSError as exc:
         raise UsageError(f"cannot read the kdump config {path}: {exc}; fix or remove it") from None
     try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ImportError:
+            raise UsageError(
+                f"reading the kdump config {path} needs Python 3.11+ or `pip install tomli`"
+            ) from None
+    try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"kdump config {path} is not valid TOML ({exc}); fix it") from None
@@ -142,7 +150,7 @@ def allowed_targets(env: Mapping[str, str] | None = None) -> tuple[str, ...]:
     value = user_config(env).get("allow-targets", [])
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise UsageError(
-            f"allow-targets in {config_path(env)} must be a list of strings like \"mod:fn\""
+            f'allow-targets in {config_path(env)} must be a list of strings like "mod:fn"'
         )
     return tuple(value)
 
