@@ -308,7 +308,8 @@ def _prepare(req: Request) -> None:
 
     bundle = load_bundle(req.bundle)
     check_target(bundle.call(req.call).target, req.options.allow_targets)
-    recorded = bundle.env.get("env_vars") or {}
+    recorded = bundle.env.get("env_vars")
+    recorded = recorded if isinstance(recorded, dict) else {}
     for name in req.options.apply_env:
         value = recorded.get(name)
         if isinstance(value, str) and value != "<redacted>" and "\0" not in value:
