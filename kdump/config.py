@@ -9,6 +9,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+
+from kdump.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "default",
     ),
     EnvVar("KDUMP_FLUSH_SIGNAL", "signal name that flushes pending bundles, e.g. USR1"),
+    # -- replay
+    EnvVar(
+        "KDUMP_CONFIG",
+        "the user's kdump config file (allow-targets = [...]: targets replay may run)",
+        "~/.config/kdump/config.toml",
+    ),
     # -- kdump's own log
     EnvVar("KDUMP_LOG", "file that kdump's own log lines go to (default: stderr)"),
     # -- tools and builds
@@ -104,6 +113,46 @@ def recorded_environment(env: Mapping[str, str] | None = None) -> dict[str, str]
         if name.startswith(RECORDED_PREFIXES):
             out[name] = "<redacted>" if is_secret(name) else source[name]
     return out
+
+
+def config_path(env: Mapping[str, str] | None = None) -> Path:
+    """The user's config file. Only this one is read: a config in the current folder could have
+    arrived with the bundle, and a bundle never chooses what replay trusts."""
+    return Path(get("KDUMP_CONFIG", env) or "").expanduser()
+
+
+def user_config(env: Mapping[str, str] | None = None) -> dict[str, object]:
+    """The user's config file as a table ({} when there is none)."""
+    path = config_path(env)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise UsageError(f"cannot read the kdump config {path}: {exc}; fix or remove it") from None
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ImportError:
+            raise UsageError(
+                f"reading the kdump config {path} needs Python 3.11+ or `pip install tomli`"
+            ) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"kdump config {path} is not valid TOML ({exc}); fix it") from None
+
+
+def allowed_targets(env: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """`allow-targets` of the user's config file: 'module:function' names or globs ('mod:*')."""
+    value = user_config(env).get("allow-targets", [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise UsageError(
+            f'allow-targets in {config_path(env)} must be a list of strings like "mod:fn"'
+        )
+    return tuple(value)
 
 
 def help_table() -> str:

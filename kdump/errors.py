@@ -201,3 +201,7 @@ class ContractViolation(KdumpError):
 
 class UnknownTargetError(UsageError):
     """A target name that resolves to nothing."""
+
+
+class UntrustedTargetError(UsageError):
+    """A bundle names a target that is neither a registered plug-in's nor allowed by the user."""

@@ -16,6 +16,9 @@ Tests can also replay a bundle themselves through the `kdump_replay` fixture:
     def test_bug123(kdump_replay):
         assert kdump_replay().exit_code == 0
 
+A bundle runs only targets of a registered kernel plug-in; allow others explicitly, for bundles
+you trust, with `--kdump-allow-target mod:fn` or the ini option `kdump_allow_targets`.
+
 This module imports neither torch nor the rest of kdump until a bundle is replayed, so loading
 the plugin costs nothing in test runs that do not use it.
 """
@@ -61,7 +64,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--kdump-device", dest="kdump_device", help="auto, cpu, cuda or cuda:N (default auto)."
     )
+    group.addoption(
+        "--kdump-allow-target",
+        action="append",
+        default=[],
+        dest="kdump_allow_targets",
+        metavar="MOD:FN",
+        help="Replay this target although no kernel plug-in knows it (repeatable; globs).",
+    )
     parser.addini("kdump_paths", "Bundles or folders to replay as tests.", type="paths")
+    parser.addini(
+        "kdump_allow_targets",
+        "Targets (globs) replayed although no kernel plug-in knows them.",
+        type="linelist",
+    )
     for name, default in _SETTINGS.items():
         parser.addini(f"kdump_{name}", f"Replay {name} of kdump items.", default=default)
 
@@ -157,6 +173,11 @@ def _worker_gpu(device: str) -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
+def allowed_targets(config: pytest.Config) -> tuple[str, ...]:
+    """What the command line and the ini file allow beyond the plug-ins' targets."""
+    return (*config.getoption("kdump_allow_targets"), *config.getini("kdump_allow_targets"))
+
+
 def run_replay(path: Path | str, mode: str, backend: str, device: str, **kw: Any) -> list[Any]:
     from kdump.replay import replay
 
@@ -188,7 +209,14 @@ def outcome(verdicts: Sequence[Any]) -> tuple[str, str]:
 class KdumpItem(pytest.Item):
     def runtest(self) -> None:
         mode, backend, device = (setting(self.config, n) for n in ("mode", "backend", "device"))
-        verdicts = run_replay(self.path, mode, backend, device)
+        from kdump.errors import UsageError
+
+        try:
+            verdicts = run_replay(
+                self.path, mode, backend, device, allow_targets=allowed_targets(self.config)
+            )
+        except UsageError as exc:  # e.g. a target nobody allowed: the message says what to do
+            raise ReplayFailed(str(exc)) from None
         self.user_properties.append(
             ("kdump_verdicts", json.dumps([v.to_json() for v in verdicts], default=str))
         )
@@ -235,6 +263,7 @@ def kdump_replay(request: pytest.FixtureRequest) -> Callable[..., Any]:
             backend or setting(cfg, "backend"),
             device or setting(cfg, "device"),
             calls=[call],
+            allow_targets=allowed_targets(cfg),
         )
         return verdict
 

@@ -137,7 +137,16 @@ def test_failing_bundle_fails_and_fixture_replays(
         )
     )
     res = pytest_run(
-        ["test_uses_fixture.py", "--kdump", "bundles", "--kdump-device", "cpu"], tmp_path
+        [
+            "test_uses_fixture.py",
+            "--kdump",
+            "bundles",
+            "--kdump-device",
+            "cpu",
+            "--kdump-allow-target",
+            "targets.replay_targets:scale_into",
+        ],
+        tmp_path,
     )
     assert res.returncode == 1, res.stdout + res.stderr
     assert "1 failed, 2 passed" in res.stdout
@@ -151,7 +160,9 @@ def test_ini_paths_are_collected_with_testpaths(
     monkeypatch.syspath_prepend(str(TESTS))
     (tmp_path / "bundles").mkdir()
     _bundle(tmp_path / "bundles" / "good.kdump", corrupt=False)
-    (tmp_path / "pytest.ini").write_text("[pytest]\nkdump_paths = bundles\nkdump_device = cpu\n")
+    (tmp_path / "pytest.ini").write_text(
+        "[pytest]\nkdump_paths = bundles\nkdump_device = cpu\nkdump_allow_targets = targets.*\n"
+    )
     res = pytest_run(["-v", "-v"], tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "bundles/good.kdump::[eager] PASSED" in res.stdout and "1 passed" in res.stdout

@@ -23,11 +23,14 @@ TARGETS = Path(__file__).parent
 
 
 @pytest.fixture(autouse=True)
-def _child_can_import_targets(monkeypatch: pytest.MonkeyPatch) -> None:
+def _child_can_import_targets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.syspath_prepend(str(TARGETS))
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join([str(TARGETS), os.environ.get("PYTHONPATH", "")])
     )
+    # These bundles name this repository's test targets: the user's config allows them.
+    (tmp_path / "kdump.toml").write_text('allow-targets = ["targets.*"]\n')
+    monkeypatch.setenv("KDUMP_CONFIG", str(tmp_path / "kdump.toml"))
 
 
 def _record(path: Path, fn_name: str, *, corrupt: bool = False, last_bit: bool = False) -> Path:

@@ -18,11 +18,14 @@ ARTIFACTS = os.environ.get("KDUMP_TEST_ARTIFACTS")
 
 
 @pytest.fixture(autouse=True)
-def _child_can_import_targets(monkeypatch: pytest.MonkeyPatch) -> None:
+def _child_can_import_targets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.syspath_prepend(str(TESTS))
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
     )
+    # These bundles name this repository's test targets: the user's config allows them.
+    (tmp_path / "kdump.toml").write_text('allow-targets = ["targets.*"]\n')
+    monkeypatch.setenv("KDUMP_CONFIG", str(tmp_path / "kdump.toml"))
 
 
 def _save(

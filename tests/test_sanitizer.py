@@ -124,6 +124,9 @@ def targets_importable(monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
+ALLOW = ("--allow-target", "targets.replay_targets:*")  # this repository's test targets
+
+
 def _record(path: Path, fn_name: str) -> Path:
     from targets import replay_targets
 
@@ -143,7 +146,7 @@ def _replay_json(
 ) -> tuple[int, dict]:
     argv = ["replay", str(bundle), "--mode", "sanitizer", "--sanitizer", str(sanitizer)]
     with pytest.raises(SystemExit) as exc:
-        main([*argv, "--device", "cpu", "--backend", "library", "--json"])
+        main([*argv, "--device", "cpu", "--backend", "library", "--json", *ALLOW])
     return int(exc.value.code or 0), json.loads(capsys.readouterr().out)
 
 

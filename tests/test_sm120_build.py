@@ -309,7 +309,14 @@ def _replay_probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fn: str, args
     assert tensors
     path = tmp_path / f"{fn}.kdump"
     save_calls(path, [capture_call(f"sm120_probes:{fn}", args, {})])
-    [v] = replay([path], backend="library", device="cpu", isolate=False, repeat=1)
+    [v] = replay(
+        [path],
+        backend="library",
+        device="cpu",
+        isolate=False,
+        repeat=1,
+        allow_targets="sm120_probes:*",
+    )
     return v.exit_code
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from kdump.errors import ExitCode, KdumpError
+from kdump.text import visible
 
 
 def run_cli(group: click.Group, argv: list[str]) -> None:
@@ -27,8 +28,8 @@ def run_cli(group: click.Group, argv: list[str]) -> None:
         sys.exit(ExitCode.USAGE)
     except KdumpError as exc:
         if verbose:
-            traceback.print_exc()
-        click.echo(f"kdump: error: {exc}", err=True)
+            _print_traceback()
+        click.echo(f"kdump: error: {visible(exc)}", err=True)  # messages may quote a bundle
         sys.exit(int(exc.exit_code))
     except KeyboardInterrupt:
         click.echo("kdump: interrupted", err=True)
@@ -37,18 +38,23 @@ def run_cli(group: click.Group, argv: list[str]) -> None:
         raise
     except Exception as exc:
         if verbose:
-            traceback.print_exc()
+            _print_traceback()
         click.echo(
-            f"kdump: internal error: {type(exc).__name__}: {exc} (run with -v for the traceback "
-            "and report it)",
+            f"kdump: internal error: {type(exc).__name__}: {visible(exc)} (run with -v for the "
+            "traceback and report it)",
             err=True,
         )
         sys.exit(ExitCode.INTERNAL)
     sys.exit(int(rv or 0))
 
 
+def _print_traceback() -> None:
+    click.echo(visible(traceback.format_exc(), None, newlines=True), err=True)
+
+
 def emit_json(obj: Any) -> None:
-    click.echo(json.dumps(obj, indent=2, default=str))
+    """ASCII JSON: control characters and lone surrogates from a bundle become \\u escapes."""
+    click.echo(json.dumps(obj, indent=2, default=str, ensure_ascii=True))
 
 
 def console() -> Any:

@@ -23,6 +23,7 @@ def command(selftest: bool, as_json: bool) -> int:
       kdump doctor --selftest --json
     """
     from kdump.doctor import diagnose, run_selftest
+    from kdump.text import markup as m  # details quote library versions, paths, exceptions
 
     report = diagnose()
     code = 0
@@ -35,11 +36,11 @@ def command(selftest: bool, as_json: bool) -> int:
     con = console()
     for item in report["checks"]:
         mark = "[green]ok[/]  " if item["ok"] else "[yellow]--[/]  "
-        line = f"{mark}{item['name']}: {item['detail']}"
+        line = f"{mark}{m(item['name'])}: {m(item['detail'])}"
         if not item["ok"] and item.get("fix"):
-            line += f"\n      fix: {item['fix']}"
+            line += f"\n      fix: {m(item['fix'])}"
         con.print(line)
     if selftest:
         st = report["selftest"]
-        con.print(f"selftest: {st['summary']} (exit {st['exit_code']})")
+        con.print(f"selftest: {m(st['summary'])} (exit {st['exit_code']})")
     return code

@@ -40,33 +40,42 @@ def command(bundles: tuple[str, ...], verify: bool, as_json: bool) -> int:
 def _render(rep: dict) -> None:
     from rich.table import Table
 
+    from kdump.text import markup as m  # everything below comes from the bundle
+
     con = console()
     env = rep["env"]
     con.print(
-        f"[bold]{rep['path']}[/]  format v{rep['format_version']}, {len(rep['calls'])} call(s), "
-        f"{human_bytes(rep['file_bytes'])} on disk, {rep['blobs']} blob(s) "
+        f"[bold]{m(rep['path'])}[/]  format v{m(rep['format_version'])}, {len(rep['calls'])} "
+        f"call(s), {human_bytes(rep['file_bytes'])} on disk, {m(rep['blobs'])} blob(s) "
         f"({human_bytes(rep['blob_bytes'])}; {human_bytes(rep['logical_bytes'])} before dedup)"
         + ("  [green]checksums OK[/]" if rep["verified"] else "")
     )
     if env:
         con.print(
-            f"recorded on {env.get('hostname', '?')} pid {env.get('pid', '?')}: "
-            f"{env.get('gpu_name', 'no GPU')} (cc {env.get('compute_capability', '-')}, "
-            f"{env.get('sm_count', '-')} SMs), torch {env.get('torch', '?')}, "
-            f"CUDA {env.get('torch_cuda', '-')}, python {env.get('python', '?')}"
+            f"recorded on {m(env.get('hostname', '?'))} pid {m(env.get('pid', '?'))}: "
+            f"{m(env.get('gpu_name', 'no GPU'))} (cc {m(env.get('compute_capability', '-'))}, "
+            f"{m(env.get('sm_count', '-'))} SMs), torch {m(env.get('torch', '?'))}, "
+            f"CUDA {m(env.get('torch_cuda', '-'))}, python {m(env.get('python', '?'))}"
         )
         for lib, state in (env.get("libraries") or {}).items():
-            con.print(f"  {lib}: {state}")
+            con.print(f"  {m(lib)}: {m(state)}")
+        env_vars = env.get("env_vars") or {}
+        if env_vars:
+            # Shown only: a replay applies none of them unless asked (--apply-env NAME).
+            con.print("recorded environment (not applied by replay; see --apply-env):")
+            for name, value in env_vars.items():
+                con.print(f"  {m(name, 200)}={m(value, 500)}")
     for call in rep["calls"]:
         meta = call["meta"]
         extra = []
         if meta.get("capturing"):
             extra.append("recorded during CUDA-graph capture")
         if meta.get("exception"):
-            extra.append(f"raised {meta['exception']}")
+            extra.append(f"raised {m(meta['exception'])}")
+        called_as = call["called_as"]
         con.print(
-            f"\n[bold]call {call['index']}[/] {call['target']}"
-            + (f" (called as {call['called_as']})" if call["called_as"] != call["target"] else "")
+            f"\n[bold]call {m(call['index'])}[/] {m(call['target'])}"
+            + (f" (called as {m(called_as)})" if called_as != call["target"] else "")
             + (f" — {'; '.join(extra)}" if extra else "")
         )
         table = Table(show_edge=False, pad_edge=False)
@@ -76,16 +85,17 @@ def _render(rep: dict) -> None:
             )
         for t in call["tensors"]:
             table.add_row(
-                t["name"],
-                t["dtype"],
-                "×".join(map(str, t["shape"])) or "()",
-                ",".join(map(str, t["stride"])) or "()",
-                str(t["storage_offset"]),
-                t["device"],
-                str(t["alignment"]),
+                m(t["name"]),
+                m(t["dtype"]),
+                m("×".join(map(str, t["shape"])) or "()"),
+                m(",".join(map(str, t["stride"])) or "()"),
+                m(t["storage_offset"]),
+                m(t["device"]),
+                m(t["alignment"]),
                 human_bytes(t["bytes"]),
             )
         con.print(table)
         if call["aliasing"]:
-            con.print("shared storage: " + "; ".join(" = ".join(g) for g in call["aliasing"]))
+            groups = "; ".join(" = ".join(m(n) for n in g) for g in call["aliasing"])
+            con.print("shared storage: " + groups)
         con.print(f"outputs recorded: {'yes' if call['outputs_recorded'] else 'no'}")

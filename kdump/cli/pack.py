@@ -19,9 +19,11 @@ def command(bundle: str, output: str | None) -> int:
     from pathlib import Path
 
     from kdump.bundle import pack
+    from kdump.text import visible
 
     src = Path(bundle)
     dst = Path(output) if output else src.with_suffix(".packed.kdump")
     out = pack(src, dst)
-    click.echo(f"wrote {out} ({out.stat().st_size} bytes); replay it with: kdump replay {out}")
+    shown = visible(out)
+    click.echo(f"wrote {shown} ({out.stat().st_size} bytes); replay it with: kdump replay {shown}")
     return 0

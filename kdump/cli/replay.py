@@ -136,6 +136,29 @@ Examples:
 )
 @click.option("--in-process", is_flag=True, help="Do not isolate replays in a child process.")
 @click.option("-v", "--verbose", is_flag=True, help="Show every comparison row.")
+@click.option(
+    "--allow-target",
+    "allow_targets",
+    multiple=True,
+    metavar="MOD:FN",
+    help="Run this target although no kernel plug-in knows it (repeatable; globs like 'mod:*'). "
+    "Only for bundles you trust: the bundle chooses the arguments.",
+)
+@click.option(
+    "--path",
+    "paths",
+    multiple=True,
+    type=click.Path(file_okay=False),
+    help="Folder the replay imports targets from (repeatable); the current folder never is.",
+)
+@click.option(
+    "--apply-env",
+    "apply_env",
+    multiple=True,
+    metavar="NAME",
+    help="Set this recorded environment variable in the replay (repeatable), e.g. "
+    "DG_JIT_CACHE_DIR; others are only shown.",
+)
 @json_option
 def command(
     bundles: tuple[str, ...],
@@ -161,6 +184,9 @@ def command(
     jobs: int,
     in_process: bool,
     verbose: bool,
+    allow_targets: tuple[str, ...],
+    paths: tuple[str, ...],
+    apply_env: tuple[str, ...],
     as_json: bool,
 ) -> int:
     """Replay the calls in BUNDLES (files or capture folders) and say which step fails and how.
@@ -192,6 +218,9 @@ def command(
             save_failing=save_failing,
             isolate=not in_process,
             jobs=jobs,
+            allow_targets=allow_targets,
+            paths=paths,
+            apply_env=apply_env,
             graph=GraphOptions(mutations=mutations, seed=seed),
             sanitizer=SanitizerOptions(
                 tools=TOOLS if "all" in tools else (tools or ("memcheck",)),

@@ -31,6 +31,7 @@ def command(
 
     from kdump.record.journal import DEFAULT_DIR, read_pid
     from kdump.record.salvage import dead_journals, pid_alive, salvage_journal
+    from kdump.text import visible as v  # names and paths may come from a journal
 
     paths: list[Path] = []
     for j in journals or (str(DEFAULT_DIR),):
@@ -38,7 +39,7 @@ def command(
         if p.is_dir():
             paths.extend(dead_journals(p))
         elif pid_alive(read_pid(p)):
-            click.echo(f"skipped {p}: its process is still running", err=True)
+            click.echo(f"skipped {v(p)}: its process is still running", err=True)
         else:
             paths.append(p)
     if not paths:
@@ -55,10 +56,10 @@ def command(
     for p in paths:
         res = salvage_journal(p, output, context, remove=not keep)
         click.echo(
-            f"{p}: {len(res.bundles)} bundles, {len(res.in_flight)} in flight, "
-            f"{len(res.torn)} torn; report {res.report}"
+            f"{v(p)}: {len(res.bundles)} bundles, {len(res.in_flight)} in flight, "
+            f"{len(res.torn)} torn; report {v(res.report)}"
         )
         for b in res.bundles:
-            click.echo(f"  {b}")
-    click.echo(f"replay them with: kdump replay {output}")
+            click.echo(f"  {v(b)}")
+    click.echo(f"replay them with: kdump replay {v(output)}")
     return 0

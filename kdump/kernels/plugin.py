@@ -81,9 +81,14 @@ class KernelPlugin(ABC):
         KernelSpec.with_settings."""
         return {}
 
+    def known_settings(self) -> frozenset[str]:
+        """The setting names `apply_state` may apply (each maps to a setter kdump knows). A
+        recorded name outside this set is shown, never looked up in the library or called."""
+        return frozenset()
+
     def apply_state(self, recorded: Mapping[str, Any] | None, device: torch.device) -> list[str]:
-        """Re-apply the recorded state before a replayed call; notes for the verdict: what was
-        applied, and what was not because it is invalid here."""
+        """Re-apply the recorded state before a replayed call, known settings only; notes for
+        the verdict: what was applied, and what was not (invalid here, or unknown)."""
         return []
 
     def same_build(self, recorded: Mapping[str, Any] | None, backend: Backend) -> bool:

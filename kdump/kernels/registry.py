@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
+from fnmatch import fnmatchcase
 from functools import lru_cache
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
-from kdump.errors import CannotRunError, UsageError
+from kdump.errors import CannotRunError, UntrustedTargetError, UsageError
 from kdump.kernels.plugin import KernelPlugin, TargetSpec
 
 if TYPE_CHECKING:
@@ -109,6 +110,38 @@ def canonical_id(target: str) -> str:
 def plugin_for(target: str) -> KernelPlugin | None:
     """The plug-in a target (or canonical id) belongs to."""
     return plugin(canonical_id(target).partition(":")[0])
+
+
+def claiming_plugin(target: str) -> KernelPlugin | None:
+    """The plug-in that recognises `target` as one of its own functions (not merely a name that
+    starts with the plug-in's: 'deep_gemm:os.system' belongs to no plug-in)."""
+    return next((p for p in plugins() if p.canonical_id(target)), None)
+
+
+def target_allowed(target: str, allowed: Sequence[str] = ()) -> bool:
+    """Whether replay may run `target`: a registered plug-in's target, or one the user allowed
+    (`allowed` patterns, e.g. from --allow-target, and the user's config file)."""
+    if claiming_plugin(target) is not None:
+        return True
+    from kdump import config
+
+    names = {target, canonical_id(target)}
+    return any(fnmatchcase(n, pat) for pat in (*allowed, *config.allowed_targets()) for n in names)
+
+
+def check_target(target: str, allowed: Sequence[str] = ()) -> None:
+    """Raise UntrustedTargetError unless replay may run `target` (the one trust rule: a bundle
+    names what it wants to call; kdump runs only plug-in targets and what the user allowed)."""
+    if target_allowed(target, allowed):
+        return
+    from kdump import config
+    from kdump.text import visible
+
+    shown = visible(target, 200)
+    raise UntrustedTargetError(
+        f"the bundle asks to run {shown}, which is no kernel plug-in's; if you trust the bundle, "
+        f"pass --allow-target '{shown}' (or list it in allow-targets of {config.config_path()})"
+    )
 
 
 def presets() -> dict[str, tuple[TargetSpec, ...]]:

@@ -127,6 +127,7 @@ def summarize(
     """What the run wrote (bundles newer than `since`, read through the folders' indexes), and
     the exact next command."""
     from kdump.cli.common import human_bytes
+    from kdump.text import visible as v  # folder names and targets come from the recorded run
 
     bundles: list[Path] = []
     for p in capture_dir.list_bundles(out):
@@ -138,8 +139,8 @@ def summarize(
     bundles.sort(key=lambda p: (p.parent.name, p.name))
     if not bundles:
         echo(
-            f"kdump: no calls were recorded (targets: {', '.join(targets) or 'deep_gemm'}); check "
-            "that the program calls them, and the trigger options"
+            f"kdump: no calls were recorded (targets: {v(', '.join(targets) or 'deep_gemm')}); "
+            "check that the program calls them, and the trigger options"
         )
         return
     folders = sorted({p.parent for p in bundles})
@@ -148,9 +149,9 @@ def summarize(
     blob_bytes += sum(_tree_bytes(f / capture_dir.STORE_DIRNAME) for f in folders)
     echo(
         f"kdump: wrote {len(bundles)} bundle(s), {human_bytes(nbytes + blob_bytes)} "
-        f"(shared blobs included) in {len(folders)} process folder(s) under {out}:"
+        f"(shared blobs included) in {len(folders)} process folder(s) under {v(out)}:"
     )
     for f in folders:
         n = sum(1 for p in bundles if p.parent == f)
-        echo(f"  {f}  ({n} bundle(s), index: {f / capture_dir.INDEX_NAME})")
-    echo(f"next: kdump replay {bundles[0]}")
+        echo(f"  {v(f)}  ({n} bundle(s), index: {v(f / capture_dir.INDEX_NAME)})")
+    echo(f"next: kdump replay {v(bundles[0])}")

@@ -15,6 +15,7 @@ from typing import Any
 
 from kdump.bundle import iter_bundles, load_bundle
 from kdump.errors import BundleError, UsageError
+from kdump.kernels.registry import check_target
 from kdump.replay.options import ReplayOptions, from_keywords
 from kdump.replay.session import Request
 from kdump.replay.verdict import Finding, Step, Verdict
@@ -59,7 +60,8 @@ def replay(
         if opts.mode in ("graph", "all") and calls is None:
             indices = _capture_calls(bundle)
         for i in indices:
-            bundle.call(i)
+            # Trust is decided here, before any child starts (the child checks again).
+            check_target(bundle.call(i).target, opts.allow_targets)
             work.append((str(path), i))
 
     def one(item: tuple[str, int], gpu: int | None) -> Verdict:

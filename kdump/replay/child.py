@@ -80,6 +80,14 @@ def child_environment(base: dict[str, str] | None, **extra: str) -> dict[str, st
     env = dict(os.environ if base is None else base)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.pop("KDUMP_RECORD", None)  # a replay is never recorded
+    # The current folder (where a bundle and a .py shipped with it may lie) is not importable in
+    # the child from its first import on (Python 3.11+; older ones drop it in `main`) ...
+    env["PYTHONSAFEPATH"] = "1"
+    # ... except that a kdump run from a source checkout in that folder must still import itself.
+    root = str(Path(__file__).resolve().parents[2])
+    entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root == os.path.realpath(os.getcwd()) and root not in entries:
+        env["PYTHONPATH"] = os.pathsep.join([*entries, root])
     env.update(extra)
     return env
 
@@ -278,16 +286,33 @@ def run_in_process(req: Request) -> Verdict:
 # --- the child side ---------------------------------------------------------------------------
 
 
-def _apply_recorded_env(bundle_path: str) -> None:
-    """Set the recorded DG_* variables before any kernel library is imported."""
-    try:
-        from kdump.bundle import load_bundle
+def confine_imports(paths: Sequence[str]) -> None:
+    """Imports come from the environment the user started (PYTHONPATH, site-packages) and the
+    folders given with --path, never from the current folder or '' entries."""
+    cwd = os.path.realpath(os.getcwd())
+    kept = {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    sys.path[:] = [
+        p for p in sys.path if p and (os.path.realpath(p) != cwd or os.path.realpath(p) in kept)
+    ]
+    sys.path[:0] = [os.path.abspath(p) for p in paths]
+    import importlib
 
-        env = load_bundle(bundle_path).env.get("env_vars", {})
-    except Exception:
-        return  # the replay itself reports an unreadable bundle
-    for name, value in env.items():
-        if name.startswith("DG_") and name not in os.environ and value != "<redacted>":
+    importlib.invalidate_caches()
+
+
+def _prepare(req: Request) -> None:
+    """Before anything is imported for the call: check that its target may run, and apply the
+    recorded environment variables the user asked for (--apply-env), and only those."""
+    from kdump.bundle import load_bundle
+    from kdump.kernels.registry import check_target
+
+    bundle = load_bundle(req.bundle)
+    check_target(bundle.call(req.call).target, req.options.allow_targets)
+    recorded = bundle.env.get("env_vars")
+    recorded = recorded if isinstance(recorded, dict) else {}
+    for name in req.options.apply_env:
+        value = recorded.get(name)
+        if isinstance(value, str) and value != "<redacted>" and "\0" not in value:
             os.environ[name] = value
 
 
@@ -303,7 +328,7 @@ def run_request(req: Request, progress_path: Path | None) -> Verdict:
 
     progress("started", {"pid": os.getpid()})
     try:
-        _apply_recorded_env(req.bundle)
+        _prepare(req)
         if req.mode == "eager":
             from kdump.replay.eager import run_eager
 
@@ -344,6 +369,7 @@ def main(argv: list[str]) -> None:
         verdict = Verdict("", 0, "", "")
         verdict.findings.append(Finding(exc.finding_kind.value, "start", str(exc)))
     if req is not None:
+        confine_imports(req.options.paths)
         verdict = run_request(req, folder / PROGRESS)
     tmp = folder / (RESULT + ".tmp")
     tmp.write_text(json.dumps(verdict.to_json(), default=str))

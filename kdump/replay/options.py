@@ -59,10 +59,18 @@ class ReplayOptions:
     save_failing: str | None = None  # graph: folder for a bundle per failing replay
     isolate: bool = True  # run each replay in a child process
     jobs: int = 1  # replays at once (one per GPU)
+    # Trust: targets (globs) run beyond the plug-ins', folders the child imports from, recorded
+    # environment variables applied to the replay.
+    allow_targets: tuple[str, ...] = ()
+    paths: tuple[str, ...] = ()
+    apply_env: tuple[str, ...] = ()
     graph: GraphOptions = field(default_factory=GraphOptions)
     sanitizer: SanitizerOptions = field(default_factory=SanitizerOptions)
 
     def __post_init__(self) -> None:
+        for name in ("allow_targets", "paths", "apply_env"):  # one name given as a string
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, (getattr(self, name),))
         _choice("mode", self.mode, MODES)
         _choice("backend", self.backend, backend_names())
         _choice("placement", self.placement, PLACEMENTS)
@@ -171,6 +179,9 @@ _LEGACY: dict[str, tuple[str, str]] = {
     "save_failing": ("", "save_failing"),
     "bitwise": ("", "bitwise"),
     "oracle": ("", "oracle"),
+    "allow_targets": ("", "allow_targets"),
+    "paths": ("", "paths"),
+    "apply_env": ("", "apply_env"),
     "mutations": ("graph", "mutations"),
     "seed": ("graph", "seed"),
     "tools": ("sanitizer", "tools"),

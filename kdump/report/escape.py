@@ -20,13 +20,14 @@ def _visible(ch: str) -> str:
 
 
 def escape_text(value: object) -> str:
-    """`str(value)` with control and format characters (ESC, newlines, bidi overrides) written
-    as escapes, so a string cannot move the cursor, change colours or reorder text."""
+    """`str(value)` with control and format characters (ESC, newlines, bidi overrides) and lone
+    surrogates written as escapes, so a string cannot move the cursor, change colours, reorder
+    text or fail to encode."""
     out = []
     for ch in str(value):
         if ch == "\\":
             out.append("\\\\")
-        elif unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp"):
+        elif unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Zl", "Zp"):  # Cs: lone surrogates
             out.append(_visible(ch))
         else:
             out.append(ch)

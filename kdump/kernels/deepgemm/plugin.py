@@ -60,6 +60,30 @@ def _call_setter(setter: Any, value: Any) -> None:
         setter(value)
 
 
+# Keys of the recorded state that describe the library rather than set it.
+_DESCRIPTIVE = frozenset({"module", "version", "file", "setters", "error"})
+
+
+def _setters(recorded: Mapping[str, Any]) -> Mapping[str, Any]:
+    setters = recorded.get("setters")
+    return setters if isinstance(setters, Mapping) else {}
+
+
+def _unknown_settings(recorded: Mapping[str, Any] | None) -> list[str]:
+    """A note naming the recorded settings and setters kdump does not know (shown, not run)."""
+    if not isinstance(recorded, Mapping):
+        return []
+    setters = _setters(recorded)
+    unknown = [k for k in recorded if k not in _DESCRIPTIVE and k not in names.DEEPGEMM_SETTINGS]
+    unknown += [k for k in setters if k not in names.DEEPGEMM_SETTERS]
+    if not unknown:
+        return []
+    from kdump.text import visible
+
+    shown = ", ".join(visible(k, 80) for k in sorted(map(str, unknown))[:20])
+    return [f"recorded DeepGEMM settings unknown to kdump, not applied: {shown}"]
+
+
 class DeepGemmPlugin(KernelPlugin):
     name = NAME
     library_backend = "deep_gemm"
@@ -120,9 +144,9 @@ class DeepGemmPlugin(KernelPlugin):
     def settings(self, recorded: Mapping[str, Any] | None) -> dict[str, Any]:
         """Getter values (the truth at record time), completed by the latest setter arguments
         (setters without a getter)."""
-        if not recorded:
-            return {}
-        setters = recorded.get("setters") or {}
+        if not isinstance(recorded, Mapping):
+            return {}  # nothing, or a bundle's garbage
+        setters = _setters(recorded)
         out: dict[str, Any] = {}
         for key, setter in names.DEEPGEMM_SETTINGS.items():
             value = recorded.get(key)
@@ -132,18 +156,25 @@ class DeepGemmPlugin(KernelPlugin):
                 out[key] = value
         return out
 
+    def known_settings(self) -> frozenset[str]:
+        return frozenset(names.DEEPGEMM_SETTINGS)
+
     def apply_state(self, recorded: Mapping[str, Any] | None, device: torch.device) -> list[str]:
+        notes = _unknown_settings(recorded)
         values = self.settings(recorded)
         if not values:
-            return []
+            return notes
         sms = _sm_count(device)
         module = _loaded_module()  # loaded by the deep_gemm backend; never imported for others
-        notes, applied = [], []
+        applied = []
         for key, value in values.items():
+            if key not in self.known_settings():
+                continue  # settings() yields known names only; this keeps it so
             why = _invalid_here(key, value, sms)
             if why is not None:
                 notes.append(f"DeepGEMM setting {key}={value!r} not applied: {why}")
                 continue
+            # The setter's name comes from kdump's table, never from the bundle.
             setter = getattr(module, names.DEEPGEMM_SETTINGS[key], None) if module else None
             if setter is not None:
                 try:
