@@ -283,12 +283,12 @@ def test_max_bundles(tmp_path, keep):
 
 
 def test_max_bytes_newest_frees_blobs(tmp_path):
-    with kdump.recording("plainmod:axpy", out=tmp_path, max_bytes="3K", keep="newest") as rec:
+    with kdump.recording("plainmod:axpy", out=tmp_path, max_bytes="8K", keep="newest") as rec:
         _cheap_target_results(12)
     assert 0 < len(rec.written) < 12
     proc = rec.written[0].parent
     on_disk = sum(p.stat().st_size for p in proc.rglob("*") if p.is_file() and p.name != INDEX_NAME)
-    assert on_disk <= 3 * 1024
+    assert on_disk <= 8 * 1024
     for p in rec.written:  # survivors still load, their blobs intact
         assert load_bundle(p).calls[0].args[1].numel() == 16
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import click
 
 from kdump.cli.common import console, emit_json, human_bytes, json_option
+from kdump.text import markup
 
 
 @click.command("info")
@@ -88,4 +89,8 @@ def _render(rep: dict) -> None:
         con.print(table)
         if call["aliasing"]:
             con.print("shared storage: " + "; ".join(" = ".join(g) for g in call["aliasing"]))
-        con.print(f"outputs recorded: {'yes' if call['outputs_recorded'] else 'no'}")
+        outputs = call["outputs"]
+        con.print(
+            "outputs recorded: "
+            + (", ".join(markup(o) for o in outputs) if outputs else "none (inputs only)")
+        )
