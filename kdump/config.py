@@ -47,8 +47,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "KDUMP_OUTPUTS",
-        "outputs snapshot after the call (sync mode): default (the spec's, e.g. DeepGEMM's d), "
-        "none, all (every tensor argument), or comma-separated parameter names / positions",
+        "outputs snapshot after the call (sync mode): default (the spec's, e.g. DeepGEMM's d; "
+        "every tensor argument of a generic target), none, all (every tensor argument), or "
+        "comma-separated parameter names / positions",
         "default",
     ),
     EnvVar("KDUMP_FLUSH_SIGNAL", "signal name that flushes pending bundles, e.g. USR1"),

@@ -225,6 +225,11 @@ def test_packaged_fault_variant_caught_by_graph_and_memcheck(tmp_path: Path) -> 
         assert any(s.name.startswith("sanitizer/memcheck") for s in m.steps)
         writes = [f for f in m.findings if f.kind == "memory" and "write" in f.message]
         assert all(f.details["kernel"].startswith("kd_gemm_labels") for f in writes)
+        # A crash of the same run is the symptom of memcheck's first finding, named as its cause.
+        crashed = [f for f in m.findings if f.kind == "kernel_error"]
+        if crashed and writes:
+            assert m.headline().startswith("kernel error: caused by memcheck: Invalid __global__")
+            assert all(f.details.get("location", {}).get("text") for f in writes)
 
 
 def test_deepgemm_graph_then_second_recorded_distribution(tmp_path: Path) -> None:

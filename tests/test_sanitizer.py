@@ -69,7 +69,14 @@ def test_locate_maps_addresses_to_elements() -> None:
     assert locate(0x10000 + 2 * (3 * 256 + 7), [d, a]) == "d[3, 7]"
     end = 0x10000 + 128 * 256 * 2
     assert locate(end + 16, [d, a]) == "17 bytes past the end of d"
-    assert locate(0x80000 - 4, [d, a]) == "4 bytes before a[0]"
+    assert locate(0x80000 - 4, [d, a]) == "4 bytes before a[0]"  # allocation unknown
+    # with its allocation known: before the view inside it, or before the allocation itself
+    v = PlacedTensor("v", 0x20040, 4, (4, 4), (4, 1), alloc_ptr=0x20000, alloc_nbytes=0x80)
+    assert locate(0x20040 - 8, [v]) == "8 bytes before v"
+    assert locate(0x20000 - 120, [v]) == (
+        "120 bytes before v's allocation: not an argument — an allocation of the library itself"
+    )
+    assert locate(0x20080 + 3, [v]) == "4 bytes past the end of v"
     t = PlacedTensor("t", 0x1000, 4, (8, 4), (1, 8))  # column-major
     assert locate(0x1000 + 4 * (2 * 8 + 5), [t]) == "t[5, 2]"
 
@@ -117,11 +124,15 @@ TESTS = Path(__file__).parent
 
 
 @pytest.fixture
-def targets_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+def targets_importable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.syspath_prepend(str(TESTS))
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
     )
+    # The replays these tests make name this repository's test targets: allowed in the
+    # user's config (the tests passing ALLOW show the command-line way).
+    (tmp_path / "kdump.toml").write_text('allow-targets = ["targets.*"]\n')
+    monkeypatch.setenv("KDUMP_CONFIG", str(tmp_path / "kdump.toml"))
 
 
 ALLOW = ("--allow-target", "targets.replay_targets:*")  # this repository's test targets
@@ -217,4 +228,166 @@ def test_sanitizer_report_errors_are_memory_findings(
     assert len(mem) == 4
     assert mem[0]["details"]["kernel"] == "kd_gemm_labels_fp32_stale"
     assert mem[0]["details"]["address"] == 0x7F6F4ED00190
-    assert mem[0]["message"].startswith("Invalid __global__ write of size 4 bytes")
+    assert mem[0]["message"].startswith("memcheck: Invalid __global__ write of size 4 bytes")
+    assert "kd_gemm_labels_fp32_stale" in mem[0]["message"]
+    assert "thread (64,0,0) block (17,0,0)" in mem[0]["message"]
+    # 1340 errors in the report, 4 printed: the rest are counted, not dropped silently
+    step = next(s for s in out["verdicts"][0]["steps"] if s["name"] == "sanitizer/memcheck")
+    assert step["metrics"]["not_shown"] == 1336
+    assert "first: memcheck: Invalid __global__ write" in step["message"]
+
+
+def _record_view(path: Path, fn_name: str) -> Path:
+    """x is a view 8 floats into its storage (room before it inside its allocation)."""
+    from targets import replay_targets
+
+    gen = torch.Generator().manual_seed(12)
+    base = torch.randn(17 * 8, generator=gen)
+    x = base[8:].view(16, 8)
+    out = torch.randn(16, 8, generator=gen)
+    call = capture_call(f"targets.replay_targets:{fn_name}", [x, out], {}, names=["x", "out"])
+    live = input_tensors(call, [x, out], {})
+    replay_targets.scale_into(x, out)
+    attach_outputs(call, live, [1])
+    save_calls(path, [call])
+    return path
+
+
+def _memcheck(access: str, addr: str, nearest: str = "", count: int = 1) -> str:
+    one = (
+        f"========= Invalid __global__ {access} of size 4 bytes\n"
+        "=========     at kd_scale_kernel+0x4c80 in /tmp/kd/scale.cu:77\n"
+        "=========     by thread (3,0,0) in block (5,0,0)\n"
+        f"=========     Access to {addr} is out of bounds\n"
+        + (f"=========     and is {nearest}\n" if nearest else "")
+        + "=========     Saved host backtrace up to driver entry point at kernel launch time\n"
+        "=========         Host Frame: cuLaunchKernel [0x2a5b1] in libcuda.so.1\n"
+        "========= \n"
+    )
+    return (
+        "========= COMPUTE-SANITIZER\n"
+        + one * count
+        + f"========= ERROR SUMMARY: {count} error{'s' if count > 1 else ''}\n"
+    )
+
+
+RACE = """\
+========= COMPUTE-SANITIZER
+========= Error: Race reported between Write access at kd_reduce(float *)+0x1f0 in /tmp/kd/r.cu:41
+=========     and Read access at kd_reduce(float *)+0x230 in /tmp/kd/r.cu:44 [248 hazards]
+=========
+========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)
+"""
+
+CASES = {
+    "in-argument": (_memcheck("write", "@{out:ptr+36}"), "out[1, 1]"),
+    "past-the-end": (
+        _memcheck(
+            "write",
+            "@{out:end+15}",
+            "16 bytes after the nearest allocation at @{out:alloc} of size @{out:alloc_size} bytes",
+        ),
+        "16 bytes past the end of out",
+    ),
+    "before-the-start": (_memcheck("read", "@{x:ptr-8}"), "8 bytes before x"),
+    "in-no-argument": (
+        _memcheck(
+            "atomic",
+            "@{out:alloc-120}",
+            "120 bytes before the nearest allocation at @{out:alloc} of size "
+            "@{out:alloc_size} bytes",
+        ),
+        "120 bytes before out's allocation: not an argument — an allocation of the library itself",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sanitizer_finding_names_access_site_and_argument(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    targets_importable: None,
+    case: str,
+) -> None:
+    report, where = CASES[case]
+    (tmp_path / "report.log").write_text(report)
+    monkeypatch.setenv("FAKE_SANITIZER", "report")
+    monkeypatch.setenv("FAKE_SANITIZER_REPORT", str(tmp_path / "report.log"))
+    code, out = _replay_json(capsys, _record_view(tmp_path / "s.kdump", "scale_into"), FAKE)
+    assert code == ExitCode.MEMORY_FINDING
+    v = out["verdicts"][0]
+    [f] = [f for f in v["findings"] if f["kind"] == "memory"]
+    assert "memcheck: Invalid __global__" in f["message"]
+    assert "of size 4 bytes in kd_scale_kernel (/tmp/kd/scale.cu:77)" in f["message"]
+    assert "thread (3,0,0) block (5,0,0)" in f["message"]
+    assert f["message"].endswith(": " + where), f["message"]
+    assert f["details"]["location"]["text"] == where
+    assert v["headline"].startswith("memory: memcheck: Invalid __global__")
+
+
+def test_racecheck_names_the_hazard(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    targets_importable: None,
+) -> None:
+    (tmp_path / "race.log").write_text(RACE)
+    monkeypatch.setenv("FAKE_SANITIZER", "report")
+    monkeypatch.setenv("FAKE_SANITIZER_REPORT", str(tmp_path / "race.log"))
+    bundle = _record(tmp_path / "s.kdump", "scale_into")
+    argv = ["replay", str(bundle), "--mode", "sanitizer", "--sanitizer", str(FAKE)]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--tool", "racecheck", "--device", "cpu", "--backend", "library", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert exc.value.code == ExitCode.MEMORY_FINDING
+    [f] = out["verdicts"][0]["findings"]
+    assert f["message"].startswith(
+        "racecheck: Race reported between Write access and Read access (248 hazards) "
+        "in kd_reduce(float *) (/tmp/kd/r.cu:41)"
+    )
+    assert f["details"]["hazard"] == "Write/Read race (248 hazards)"
+
+
+def test_crash_with_findings_names_the_cause(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    targets_importable: None,
+) -> None:
+    """The replay raised 'illegal memory access' and memcheck saw the bad access: the crash is
+    the symptom, the access the cause; the exit code stays a kernel error's."""
+    report, where = CASES["in-no-argument"]
+    (tmp_path / "report.log").write_text(report.replace("1 error", "408 errors"))
+    monkeypatch.setenv("FAKE_SANITIZER", "report")
+    monkeypatch.setenv("FAKE_SANITIZER_REPORT", str(tmp_path / "report.log"))
+    code, out = _replay_json(capsys, _record_view(tmp_path / "r.kdump", "raises"), FAKE)
+    assert code == ExitCode.KERNEL_ERROR
+    v = out["verdicts"][0]
+    headline = v["headline"]
+    assert headline.startswith(
+        "kernel error: caused by memcheck: Invalid __global__ atomic of size 4 bytes in "
+        "kd_scale_kernel (/tmp/kd/scale.cu:77)"
+    ), headline
+    assert where in headline and "(first of 408)" in headline
+    assert "symptom: " in headline and "illegal memory access" in headline
+    kinds = sorted(f["kind"] for f in v["findings"])
+    assert kinds == ["kernel_error", "memory"]
+
+
+def test_findings_are_capped_and_the_rest_counted(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    targets_importable: None,
+) -> None:
+    (tmp_path / "many.log").write_text(_memcheck("write", "@{out:ptr+4}", count=25))
+    monkeypatch.setenv("FAKE_SANITIZER", "report")
+    monkeypatch.setenv("FAKE_SANITIZER_REPORT", str(tmp_path / "many.log"))
+    code, out = _replay_json(capsys, _record_view(tmp_path / "s.kdump", "scale_into"), FAKE)
+    assert code == ExitCode.MEMORY_FINDING
+    v = out["verdicts"][0]
+    assert len([f for f in v["findings"] if f["kind"] == "memory"]) == 20
+    step = next(s for s in v["steps"] if s["name"] == "sanitizer/memcheck")
+    assert step["metrics"]["not_shown"] == 5 and step["metrics"]["records"] == 25
+    assert any("5 more error(s) not listed" in n for n in v["notes"])

@@ -17,6 +17,19 @@ def aliasing_groups(call: Call) -> list[list[str]]:
     return [g for g in groups.values() if len(g) > 1]
 
 
+def recorded_outputs(call: Call) -> list[str]:
+    """What the bundle holds from after the call: argument paths snapshotted after it, and
+    "return value" when the call returned something; empty for a bundle of inputs only."""
+    if not call.has_outputs:
+        return []
+    names = call.tensor_names
+    out = [names[i] for i, _ in call.inplace]
+    returned = call.entry.outputs.returned if call.entry.outputs is not None else None
+    if returned is not None:
+        out.append("return value")
+    return out
+
+
 def describe_call(call: Call) -> dict[str, Any]:
     names = call.tensor_names
     tensors = []
@@ -46,6 +59,7 @@ def describe_call(call: Call) -> dict[str, Any]:
         "tensors": tensors,
         "aliasing": aliasing_groups(call),
         "outputs_recorded": call.has_outputs,
+        "outputs": recorded_outputs(call),
         "stored_bytes": call.nbytes,
         "meta": call.meta,
     }

@@ -3,6 +3,7 @@ from __future__ import annotations
 import click
 
 from kdump.cli.common import console, emit_json, human_bytes, json_option
+from kdump.text import markup
 
 
 @click.command("info")
@@ -98,4 +99,8 @@ def _render(rep: dict) -> None:
         if call["aliasing"]:
             groups = "; ".join(" = ".join(m(n) for n in g) for g in call["aliasing"])
             con.print("shared storage: " + groups)
-        con.print(f"outputs recorded: {'yes' if call['outputs_recorded'] else 'no'}")
+        outputs = call["outputs"]
+        con.print(
+            "outputs recorded: "
+            + (", ".join(markup(o) for o in outputs) if outputs else "none (inputs only)")
+        )

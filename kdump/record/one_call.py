@@ -33,7 +33,6 @@ def dump_call(
         spec = _spec_of(real)
     target = spec.id if spec else _callable_text(real)
     names = _names_for(real, spec)
-    outputs: str | tuple[str | int, ...] = "default" if spec and spec.output_names else "all"
     call = None
     try:
         pos = list(names[: len(args)]) if names and len(names) >= len(args) else None
@@ -72,7 +71,7 @@ def dump_call(
         busy.flag = prev
     try:
         live = input_tensors(call, args, kwargs)
-        idx = output_indices(outputs, spec, names, live, args, kwargs)
+        idx = output_indices("default", spec, names, live, args, kwargs)
         attach_outputs(call, live, idx, returned=result)
     except Exception as exc:
         log(f"dump_call: cannot snapshot the outputs of {target} ({type(exc).__name__}: {exc})")

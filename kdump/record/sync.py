@@ -312,12 +312,16 @@ def output_indices(
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
 ) -> list[int]:
-    """Indices into the call's tensor table of the tensors to snapshot after the call."""
+    """Indices into the call's tensor table of the tensors to snapshot after the call.
+
+    "default" is the spec's output parameters, or every tensor argument for a target whose spec
+    names none (a generic function: any argument may be written in place; content
+    de-duplication stores the unchanged ones once)."""
     if outputs == "none":
         return []
-    if outputs == "all":
-        return list(range(len(live)))
     wanted = (spec.output_names if spec else ()) if outputs == "default" else outputs
+    if outputs == "all" or (outputs == "default" and not wanted):
+        return list(range(len(live)))
     objs: list[Any] = []
     for w in wanted:
         if isinstance(w, int):

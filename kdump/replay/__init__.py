@@ -64,6 +64,11 @@ def replay(
             check_target(bundle.call(i).target, opts.allow_targets)
             work.append((str(path), i))
 
+    from kdump.replay.child import WorkerPool
+
+    # Eager replays of many bundles share worker processes (kdump.replay.child.WorkerPool).
+    workers = WorkerPool() if opts.isolate and opts.mode == "eager" else None
+
     def one(item: tuple[str, int], gpu: int | None) -> Verdict:
         from kdump.replay.child import run_in_child, run_in_process
 
@@ -73,7 +78,9 @@ def replay(
 
         def run(m: str) -> Verdict:
             req = replace(base, options=opts.for_child(m))
-            return run_in_child(req, opts.timeout, env) if opts.isolate else run_in_process(req)
+            if not opts.isolate:
+                return run_in_process(req)
+            return run_in_child(req, opts.timeout, env, workers)
 
         if opts.mode in ("eager", "graph"):
             v = run(opts.mode)
@@ -86,14 +93,19 @@ def replay(
         return v
 
     gpus = _gpu_count() if opts.jobs > 1 else 0
-    if opts.jobs > 1 and len(work) > 1:
-        with ThreadPoolExecutor(opts.jobs) as pool:
-            futures = [
-                pool.submit(one, item, (k % gpus) if gpus else None) for k, item in enumerate(work)
-            ]
-            verdicts = [f.result() for f in futures]
-    else:
-        verdicts = [one(item, None) for item in work]
+    try:
+        if opts.jobs > 1 and len(work) > 1:
+            with ThreadPoolExecutor(opts.jobs) as pool:
+                futures = [
+                    pool.submit(one, item, (k % gpus) if gpus else None)
+                    for k, item in enumerate(work)
+                ]
+                verdicts = [f.result() for f in futures]
+        else:
+            verdicts = [one(item, None) for item in work]
+    finally:
+        if workers is not None:
+            workers.close()
     verdicts = unreadable + verdicts
     if opts.save_failing:
         # A replay that died before it could report leaves its inputs pending: they reproduce.

@@ -14,16 +14,26 @@ writes FOLDER/result.json atomically when it is done. The parent judges what cam
   starting it): an `internal` finding naming the cause.
 
 A graph chain whose process died goes on in a fresh process from the next step.
+
+An eager replay of many bundles reuses worker processes (`WorkerPool`): a worker started as
+`python -m kdump.replay.child --serve FD` reads job folders from stdin, one a line, runs each
+exactly as above and writes "done" to the pipe FD when the job's result is written. A worker is
+reused only for the next bundle whose applied environment and library settings are identical
+(`reuse_key`), and only after a clean verdict; a worker that dies, hangs or reports anything is
+ended, so the bundle it was running is judged as above and the next one gets a fresh process.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, is_dataclass, replace
@@ -246,6 +256,163 @@ def run_child(req: Request, timeout: float | None, env: dict[str, str] | None = 
     return judge(req, launch(req, timeout, child_environment(env)), timeout, "the replay process")
 
 
+# --- reused workers (eager mode) --------------------------------------------------------------
+
+
+def reuse_key(req: Request, env: dict[str, str] | None) -> str:
+    """What a worker process keeps from one replay to the next: the recorded DG_* variables it
+    applied, the library settings recorded with the bundle and the call, and its environment.
+    Bundles with equal keys may share a worker."""
+    from kdump.bundle import load_bundle
+
+    bundle = load_bundle(req.bundle)
+    recorded = bundle.env.get("env_vars", {}) or {}
+    applied = {k: v for k, v in recorded.items() if k.startswith("DG_")}
+    state = bundle.call(req.call).meta.get("library_state")
+    environ = child_environment(env)
+    return json.dumps(
+        [applied, bundle.env.get("libraries"), state, sorted(environ.items())],
+        sort_keys=True,
+        default=str,
+    )
+
+
+class Worker:
+    """One replay worker process (`--serve`), its job pipe and its stderr file."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="kdump-worker-"))
+        self._stderr = open(self.folder / "stderr", "w+", errors="replace")  # noqa: SIM115
+        read_fd, write_fd = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kdump.replay.child", "--serve", str(write_fd)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=self._stderr,
+                text=True,
+                env=env,
+                start_new_session=True,
+                pass_fds=(write_fd,),
+            )
+        finally:
+            os.close(write_fd)
+        self._done = os.fdopen(read_fd, "rb", buffering=0)
+        self.jobs = 0
+
+    def run(self, req: Request, timeout: float | None) -> Ended:
+        """Run one job; a worker that dies or hangs is ended (rc: its status, None after a hang)."""
+        self.jobs += 1
+        job = self.folder / f"job{self.jobs}"
+        job.mkdir()
+        (job / REQUEST).write_text(json.dumps(req.to_dict()))
+        err_from = self._stderr.seek(0, os.SEEK_END)
+        rc: int | None = 0
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(f"{job}\n")
+            self.proc.stdin.flush()
+            answer = self._wait_done(timeout)
+        except OSError:  # the worker is gone already
+            answer = "closed"
+        answered = answer == "done"
+        if not answered:
+            rc = self._end(hung=answer == "timeout")
+        self._stderr.flush()
+        self._stderr.seek(err_from)
+        err = self._stderr.read()
+        result = None
+        if answered and (job / RESULT).exists():
+            try:
+                result = json.loads((job / RESULT).read_text())
+            except ValueError:
+                result = None
+        fault = (job / FAULT).read_text(errors="replace") if (job / FAULT).exists() else ""
+        return Ended(rc, err, read_events(job / PROGRESS), result, fault)
+
+    def _wait_done(self, timeout: float | None) -> str:
+        """ "done" when the worker finished the job, "closed" when it closed the pipe (it died),
+        "timeout" when it did neither in time."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            ready, _, _ = select.select([self._done], [], [], left)
+            if not ready:
+                return "timeout"
+            line = self._done.readline()
+            if not line:
+                return "closed"
+            if line.strip() == b"done":
+                return "done"
+
+    def _end(self, *, hung: bool) -> int | None:
+        """Stop the worker's whole process group; its exit status, None when it had hung."""
+        if not hung:
+            try:
+                return self.proc.wait(timeout=30)  # it closed the pipe: it is exiting
+            except subprocess.TimeoutExpired:
+                pass  # closed the pipe but lives on: stop it as a hang
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        return None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()  # end of jobs: the worker exits
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self._end(hung=True)
+        self._done.close()
+        self._stderr.close()
+        import shutil
+
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class WorkerPool:
+    """Idle workers by reuse key; safe to use from several threads (one job per worker)."""
+
+    def __init__(self) -> None:
+        self._idle: dict[str, list[Worker]] = {}
+        self._lock = threading.Lock()
+        self.started = 0
+
+    def run(self, req: Request, timeout: float | None, env: dict[str, str] | None) -> ChildRun:
+        key = reuse_key(req, env)
+        with self._lock:
+            idle = self._idle.get(key, [])
+            worker = idle.pop() if idle else None
+        if worker is None:
+            worker = Worker(child_environment(env))
+            self.started += 1
+        ended = worker.run(req, timeout)
+        run = judge(req, ended, timeout, "the replay process")
+        if ended.result is not None and ended.rc == 0 and run.verdict.exit_code == 0:
+            with self._lock:
+                self._idle.setdefault(key, []).append(worker)
+        else:  # a crash, a hang or any finding: the next bundle gets a fresh process
+            worker.close()
+        return run
+
+    def close(self) -> None:
+        with self._lock:
+            workers = [w for ws in self._idle.values() for w in ws]
+            self._idle.clear()
+        for w in workers:
+            w.close()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def _crashed_replay(run: ChildRun) -> str | None:
     """The graph replay step that killed the CUDA context in this run, if any."""
     if run.died_at is not None:
@@ -256,9 +423,17 @@ def _crashed_replay(run: ChildRun) -> str | None:
     return None
 
 
-def run_in_child(req: Request, timeout: float | None, env: dict[str, str] | None = None) -> Verdict:
-    """Run `req`. In graph mode, when a replay kills the CUDA context the chain goes on from the
-    next step in a fresh process (`options.graph.skip_steps` lists the steps done)."""
+def run_in_child(
+    req: Request,
+    timeout: float | None,
+    env: dict[str, str] | None = None,
+    pool: WorkerPool | None = None,
+) -> Verdict:
+    """Run `req`. An eager replay runs in a worker of `pool` when one is given. In graph mode,
+    when a replay kills the CUDA context the chain goes on from the next step in a fresh process
+    (`options.graph.skip_steps` lists the steps done)."""
+    if pool is not None and req.mode == "eager":
+        return pool.run(req, timeout, env).verdict
     run = run_child(req, timeout, env)
     verdict = run.verdict
     done = set(req.options.graph.skip_steps)
@@ -353,15 +528,18 @@ def run_request(req: Request, progress_path: Path | None) -> Verdict:
             )
         )
         return v
+    finally:
+        if progress_file:
+            progress_file.close()  # a reused worker runs many requests
 
 
-def main(argv: list[str]) -> None:
+def run_job(folder: Path) -> None:
+    """Run the request in `folder` and write its result there (atomically)."""
     import faulthandler
 
-    (folder_arg,) = argv
-    folder = Path(folder_arg)
-    fault = open(folder / FAULT, "w")  # noqa: SIM115 (open until the process ends)
+    fault = open(folder / FAULT, "w")  # noqa: SIM115 (open until the next job or the end)
     faulthandler.enable(file=fault, all_threads=False)
+    _faults.append(fault)
     try:
         req = Request.from_dict(json.loads((folder / REQUEST).read_text()))
     except KdumpError as exc:
@@ -375,6 +553,28 @@ def main(argv: list[str]) -> None:
     tmp.write_text(json.dumps(verdict.to_json(), default=str))
     os.replace(tmp, folder / RESULT)
     sys.stdout.flush()
+    while len(_faults) > 1:  # faulthandler now writes to the newest
+        _faults.pop(0).close()
+
+
+_faults: list[Any] = []
+
+
+def serve(done_fd: int) -> None:
+    """Worker loop: a job folder a line on stdin, "done" on `done_fd` after each result."""
+    with os.fdopen(done_fd, "wb", buffering=0) as done:
+        for line in sys.stdin:
+            if line.strip():
+                run_job(Path(line.strip()))
+                done.write(b"done\n")
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["--serve"]:
+        serve(int(argv[1]))
+    else:
+        (folder_arg,) = argv
+        run_job(Path(folder_arg))
     # Skip interpreter teardown: after a sticky CUDA error torch aborts at exit, which would hide
     # nothing (the verdict is written) but pollutes stderr.
     os._exit(0)

@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from kdump.errors import CannotRunError, FindingKind
-from kdump.replay.addresses import PlacedTensor, locate
+from kdump.replay.addresses import PlacedTensor, locate_access
 from kdump.replay.child import child_environment, judge, launch
 from kdump.replay.options import TOOLS as TOOLS
 from kdump.replay.session import Request
 from kdump.replay.verdict import Finding, Step, Verdict
 from kdump.tools import find_tool, tool_version
 
+MAX_FINDINGS = 20  # findings per tool and replay; the rest are counted
 SANITIZER_EXIT = 86  # --error-exitcode: tells "errors found" apart from the program's own codes
 
 _PREFIX = re.compile(r"^=+ ?")
@@ -33,6 +34,20 @@ _HEADER = re.compile(
     r"|Misaligned .*|Out-of-range .*|Malloc/Free error .*|Barrier error .*"
     r"|(?:Error|Warning): Race reported .*|Race reported .*|Invalid .*)$"
 )
+# racecheck: "Error: Race reported between Write access at K+0x90 in f.cu:10:K(int *)" (and its
+# "and Read access at ... [248 hazards]" continuation), or, with --racecheck-report hazard,
+# "ERROR: Potential WAR hazard detected at __shared__ 0x0 in block (0,0,0) :".
+_RACE = re.compile(
+    r"^(?:(?:Error|Warning|ERROR|WARNING): )?(?:Race reported between (?P<first>\w+) access"
+    r"|Potential (?P<hazard>\w+) hazard detected at (?P<space>__\w+__) (?P<addr>0x[0-9a-fA-F]+)"
+    r"(?: in block \((?P<block>\d+,\d+,\d+)\))?)"
+)
+_RACE_AT = re.compile(
+    r"(?:at (?:(?P<kernel>.+?)\+)?0x(?P<pc>[0-9a-fA-F]+))?"
+    r"(?: in (?P<file>[^\s:]+):(?P<line>\d+)(?::(?P<func>[^\[]+?))?)?\s*(?:\[|$)"
+)
+_RACE_AND = re.compile(r"^and (?P<second>\w+) access.*?(?:\[(?P<count>[\d,]+) hazards?\])?$")
+_RACE_THREAD = re.compile(r"^(?P<access>Read|Write) Thread \((?P<t>\d+,\d+,\d+)\) at")
 _AT = re.compile(
     r"^at (?P<kernel>.+?)\+0x(?P<pc>[0-9a-fA-F]+)(?: in (?P<file>.+?):(?P<line>\d+))?$"
 )
@@ -60,15 +75,22 @@ class SanitizerRecord:
     address: int | None = None
     address_note: str = ""
     nearest: dict[str, Any] = field(default_factory=dict)
-    argument: str = ""  # filled by map_addresses
+    hazard: str = ""  # racecheck: "Write/Read race (248 hazards)", "WAR hazard"
+    argument: str = ""  # where the address is: filled by map_addresses
+    location: dict[str, Any] = field(default_factory=dict)  # addresses.Location as a dict
 
     def describe(self) -> str:
+        """'memcheck: Invalid __global__ write of size 4 bytes in K (f.cu:12), thread (64,0,0)
+        block (17,0,0), at 0x7f..: 16 bytes past the end of d'."""
         where = f" in {self.kernel}" if self.kernel else ""
         src = f" ({self.source})" if self.source else ""
-        tb = f", thread ({self.thread}) block ({self.block})" if self.thread else ""
-        addr = f" at {self.address:#x}" if self.address is not None else ""
-        arg = f" → {self.argument}" if self.argument else ""
-        return f"{self.kind}{where}{src}{tb}{addr}{arg}"
+        if self.thread:
+            tb = f", thread ({self.thread}) block ({self.block})"
+        else:
+            tb = f", block ({self.block})" if self.block else ""
+        addr = f", at {self.address:#x}" if self.address is not None else ""
+        arg = f": {self.argument}" if self.argument else ""
+        return f"{self.tool}: {self.kind}{where}{src}{tb}{addr}{arg}"
 
 
 @dataclass
@@ -91,6 +113,12 @@ def parse_report(text: str, tool: str = "memcheck") -> SanitizerReport:
             continue
         if line.startswith(("ERROR SUMMARY", "RACECHECK SUMMARY", "COMPUTE-SANITIZER", "LEAK")):
             cur = None
+            continue
+        if race := _race_record(line, tool):
+            cur = race
+            records.append(cur)
+            continue
+        if cur is not None and cur.hazard and _race_line(cur, line):
             continue
         m = _HEADER.match(line)
         if m and not line.startswith(("Saved host backtrace", "Host Frame")):
@@ -125,6 +153,57 @@ def parse_report(text: str, tool: str = "memcheck") -> SanitizerReport:
     summary = _SUMMARY.findall(text)
     errors = int(re.sub(r"[,.]", "", summary[-1])) if summary else None
     return SanitizerReport(tool, errors, records)
+
+
+def _race_record(line: str, tool: str) -> SanitizerRecord | None:
+    """A racecheck hazard's first line as a record, or None."""
+    m = _RACE.match(line)
+    if m is None:
+        return None
+    if m.group("first"):
+        rec = SanitizerRecord(tool=tool, kind=f"Race reported between {m.group('first')} access")
+        rec.hazard = f"{m.group('first')} race"
+        rec.access = m.group("first").lower()
+        _race_site(rec, line[m.end() :])
+        return rec
+    # A shared-memory offset, not a device address: nothing to map to an argument.
+    where = f"{m.group('space')} {m.group('addr')}"
+    rec = SanitizerRecord(tool=tool, kind=f"Potential {m.group('hazard')} hazard at {where}")
+    rec.hazard = f"{m.group('hazard')} hazard"
+    rec.address_note = where
+    rec.block = m.group("block") or ""
+    return rec
+
+
+def _race_site(rec: SanitizerRecord, text: str) -> None:
+    """Kernel, pc and source of the first access of a race (the first one named)."""
+    m = _RACE_AT.search(text.strip())
+    if m is None or rec.source:
+        return
+    if m.group("pc"):
+        rec.pc = "0x" + m.group("pc")
+    if m.group("file"):
+        rec.source = f"{m.group('file')}:{m.group('line')}"
+    kernel = m.group("kernel") or m.group("func") or ""
+    if kernel and not rec.kernel:
+        rec.kernel = kernel.strip()
+
+
+def _race_line(rec: SanitizerRecord, line: str) -> bool:
+    """Fold a continuation line of a racecheck hazard into `rec`; False if it is none."""
+    if m := _RACE_AND.match(line):
+        rec.hazard = f"{rec.hazard.split()[0]}/{m.group('second')} race"
+        rec.kind = f"{rec.kind} and {m.group('second')} access"
+        if m.group("count"):
+            rec.hazard += f" ({m.group('count')} hazards)"
+            rec.kind += f" ({m.group('count')} hazards)"
+        return True
+    if m := _RACE_THREAD.match(line):
+        if not rec.thread:
+            rec.thread = m.group("t")
+        _race_site(rec, line[m.end() - 2 :])  # from "at 0x..."
+        return True
+    return False
 
 
 def find_sanitizer(explicit: str | None = None) -> Path:
@@ -199,12 +278,19 @@ def run_sanitizer(
     if ended.rc is None or not ended.events:
         return v  # hung or never ran: the report, if any, does not cover the replay
     placed = next((e["placed"] for e in ended.events if "placed" in e), [])
-    tensors = [
-        PlacedTensor(p["name"], p["data_ptr"], p["itemsize"], tuple(p["shape"]), tuple(p["stride"]))
-        for p in placed
-    ]
+    tensors = [PlacedTensor.from_event(p) for p in placed]
     _add_report(v, tool, log, ended.rc, ended.stderr, tensors, sanitizer)
     return v
+
+
+def map_addresses(report: SanitizerReport, tensors: list[PlacedTensor]) -> None:
+    """Fill each record's `argument` and `location` from the replay's placed arguments."""
+    for r in report.records:
+        if r.address is None or not tensors:
+            continue
+        loc = locate_access(r.address, tensors, r.nearest or None)
+        r.argument = loc.text
+        r.location = asdict(loc)
 
 
 def _add_report(
@@ -216,23 +302,30 @@ def _add_report(
     tensors: list[PlacedTensor],
     sanitizer: Path,
 ) -> None:
-    """The sanitizer's step and its memory findings."""
+    """The sanitizer's step and its memory findings (the first MAX_FINDINGS, with a count of the
+    rest). A crash of the same replay becomes the symptom of the first finding, its cause."""
     step = f"sanitizer/{tool}"
     report = parse_report(log, tool)
-    for r in report.records:
-        if r.address is not None:
-            r.argument = locate(r.address, tensors)
+    map_addresses(report, tensors)
     version = tool_version(sanitizer)
     status = "ok" if not report.records and rc != SANITIZER_EXIT else "fail"
-    summary = (
-        f"{report.errors if report.errors is not None else len(report.records)} error(s) "
-        f"(compute-sanitizer {version or '?'})"
+    total = report.errors if report.errors is not None else len(report.records)
+    first = report.records[0].describe() if report.records else ""
+    summary = f"{total} error(s) (compute-sanitizer {version or '?'})" + (
+        f"; first: {first}" if first else ""
     )
-    metrics = {"errors": report.errors, "records": len(report.records)}
+    shown = report.records[:MAX_FINDINGS]
+    rest = max(total, len(report.records)) - len(shown)
+    metrics = {"errors": report.errors, "records": len(report.records), "not_shown": rest}
     v.steps.append(Step(step, status, summary, 0.0, metrics))
     memory = FindingKind.MEMORY.value
-    for r in report.records[:20]:
+    for r in shown:
         v.findings.append(Finding(memory, step, r.describe(), asdict(r)))
+    if rest > 0 and shown:
+        v.notes.append(
+            f"{tool}: {rest} more error(s) not listed (the first {len(shown)} are findings; "
+            "--sanitizer-logs DIR keeps the whole report)"
+        )
     if status == "fail" and not report.records:
         last = log.strip().splitlines()[-1] if log.strip() else stderr[-200:]
         v.findings.append(
@@ -240,8 +333,23 @@ def _add_report(
                 memory, step, f"compute-sanitizer reported errors the parser did not read: {last}"
             )
         )
+    if shown:
+        _cause_of_crash(v, shown[0], total)
     if tool == "memcheck":
         v.notes.append(
             "memcheck does not see TMA loads past an allocation on older drivers "
             "(compute-sanitizer before 2026.2): the halo pass of eager/graph mode covers those"
         )
+
+
+def _cause_of_crash(v: Verdict, first: SanitizerRecord, total: int) -> None:
+    """A kernel error of the same replay is the symptom; the sanitizer's first finding is the
+    cause. The kernel error keeps its kind (and so its exit code) but names the cause first, so
+    the headline explains the crash."""
+    for k, f in enumerate(v.findings):
+        if f.kind != FindingKind.KERNEL_ERROR.value or "caused_by" in f.details:
+            continue
+        more = f" (first of {total})" if total > 1 else ""
+        message = f"caused by {first.describe()}{more}; symptom: {f.message}"
+        details = {**f.details, "caused_by": asdict(first), "symptom": f.message}
+        v.findings[k] = Finding(f.kind, f.step, message, details)

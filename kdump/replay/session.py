@@ -159,19 +159,23 @@ class Session:
         if self.placement().halo:
             halo.fill(allocs, self.call.tensors)
         self.guards = halo.snapshot(allocs)
-        self.progress(
-            "placed",
-            [
+        by_storage = {a.storage: a.buffer for a in allocs}
+        placed = []
+        for i, t in enumerate(mc.tensors):
+            buf = by_storage.get(self.call.tensors[i].storage)
+            placed.append(
                 {
                     "name": mc.tensor_names[i],
                     "data_ptr": t.data_ptr(),
                     "itemsize": t.element_size(),
                     "shape": list(t.shape),
                     "stride": list(t.stride()),
+                    # the whole allocation, for sanitizer addresses outside the view
+                    "alloc_ptr": buf.data_ptr() if buf is not None else None,
+                    "alloc_nbytes": buf.numel() if buf is not None else None,
                 }
-                for i, t in enumerate(mc.tensors)
-            ],
-        )
+            )
+        self.progress("placed", placed)
         return mc
 
     def check_halos(self, mc: MaterializedCall, step: str) -> None:
