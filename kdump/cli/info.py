@@ -2,12 +2,14 @@ from __future__ import annotations
 
 import click
 
-from kdump.cli.common import console, emit_json, human_bytes, json_option
+from kdump.cli.common import console, emit_json, human_bytes, json_option, max_load_option
+from kdump.text import markup
 
 
 @click.command("info")
 @click.argument("bundles", nargs=-1, required=True, type=click.Path())
 @click.option("--verify", is_flag=True, help="Check every blob's SHA-256.")
+@max_load_option
 @json_option
 def command(bundles: tuple[str, ...], verify: bool, as_json: bool) -> int:
     """Show what is inside BUNDLES (files or capture folders): calls, targets, per-argument
@@ -43,30 +45,40 @@ def _render(rep: dict) -> None:
     con = console()
     env = rep["env"]
     con.print(
-        f"[bold]{rep['path']}[/]  format v{rep['format_version']}, {len(rep['calls'])} call(s), "
+        f"[bold]{markup(rep['path'], None)}[/]  format v{rep['format_version']}, "
+        f"{len(rep['calls'])} call(s), "
         f"{human_bytes(rep['file_bytes'])} on disk, {rep['blobs']} blob(s) "
         f"({human_bytes(rep['blob_bytes'])}; {human_bytes(rep['logical_bytes'])} before dedup)"
         + ("  [green]checksums OK[/]" if rep["verified"] else "")
     )
     if env:
+
+        def e(key: str, default: str) -> str:
+            return markup(env.get(key, default))
+
         con.print(
-            f"recorded on {env.get('hostname', '?')} pid {env.get('pid', '?')}: "
-            f"{env.get('gpu_name', 'no GPU')} (cc {env.get('compute_capability', '-')}, "
-            f"{env.get('sm_count', '-')} SMs), torch {env.get('torch', '?')}, "
-            f"CUDA {env.get('torch_cuda', '-')}, python {env.get('python', '?')}"
+            f"recorded on {e('hostname', '?')} pid {e('pid', '?')}: "
+            f"{e('gpu_name', 'no GPU')} (cc {e('compute_capability', '-')}, "
+            f"{e('sm_count', '-')} SMs), torch {e('torch', '?')}, "
+            f"CUDA {e('torch_cuda', '-')}, python {e('python', '?')}"
         )
-        for lib, state in (env.get("libraries") or {}).items():
-            con.print(f"  {lib}: {state}")
+        libraries = env.get("libraries")
+        for lib, state in (libraries if isinstance(libraries, dict) else {}).items():
+            con.print(f"  {markup(lib)}: {markup(state)}")
     for call in rep["calls"]:
         meta = call["meta"]
         extra = []
         if meta.get("capturing"):
             extra.append("recorded during CUDA-graph capture")
         if meta.get("exception"):
-            extra.append(f"raised {meta['exception']}")
+            extra.append(f"raised {markup(meta['exception'])}")
         con.print(
-            f"\n[bold]call {call['index']}[/] {call['target']}"
-            + (f" (called as {call['called_as']})" if call["called_as"] != call["target"] else "")
+            f"\n[bold]call {call['index']}[/] {markup(call['target'])}"
+            + (
+                f" (called as {markup(call['called_as'])})"
+                if call["called_as"] != call["target"]
+                else ""
+            )
             + (f" — {'; '.join(extra)}" if extra else "")
         )
         table = Table(show_edge=False, pad_edge=False)
@@ -76,16 +88,17 @@ def _render(rep: dict) -> None:
             )
         for t in call["tensors"]:
             table.add_row(
-                t["name"],
+                markup(t["name"]),
                 t["dtype"],
                 "×".join(map(str, t["shape"])) or "()",
                 ",".join(map(str, t["stride"])) or "()",
                 str(t["storage_offset"]),
-                t["device"],
+                markup(t["device"]),
                 str(t["alignment"]),
                 human_bytes(t["bytes"]),
             )
         con.print(table)
         if call["aliasing"]:
-            con.print("shared storage: " + "; ".join(" = ".join(g) for g in call["aliasing"]))
+            groups = "; ".join(" = ".join(map(markup, g)) for g in call["aliasing"])
+            con.print("shared storage: " + groups)
         con.print(f"outputs recorded: {'yes' if call['outputs_recorded'] else 'no'}")
