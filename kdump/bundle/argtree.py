@@ -56,15 +56,32 @@ def _qualname(obj: Any) -> str:
 
 
 class _Budget:
-    """Nodes left for one set of trees: the writer's side of `Limits.max_tree_nodes`."""
+    """Nodes left for one set of trees (`Limits.max_tree_nodes`). The writer spends only half, so
+    the placeholders it leaves once the budget is out (one per open container and per remaining
+    top-level value) still fit the reader's bound."""
 
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: Limits, share: float = 1.0) -> None:
         self.limits = limits
-        self.nodes = limits.max_tree_nodes
+        self.nodes = int(limits.max_tree_nodes * share)
 
     def take(self) -> bool:
         self.nodes -= 1
         return self.nodes >= 0
+
+    @property
+    def spent(self) -> bool:
+        return self.nodes <= 0
+
+
+def _items(values: Any, tensors: list[Any], depth: int, budget: _Budget) -> list[Any]:
+    """Encode a container's items; once the budget is spent the rest become one placeholder."""
+    out = []
+    for v in values:
+        if budget.spent:
+            out.append(_placeholder(v, "too large (too many nodes)"))
+            break
+        out.append(encode(v, tensors, depth + 1, budget))
+    return out
 
 
 def _placeholder(value: Any, why: str) -> dict[str, str]:
@@ -89,7 +106,7 @@ def encode(value: Any, tensors: list[Any], depth: int = 0, budget: _Budget | Non
     from kdump.bundle.tensors import dtype_name
 
     if budget is None:
-        budget = _Budget(LIMITS)
+        budget = _Budget(LIMITS, 0.5)
     limits = budget.limits
     # The placeholder is itself a node at this depth, so the reader's bound still holds.
     if depth >= limits.max_tree_depth:
@@ -123,16 +140,18 @@ def encode(value: Any, tensors: list[Any], depth: int = 0, budget: _Budget | Non
     if isinstance(value, torch.device):
         return {"$device": str(value)}
     if isinstance(value, tuple):
-        return {"$tuple": [encode(v, tensors, depth + 1, budget) for v in value]}
+        return {"$tuple": _items(value, tensors, depth, budget)}
     if isinstance(value, list):
-        return [encode(v, tensors, depth + 1, budget) for v in value]
+        return _items(value, tensors, depth, budget)
     if isinstance(value, dict):
-        return {
-            "$dict": [
+        pairs = []
+        for k, v in value.items():
+            if budget.spent:
+                break  # (a pair cannot be a placeholder: the rest of the dict is left out)
+            pairs.append(
                 [encode(k, tensors, depth + 1, budget), encode(v, tensors, depth + 1, budget)]
-                for k, v in value.items()
-            ]
-        }
+            )
+        return {"$dict": pairs}
     try:
         text = repr(value)
     except Exception as exc:  # a broken __repr__ must not stop recording
@@ -144,7 +163,7 @@ def encode_all(
     values: Sequence[Any], tensors: list[Any], limits: Limits | None = None
 ) -> list[Any]:
     """Encode several trees that share one node budget (a call's arguments)."""
-    budget = _Budget(limits or LIMITS)
+    budget = _Budget(limits or LIMITS, 0.5)
     return [encode(v, tensors, 0, budget) for v in values]
 
 
@@ -259,7 +278,7 @@ def _walk(
         try:
             return float(node["$float"])
         except (TypeError, ValueError):
-            raise BundleError(f"argument tree: bad float {node['$float']!r}", K.SCHEMA)
+            raise BundleError(f"argument tree: bad float {str(node['$float'])[:40]!r}", K.SCHEMA)
     if "$tuple" in node:
         items = node["$tuple"]
         if not isinstance(items, list):
@@ -277,7 +296,7 @@ def _walk(
         for k, v in pairs:
             key = _walk(k, ref, build, depth + 1, path, budget)
             try:
-                out[key] = _walk(v, ref, build, depth + 1, f"{path}[{k!r}]", budget)
+                out[key] = _walk(v, ref, build, depth + 1, f"{path}[{repr(k)[:64]}]", budget)
             except TypeError:
                 raise BundleError("argument tree: unhashable dict key", K.SCHEMA)
         return out
@@ -285,7 +304,8 @@ def _walk(
         name = node["$dtype"]
         if not isinstance(name, str) or name not in DTYPE_SIZES:
             raise BundleError(
-                f"unknown dtype {name!r} in bundle (this kdump knows {sorted(DTYPE_SIZES)})",
+                f"unknown dtype {str(name)[:40]!r} in bundle "
+                f"(this kdump knows {sorted(DTYPE_SIZES)})",
                 K.SCHEMA,
             )
         if not build:
@@ -301,10 +321,12 @@ def _walk(
         try:
             return torch.device(str(node["$device"]))
         except (RuntimeError, ValueError):
-            raise BundleError(f"argument tree: bad device {node['$device']!r}", K.SCHEMA)
+            raise BundleError(f"argument tree: bad device {str(node['$device'])[:40]!r}", K.SCHEMA)
     if "$enum" in node:
         value = _walk(node.get("value"), ref, build, depth + 1, path, budget)
         return RecordedEnum(str(node["$enum"]), str(node.get("name")), value)
     if "$opaque" in node:
         return Opaque(str(node["$opaque"]), str(node.get("repr", "")))
-    raise BundleError(f"argument tree: unknown node type {sorted(node)[:3]}", K.SCHEMA)
+    raise BundleError(
+        f"argument tree: unknown node type {[str(k)[:40] for k in sorted(node)[:3]]}", K.SCHEMA
+    )

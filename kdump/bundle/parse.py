@@ -43,6 +43,10 @@ def is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_sha(x: str) -> bool:
+    return len(x) == 64 and set(x) <= _SHA_DIGITS
+
+
 def _member(kind: type[E], x: object) -> E | None:
     """The member of a str enum spelled `x`, or None (for any other value or type)."""
     return kind._value2member_map_.get(x) if isinstance(x, str) else None  # type: ignore[return-value]
@@ -148,7 +152,7 @@ class _Parser:
         if not is_int(version) or version not in SUPPORTED_VERSIONS:
             raise self.fail(
                 "",
-                f"format version {version!r} is not supported by this kdump (reads "
+                f"format version {repr(version)[:40]} is not supported by this kdump (reads "
                 f"{', '.join(map(str, SUPPORTED_VERSIONS))}); upgrade kdump-gpu",
                 K.UNSUPPORTED_VERSION,
             )
@@ -218,8 +222,7 @@ class _Parser:
             where is not None
             and is_int(info.get("nbytes"))
             and info["nbytes"] >= 0
-            and len(sha) == 64
-            and set(sha) <= _SHA_DIGITS
+            and _is_sha(sha)
             and (version < 2 or set(info) <= _BLOB_FIELDS)  # version 1 tolerated extra fields
         )
         if not ok:
@@ -247,7 +250,8 @@ class _Parser:
             if not isinstance(s.get("device"), str) or not isinstance(s.get("blob"), str):
                 raise self.fail(where, f"storage {j} lacks its device or blob")
             self.string(s["device"], where, f"storage {j}'s device")
-            self.string(s["blob"], where, f"storage {j}'s blob")
+            if not _is_sha(s["blob"]):
+                raise self.fail(where, f"storage {j} does not name a blob by its SHA-256")
             extra = set(s) - _STORAGE_FIELDS[version]
             if extra:
                 raise self.fail(where, f"storage {j} has unknown fields {sorted(map(str, extra))}")

@@ -173,7 +173,8 @@ def validate_records(
         itemsize = DTYPE_SIZES.get(rec.dtype)
         if itemsize is None:
             raise BundleError(
-                f"unknown dtype {rec.dtype!r} in bundle (this kdump knows {sorted(DTYPE_SIZES)})",
+                f"unknown dtype {rec.dtype[:40]!r} in bundle "
+                f"(this kdump knows {sorted(DTYPE_SIZES)})",
                 K.SCHEMA,
             )
         if len(rec.shape) != len(rec.stride) or len(rec.shape) > MAX_NDIM:
