@@ -283,7 +283,10 @@ def _shared_blob_bundle(tmp_path: Path, copies: int) -> Path:
     return _edit_manifest(path, tmp_path / "shared.kdump", edit)
 
 
-def test_shared_blob_allocation_is_bounded_before_allocating(tmp_path: Path) -> None:
+def test_shared_blob_allocation_is_bounded_before_allocating(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KDUMP_MAX_LOAD_BYTES", "64G")  # restored after: the flag below sets it
     path = _shared_blob_bundle(tmp_path, 4000)  # ~1 GiB of buffers from a 256 KiB blob
     assert path.stat().st_size < 2 << 20
     err = _rejects(path, BundleErrorKind.LIMIT, replace(Limits(), max_load_bytes=256 << 20))
@@ -296,7 +299,7 @@ def test_shared_blob_allocation_is_bounded_before_allocating(tmp_path: Path) -> 
     )
     assert isinstance(result.exception, BundleError)
     assert result.exception.kind is BundleErrorKind.LIMIT
-    os.environ.pop("KDUMP_MAX_LOAD_BYTES", None)
+    assert os.environ["KDUMP_MAX_LOAD_BYTES"] == str(256 << 20)
 
 
 def test_legitimate_shared_blob_loads(tmp_path: Path) -> None:
@@ -320,7 +323,7 @@ def test_load_bytes_counts_every_storage_and_its_slack() -> None:
 def test_prefix_limit_is_the_materialiser_s() -> None:
     import kdump.bundle.tensors as tensors
 
-    assert getattr(tensors, "PREFIX_LIMIT", PREFIX_LIMIT) == PREFIX_LIMIT
+    assert tensors.PREFIX_LIMIT == PREFIX_LIMIT  # load_bytes mirrors the materialiser
 
 
 def test_materialise_checks_the_cap_with_the_placement(tmp_path: Path) -> None:
