@@ -59,6 +59,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "the user's kdump config file (allow-targets = [...]: targets replay may run)",
         "~/.config/kdump/config.toml",
     ),
+    # -- reading bundles
+    EnvVar(
+        "KDUMP_MAX_LOAD_BYTES",
+        "most bytes loading one call of a bundle may allocate, and its blobs may declare "
+        "(suffixes K, M, G, T; default 64G); --max-load-bytes on info/replay sets it",
+    ),
     # -- kdump's own log
     EnvVar("KDUMP_LOG", "file that kdump's own log lines go to (default: stderr)"),
     # -- tools and builds

@@ -21,11 +21,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kdump.bundle.format import DTYPE_SIZES
+from kdump.bundle.format import DTYPE_SIZES, Limits
 from kdump.errors import BundleError
 from kdump.errors import BundleErrorKind as K
 
-MAX_DEPTH = 64
+LIMITS = Limits()
+MAX_DEPTH = LIMITS.max_tree_depth
 MAX_REPR = 2000
 
 
@@ -54,21 +55,75 @@ def _qualname(obj: Any) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
-def encode(value: Any, tensors: list[Any], depth: int = 0) -> Any:
-    """Encode `value`; tensors found are appended to `tensors` (same object -> same index)."""
+class _Budget:
+    """Nodes left for one set of trees (`Limits.max_tree_nodes`). The writer spends only half, so
+    the placeholders it leaves once the budget is out (one per open container and per remaining
+    top-level value) still fit the reader's bound."""
+
+    def __init__(self, limits: Limits, share: float = 1.0) -> None:
+        self.limits = limits
+        self.nodes = int(limits.max_tree_nodes * share)
+
+    def take(self) -> bool:
+        self.nodes -= 1
+        return self.nodes >= 0
+
+    @property
+    def spent(self) -> bool:
+        return self.nodes <= 0
+
+
+def _items(values: Any, tensors: list[Any], depth: int, budget: _Budget) -> list[Any]:
+    """Encode a container's items; once the budget is spent the rest become one placeholder."""
+    out = []
+    for v in values:
+        if budget.spent:
+            out.append(_placeholder(v, "too large (too many nodes)"))
+            break
+        out.append(encode(v, tensors, depth + 1, budget))
+    return out
+
+
+def _placeholder(value: Any, why: str) -> dict[str, str]:
+    from kdump.log import log_once
+
+    log_once(
+        f"argtree:{why}",
+        f"an argument of type {_qualname(value)} is {why}; it is recorded as a placeholder "
+        "(replays of such calls see an opaque value)",
+    )
+    return {"$opaque": _qualname(value), "repr": f"<{why}>"}
+
+
+def encode(value: Any, tensors: list[Any], depth: int = 0, budget: _Budget | None = None) -> Any:
+    """Encode `value`; tensors found are appended to `tensors` (same object -> same index).
+
+    A value the reader would reject (nested deeper than `Limits.max_tree_depth`, more nodes than
+    `Limits.max_tree_nodes` across one `budget`, a string over `Limits.max_string`) becomes an
+    `$opaque` placeholder saying why, so the bundle stays readable."""
     import torch
 
     from kdump.bundle.tensors import dtype_name
 
-    if depth > MAX_DEPTH:
-        return {"$opaque": _qualname(value), "repr": "<nested too deep>"}
-    if value is None or isinstance(value, (bool, str)):
+    if budget is None:
+        budget = _Budget(LIMITS, 0.5)
+    limits = budget.limits
+    # The placeholder is itself a node at this depth, so the reader's bound still holds.
+    if depth >= limits.max_tree_depth:
+        return _placeholder(value, "nested too deep")
+    if not budget.take():
+        return _placeholder(value, "too large (too many nodes)")
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        if len(value) > limits.max_string:
+            return _placeholder(value, "a string too long")
         return value
     if isinstance(value, enum.Enum):
         return {
             "$enum": _qualname(value),
             "name": value.name,
-            "value": encode(value.value, tensors, depth + 1),
+            "value": encode(value.value, tensors, depth + 1, budget),
         }
     if isinstance(value, int):
         return int(value)
@@ -85,16 +140,18 @@ def encode(value: Any, tensors: list[Any], depth: int = 0) -> Any:
     if isinstance(value, torch.device):
         return {"$device": str(value)}
     if isinstance(value, tuple):
-        return {"$tuple": [encode(v, tensors, depth + 1) for v in value]}
+        return {"$tuple": _items(value, tensors, depth, budget)}
     if isinstance(value, list):
-        return [encode(v, tensors, depth + 1) for v in value]
+        return _items(value, tensors, depth, budget)
     if isinstance(value, dict):
-        return {
-            "$dict": [
-                [encode(k, tensors, depth + 1), encode(v, tensors, depth + 1)]
-                for k, v in value.items()
-            ]
-        }
+        pairs = []
+        for k, v in value.items():
+            if budget.spent:
+                break  # (a pair cannot be a placeholder: the rest of the dict is left out)
+            pairs.append(
+                [encode(k, tensors, depth + 1, budget), encode(v, tensors, depth + 1, budget)]
+            )
+        return {"$dict": pairs}
     try:
         text = repr(value)
     except Exception as exc:  # a broken __repr__ must not stop recording
@@ -102,11 +159,18 @@ def encode(value: Any, tensors: list[Any], depth: int = 0) -> Any:
     return {"$opaque": _qualname(value), "repr": text[:MAX_REPR]}
 
 
+def encode_all(
+    values: Sequence[Any], tensors: list[Any], limits: Limits | None = None
+) -> list[Any]:
+    """Encode several trees that share one node budget (a call's arguments)."""
+    budget = _Budget(limits or LIMITS, 0.5)
+    return [encode(v, tensors, 0, budget) for v in values]
+
+
 def tensors_in(*values: Any) -> list[Any]:
     """The tensors in live values, in tensor-table order (the walk `encode` makes)."""
     found: list[Any] = []
-    for v in values:
-        encode(v, found)
+    encode_all(values, found)
     return found
 
 
@@ -133,15 +197,20 @@ def decode(node: Any, tensor: Callable[[int], Any]) -> Any:
     return _walk(node, lambda i, _path: tensor(i), True, 0, "")
 
 
-def check(node: Any, n_tensors: int) -> None:
-    """Reject a malformed tree, or one referring to a tensor outside a table of `n_tensors`,
-    without building anything (torch-free)."""
+def check(node: Any, n_tensors: int, budget: _Budget | None = None) -> None:
+    """Reject a malformed tree, one referring to a tensor outside a table of `n_tensors`, or one
+    over the limits (depth, strings, and the nodes left in `budget`, which several trees may
+    share), without building anything (torch-free)."""
 
     def ref(i: int, _path: str) -> None:
         if not 0 <= i < n_tensors:
             raise BundleError("argument tree refers to a tensor that does not exist", K.SCHEMA)
 
-    _walk(node, ref, False, 0, "")
+    _walk(node, ref, False, 0, "", budget or _Budget(LIMITS))
+
+
+def new_budget(limits: Limits) -> _Budget:
+    return _Budget(limits)
 
 
 def tensor_paths(
@@ -158,15 +227,46 @@ def tensor_paths(
     return [paths.get(i, f"tensor{i}") for i in range(max(paths, default=-1) + 1)]
 
 
-def _walk(node: Any, ref: Callable[[int, str], Any], build: bool, depth: int, path: str) -> Any:
+def _walk(
+    node: Any,
+    ref: Callable[[int, str], Any],
+    build: bool,
+    depth: int,
+    path: str,
+    budget: _Budget | None = None,
+) -> Any:
     """The one walk over encoded trees: builds values, or (build=False) only checks them.
-    `ref(index, path)` is called for every tensor reference, with its argument path."""
-    if depth > MAX_DEPTH:
-        raise BundleError("argument tree is nested too deeply", K.SCHEMA)
+    `ref(index, path)` is called for every tensor reference, with its argument path. With a
+    `budget`, every node and string is also held to its limits."""
+    limits = budget.limits if budget is not None else LIMITS
+    if depth >= limits.max_tree_depth + 1:
+        raise BundleError(
+            f"argument tree is nested deeper than {limits.max_tree_depth} levels", K.LIMIT
+        )
+    if budget is not None:
+        if not budget.take():
+            raise BundleError(
+                f"argument trees of one call hold more than {limits.max_tree_nodes} nodes", K.LIMIT
+            )
+        if isinstance(node, str) and len(node) > limits.max_string:
+            raise BundleError(
+                f"argument tree holds a string of {len(node)} characters (limit "
+                f"{limits.max_string})",
+                K.LIMIT,
+            )
+        if isinstance(node, dict):
+            for key in ("$enum", "name", "$opaque", "repr", "$device", "$float"):
+                v = node.get(key)
+                if isinstance(v, str) and len(v) > limits.max_string:
+                    raise BundleError(
+                        f"argument tree holds a string of {len(v)} characters (limit "
+                        f"{limits.max_string})",
+                        K.LIMIT,
+                    )
     if node is None or isinstance(node, (bool, str, int, float)):  # floats: hand-written bundles
         return node
     if isinstance(node, list):
-        return [_walk(v, ref, build, depth + 1, f"{path}[{j}]") for j, v in enumerate(node)]
+        return [_walk(v, ref, build, depth + 1, f"{path}[{j}]", budget) for j, v in enumerate(node)]
     if not isinstance(node, dict) or len(node) == 0:
         raise BundleError(f"argument tree holds an invalid node: {str(node)[:80]}", K.SCHEMA)
     if "$tensor" in node:
@@ -178,12 +278,14 @@ def _walk(node: Any, ref: Callable[[int, str], Any], build: bool, depth: int, pa
         try:
             return float(node["$float"])
         except (TypeError, ValueError):
-            raise BundleError(f"argument tree: bad float {node['$float']!r}", K.SCHEMA)
+            raise BundleError(f"argument tree: bad float {str(node['$float'])[:40]!r}", K.SCHEMA)
     if "$tuple" in node:
         items = node["$tuple"]
         if not isinstance(items, list):
             raise BundleError("argument tree: $tuple is not a list", K.SCHEMA)
-        return tuple(_walk(v, ref, build, depth + 1, f"{path}[{j}]") for j, v in enumerate(items))
+        return tuple(
+            _walk(v, ref, build, depth + 1, f"{path}[{j}]", budget) for j, v in enumerate(items)
+        )
     if "$dict" in node:
         pairs = node["$dict"]
         if not isinstance(pairs, list) or not all(
@@ -192,9 +294,9 @@ def _walk(node: Any, ref: Callable[[int, str], Any], build: bool, depth: int, pa
             raise BundleError("argument tree: $dict is not a list of pairs", K.SCHEMA)
         out = {}
         for k, v in pairs:
-            key = _walk(k, ref, build, depth + 1, path)
+            key = _walk(k, ref, build, depth + 1, path, budget)
             try:
-                out[key] = _walk(v, ref, build, depth + 1, f"{path}[{k!r}]")
+                out[key] = _walk(v, ref, build, depth + 1, f"{path}[{repr(k)[:64]}]", budget)
             except TypeError:
                 raise BundleError("argument tree: unhashable dict key", K.SCHEMA)
         return out
@@ -202,7 +304,8 @@ def _walk(node: Any, ref: Callable[[int, str], Any], build: bool, depth: int, pa
         name = node["$dtype"]
         if not isinstance(name, str) or name not in DTYPE_SIZES:
             raise BundleError(
-                f"unknown dtype {name!r} in bundle (this kdump knows {sorted(DTYPE_SIZES)})",
+                f"unknown dtype {str(name)[:40]!r} in bundle "
+                f"(this kdump knows {sorted(DTYPE_SIZES)})",
                 K.SCHEMA,
             )
         if not build:
@@ -218,10 +321,12 @@ def _walk(node: Any, ref: Callable[[int, str], Any], build: bool, depth: int, pa
         try:
             return torch.device(str(node["$device"]))
         except (RuntimeError, ValueError):
-            raise BundleError(f"argument tree: bad device {node['$device']!r}", K.SCHEMA)
+            raise BundleError(f"argument tree: bad device {str(node['$device'])[:40]!r}", K.SCHEMA)
     if "$enum" in node:
-        value = _walk(node.get("value"), ref, build, depth + 1, path)
+        value = _walk(node.get("value"), ref, build, depth + 1, path, budget)
         return RecordedEnum(str(node["$enum"]), str(node.get("name")), value)
     if "$opaque" in node:
         return Opaque(str(node["$opaque"]), str(node.get("repr", "")))
-    raise BundleError(f"argument tree: unknown node type {sorted(node)[:3]}", K.SCHEMA)
+    raise BundleError(
+        f"argument tree: unknown node type {[str(k)[:40] for k in sorted(node)[:3]]}", K.SCHEMA
+    )

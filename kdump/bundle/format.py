@@ -27,6 +27,34 @@ ALIGN_MOD = 1024
 MAX_NDIM = 16
 MAX_DIM = 1 << 48
 
+# A view's storage offset is kept exactly by re-creating the unrecorded bytes before its span
+# (zeros), as long as the prefixes of one call's storages add up to at most this.
+PREFIX_LIMIT = 64 << 20
+
+DEFAULT_MAX_LOAD_BYTES = 64 << 30  # the one default of the allocation cap (KDUMP_MAX_LOAD_BYTES)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a reader accepts before it allocates anything, and what the writer keeps to.
+
+    Counts are per bundle (calls, blobs) or per call part (storages, tensors); the argument-tree
+    bounds hold for each tree; `max_string` for every string the manifest names (targets, devices,
+    parameter names, dict keys) and every string inside argument trees; `max_load_bytes` for the
+    bytes one materialisation of a call may allocate and for the blobs a bundle declares.
+    docs/FORMAT.md ("Limits") is the normative list.
+    """
+
+    max_calls: int = 100_000
+    max_blobs: int = 1_000_000
+    max_storages: int = 10_000
+    max_tensors: int = 10_000
+    max_tree_depth: int = 64
+    max_tree_nodes: int = 100_000
+    max_string: int = 1 << 20
+    max_load_bytes: int = DEFAULT_MAX_LOAD_BYTES
+
+
 # Every dtype a bundle may hold, by its stable name in the format, with its size in bytes.
 DTYPE_SIZES: dict[str, int] = {
     "float8_e4m3fn": 1,

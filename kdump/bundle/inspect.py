@@ -1,4 +1,10 @@
-"""A bundle's contents as plain data (for `kdump info` and bug reports)."""
+"""A bundle's contents as plain data (for `kdump info` and bug reports).
+
+Everything taken from the bundle is bounded here, so showing it is linear in what is shown: every
+string goes through `kdump.text.visible` (escaped, cut with a marker), free-form structures (env,
+info, meta) are shown to SHOW_DEPTH levels and SHOW_WIDTH items per level, and a call shows at most
+SHOW_TENSORS tensors.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,36 @@ from typing import Any
 
 from kdump.bundle import Bundle, Call
 from kdump.bundle.format import ALIGN_MOD, Where
+from kdump.text import visible
+
+SHOW_DEPTH = 6
+SHOW_WIDTH = 100
+SHOW_TENSORS = 1000
+SHOW_CALLS = 1000
+
+
+def shown(value: Any, depth: int = SHOW_DEPTH) -> Any:
+    """A free-form JSON value cut to a bounded size, every string made visible."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, str):
+        return visible(value)
+    if depth <= 0:
+        return "…[nested deeper]"
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for i, (k, v) in enumerate(value.items()):
+            if i == SHOW_WIDTH:
+                out["…"] = f"[{len(value) - SHOW_WIDTH} more entries]"
+                break
+            out[visible(k, 200)] = shown(v, depth - 1)
+        return out
+    if isinstance(value, (list, tuple)):
+        items = [shown(v, depth - 1) for v in value[:SHOW_WIDTH]]
+        if len(value) > SHOW_WIDTH:
+            items.append(f"…[{len(value) - SHOW_WIDTH} more items]")
+        return items
+    return visible(value)
 
 
 def aliasing_groups(call: Call) -> list[list[str]]:
@@ -13,7 +49,7 @@ def aliasing_groups(call: Call) -> list[list[str]]:
     names = call.tensor_names
     groups: dict[int, list[str]] = {}
     for i, rec in enumerate(call.tensors):
-        groups.setdefault(rec.storage, []).append(names[i])
+        groups.setdefault(rec.storage, []).append(visible(names[i], 200))
     return [g for g in groups.values() if len(g) > 1]
 
 
@@ -33,17 +69,17 @@ def recorded_outputs(call: Call) -> list[str]:
 def describe_call(call: Call) -> dict[str, Any]:
     names = call.tensor_names
     tensors = []
-    for i, rec in enumerate(call.tensors):
+    for i, rec in enumerate(call.tensors[:SHOW_TENSORS]):
         st = call.storages[rec.storage]
         lo, hi = rec.byte_extent()
         tensors.append(
             {
-                "name": names[i],
+                "name": visible(names[i], 200),
                 "dtype": rec.dtype,
                 "shape": list(rec.shape),
                 "stride": list(rec.stride),
                 "storage_offset": rec.storage_offset,
-                "device": st.device,
+                "device": visible(st.device, 100),
                 "data_ptr": hex(rec.data_ptr),
                 "alignment": rec.data_ptr % ALIGN_MOD,
                 "bytes": hi - lo,
@@ -52,29 +88,32 @@ def describe_call(call: Call) -> dict[str, Any]:
                 "storage_nbytes": st.storage_nbytes,
             }
         )
+    aliasing = aliasing_groups(call)
     return {
         "index": call.index,
-        "target": call.target,
-        "called_as": call.called_as,
+        "target": visible(call.target),
+        "called_as": visible(call.called_as),
         "tensors": tensors,
-        "aliasing": aliasing_groups(call),
+        "tensors_not_shown": max(0, len(call.tensors) - SHOW_TENSORS),
+        "aliasing": [g[:SHOW_WIDTH] for g in aliasing[:SHOW_WIDTH]],
         "outputs_recorded": call.has_outputs,
         "outputs": recorded_outputs(call),
         "stored_bytes": call.nbytes,
-        "meta": call.meta,
+        "meta": shown(call.meta),
     }
 
 
 def describe_bundle(bundle: Bundle) -> dict[str, Any]:
     return {
-        "path": str(bundle.path),
+        "path": visible(bundle.path, None),
         "format_version": bundle.version,
         "file_bytes": bundle.file_size,
         "blob_bytes": bundle.nbytes,
         "blobs": len(bundle.blobs),
         "blobs_in_store": sum(1 for b in bundle.blobs.values() if b.where is Where.STORE),
         "logical_bytes": sum(c.nbytes for c in bundle.calls),
-        "calls": [describe_call(c) for c in bundle.calls],
-        "env": bundle.env,
-        "info": bundle.info,
+        "calls": [describe_call(c) for c in bundle.calls[:SHOW_CALLS]],
+        "calls_not_shown": max(0, len(bundle.calls) - SHOW_CALLS),
+        "env": shown(bundle.env),
+        "info": shown(bundle.info),
     }

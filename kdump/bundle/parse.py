@@ -20,6 +20,7 @@ from kdump.bundle.format import (
     BlobRecord,
     CallEntry,
     Checksum,
+    Limits,
     Manifest,
     OutputsRecord,
     Source,
@@ -40,6 +41,10 @@ _SHA_DIGITS = frozenset("0123456789abcdef")
 
 def is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_sha(x: str) -> bool:
+    return len(x) == 64 and set(x) <= _SHA_DIGITS
 
 
 def _member(kind: type[E], x: object) -> E | None:
@@ -63,8 +68,14 @@ def read_header(f: BinaryIO, size: int, path: Path) -> tuple[bytes, int]:
     return f.read(n), 8 + n
 
 
-def parse_header(raw: bytes, data_size: int, path: Path) -> tuple[Any, dict[str, tuple[int, int]]]:
-    """The manifest JSON (not yet parsed into records) and the inline blobs' byte ranges."""
+def parse_header(
+    raw: bytes, data_size: int, path: Path, limits: Limits | None = None
+) -> tuple[Any, dict[str, tuple[int, int]]]:
+    """The manifest JSON (not yet parsed into records) and the inline blobs' byte ranges.
+
+    The inline blobs must fit the data section together, not only one by one (overlapping
+    ranges would let a small file declare many large blobs)."""
+    limits = limits or Limits()
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
@@ -79,7 +90,13 @@ def parse_header(raw: bytes, data_size: int, path: Path) -> tuple[Any, dict[str,
             f"{path}: safetensors file without a kdump manifest (not a .kdump bundle)",
             K.NOT_A_BUNDLE,
         )
+    if len(header) > limits.max_blobs:
+        raise BundleError(
+            f"{path}: header lists {len(header)} blobs, over the limit of {limits.max_blobs}",
+            K.LIMIT,
+        )
     inline: dict[str, tuple[int, int]] = {}
+    total = 0
     for name, entry in header.items():
         offs = entry.get("data_offsets") if isinstance(entry, dict) else None
         shape = entry.get("shape") if isinstance(entry, dict) else None
@@ -104,6 +121,13 @@ def parse_header(raw: bytes, data_size: int, path: Path) -> tuple[Any, dict[str,
                 K.TRUNCATED,
             )
         inline[name] = (b, e)
+        total += e - b
+    if total > data_size:
+        raise BundleError(
+            f"{path}: the header's blobs add up to {total} bytes but the data section has "
+            f"{data_size} (corrupt: blobs overlap)",
+            K.LIMIT,
+        )
     try:
         manifest = json.loads(meta[MANIFEST_KEY])
     except (ValueError, RecursionError):
@@ -114,8 +138,9 @@ def parse_header(raw: bytes, data_size: int, path: Path) -> tuple[Any, dict[str,
 class _Parser:
     """Turns manifest JSON into records; every message starts with the file and the place."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, limits: Limits) -> None:
         self.path = path
+        self.limits = limits
 
     def fail(self, where: str, what: str, kind: K = K.SCHEMA) -> BundleError:
         return BundleError(f"{self.path}: {where}{': ' if where else ''}{what}", kind)
@@ -127,7 +152,7 @@ class _Parser:
         if not is_int(version) or version not in SUPPORTED_VERSIONS:
             raise self.fail(
                 "",
-                f"format version {version!r} is not supported by this kdump (reads "
+                f"format version {repr(version)[:40]} is not supported by this kdump (reads "
                 f"{', '.join(map(str, SUPPORTED_VERSIONS))}); upgrade kdump-gpu",
                 K.UNSUPPORTED_VERSION,
             )
@@ -140,6 +165,11 @@ class _Parser:
         for key in ("writer", "created"):
             if key in m and not isinstance(m[key], str):
                 raise self.fail("", f"manifest field {key!r} is not a string")
+            self.string(m.get(key, ""), "", key)
+        self.count(len(calls), self.limits.max_calls, "", "calls")
+        self.count(len(blobs), self.limits.max_blobs, "", "blobs")
+        for key in ("env", "info"):
+            self.free_json(m.get(key, {}), "", key)
         return Manifest(
             version=version,
             writer=m.get("writer", ""),
@@ -150,14 +180,49 @@ class _Parser:
             calls=tuple(self.call(c, i, version) for i, c in enumerate(calls)),
         )
 
+    def count(self, n: int, limit: int, where: str, what: str) -> None:
+        if n > limit:
+            raise self.fail(where, f"holds {n} {what}, over the limit of {limit}", K.LIMIT)
+
+    def string(self, value: object, where: str, what: str) -> None:
+        if isinstance(value, str) and len(value) > self.limits.max_string:
+            raise self.fail(
+                where,
+                f"{what} is a string of {len(value)} characters, over the limit of "
+                f"{self.limits.max_string}",
+                K.LIMIT,
+            )
+
+    def free_json(self, value: Any, where: str, what: str) -> None:
+        """Free-form JSON (env, info, meta): bounded in depth, nodes and string length."""
+        nodes = 0
+        todo = [(value, 0)]
+        while todo:
+            node, depth = todo.pop()
+            nodes += 1
+            if nodes > self.limits.max_tree_nodes or depth > self.limits.max_tree_depth:
+                raise self.fail(
+                    where,
+                    f"{what} is nested deeper than {self.limits.max_tree_depth} levels or holds "
+                    f"more than {self.limits.max_tree_nodes} values",
+                    K.LIMIT,
+                )
+            if isinstance(node, str):
+                self.string(node, where, f"a value in {what}")
+            elif isinstance(node, dict):
+                for k, v in node.items():
+                    self.string(k, where, f"a key in {what}")
+                    todo.append((v, depth + 1))
+            elif isinstance(node, list):
+                todo.extend((v, depth + 1) for v in node)
+
     def blob(self, sha: str, info: Any, version: int) -> BlobRecord:
         where = _member(Where, info.get("where")) if isinstance(info, dict) else None
         ok = (
             where is not None
             and is_int(info.get("nbytes"))
             and info["nbytes"] >= 0
-            and len(sha) == 64
-            and set(sha) <= _SHA_DIGITS
+            and _is_sha(sha)
             and (version < 2 or set(info) <= _BLOB_FIELDS)  # version 1 tolerated extra fields
         )
         if not ok:
@@ -175,6 +240,7 @@ class _Parser:
     def storages(self, raw: Any, where: str, version: int) -> tuple[StorageRecord, ...]:
         if not isinstance(raw, list):
             raise self.fail(where, "storages is not a list")
+        self.count(len(raw), self.limits.max_storages, where, "storages")
         out = []
         for j, s in enumerate(raw):
             if not isinstance(s, dict) or not all(
@@ -183,6 +249,9 @@ class _Parser:
                 raise self.fail(where, f"storage {j} is malformed")
             if not isinstance(s.get("device"), str) or not isinstance(s.get("blob"), str):
                 raise self.fail(where, f"storage {j} lacks its device or blob")
+            self.string(s["device"], where, f"storage {j}'s device")
+            if not _is_sha(s["blob"]):
+                raise self.fail(where, f"storage {j} does not name a blob by its SHA-256")
             extra = set(s) - _STORAGE_FIELDS[version]
             if extra:
                 raise self.fail(where, f"storage {j} has unknown fields {sorted(map(str, extra))}")
@@ -205,6 +274,7 @@ class _Parser:
     def tensors(self, raw: Any, where: str) -> tuple[TensorRecord, ...]:
         if not isinstance(raw, list):
             raise self.fail(where, "tensors is not a list")
+        self.count(len(raw), self.limits.max_tensors, where, "tensors")
         out = []
         for j, t in enumerate(raw):
             if (
@@ -213,12 +283,14 @@ class _Parser:
                 or not isinstance(t.get("dtype"), str)
                 or not isinstance(t.get("shape"), list)
                 or not isinstance(t.get("stride"), list)
+                or len(t["shape"]) + len(t["stride"]) > 64  # far above MAX_NDIM; checked later
                 or not is_int(t.get("storage_offset"))
                 or not all(is_int(x) for x in t["shape"] + t["stride"])
                 or not isinstance(t.get("requires_grad", False), bool)
                 or not is_int(t.get("data_ptr", 0))
             ):
                 raise self.fail(where, f"tensor {j} is malformed")
+            self.string(t["dtype"], where, f"tensor {j}'s dtype")
             out.append(
                 TensorRecord(
                     storage=t["storage"],
@@ -239,6 +311,7 @@ class _Parser:
         for key in ("target", "called_as"):
             if not isinstance(c.get(key), str):
                 raise self.fail("", f"{where} lacks its {key}")
+            self.string(c[key], where, key)
         for key in ("names", "outputs"):  # both may be null, neither may be missing
             if key not in c:
                 raise self.fail("", f"{where} lacks its {key!r} field")
@@ -247,10 +320,18 @@ class _Parser:
             not isinstance(names, list) or not all(isinstance(n, str) for n in names)
         ):
             raise self.fail(where, "names is not a list of strings")
+        if names is not None:
+            self.count(len(names), self.limits.max_tensors, where, "parameter names")
+            for n in names:
+                self.string(n, where, "a parameter name")
         if not isinstance(c.get("args"), list) or not isinstance(c.get("kwargs"), dict):
             raise self.fail(where, "args/kwargs malformed")
         if not isinstance(c.get("meta"), dict):
             raise self.fail(where, "meta is not an object")
+        self.free_json(c["meta"], where, "meta")
+        self.count(len(c["args"]) + len(c["kwargs"]), self.limits.max_tree_nodes, where, "args")
+        for k in c["kwargs"]:
+            self.string(k, where, "a keyword name")
         return CallEntry(
             index=i,
             target=c["target"],
@@ -270,6 +351,8 @@ class _Parser:
         if not isinstance(out, dict):
             raise self.fail(where, "outputs is malformed")
         inplace = out.get("inplace")
+        if isinstance(inplace, list):
+            self.count(len(inplace), self.limits.max_tensors, where, "in-place pairs")
         if not isinstance(inplace, list) or not all(
             isinstance(p, list) and len(p) == 2 and is_int(p[0]) and is_int(p[1]) for p in inplace
         ):
@@ -282,6 +365,7 @@ class _Parser:
         )
 
 
-def parse_manifest(m: Any, path: Path) -> Manifest:
-    """Manifest JSON -> typed records (BundleError, kind SCHEMA and others, on any mistyping)."""
-    return _Parser(path).manifest(m)
+def parse_manifest(m: Any, path: Path, limits: Limits | None = None) -> Manifest:
+    """Manifest JSON -> typed records (BundleError, kind SCHEMA and others, on any mistyping;
+    kind LIMIT where a count or a string is over `limits`)."""
+    return _Parser(path, limits or Limits()).manifest(m)

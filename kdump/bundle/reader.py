@@ -7,18 +7,20 @@ import ctypes
 import hashlib
 import mmap
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from kdump.bundle import argtree
 from kdump.bundle.format import (
     STORE_DIRNAME,
     BlobRecord,
     CallEntry,
+    Limits,
     Manifest,
     StorageRecord,
     TensorRecord,
@@ -26,7 +28,7 @@ from kdump.bundle.format import (
 )
 from kdump.bundle.parse import parse_header, parse_manifest, read_header
 from kdump.bundle.store import BlobStore, sha256_hex
-from kdump.bundle.validate import validate_manifest
+from kdump.bundle.validate import check_load, default_limits, validate_manifest
 from kdump.errors import BundleError
 from kdump.errors import BundleErrorKind as K
 
@@ -140,29 +142,57 @@ class Call:
         return sum(s.span_nbytes for s in self.storages + self.output_storages)
 
 
+def open_regular(path: Path, what: str = "bundle") -> BinaryIO:
+    """Open a regular file for reading; anything else (a FIFO, a device, a directory) is a
+    BundleError. O_NONBLOCK keeps the open itself from waiting on a FIFO's writer."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise BundleError(f"{path}: no such file", K.NOT_FOUND)
+    except OSError as exc:
+        raise BundleError(f"{path}: cannot open the {what} ({exc.strerror})", K.NOT_FOUND)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise BundleError(f"{path} is a directory; give a .kdump file", K.NOT_FOUND)
+        if not stat.S_ISREG(mode):
+            raise BundleError(
+                f"{path}: the {what} is not a regular file (a FIFO or device?); give a file",
+                K.NOT_FOUND,
+            )
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class Bundle:
     """A loaded .kdump file. Use `load_bundle`."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, limits: Limits | None = None) -> None:
         self.path = path
-        self._file = None
+        self.limits = limits or default_limits()
+        self._file: BinaryIO | None = None
         self._map: mmap.mmap | None = None
         self._verified: set[str] = set()
         self._lock = threading.Lock()
+        self._file = open_regular(path)
         try:
-            self._file = open(path, "rb")  # noqa: SIM115 - lives as long as the bundle
-        except FileNotFoundError:
-            raise BundleError(f"{path}: no such file", K.NOT_FOUND)
-        except IsADirectoryError:
-            raise BundleError(f"{path} is a directory; give a .kdump file", K.NOT_FOUND)
-        except OSError as exc:
-            raise BundleError(f"{path}: cannot open ({exc.strerror})", K.NOT_FOUND)
+            self._load(path)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, path: Path) -> None:
+        assert self._file is not None
         size = os.fstat(self._file.fileno()).st_size
         self.file_size = size
         header, self.data_start = read_header(self._file, size, path)
-        raw, self.inline = parse_header(header, size - self.data_start, path)
-        self.manifest: Manifest = parse_manifest(raw, path)
-        validate_manifest(self.manifest, self.inline, path)
+        if len(header) != self.data_start - 8:
+            raise BundleError(f"{path}: file shrank while it was read", K.TRUNCATED)
+        raw, self.inline = parse_header(header, size - self.data_start, path, self.limits)
+        self.manifest: Manifest = parse_manifest(raw, path, self.limits)
+        validate_manifest(self.manifest, self.inline, path, self.limits)
         self.env: dict[str, Any] = self.manifest.env
         self.info: dict[str, Any] = self.manifest.info
         self.version: int = self.manifest.version
@@ -193,7 +223,7 @@ class Bundle:
         with self._lock:  # blobs are read from several threads
             if self._map is None:
                 if self._file is None:
-                    self._file = open(self.path, "rb")  # noqa: SIM115
+                    self._file = open_regular(self.path)
                 # Copy-on-write: tensors built over it can never write into the file.
                 self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
             return self._map
@@ -228,18 +258,24 @@ class Bundle:
             return memoryview(self._mapped())[self.data_start + begin : self.data_start + end]
         p = self._store_path(sha)
         try:
-            with open(p, "rb") as f:
-                if os.fstat(f.fileno()).st_size != info.nbytes:
-                    raise BundleError(
-                        f"{p}: store blob has the wrong size (expected {info.nbytes})", K.CHECKSUM
-                    )
-                return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
-        except FileNotFoundError:
+            f = open_regular(p, "store blob")
+        except BundleError as exc:
+            if p.exists() or p.is_symlink():
+                raise BundleError(str(exc), K.MISSING_BLOB) from None
             raise BundleError(
                 f"{self.path}: blob {sha[:12]}… is missing from the store {p.parent.parent}; "
                 "copy the whole capture directory or re-pack the bundle",
                 K.MISSING_BLOB,
-            )
+            ) from None
+        with f:
+            if os.fstat(f.fileno()).st_size != info.nbytes:
+                raise BundleError(
+                    f"{p}: store blob has the wrong size (expected {info.nbytes})", K.CHECKSUM
+                )
+            try:
+                return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+            except (OSError, ValueError) as exc:
+                raise BundleError(f"{p}: cannot map the store blob ({exc})", K.MISSING_BLOB)
 
     def verify_blob(self, sha: str, view: memoryview | None = None) -> None:
         if sha in self._verified:
@@ -298,10 +334,20 @@ class Bundle:
         device: torch.device | str = "cpu",
         placement: Placement | None = None,
     ) -> Materialized:
-        """Re-create tensor records from this bundle's blobs (verified), blobs in parallel."""
+        """Re-create tensor records from this bundle's blobs (verified), blobs in parallel.
+        What it will allocate is checked against the load limit first."""
         import torch
 
-        from kdump.bundle.tensors import materialize
+        from kdump.bundle.tensors import Placement, materialize
+
+        place = placement or Placement()
+        check_load(
+            storages,
+            self.limits,
+            f"{self.path}: materialising {len(storages)} storages",
+            halo=place.halo,
+            keep_prefix=place.halo == 0 and not place.flush_end,
+        )
 
         def fill(batch: Sequence[tuple[int, torch.Tensor]]) -> None:
             jobs = [(storages[i].blob, dest) for i, dest in batch]
@@ -344,9 +390,10 @@ class Bundle:
         raise BundleError(f"{self.path} has no call {index} (it holds {len(self.calls)} calls)")
 
 
-def load_bundle(path: str | os.PathLike[str]) -> Bundle:
-    """Open a bundle: header and manifest validated; blobs load lazily, verified on first use."""
-    return Bundle(Path(path))
+def load_bundle(path: str | os.PathLike[str], limits: Limits | None = None) -> Bundle:
+    """Open a bundle: header and manifest validated against `limits` (default: the format's,
+    with KDUMP_MAX_LOAD_BYTES); blobs load lazily, verified on first use."""
+    return Bundle(Path(path), limits)
 
 
 def iter_bundles(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Path]:

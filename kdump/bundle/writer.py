@@ -75,8 +75,10 @@ def capture_call(
     """Snapshot a call's arguments (before the call runs)."""
     kwargs = kwargs or {}
     tensors: list[torch.Tensor] = []
-    args_tree = [argtree.encode(a, tensors) for a in args]
-    kwargs_tree = {str(k): argtree.encode(v, tensors) for k, v in kwargs.items()}
+    # One node budget for all of a call's arguments: the reader checks them together.
+    trees = argtree.encode_all([*args, *kwargs.values()], tensors)
+    args_tree = trees[: len(args)]
+    kwargs_tree = {str(k): v for k, v in zip(kwargs, trees[len(args) :])}
     return CallRecord(
         target=target,
         called_as=called_as or target,
@@ -152,10 +154,26 @@ def _entries(calls: Sequence[CallRecord], shas: Sequence[str]) -> tuple[CallEntr
                 storages=storages,
                 tensors=tuple(call.inputs.tensors),
                 outputs=outputs,
-                meta=call.meta,
+                meta=_bounded(call.meta),
             )
         )
     return tuple(out)
+
+
+def _bounded(meta: dict[str, Any]) -> dict[str, Any]:
+    """`meta` with strings cut to the reader's string limit (an exception text may be huge)."""
+    limit = argtree.LIMITS.max_string
+
+    def cut(v: Any) -> Any:
+        if isinstance(v, str) and len(v) > limit:
+            return v[: limit - 40] + f"…[{len(v) - limit + 40} more characters]"
+        if isinstance(v, dict):
+            return {cut(k): cut(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [cut(x) for x in v]
+        return v
+
+    return cut(meta)
 
 
 def save_calls(

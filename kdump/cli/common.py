@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 from typing import Any
@@ -50,6 +51,30 @@ def run_cli(group: click.Group, argv: list[str]) -> None:
 
 def _print_traceback() -> None:
     click.echo(visible(traceback.format_exc(), None, newlines=True), err=True)
+
+
+def _set_max_load(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is None:
+        return
+    from kdump.record.triggers import parse_bytes
+
+    try:
+        n = parse_bytes(value)
+    except KdumpError as exc:
+        raise click.BadParameter(str(exc))
+    # Through the environment, so replay children apply the same limit.
+    os.environ["KDUMP_MAX_LOAD_BYTES"] = str(n)
+
+
+max_load_option = click.option(
+    "--max-load-bytes",
+    callback=_set_max_load,
+    expose_value=False,
+    is_eager=True,
+    metavar="BYTES",
+    help="Most bytes loading one call may allocate (e.g. 200G; default 64G) "
+    "[KDUMP_MAX_LOAD_BYTES].",
+)
 
 
 def emit_json(obj: Any) -> None:

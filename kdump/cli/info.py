@@ -2,13 +2,14 @@ from __future__ import annotations
 
 import click
 
-from kdump.cli.common import console, emit_json, human_bytes, json_option
+from kdump.cli.common import console, emit_json, human_bytes, json_option, max_load_option
 from kdump.text import markup
 
 
 @click.command("info")
 @click.argument("bundles", nargs=-1, required=True, type=click.Path())
 @click.option("--verify", is_flag=True, help="Check every blob's SHA-256.")
+@max_load_option
 @json_option
 def command(bundles: tuple[str, ...], verify: bool, as_json: bool) -> int:
     """Show what is inside BUNDLES (files or capture folders): calls, targets, per-argument
@@ -52,15 +53,21 @@ def _render(rep: dict) -> None:
         + ("  [green]checksums OK[/]" if rep["verified"] else "")
     )
     if env:
+
+        def e(key: str, default: str) -> str:
+            return markup(env.get(key, default))
+
         con.print(
             f"recorded on {m(env.get('hostname', '?'))} pid {m(env.get('pid', '?'))}: "
             f"{m(env.get('gpu_name', 'no GPU'))} (cc {m(env.get('compute_capability', '-'))}, "
             f"{m(env.get('sm_count', '-'))} SMs), torch {m(env.get('torch', '?'))}, "
             f"CUDA {m(env.get('torch_cuda', '-'))}, python {m(env.get('python', '?'))}"
         )
-        for lib, state in (env.get("libraries") or {}).items():
+        libraries = env.get("libraries")
+        for lib, state in (libraries if isinstance(libraries, dict) else {}).items():
             con.print(f"  {m(lib)}: {m(state)}")
-        env_vars = env.get("env_vars") or {}
+        env_vars = env.get("env_vars")
+        env_vars = env_vars if isinstance(env_vars, dict) else {}
         if env_vars:
             # Shown only: a replay applies none of them unless asked (--apply-env NAME).
             con.print("recorded environment (not applied by replay; see --apply-env):")

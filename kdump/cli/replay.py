@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import click
 
-from kdump.cli.common import console, emit_json, json_option
+from kdump.cli.common import console, emit_json, json_option, max_load_option
 from kdump.errors import exit_codes_help
 from kdump.kernels.registry import backend_names
 from kdump.replay.options import MODES, ORACLES, TOOLS
@@ -39,6 +39,7 @@ Examples:
 
 @click.command("replay", epilog=EPILOG)
 @click.argument("bundles", nargs=-1, required=True, type=click.Path())
+@max_load_option
 @click.option(
     "--mode",
     type=click.Choice(MODES),

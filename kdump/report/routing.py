@@ -64,7 +64,8 @@ def call_spec(bundle: Bundle, call: Call) -> KernelSpec:
     """The call's spec, configured with the library settings the bundle recorded."""
     spec = spec_for(call.target, call.names)
     lib = spec.library()
-    settings = (bundle.env.get("libraries") or {}).get(lib) if lib else None
+    libraries = bundle.env.get("libraries")
+    settings = libraries.get(lib) if lib and isinstance(libraries, dict) else None
     return spec.with_settings(settings if isinstance(settings, Mapping) else None)
 
 
