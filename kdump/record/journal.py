@@ -427,6 +427,15 @@ class Journal:
             self._pinned.add(index)
             return True
 
+    def pin_next(self) -> int | None:
+        """Take the next slot of the rotation and pin it (None: the pinning budget is spent)."""
+        with self._lock:
+            if len(self._pinned) + 1 > self.slot_count // 2:
+                return None
+            i = self._take_index()
+            self._pinned.add(i)
+            return i
+
     @property
     def pinned(self) -> frozenset[int]:
         return frozenset(self._pinned)
@@ -439,10 +448,12 @@ class Journal:
                 return i
         raise JournalError("every journal slot is pinned: use more slots")
 
-    def reserve(self, meta: SlotMeta, index: int | None = None) -> Slot:
+    def reserve(
+        self, meta: SlotMeta, index: int | None = None, want: Sequence[bool] | None = None
+    ) -> Slot:
         """Take the next slot round-robin (or slot `index`, a pinned one being refilled) and
         write its header. Storages whose bytes do not fit are marked missing (their layouts
-        stay)."""
+        stay), and so are those `want` says to leave out."""
         if self._fd < 0:
             raise JournalError("the journal is closed")
         k = len(meta.storages)
@@ -455,7 +466,7 @@ class Journal:
                 f"the call's metadata ({len(doc)} bytes) does not fit a {self.slot_bytes}-byte "
                 "journal slot: raise slot_bytes"
             )
-        spans = _place(meta.storages, head_end, limit)
+        spans = _place(meta.storages, head_end, limit, want)
         if any(s is None for s in spans):
             doc = _meta_json(meta, spans)
         with self._lock:
@@ -544,14 +555,18 @@ def _meta_json(meta: SlotMeta, spans: list[tuple[int, int] | None] | None = None
 
 
 def _place(
-    storages: Sequence[dict[str, Any]], head_end: int, limit: int
+    storages: Sequence[dict[str, Any]],
+    head_end: int,
+    limit: int,
+    want: Sequence[bool] | None = None,
 ) -> list[tuple[int, int] | None]:
-    """Payload spans in order, each 64-byte aligned, first fit; what does not fit is None."""
+    """Payload spans in order, each 64-byte aligned, first fit; what does not fit (or is not
+    wanted) is None."""
     spans: list[tuple[int, int] | None] = []
     pos = _round_up(head_end, ALIGN)
-    for s in storages:
+    for j, s in enumerate(storages):
         n = int(s.get("span_nbytes", 0))
-        if pos + n <= limit:
+        if (want is None or want[j]) and pos + n <= limit:
             spans.append((pos, n))
             pos = _round_up(pos + n, ALIGN)
         else:

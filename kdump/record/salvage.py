@@ -90,9 +90,16 @@ def _slot_facts(rec: SlotRecord) -> dict[str, Any]:
             stream=m.stream,
             capture_id=m.capture_id,
             graph_id=m.graph_id,
-            replay=m.replay,
             after_kernel=m.after_kernel,
         )
+        if m.capture_id:  # a graph's slot: the markers count the graph's replays
+            site = m.extra.get("site", {})
+            facts.update(graph=m.capture_id, replay=rec.token, site=site.get("position"))
+    if rec.state is SlotState.COMPLETE:
+        facts["finished"] = rec.finished
+        facts["in_flight"] = not rec.finished  # the kernel had not finished when it died
+    elif rec.reason:
+        facts["reason"] = rec.reason
     return facts
 
 
