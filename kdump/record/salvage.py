@@ -2,9 +2,10 @@
 
 Each complete slot becomes one .kdump bundle (newest first), written through the public bundle
 API and read back before it counts, so a damaged slot can never become a corrupt bundle. Slots in
-flight at the crash are reported with their metadata only; torn slots with why. Tensors whose bytes
-the journal lacks (they did not fit a slot) appear in the argument tree as opaque values, their
-layouts kept in the call's meta under `journal.missing_tensors`.
+flight at the crash are reported with their metadata only; torn slots with why. Storages whose
+bytes the journal lacks (bulky inputs, outputs, what did not fit a slot) keep their layouts with
+storage source `missing` (docs/FORMAT.md); their tensors are listed under
+`journal.missing_tensors` in the call's meta.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ def _write_bundle(
     from kdump.bundle import (
         CallRecord,
         Captured,
+        Source,
         StorageRecord,
         TensorRecord,
         load_bundle,
@@ -122,12 +124,8 @@ def _write_bundle(
 
     meta = rec.meta
     assert meta is not None  # complete slots always carry their metadata
-    keep_storage: dict[int, int] = {}
     storages, data = [], []
-    for j, (s, payload) in enumerate(zip(meta.storages, rec.payloads)):
-        if payload is None:
-            continue
-        keep_storage[j] = len(storages)
+    for s, payload in zip(meta.storages, rec.payloads):
         storages.append(
             StorageRecord(
                 device=str(s["device"]),
@@ -135,6 +133,7 @@ def _write_bundle(
                 storage_nbytes=int(s["storage_nbytes"]),
                 span_start=int(s["span_start"]),
                 span_nbytes=int(s["span_nbytes"]),
+                source=Source.BLOB if payload is not None else Source.MISSING,
             )
         )
         data.append(
@@ -142,24 +141,21 @@ def _write_bundle(
             if payload
             else torch.empty(0, dtype=torch.uint8)
         )
-    renumber: dict[int, int] = {}
     tensors, missing = [], []
     for i, t in enumerate(meta.tensors):
-        if t.get("storage") in keep_storage:
-            renumber[i] = len(tensors)
-            tensors.append(
-                TensorRecord(
-                    storage=keep_storage[t["storage"]],
-                    dtype=str(t["dtype"]),
-                    shape=tuple(int(x) for x in t["shape"]),
-                    stride=tuple(int(x) for x in t["stride"]),
-                    storage_offset=int(t["storage_offset"]),
-                    requires_grad=bool(t.get("requires_grad", False)),
-                    data_ptr=int(t.get("data_ptr", 0)),
-                )
+        tensors.append(
+            TensorRecord(
+                storage=int(t["storage"]),
+                dtype=str(t["dtype"]),
+                shape=tuple(int(x) for x in t["shape"]),
+                stride=tuple(int(x) for x in t["stride"]),
+                storage_offset=int(t["storage_offset"]),
+                requires_grad=bool(t.get("requires_grad", False)),
+                data_ptr=int(t.get("data_ptr", 0)),
             )
-        else:
-            missing.append({"tensor": i, **t})
+        )
+        if rec.payloads[int(t["storage"])] is None:
+            missing.append(i)
     journal_meta = _slot_facts(rec)
     if missing:
         journal_meta["missing_tensors"] = missing
@@ -171,8 +167,8 @@ def _write_bundle(
     call = CallRecord(
         target=meta.target,
         called_as=meta.called_as,
-        args=[_rewrite(a, renumber, meta.tensors) for a in meta.args],
-        kwargs={k: _rewrite(v, renumber, meta.tensors) for k, v in meta.kwargs.items()},
+        args=meta.args,
+        kwargs=meta.kwargs,
         names=meta.names,
         inputs=Captured(storages=storages, tensors=tensors, data=data),
         meta=call_meta,
@@ -185,23 +181,6 @@ def _write_bundle(
     save_calls(path, [call], info=info)
     with load_bundle(path) as bundle:  # what salvage leaves behind must load and verify
         bundle.verify()
-
-
-def _rewrite(node: Any, renumber: dict[int, int], tensors: list[dict[str, Any]]) -> Any:
-    """The argument tree with tensor references renumbered; tensors without bytes become
-    opaque values that say what they were."""
-    if isinstance(node, list):
-        return [_rewrite(v, renumber, tensors) for v in node]
-    if isinstance(node, dict):
-        if "$tensor" in node:
-            i = node["$tensor"]
-            if i in renumber:
-                return {"$tensor": renumber[i]}
-            t = tensors[i] if isinstance(i, int) and 0 <= i < len(tensors) else {}
-            what = f"{t.get('dtype', '?')}{list(t.get('shape', []))}"
-            return {"$opaque": "torch.Tensor", "repr": f"<{what}: bytes not in the journal>"}
-        return {k: _rewrite(v, renumber, tensors) for k, v in node.items()}
-    return node
 
 
 def _write_report(
