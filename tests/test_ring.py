@@ -301,3 +301,37 @@ def test_by_reference_and_missing_storages_materialise_from_stats(tmp_path):
         assert torch.count_nonzero(got_x) == 0  # missing without stats: zeros, said so above
         again = load_bundle(path).calls[0].materialize("cpu").tensors[0]
         assert torch.equal(again, got_w)  # seeded: every replay sees the same values
+
+
+def test_capture_site_bundle_pairs_the_eager_call_before_capture(tmp_path, monkeypatch):
+    """Graph logic with a fake capturing flag: the site's slot is pinned, the eager call on the
+    same buffers before capture stays, and salvage writes both as one two-call bundle."""
+    from kdump.record.ring import RingRecorder
+
+    g = torch.Generator(device="cpu").manual_seed(3)
+    a = torch.randn(16, 8, generator=g, device="cpu")
+    layout = torch.randint(-1, 4, (16,), generator=g, device="cpu").float()
+    out = torch.empty(16, 8, device="cpu")
+    capturing = [False]
+    monkeypatch.setattr(RingRecorder, "_is_capturing", staticmethod(lambda cuda: capturing[0]))
+    ring = _ring(tmp_path, slots=6)
+    with kdump.recording(f"{T}:gemm_like", out=tmp_path / "o", mode="ring", ring=ring) as rec:
+        gemm_like(a, layout, out)  # warm-up: what the buffers hold at capture
+        warm = (a.clone(), layout.clone())
+        capturing[0] = True
+        gemm_like(a, layout, out)  # the capture site
+        capturing[0] = False
+        a.copy_(torch.randn(16, 8, generator=g, device="cpu"))
+        for _ in range(12):  # eager traffic rotates the ring
+            gemm_like(torch.randn(4, 8, device="cpu"), layout.clone(), torch.empty(4, 8))
+        r = rec.recorder
+        assert len(r.sites) == 1 and r.journal.pinned == {0, 1}
+        rec.flush()
+        written = list(rec.written)
+    pair = [p for p in written if len(load_bundle(p).calls) == 2]
+    assert len(pair) == 1
+    with load_bundle(pair[0]) as b:
+        first, site = b.calls
+        assert b.info["graph_replay"]["capture_call"] == 0
+        assert site.meta["journal"]["graph"] == 1 and site.meta["journal"]["site"] == 0
+        assert torch.equal(first.args[0], warm[0]) and torch.equal(first.args[1], warm[1])

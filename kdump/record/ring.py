@@ -62,6 +62,7 @@ class Site:
     position: int
     slot: int | None  # its pinned slot; None: over budget
     counter: int  # index into the device-side replay counters
+    eager_seq: int = 0  # journal seq of the eager call on the same buffers before capture
 
 
 class _CaptureTracker:
@@ -234,7 +235,7 @@ class RingRecorder:
             args_tree = [argtree.encode(a, tensors) for a in args]
             kwargs_tree = {str(k): argtree.encode(v, tensors) for k, v in kwargs.items()}
             cuda = [t for t in tensors if t.is_cuda]
-            capturing = bool(cuda) and torch.cuda.is_current_stream_capturing()
+            capturing = self._is_capturing(cuda)
             with self.lock:
                 if cuda and self.journal is None and capturing:
                     return None  # never allocate during capture
@@ -258,7 +259,11 @@ class RingRecorder:
                 pin_index = None
                 if site_key is not None:
                     site = self._site(site_key, st.id, tensors)
-                    extra["site"] = {"capture": site.capture_id, "position": site.position}
+                    extra["site"] = {
+                        "capture": site.capture_id,
+                        "position": site.position,
+                        "eager_seq": site.eager_seq,
+                    }
                     if site.slot is None:
                         extra["site_over_budget"] = True
                         want = [False] * len(storages)
@@ -280,13 +285,20 @@ class RingRecorder:
                 )
                 slot = j.reserve(meta, index=pin_index, want=want)
                 views = _span_views(tensors, records, storages)
-                if not cuda:
-                    return self._host_copy(slot, views)
                 if site is None:
                     ptrs = tuple(t.data_ptr() for t in tensors)
                     self._last_eager[st.id] = (slot.index, slot.seq, ptrs)
+                if not cuda:
+                    return self._host_copy(slot, views)
                 assert self._cuda is not None
                 return self._cuda.copy(slot, views, site)
+
+    @staticmethod
+    def _is_capturing(cuda: list[Any]) -> bool:
+        """Is the current stream capturing? Asked only for calls with CUDA tensors."""
+        import torch
+
+        return bool(cuda) and torch.cuda.is_current_stream_capturing()
 
     def _host_copy(self, slot: Slot, views: list[Any]) -> Callable[[], None]:
         import torch
@@ -326,11 +338,13 @@ class RingRecorder:
         counter = len(self.sites)
         over = self._cuda is not None and counter >= self._cuda.max_sites
         slot = None if over else j.pin_next()
-        site = Site(key[0], key[1], slot, counter)
-        self.sites[key] = site
+        eager_seq = 0
         last = self._last_eager.get(target)
         if last is not None and last[2] == tuple(t.data_ptr() for t in tensors):
-            j.pin(last[0])  # the buffers' values before capture stay
+            if j.pin(last[0]):  # the buffers' values before capture stay
+                eager_seq = last[1]
+        site = Site(key[0], key[1], slot, counter, eager_seq)
+        self.sites[key] = site
         return site
 
     # -- flush ------------------------------------------------------------------------------------

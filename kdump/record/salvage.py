@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -62,10 +63,14 @@ def salvage_journal(
     head = contents.header
     torn = contents.having(SlotState.TORN)
     bundles: list[Path] = []
-    for rec in contents.having(SlotState.COMPLETE):
+    complete = contents.having(SlotState.COMPLETE)
+    by_seq = {r.seq: r for r in complete}
+    for rec in complete:
         path = out / f"journal-{head.pid}-call-{rec.meta.call_index:06d}-seq{rec.seq}.kdump"
+        site = rec.meta.extra.get("site") if rec.meta.capture_id else None
+        before = by_seq.get(site.get("eager_seq", -1)) if isinstance(site, dict) else None
         try:
-            _write_bundle(path, rec, contents, crash_context)
+            _write_bundle(path, rec, contents, crash_context, before)
         except (BundleError, ValueError, TypeError, KeyError, OverflowError, RuntimeError) as exc:
             # Checksums held but the content is unusable: report it, never keep the file.
             path.unlink(missing_ok=True)
@@ -109,7 +114,41 @@ def _write_bundle(
     rec: SlotRecord,
     contents: JournalContents,
     crash_context: dict[str, Any] | None,
+    before: SlotRecord | None = None,
 ) -> None:
+    """One bundle of slot `rec`. A graph replay's slot whose site kept the eager call made on
+    the same buffers before capture is written as two calls: that call (what the graph was
+    captured over), then the replay's values, so a graph replay of call 0 replays the
+    production sequence (`--then`-style phases come from the bundle's later calls)."""
+    from kdump.bundle import load_bundle, save_calls
+
+    calls = [_call_record(rec, contents, crash_context)]
+    if before is not None:
+        first = _call_record(before, contents, crash_context)
+        first.meta["journal"]["role"] = "before capture (the graph's buffers then)"
+        calls.insert(0, first)
+    info = {
+        "salvaged_from": str(contents.path),
+        "journal_created": contents.header.created,
+        "process": contents.header.process,
+    }
+    facts = calls[-1].meta["journal"]
+    if "graph" in facts:
+        info["graph_replay"] = {
+            "graph": facts["graph"],
+            "replay": facts["replay"],
+            "site": facts["site"],
+            "capture_call": 0,
+            "replay_call": len(calls) - 1,
+        }
+    save_calls(path, calls, info=info)
+    with load_bundle(path) as bundle:  # what salvage leaves behind must load and verify
+        bundle.verify()
+
+
+def _call_record(
+    rec: SlotRecord, contents: JournalContents, crash_context: dict[str, Any] | None
+) -> Any:
     import torch
 
     from kdump.bundle import (
@@ -118,8 +157,6 @@ def _write_bundle(
         Source,
         StorageRecord,
         TensorRecord,
-        load_bundle,
-        save_calls,
     )
 
     meta = rec.meta
@@ -173,14 +210,7 @@ def _write_bundle(
         inputs=Captured(storages=storages, tensors=tensors, data=data),
         meta=call_meta,
     )
-    info = {
-        "salvaged_from": str(contents.path),
-        "journal_created": contents.header.created,
-        "process": contents.header.process,
-    }
-    save_calls(path, [call], info=info)
-    with load_bundle(path) as bundle:  # what salvage leaves behind must load and verify
-        bundle.verify()
+    return call
 
 
 def _write_report(
@@ -239,3 +269,22 @@ def dead_journals(directory: str | os.PathLike[str]) -> list[Path]:
         if not pid_alive(pid):
             found.append(p)
     return found
+
+
+def salvaged_graph_replays(paths: Sequence[str | os.PathLike[str]]) -> bool:
+    """True when every path is a bundle file salvaged from a CUDA-graph replay (their replay
+    reproduces the production sequence in graph mode)."""
+    from kdump.bundle import load_bundle
+
+    if not paths:
+        return False
+    for p in paths:
+        if not Path(p).is_file():
+            return False
+        try:
+            with load_bundle(p) as b:
+                if "graph_replay" not in b.info:
+                    return False
+        except BundleError:
+            return False
+    return True
