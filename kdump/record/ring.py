@@ -6,10 +6,10 @@ are copied into the slot before the kernel runs: by the host for CPU tensors, as
 the call's own stream for CUDA tensors (the journal is pinned shared memory), with the slot's
 markers ordered around them (kdump.record.journal). Nothing synchronises on the hot path.
 
-What is copied: arguments whose spec role is routing, scalar or hint, and inputs no bigger than
-`SMALL_BYTES`, in that order while the slot has room; bulky inputs (weights, activations) keep
-their layouts only (salvage marks them missing). Outputs are never copied: they are what the
-kernel writes.
+What is copied, in priority order while the slot has room: arguments whose spec role is routing,
+scalar or hint, inputs no bigger than `SMALL_BYTES`, then the other inputs, smallest first; what
+does not fit (weights, big activations) keeps its layout only (salvage marks it missing).
+Outputs are never copied: they are what the kernel writes.
 
 CUDA graphs: a call made during stream capture gets its own slot for its capture site (capture
 id + position in the capture), pinned outside the ring's rotation; its copies are captured into
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from kdump.record.session import Recording
 
 SMALL_BYTES = 64 << 10  # inputs up to this size are copied whatever their role
+SLOT_SHARE = 0.9  # of a slot, what payloads may take (the rest: header and argument JSON)
 COPIED_ROLES = ("routing", "scalar", "hint")
 CRASH_SUFFIX = ".crash.json"  # next to the journal: the recorded process' last words
 
@@ -319,14 +320,27 @@ class RingRecorder:
         records: list[Any],
         storages: list[Any],
     ) -> list[bool]:
-        """Per storage: copy its bytes? Small ones and those of routing / scalar / hint params."""
+        """Per storage: copy its bytes? In priority order while the slot has room: routing /
+        scalar / hint parameters and small inputs, then the other inputs, smallest first.
+        Outputs never (the kernel writes them)."""
         roles = _tensor_roles(st, args, kwargs, tensors)
-        want = [s.span_nbytes <= SMALL_BYTES for s in storages]
+        rank = [2] * len(storages)  # 0: first, 1: small, 2: other inputs, 3: never
+        for i, s in enumerate(storages):
+            if s.span_nbytes <= SMALL_BYTES:
+                rank[i] = 1
         for r, role in zip(records, roles):
             if role in COPIED_ROLES:
-                want[r.storage] = True
+                rank[r.storage] = min(rank[r.storage], 0)
             elif role == "output":
-                want[r.storage] = False
+                rank[r.storage] = 3
+        assert self.journal is not None
+        room = int(self.journal.slot_bytes * SLOT_SHARE)
+        want = [False] * len(storages)
+        for i in sorted(range(len(storages)), key=lambda i: (rank[i], storages[i].span_nbytes)):
+            n = storages[i].span_nbytes + 64  # payloads are 64-byte aligned
+            if rank[i] < 3 and n <= room:
+                want[i] = True
+                room -= n
         return want
 
     def _site(self, key: tuple[int, int], target: str, tensors: list[Any]) -> Site:
