@@ -291,6 +291,12 @@ class RingRecorder:
                     self._last_eager[st.id] = (slot.index, slot.seq, ptrs)
                 if not cuda:
                     return self._host_copy(slot, views)
+                if site is not None and site.slot is None:
+                    # Over budget: the header only, written now. No captured copies: the slot
+                    # rotates, and replays must never write into a later call's slot.
+                    slot.commit()
+                    slot.finish()
+                    return None
                 assert self._cuda is not None
                 return self._cuda.copy(slot, views, site)
 
