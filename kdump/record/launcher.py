@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -105,20 +104,15 @@ def salvage_run(
 ) -> list[Path]:
     """Turn every journal the run's processes left into bundles (under out/flight.HOST.PID),
     then remove the run's shared-memory folder."""
-    from kdump.record.ring import CRASH_SUFFIX
-    from kdump.record.salvage import salvage_journal
+    from kdump.record.salvage import CRASH_SUFFIX, salvage_journal
 
     written: list[Path] = []
     try:
         for j in sorted(journals.glob("kdump-journal-*")):
             if j.name.endswith((CRASH_SUFFIX, ".tmp")):
                 continue
-            ctx = dict(context)
-            last = j.with_name(j.name + CRASH_SUFFIX)
-            with contextlib.suppress(OSError, ValueError):
-                ctx.update(json.loads(last.read_text()))
             try:
-                res = salvage_journal(j, out / f"flight.{socket.gethostname()}", ctx)
+                res = salvage_journal(j, out / f"flight.{socket.gethostname()}", context)
             except Exception as exc:  # one bad journal must not lose the others
                 echo(f"kdump: cannot salvage {j.name} ({type(exc).__name__}: {exc})")
                 continue

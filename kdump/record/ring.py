@@ -44,6 +44,7 @@ from kdump import config
 from kdump.log import log_once
 from kdump.record.hooks import HookState, busy
 from kdump.record.journal import Journal, JournalError, Slot, SlotMeta
+from kdump.record.salvage import CRASH_SUFFIX
 
 if TYPE_CHECKING:
     from kdump.record.config import RecordConfig
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
 SMALL_BYTES = 64 << 10  # inputs up to this size are copied whatever their role
 SLOT_SHARE = 0.9  # of a slot, what payloads may take (the rest: header and argument JSON)
 COPIED_ROLES = ("routing", "scalar", "hint")
-CRASH_SUFFIX = ".crash.json"  # next to the journal: the recorded process' last words
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from kdump.record.journal import (
 )
 
 REPORT_SUFFIX = "-salvage.json"
+CRASH_SUFFIX = ".crash.json"  # next to a journal: the recorded process' last words
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,13 @@ def salvage_journal(
     remove: bool = True,
 ) -> SalvageResult:
     contents = read_journal(journal_path)
+    last_words = contents.path.with_name(contents.path.name + CRASH_SUFFIX)
+    try:  # what the recorded process wrote when an exception ended it
+        said = json.loads(last_words.read_text())
+        if isinstance(said, dict):
+            crash_context = {**(crash_context or {}), **said}
+    except (OSError, ValueError):
+        pass
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     head = contents.header
@@ -82,6 +90,7 @@ def salvage_journal(
     _write_report(report, contents, bundles, in_flight, torn, crash_context)
     if remove:
         contents.path.unlink(missing_ok=True)
+        last_words.unlink(missing_ok=True)
     return SalvageResult(contents.path, bundles, in_flight, torn, report)
 
 
