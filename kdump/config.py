@@ -7,6 +7,7 @@ record their values (see `envinfo`).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "KDUMP_TARGETS", "comma-separated targets (module:qualname or a preset such as deep_gemm)"
     ),
     EnvVar("KDUMP_OUT", "output directory for bundles", "kdump-out"),
-    EnvVar("KDUMP_MODE", "recording mode: sync", "sync"),
+    EnvVar(
+        "KDUMP_MODE",
+        "recording mode: ring (flight recorder, `kdump record`'s default) or sync "
+        "(`kdump.recording()`'s default)",
+    ),
     EnvVar("KDUMP_CALLS", "call index ranges to dump, e.g. '0-9,100,200-'"),
     EnvVar("KDUMP_EVERY", "dump every N-th call"),
     EnvVar(
@@ -64,6 +69,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "KDUMP_MAX_LOAD_BYTES",
         "most bytes loading one call of a bundle may allocate, and its blobs may declare "
         "(suffixes K, M, G, T; default 64G); --max-load-bytes on info/replay sets it",
+    ),
+    # -- the flight recorder (mode ring)
+    EnvVar("KDUMP_RING_SLOTS", "journal slots: the last calls kept per process", "64"),
+    EnvVar("KDUMP_SLOT_BYTES", "bytes per journal slot (suffixes K, M, G)", "1M"),
+    EnvVar(
+        "KDUMP_JOURNAL_DIR",
+        "folder of the journals (shared memory); `kdump record` sets one per run",
+        "/dev/shm",
     ),
     # -- kdump's own log
     EnvVar("KDUMP_LOG", "file that kdump's own log lines go to (default: stderr)"),
@@ -112,13 +125,37 @@ def is_secret(name: str) -> bool:
     return any(marker in upper for marker in SECRET_MARKERS)
 
 
+# Values that carry secrets whatever the variable or argument is called.
+_SECRET_VALUE_PATTERNS = (
+    re.compile(r"(?i)(--?[\w-]*(?:token|key|secret|password|passwd|credential|auth)[\w-]*[=:])\S+"),
+    re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^/\s:@]+:)[^@\s]+(@)"),
+)
+
+
+def redact_value(value: str) -> str:
+    """`value` with secrets that patterns recognise replaced (`--api-key=...`, URLs with a
+    password)."""
+    out = _SECRET_VALUE_PATTERNS[0].sub(r"\1<redacted>", value)
+    return _SECRET_VALUE_PATTERNS[1].sub(r"\1<redacted>\2", out)
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """argv with secret values redacted, also the one after a bare secret flag (`--token X`)."""
+    out: list[str] = []
+    hide = False
+    for a in argv:
+        out.append("<redacted>" if hide else redact_value(a))
+        hide = a.startswith("-") and "=" not in a and is_secret(a.lstrip("-").replace("-", "_"))
+    return out
+
+
 def recorded_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """Variables that bundles record; values of secret-looking names are redacted."""
     source = env if env is not None else os.environ
     out: dict[str, str] = {}
     for name in sorted(source):
         if name.startswith(RECORDED_PREFIXES):
-            out[name] = "<redacted>" if is_secret(name) else source[name]
+            out[name] = "<redacted>" if is_secret(name) else redact_value(source[name])
     return out
 
 

@@ -6,6 +6,8 @@
 #   STAGE=tests  : every test not marked gpu (CPU tests must pass on a GPU machine too)
 #   STAGE=gpu    : every gpu-marked test except the packaged kernel's
 #   STAGE=bench  : replay / reference / hooks benchmarks, and the planted-bug CLI demos
+#   STAGE=flight : the flight recorder: its GPU tests, the MoE decode example recorded with the
+#                  fault variant and salvaged/replayed through the CLI, and bench/bench_flight.py
 #   STAGE=sm120  : the packaged kernel: its GPU tests, `kdump doctor --selftest`, its benchmark
 #                  (SWEEP=1 adds bench/sweep_sm120.py, SWEEP_ARGS its variants; NOBENCH=1 skips)
 #   STAGE=profile: Nsight Compute on the packaged kernel, CASES="shape:tokens ..." (default
@@ -27,7 +29,14 @@ tests)
   timeout 540 python3 -m pytest -q -rfE -m "not gpu" $xd 2>&1 | tee "$OUT/pytest-cpu.log"
   ;;
 gpu)
-  timeout 540 python3 -m pytest -q -rfE -m gpu --ignore tests/test_sm120_gpu.py 2>&1 | tee "$OUT/pytest-gpu.log"
+  timeout 540 python3 -m pytest -q -rfE -m gpu --ignore tests/test_sm120_gpu.py --ignore tests/test_flight_gpu.py 2>&1 | tee "$OUT/pytest-gpu.log"
+  ;;
+flight)
+  timeout 300 python3 -m pytest -q -rfE -m gpu tests/test_flight_gpu.py 2>&1 | tee "$OUT/pytest-flight.log"
+  rm -rf /tmp/fl && timeout 120 python3 -m kdump record -o /tmp/fl -t "kdump.kernels.sm120.api:StaleScheduleContiguous.__call__" -- python3 examples/moe_decode.py --backend faulty --steps 6 2>&1 | tee "$OUT/flight-record.log"
+  b=$(ls -t /tmp/fl/flight.*/journal-*.kdump | head -1)
+  timeout 120 python3 -m kdump replay "$b" --backend packaged-faulty 2>&1 | tee "$OUT/flight-replay.log"; echo "replay exit ${PIPESTATUS[0]}" | tee -a "$OUT/flight-replay.log"
+  timeout 240 python3 bench/bench_flight.py 2>&1 | tee "$OUT/bench-flight.log"
   ;;
 bench)
   # planted bug (packaged kernel's stale-schedule variant) and a clean DeepGEMM call through the

@@ -25,6 +25,7 @@ from kdump.bundle import (
     save_calls,
 )
 from kdump.bundle.argtree import Opaque, RecordedEnum
+from kdump.bundle.format import FORMAT_VERSION
 from kdump.bundle.tensors import ALIGN_MOD
 from kdump.errors import BundleError, KdumpError
 from kdump.errors import BundleErrorKind as K
@@ -211,7 +212,8 @@ def test_public_api(tmp_path: Path) -> None:
     plain = capture_call("other:g", [rand((2,), torch.int32)])
     path = save_calls(tmp_path / "b.kdump", [rec, plain], env={"hostname": "h"}, info={"m": 1})
     b = kdump.load_bundle(path)
-    assert (b.version, len(b.calls), b.env["hostname"], b.info) == (2, 2, "h", {"m": 1})
+    assert (b.version, len(b.calls)) == (FORMAT_VERSION, 2)
+    assert (b.env["hostname"], b.info) == ("h", {"m": 1})
     c = b.calls[0]
     assert (c.target, c.called_as, c.meta, c.index) == ("deep_gemm:fn", "fn_alias", {"rank": 3}, 0)
     assert c.tensor_names == ["a[0]", "a[1]", "d"]
@@ -222,7 +224,7 @@ def test_public_api(tmp_path: Path) -> None:
     assert b.calls[1].outputs is None and b.call(1).target == "other:g"
     with pytest.raises(BundleError, match="no call 5"):
         b.call(5)
-    assert "kdump.Call" in repr(c) and "v2" in repr(b)
+    assert "kdump.Call" in repr(c) and f"v{FORMAT_VERSION}" in repr(b)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,8 +364,8 @@ def _mutations() -> dict[str, tuple[Any, str, K]]:
 
     return {
         "version": (
-            lambda m: m.update(version=3),
-            "version 3 is not supported",
+            lambda m: m.update(version=4),
+            "version 4 is not supported",
             K.UNSUPPORTED_VERSION,
         ),
         "version str": (lambda m: m.update(version="1"), "not supported", K.UNSUPPORTED_VERSION),
@@ -500,16 +502,16 @@ def test_version_1_bundle_loads_bit_exactly(tmp_path: Path) -> None:
     assert a.untyped_storage().data_ptr() == shared.untyped_storage().data_ptr()
     outs = c.materialize_outputs("cpu")
     assert {str(i): _sha(t) for i, t in outs.items()} == expected["outputs"]
-    # pack rewrites it as version 2 with the same content
+    # pack rewrites it in the current version with the same content
     packed = load_bundle(pack(DATA / "v1_bundle.kdump", tmp_path / "v2.kdump"))
-    assert packed.version == 2
+    assert packed.version == FORMAT_VERSION
     again = packed.calls[0].materialize("cpu").tensors
     assert [_sha(t) for t in again] == [e["sha256"] for e in expected["tensors"]]
 
 
 def test_writer_writes_version_2_sources_and_checksums(bundle_path: Path) -> None:
     _, manifest, _ = read_manifest(bundle_path)
-    assert manifest["version"] == 2
+    assert manifest["version"] == FORMAT_VERSION
     assert {s["source"] for s in manifest["calls"][0]["storages"]} == {"blob"}
     assert {b["checksum"] for b in manifest["blobs"].values()} == {"sha256"}
 
@@ -551,7 +553,11 @@ STRICT = {
         ),
         K.SCHEMA,
     ),
-    "unknown source": (lambda m: _set_storage(m, source="by-reference"), K.UNKNOWN_SOURCE),
+    "unknown source": (lambda m: _set_storage(m, source="synthetic"), K.UNKNOWN_SOURCE),
+    "v2 with missing": (
+        lambda m: (m.update(version=2), _set_storage(m, source="missing", blob="")),
+        K.UNKNOWN_SOURCE,
+    ),
     "source list": (lambda m: _set_storage(m, source=["blob"]), K.UNKNOWN_SOURCE),
     "unknown checksum": (lambda m: _set_blob(m, checksum="md5"), K.SCHEMA),
     "checksum list": (lambda m: _set_blob(m, checksum=["sha256"]), K.SCHEMA),

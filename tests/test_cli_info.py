@@ -43,7 +43,7 @@ def test_info_table(capsys: pytest.CaptureFixture[str], bundle: Path) -> None:
     code, out, err = run(capsys, "info", str(bundle))
     assert code == 0, err
     flat = " ".join(out.split())  # the header line wraps with the terminal's width
-    assert "format v2" in flat and "2 call(s)" in flat and "node7" in out
+    assert "format v3" in flat and "2 call(s)" in flat and "node7" in out
     assert "deep_gemm:m_grouped" in out
     for col in ("arg", "dtype", "shape", "stride", "offset", "align", "bytes"):
         assert col in out
@@ -55,7 +55,7 @@ def test_info_json(capsys: pytest.CaptureFixture[str], bundle: Path) -> None:
     code, out, _ = run(capsys, "info", "--json", str(bundle))
     assert code == 0
     rep = json.loads(out)
-    assert rep["format_version"] == 2 and len(rep["calls"]) == 2
+    assert rep["format_version"] == 3 and len(rep["calls"]) == 2
     assert rep["file_bytes"] == bundle.stat().st_size
     assert rep["blob_bytes"] * 2 == rep["logical_bytes"]  # the second call is deduplicated
     call = rep["calls"][1]

@@ -35,8 +35,8 @@ def read_container(path: Path) -> tuple[dict[str, Any], bytes, dict[str, Any]]:
     header = json.loads(raw[8 : 8 + n].decode("utf-8"))
     data = raw[8 + n :]
     manifest = json.loads(header["__metadata__"]["kdump.manifest"])
-    if manifest["format"] != "kdump" or manifest["version"] not in (1, 2):
-        raise FormatError("not a kdump v1 or v2 manifest")
+    if manifest["format"] != "kdump" or manifest["version"] not in (1, 2, 3):
+        raise FormatError("not a kdump v1, v2 or v3 manifest")
     return header, data, manifest
 
 
@@ -246,7 +246,7 @@ def test_independent_reader_rejects_unknown_source(tmp_path: Path) -> None:
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + n])
     manifest = json.loads(header["__metadata__"]["kdump.manifest"])
-    assert manifest["version"] == 2 and manifest["calls"][0]["storages"][0]["source"] == "blob"
+    assert manifest["version"] == 3 and manifest["calls"][0]["storages"][0]["source"] == "blob"
     manifest["calls"][0]["storages"][0]["source"] = "sparse"
     header["__metadata__"]["kdump.manifest"] = json.dumps(manifest)
     text = json.dumps(header).encode()

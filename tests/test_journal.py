@@ -19,7 +19,7 @@ import torch
 from click.testing import CliRunner
 
 from kdump.bundle import capture_call, load_bundle
-from kdump.bundle.argtree import Opaque
+from kdump.bundle.format import Source
 from kdump.cli import cli
 from kdump.record import journal as jmod
 from kdump.record.journal import (
@@ -194,9 +194,10 @@ def test_oversized_call_keeps_layouts_payloads_missing(tmp_path: Path) -> None:
     (path,) = salvage(j.path, tmp_path / "out")
     assert not j.path.exists()
     c = load_bundle(path).calls[0]
-    missing = c.meta["journal"]["missing_tensors"]
-    assert [(m["tensor"], m["dtype"], m["shape"]) for m in missing] == [(3, "bfloat16", [6000])]
-    assert isinstance(c.args[5], Opaque) and "not in the journal" in c.args[5].repr
+    assert c.meta["journal"]["missing_tensors"] == [3]
+    assert c.synthesized == [c.tensor_names[3]]  # layout kept, bytes re-created (zeros)
+    assert c.storages[c.tensors[3].storage].source is Source.MISSING
+    assert c.args[5].dtype == torch.bfloat16 and list(c.args[5].shape) == [6000]
     for got_t, want in zip(c.args[:3], live[:3]):
         assert got_t.stride() == want.stride() and torch.equal(got_t, want)
 

@@ -59,6 +59,8 @@ def _run(tmp_path: Path, mode: str, *opts: str, path: tuple[str, ...] = ()):
     old = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join([str(STANDINS), *path, KDUMP_ROOT, *old])
     cmd = [*KDUMP, "record", "-t", "plainmod:axpy", "-o", str(tmp_path / "out"), *opts]
+    if "--mode" not in opts:  # these tests cover sync mode; the flight recorder: test_ring
+        cmd += ["--mode", "sync"]
     cmd += ["--", sys.executable, str(script), str(tmp_path), mode]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
 
@@ -127,7 +129,7 @@ def test_help_lists_every_variable():
 
 
 @pytest.mark.parametrize(
-    "opts", [["--calls", "9-1"], ["--mode", "ring"], ["-t", "nocolon"], ["--keep", "all"]]
+    "opts", [["--calls", "9-1"], ["--ring-slots", "1"], ["-t", "nocolon"], ["--keep", "all"]]
 )
 def test_bad_options_exit_2(tmp_path, opts):
     r = subprocess.run(

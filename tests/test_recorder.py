@@ -313,9 +313,14 @@ def test_ranks_filter(tmp_path, monkeypatch):
     assert load_bundle(rec.written[0]).calls[0].meta["rank"] == 1
 
 
-def test_ring_mode_is_not_in_this_build(tmp_path):
-    with pytest.raises(UsageError, match="not in this build; use --mode sync"):
-        kdump.recording("plainmod:axpy", out=tmp_path, mode="ring")
+def test_unknown_mode_is_refused_ring_is_accepted(tmp_path):
+    with pytest.raises(UsageError, match="use ring or sync"):
+        kdump.recording("plainmod:axpy", out=tmp_path, mode="tape")
+    from kdump.record.config import RingConfig
+
+    ring = RingConfig(journal_dir=tmp_path / "shm")
+    with kdump.recording("plainmod:axpy", out=tmp_path, mode="ring", ring=ring) as rec:
+        assert rec.recorder.mode == "ring"
 
 
 def test_blobs_shared_across_calls(tmp_path):

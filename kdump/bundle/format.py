@@ -14,8 +14,8 @@ from enum import Enum
 from typing import Any
 
 FORMAT_NAME = "kdump"
-FORMAT_VERSION = 2  # what this writer writes
-SUPPORTED_VERSIONS = (1, 2)  # what this reader reads
+FORMAT_VERSION = 3  # what this writer writes
+SUPPORTED_VERSIONS = (1, 2, 3)  # what this reader reads
 MANIFEST_KEY = "kdump.manifest"
 MAX_HEADER = 100 * 1000 * 1000  # safetensors' own cap
 STORE_DIRNAME = "blobs"
@@ -84,6 +84,20 @@ class Source(str, Enum):
     """Where a storage's bytes come from. A reader rejects a kind it does not know."""
 
     BLOB = "blob"  # the span's bytes are a blob of the blob table
+    BY_REFERENCE = "by-reference"  # a static operand (weights): shape, layout and stats only
+    MISSING = "missing"  # device data the recorder could not keep (salvage); stats if known
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Value statistics of a storage not held as bytes: what a replay re-creates it from."""
+
+    dtype: str  # the element type the statistics are over
+    min: float
+    max: float
+    mean: float
+    std: float
+    checksum: str = ""  # of the bytes at record time, when the recorder computed one
 
 
 class Where(str, Enum):
@@ -108,8 +122,9 @@ class StorageRecord:
     storage_nbytes: int  # the whole storage's size at the call
     span_start: int  # byte offset of the stored span inside the storage
     span_nbytes: int  # bytes stored
-    blob: str = ""  # sha256 of the span's bytes, filled in by the writer
+    blob: str = ""  # sha256 of the span's bytes, filled in by the writer ("" unless a blob)
     source: Source = Source.BLOB
+    stats: Stats | None = None  # by-reference / missing storages: what their values looked like
 
     @property
     def span_ptr(self) -> int:
@@ -205,7 +220,7 @@ class Manifest:
 
 
 def storage_json(st: StorageRecord) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "device": st.device,
         "base_ptr": st.base_ptr,
         "storage_nbytes": st.storage_nbytes,
@@ -214,6 +229,17 @@ def storage_json(st: StorageRecord) -> dict[str, Any]:
         "blob": st.blob,
         "source": st.source.value,
     }
+    if st.stats is not None:
+        s = st.stats
+        out["stats"] = {
+            "dtype": s.dtype,
+            "min": s.min,
+            "max": s.max,
+            "mean": s.mean,
+            "std": s.std,
+            "checksum": s.checksum,
+        }
+    return out
 
 
 def tensor_json(t: TensorRecord) -> dict[str, Any]:

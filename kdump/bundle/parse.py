@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from kdump.bundle.format import (
+    DTYPE_SIZES,
     FORMAT_NAME,
     MANIFEST_KEY,
     MAX_HEADER,
@@ -24,6 +25,7 @@ from kdump.bundle.format import (
     Manifest,
     OutputsRecord,
     Source,
+    Stats,
     StorageRecord,
     TensorRecord,
     Where,
@@ -34,6 +36,8 @@ from kdump.errors import BundleErrorKind as K
 _STORAGE_INTS = ("base_ptr", "storage_nbytes", "span_start", "span_nbytes")
 _STORAGE_FIELDS = {1: {"device", "blob", *_STORAGE_INTS}}
 _STORAGE_FIELDS[2] = _STORAGE_FIELDS[1] | {"source"}
+_STORAGE_FIELDS[3] = _STORAGE_FIELDS[2] | {"stats"}
+_STATS_FLOATS = ("min", "max", "mean", "std")
 E = TypeVar("E", bound=Enum)
 _BLOB_FIELDS = {"nbytes", "where", "checksum"}
 _SHA_DIGITS = frozenset("0123456789abcdef")
@@ -250,13 +254,18 @@ class _Parser:
             if not isinstance(s.get("device"), str) or not isinstance(s.get("blob"), str):
                 raise self.fail(where, f"storage {j} lacks its device or blob")
             self.string(s["device"], where, f"storage {j}'s device")
-            if not _is_sha(s["blob"]):
+            # A data-less storage (by-reference, missing) names no blob: an empty string.
+            if not _is_sha(s["blob"]) and not (
+                s["blob"] == "" and s.get("source", "blob") != "blob"
+            ):
                 raise self.fail(where, f"storage {j} does not name a blob by its SHA-256")
             extra = set(s) - _STORAGE_FIELDS[version]
             if extra:
                 raise self.fail(where, f"storage {j} has unknown fields {sorted(map(str, extra))}")
             raw_source = s.get("source", Source.BLOB.value)  # version 1 knows only blobs
             source = _member(Source, raw_source)
+            if version < 3 and source is not Source.BLOB:
+                source = None  # by-reference and missing came with version 3
             if source is None:
                 raise self.fail(
                     where,
@@ -264,12 +273,39 @@ class _Parser:
                     f"(it reads {', '.join(k.value for k in Source)}); upgrade kdump-gpu",
                     K.UNKNOWN_SOURCE,
                 )
+            stats = None
+            if "stats" in s:
+                stats = self.stats(s["stats"], where, j)
+            if source is not Source.BLOB and s["blob"]:
+                raise self.fail(where, f"storage {j} is {source.value} but names a blob")
             out.append(
                 StorageRecord(
-                    **{k: s[k] for k in ("device", "blob", *_STORAGE_INTS)}, source=source
+                    **{k: s[k] for k in ("device", "blob", *_STORAGE_INTS)},
+                    source=source,
+                    stats=stats,
                 )
             )
         return tuple(out)
+
+    def stats(self, raw: Any, where: str, j: int) -> Stats:
+        ok = (
+            isinstance(raw, dict)
+            and set(raw) <= {"dtype", "checksum", *_STATS_FLOATS}
+            and isinstance(raw.get("dtype"), str)
+            and raw["dtype"] in DTYPE_SIZES
+            and isinstance(raw.get("checksum", ""), str)
+            and all(
+                isinstance(raw.get(k), (int, float)) and not isinstance(raw.get(k), bool)
+                for k in _STATS_FLOATS
+            )
+        )
+        if not ok:
+            raise self.fail(where, f"storage {j} has malformed stats")
+        return Stats(
+            dtype=raw["dtype"],
+            checksum=raw.get("checksum", ""),
+            **{k: float(raw[k]) for k in _STATS_FLOATS},
+        )
 
     def tensors(self, raw: Any, where: str) -> tuple[TensorRecord, ...]:
         if not isinstance(raw, list):

@@ -22,6 +22,7 @@ from kdump.bundle.format import (
     CallEntry,
     Limits,
     Manifest,
+    Source,
     StorageRecord,
     TensorRecord,
     Where,
@@ -97,6 +98,18 @@ class Call:
     @property
     def has_outputs(self) -> bool:
         return self.entry.outputs is not None
+
+    @property
+    def synthesized(self) -> list[str]:
+        """Names of the input tensors whose bytes the bundle lacks (by-reference / missing
+        storages): materialising re-creates them from their stats, so results that depend on
+        them are not the recorded ones."""
+        names = self.tensor_names
+        return [
+            names[i]
+            for i, t in enumerate(self.tensors)
+            if self.storages[t.storage].source is not Source.BLOB
+        ]
 
     def materialize(
         self, device: torch.device | str = "cpu", placement: Placement | None = None
@@ -338,7 +351,7 @@ class Bundle:
         What it will allocate is checked against the load limit first."""
         import torch
 
-        from kdump.bundle.tensors import Placement, materialize
+        from kdump.bundle.tensors import Placement, materialize, synthesize_span
 
         place = placement or Placement()
         check_load(
@@ -350,7 +363,10 @@ class Bundle:
         )
 
         def fill(batch: Sequence[tuple[int, torch.Tensor]]) -> None:
-            jobs = [(storages[i].blob, dest) for i, dest in batch]
+            for i, dest in batch:
+                if storages[i].source is not Source.BLOB:
+                    dest.copy_(synthesize_span(storages[i], i))
+            jobs = [(storages[i].blob, d) for i, d in batch if storages[i].source is Source.BLOB]
             if len(jobs) == 1 or sum(d.numel() for _, d in jobs) < (8 << 20):
                 for sha, dest in jobs:
                     self.copy_blob_into(sha, dest)
@@ -359,14 +375,24 @@ class Bundle:
                 list(pool.map(lambda job: self.copy_blob_into(*job), jobs))
 
         if torch.device(device).type != "cpu":  # verify in parallel first, then copy one by one
-            todo = sorted({s.blob for s in storages if s.blob not in self._verified})
+            todo = sorted(
+                {
+                    s.blob
+                    for s in storages
+                    if s.source is Source.BLOB and s.blob not in self._verified
+                }
+            )
             if len(todo) > 1:
                 with ThreadPoolExecutor(min(_THREADS, len(todo))) as pool:
                     list(pool.map(self.verify_blob, todo))
         return materialize(
             storages,
             tensors,
-            lambda i: self.read_blob(storages[i].blob),
+            lambda i: (
+                self.read_blob(storages[i].blob)
+                if storages[i].source is Source.BLOB
+                else synthesize_span(storages[i], i)
+            ),
             device,
             placement,
             fill_spans=fill,

@@ -157,6 +157,24 @@ def capture(tensors: Sequence[torch.Tensor]) -> Captured:
 # Re-materialisation
 
 
+def synthesize_span(st: StorageRecord, seed: int) -> torch.Tensor:
+    """Bytes for a storage the bundle does not hold (by-reference / missing): values drawn with
+    `seed` from its recorded stats (normal at mean/std, clipped to min/max), zeros without
+    stats. A replay that uses them says so (`Call.synthesized`)."""
+    n = st.span_nbytes
+    if st.stats is None or n == 0:
+        return torch.zeros(n, dtype=torch.uint8)
+    s = st.stats
+    dtype = dtype_from_name(s.dtype)
+    count = -(-n // dtype.itemsize)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    values = torch.randn(count, generator=g, dtype=torch.float64) * s.std + s.mean
+    values = values.clamp(s.min, s.max)
+    if not (dtype.is_floating_point or dtype.is_complex):
+        values = values.round()
+    return values.to(dtype).view(torch.uint8)[:n].clone()
+
+
 @dataclass(frozen=True)
 class Placement:
     """How storages are laid out in memory when re-materialised.

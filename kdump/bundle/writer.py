@@ -25,6 +25,7 @@ from kdump.bundle.format import (
     CallEntry,
     Manifest,
     OutputsRecord,
+    Source,
     StorageRecord,
     Where,
     manifest_json,
@@ -130,7 +131,9 @@ def _entries(calls: Sequence[CallRecord], shas: Sequence[str]) -> tuple[CallEntr
     it = iter(shas)
 
     def named(cap: Captured) -> tuple[StorageRecord, ...]:
-        return tuple(replace(st, blob=next(it)) for st in cap.storages)
+        return tuple(
+            replace(st, blob=next(it)) if st.source is Source.BLOB else st for st in cap.storages
+        )
 
     out = []
     for i, call in enumerate(calls):
@@ -195,7 +198,8 @@ def save_calls(
         for call in calls
         for cap in (call.inputs, call.outputs)
         if cap is not None
-        for d in cap.data
+        for st, d in zip(cap.storages, cap.data)
+        if st.source is Source.BLOB  # other kinds hold no bytes
     ]
     where = Where.STORE if store is not None else Where.INLINE
     created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

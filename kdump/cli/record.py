@@ -12,6 +12,8 @@ from kdump import config
 EPILOG = (
     "\b\nExamples:\n"
     "  kdump record -- python -m sglang.launch_server --model-path M --tp 8\n"
+    "  kdump record --ring-slots 256 --flush-signal USR1 -- python examples/moe_decode.py\n"
+    "  kdump record --mode sync --calls 0-9 -- python serve.py\n"
     "  kdump record -t deep_gemm --calls 0-99 --max-bytes 20G -o dumps -- python serve.py\n"
     "  kdump record -t mypkg.ops:gemm --outputs all --on-exception -- python train.py\n"
     "\b\nEnvironment (what the options set in CMD's processes):\n" + config.help_table()
@@ -31,7 +33,13 @@ EPILOG = (
     help="module:qualname, torch.ops.ns.op, or a preset (deep_gemm, the default). Repeatable.",
 )
 @click.option("-o", "--out", type=click.Path(), help="Output directory [KDUMP_OUT].")
-@click.option("--mode", type=click.Choice(["sync", "ring"]), help="Recording mode [KDUMP_MODE].")
+@click.option(
+    "--mode",
+    type=click.Choice(["ring", "sync"]),
+    help="ring: flight recorder, salvaged at exit (default); sync: a bundle per call [KDUMP_MODE].",
+)
+@click.option("--ring-slots", type=int, help="Calls the ring keeps per process [KDUMP_RING_SLOTS].")
+@click.option("--slot-bytes", help="Bytes per ring slot, e.g. 1M [KDUMP_SLOT_BYTES].")
 @click.option("--calls", help="Call index ranges, e.g. '0-9,100,200-' [KDUMP_CALLS].")
 @click.option("--every", type=int, help="Every N-th call [KDUMP_EVERY].")
 @click.option(

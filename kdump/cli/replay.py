@@ -43,10 +43,10 @@ Examples:
 @click.option(
     "--mode",
     type=click.Choice(MODES),
-    default="eager",
-    show_default=True,
+    default=None,
     help="eager: run and compare; graph: capture, identical replay, replays after in-place "
-    "mutations; sanitizer: compute-sanitizer; all: the three in one summary.",
+    "mutations; sanitizer: compute-sanitizer; all: the three in one summary. Default: graph "
+    "for bundles the flight recorder salvaged from a graph replay, else eager.",
 )
 @click.option(
     "--backend",
@@ -199,8 +199,15 @@ def command(
 
     """
     from kdump.errors import KdumpError, UsageError, worst_exit_code
+    from kdump.record.salvage import salvaged_graph_replays
     from kdump.replay import replay
     from kdump.replay.options import GraphOptions, ReplayOptions, SanitizerOptions
+
+    if mode is None:
+        graph_bundles = salvaged_graph_replays(bundles)
+        mode = "graph" if graph_bundles else "eager"
+        if graph_bundles and not calls:
+            calls = (0,)  # call 0 is captured; the salvaged replay's values are its phase
 
     try:
         if tools and mode not in ("sanitizer", "all"):

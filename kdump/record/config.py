@@ -13,6 +13,42 @@ from kdump.errors import UsageError
 from kdump.record.triggers import TriggerConfig
 
 MODES = ("sync", "ring")
+
+
+@dataclass(frozen=True)
+class RingConfig:
+    """The flight recorder's budgets (mode ring)."""
+
+    slots: int = 64  # 64 x 1 MiB of pinned shared memory: small next to a serving GPU's host
+    slot_bytes: int = 1 << 20
+    journal_dir: Path = Path("/dev/shm")
+
+    def __post_init__(self) -> None:
+        if self.slots < 2:
+            raise UsageError(f"--ring-slots {self.slots}: the ring needs at least 2 slots")
+        if self.slot_bytes < 4096:
+            raise UsageError(f"--slot-bytes {self.slot_bytes}: use at least 4K per slot")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RingConfig:
+        from kdump.record.triggers import parse_bytes
+
+        def get(name: str) -> str:
+            value = config.get(name, env)
+            assert value is not None  # every ring variable has a default
+            return value
+
+        try:
+            slots = int(get("KDUMP_RING_SLOTS"))
+        except ValueError:
+            raise UsageError("KDUMP_RING_SLOTS must be a whole number of slots, e.g. 64")
+        return cls(
+            slots=slots,
+            slot_bytes=parse_bytes(get("KDUMP_SLOT_BYTES")),
+            journal_dir=Path(get("KDUMP_JOURNAL_DIR")),
+        )
+
+
 Outputs = str | tuple[str | int, ...]  # default | none | all | parameter names / positions
 
 
@@ -23,10 +59,11 @@ class RecordConfig:
     mode: str = "sync"
     trigger: TriggerConfig = field(default_factory=TriggerConfig)
     outputs: Outputs = "default"
+    ring: RingConfig = field(default_factory=lambda: RingConfig())
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise UsageError(f"unknown recording mode {self.mode!r}; use sync")
+            raise UsageError(f"unknown recording mode {self.mode!r}; use ring or sync")
 
     @classmethod
     def from_options(
@@ -45,6 +82,7 @@ class RecordConfig:
         on_exception: bool = False,
         outputs: str | Sequence[str | int] | None = "default",
         mode: str = "sync",
+        ring: RingConfig | None = None,
     ) -> RecordConfig:
         """The configuration of `kdump.recording(...)` (same keywords)."""
         return cls(
@@ -63,6 +101,7 @@ class RecordConfig:
                 on_exception=on_exception,
             ),
             outputs=parse_outputs(outputs),
+            ring=ring or RingConfig(),
         )
 
     @classmethod
@@ -89,6 +128,7 @@ class RecordConfig:
                 on_exception=config.get_flag("KDUMP_ON_EXCEPTION", env),
             ),
             outputs=parse_outputs(get("KDUMP_OUTPUTS")),
+            ring=RingConfig.from_env(env),
         )
 
     @property

@@ -42,9 +42,21 @@ Slot (slot i starts at header_bytes + i * slot_bytes):
                   storages (with "payload": table index or null when missing), tensors (dtype,
                   shape, stride, storage_offset, nbytes, data_ptr), extra meta
     ...           payloads, each at a 64-byte aligned offset, before the trailer
-    S-32    32    trailer: magic b"KDTR" (b"KDTX" while refilling), flags (bit 0: the
-                  checksum covers the payloads), seq (u64), CRC-32 of the slot header bytes
-                  [0, 72 + 16K + J) and of every payload in table order (u32), 12 zero bytes
+    S-64    64    trailer: magic b"KDTR" (b"KDTX" while refilling), flags (bit 0: the
+                  checksum covers the payloads; bit 1: device copies write the payloads after
+                  the trailer), seq (u64), CRC-32 of the slot header bytes [0, 72 + 16K + J)
+                  and, with bit 0, of every payload in table order (u32), 4 zero bytes, then
+                  three u64 markers: `pre` (written before the payloads), `post` (after them),
+                  `done` (after the kernel), then 16 zero bytes
+
+Markers: each holds a token, 1 for an eager call, the replay number for a slot refreshed by a
+CUDA graph (a device-side counter the graph increments, copied by the graph itself). A slot whose
+`post` is 0 or differs from `pre` holds no consistent payloads (they were being copied at the
+crash): it reads as in flight. Otherwise it is complete, and `done == post` says the kernel
+finished; `done < post` that it was running (or queued) when the process died.
+
+Device payloads are copied on the call's stream, so the stream order (markers, payloads, kernel,
+marker) replaces the payload checksum there.
 
 Writing a slot: the old trailer is replaced by a refill marker (magic b"KDTX", the new seq, zero
 flags and checksum), then the header's magic is zeroed, then the new table and JSON are written
@@ -78,7 +90,7 @@ from typing import Any
 from kdump.errors import ExitCode, KdumpError
 
 JOURNAL_MAGIC = b"KDJRNL\x00\x01"
-JOURNAL_VERSION = 1
+JOURNAL_VERSION = 2  # 2: 64-byte trailer with the pre/post/done markers
 DEFAULT_DIR = Path("/dev/shm")
 FILE_PREFIX = "kdump-journal-"
 DEFAULT_SLOTS = 64
@@ -94,13 +106,15 @@ _SLOT_FIXED = struct.Struct("<4sIQQIIQQQQI")  # through the JSON length
 _SLOT_CRC = struct.Struct("<I")
 _SLOT_HEAD = _SLOT_FIXED.size + _SLOT_CRC.size  # 72: where the payload table starts
 _TABLE_ENTRY = struct.Struct("<QQ")
-_TRAILER = struct.Struct("<4sIQI12x")
+_TRAILER = struct.Struct("<4sIQI4xQQQ16x")
+_MARKER_AT = {"pre": 24, "post": 32, "done": 40}  # offsets inside the trailer
 SLOT_MAGIC = b"KDSL"
 TRAILER_MAGIC = b"KDTR"
 REFILL_MAGIC = b"KDTX"  # the trailer of a slot being refilled: names the seq being written
 FLAG_AFTER_KERNEL = 1
 FLAG_MISSING = 2
 TRAILER_FLAG_PAYLOAD_CRC = 1
+TRAILER_FLAG_DEVICE = 2
 MIN_SLOT_BYTES = 1024
 
 log = logging.getLogger("kdump.record.journal")
@@ -184,7 +198,9 @@ class SlotRecord:
     seq: int = 0
     meta: SlotMeta | None = None
     payloads: tuple[bytes | None, ...] = ()  # per storage: its bytes, or None when missing
-    reason: str = ""  # why a slot is torn
+    reason: str = ""  # why a slot is torn or in flight
+    finished: bool = False  # complete slots: the kernel ran to its end
+    token: int = 0  # the markers' token: 1 for eager calls, the replay number for graph slots
 
 
 @dataclass(frozen=True)
@@ -293,8 +309,11 @@ class Slot:
         off, n = span
         return self._journal._view[self._base + off : self._base + off + n]
 
-    def commit(self) -> None:
-        """Write the trailer: from here on the slot reads as complete."""
+    def commit(self, device: bool = False) -> None:
+        """Write the trailer. Host path (`device` False): the payloads are in, the checksum
+        covers them and the markers say so: from here on the slot reads as complete. Device path:
+        the checksum covers the header only and the markers stay 0 until the stream's copies
+        (`marker`) write them."""
         j = self._journal
         if j._fd < 0:
             raise JournalError("the journal was closed before this slot was committed")
@@ -309,14 +328,26 @@ class Slot:
                 )
             _, _, _, _, _, k, _, _, _, _, jlen = _SLOT_FIXED.unpack_from(view, base)
             crc = zlib.crc32(view[base : base + _SLOT_HEAD + 16 * k + jlen])
-            for span in self._spans:
-                if span is not None:
-                    crc = zlib.crc32(view[base + span[0] : base + span[0] + span[1]], crc)
+            if not device:
+                for span in self._spans:
+                    if span is not None:
+                        crc = zlib.crc32(view[base + span[0] : base + span[0] + span[1]], crc)
+            flags = TRAILER_FLAG_DEVICE if device else TRAILER_FLAG_PAYLOAD_CRC
+            token = 0 if device else 1
             t = base + j.slot_bytes - _TRAILER.size
             view[t : t + _TRAILER.size] = _TRAILER.pack(
-                TRAILER_MAGIC, TRAILER_FLAG_PAYLOAD_CRC, self.seq, crc
+                TRAILER_MAGIC, flags, self.seq, crc, token, token, 0
             )
             self.committed = True
+
+    def marker(self, name: str) -> memoryview:
+        """The 8 bytes of marker `name` (pre, post, done): device copies write them."""
+        t = self._base + self._journal.slot_bytes - _TRAILER.size + _MARKER_AT[name]
+        return self._journal._view[t : t + 8]
+
+    def finish(self, token: int = 1) -> None:
+        """Host path: the kernel returned."""
+        self.marker("done")[:] = struct.pack("<Q", token)
 
 
 class Journal:
@@ -332,6 +363,8 @@ class Journal:
         self._view = memoryview(self._map)
         self._lock = threading.Lock()
         self._seq = 0
+        self._next = 0  # next index of the round robin
+        self._pinned: set[int] = set()  # slots kept out of the rotation (capture sites)
 
     @classmethod
     def create(
@@ -383,9 +416,44 @@ class Journal:
     def _slot_offset(self, index: int) -> int:
         return self.header_bytes + index * self.slot_bytes
 
-    def reserve(self, meta: SlotMeta) -> Slot:
-        """Take the next slot round-robin and write its header. Storages whose bytes do not fit
-        are marked missing (their layouts stay)."""
+    def pin(self, index: int) -> bool:
+        """Keep slot `index` out of the rotation (False: the ring would be left with fewer than
+        half its slots, so it stays in)."""
+        with self._lock:
+            if index in self._pinned:
+                return True
+            if len(self._pinned) + 1 > self.slot_count // 2:
+                return False
+            self._pinned.add(index)
+            return True
+
+    def pin_next(self) -> int | None:
+        """Take the next slot of the rotation and pin it (None: the pinning budget is spent)."""
+        with self._lock:
+            if len(self._pinned) + 1 > self.slot_count // 2:
+                return None
+            i = self._take_index()
+            self._pinned.add(i)
+            return i
+
+    @property
+    def pinned(self) -> frozenset[int]:
+        return frozenset(self._pinned)
+
+    def _take_index(self) -> int:
+        for _ in range(self.slot_count):
+            i = self._next
+            self._next = (self._next + 1) % self.slot_count
+            if i not in self._pinned:
+                return i
+        raise JournalError("every journal slot is pinned: use more slots")
+
+    def reserve(
+        self, meta: SlotMeta, index: int | None = None, want: Sequence[bool] | None = None
+    ) -> Slot:
+        """Take the next slot round-robin (or slot `index`, a pinned one being refilled) and
+        write its header. Storages whose bytes do not fit are marked missing (their layouts
+        stay), and so are those `want` says to leave out."""
         if self._fd < 0:
             raise JournalError("the journal is closed")
         k = len(meta.storages)
@@ -398,17 +466,18 @@ class Journal:
                 f"the call's metadata ({len(doc)} bytes) does not fit a {self.slot_bytes}-byte "
                 "journal slot: raise slot_bytes"
             )
-        spans = _place(meta.storages, head_end, limit)
+        spans = _place(meta.storages, head_end, limit, want)
         if any(s is None for s in spans):
             doc = _meta_json(meta, spans)
         with self._lock:
             seq = self._seq + 1
-            index = (seq - 1) % self.slot_count
+            if index is None:
+                index = self._take_index()
             base = self._slot_offset(index)
             v = self._view
             t = base + self.slot_bytes - _TRAILER.size
             # First the old trailer is invalidated: from here the old call never reads complete.
-            v[t : t + _TRAILER.size] = _TRAILER.pack(REFILL_MAGIC, 0, seq, 0)
+            v[t : t + _TRAILER.size] = _TRAILER.pack(REFILL_MAGIC, 0, seq, 0, 0, 0, 0)
             v[base : base + 4] = bytes(4)  # then the old header
             table = b"".join(_TABLE_ENTRY.pack(*(s or (0, 0))) for s in spans)
             body = table + doc
@@ -486,14 +555,18 @@ def _meta_json(meta: SlotMeta, spans: list[tuple[int, int] | None] | None = None
 
 
 def _place(
-    storages: Sequence[dict[str, Any]], head_end: int, limit: int
+    storages: Sequence[dict[str, Any]],
+    head_end: int,
+    limit: int,
+    want: Sequence[bool] | None = None,
 ) -> list[tuple[int, int] | None]:
-    """Payload spans in order, each 64-byte aligned, first fit; what does not fit is None."""
+    """Payload spans in order, each 64-byte aligned, first fit; what does not fit (or is not
+    wanted) is None."""
     spans: list[tuple[int, int] | None] = []
     pos = _round_up(head_end, ALIGN)
-    for s in storages:
+    for j, s in enumerate(storages):
         n = int(s.get("span_nbytes", 0))
-        if pos + n <= limit:
+        if (want is None or want[j]) and pos + n <= limit:
             spans.append((pos, n))
             pos = _round_up(pos + n, ALIGN)
         else:
@@ -587,7 +660,7 @@ def _read_slot(raw: bytes, base: int, slot_bytes: int, index: int) -> SlotRecord
         _SLOT_FIXED.unpack(fixed)
     )
     t = base + slot_bytes - _TRAILER.size
-    tmagic, tflags, tseq, tcrc = _TRAILER.unpack_from(raw, t)
+    tmagic, tflags, tseq, tcrc, pre, post, done = _TRAILER.unpack_from(raw, t)
     if magic != SLOT_MAGIC:
         if magic == bytes(4) and tmagic == bytes(4):
             return SlotRecord(index, SlotState.EMPTY)
@@ -613,14 +686,16 @@ def _read_slot(raw: bytes, base: int, slot_bytes: int, index: int) -> SlotRecord
     except _Torn as exc:
         return SlotRecord(index, SlotState.TORN, seq=seq, reason=str(exc))
     if tmagic == REFILL_MAGIC:
-        if tseq == seq and tflags == 0 and tcrc == 0:
+        if tseq == seq and tflags == 0 and tcrc == 0 and not (pre or post or done):
             return SlotRecord(index, SlotState.IN_FLIGHT, seq=seq, meta=meta)
         return SlotRecord(index, SlotState.TORN, seq=seq, reason="refill began over this call")
     if tmagic != TRAILER_MAGIC:
         return SlotRecord(index, SlotState.TORN, seq=seq, reason="trailer is damaged")
     if tseq != seq:
         return SlotRecord(index, SlotState.TORN, seq=seq, reason="trailer seq differs")
-    if tflags & ~TRAILER_FLAG_PAYLOAD_CRC or any(raw[t + 20 : t + _TRAILER.size]):
+    known = TRAILER_FLAG_PAYLOAD_CRC | TRAILER_FLAG_DEVICE
+    pad = raw[t + 20 : t + 24] + raw[t + 48 : t + _TRAILER.size]
+    if tflags & ~known or any(pad) or tflags == known:
         return SlotRecord(index, SlotState.TORN, seq=seq, reason="trailer has unknown bits set")
     crc = zlib.crc32(raw[base : base + body_end])
     if tflags & TRAILER_FLAG_PAYLOAD_CRC:
@@ -629,10 +704,23 @@ def _read_slot(raw: bytes, base: int, slot_bytes: int, index: int) -> SlotRecord
                 crc = zlib.crc32(raw[base + off : base + off + n], crc)
     if crc != tcrc:
         return SlotRecord(index, SlotState.TORN, seq=seq, reason="slot checksum mismatch")
+    if post == 0 or pre != post:
+        why = "payloads not copied yet" if post == 0 else "payloads were being rewritten"
+        return SlotRecord(index, SlotState.IN_FLIGHT, seq=seq, meta=meta, reason=why, token=post)
+    if done > post:
+        return SlotRecord(index, SlotState.TORN, seq=seq, reason="done marker is ahead of post")
     payloads = tuple(
         raw[base + off : base + off + n] if ok else None for (off, n), ok in zip(spans, present)
     )
-    return SlotRecord(index, SlotState.COMPLETE, seq=seq, meta=meta, payloads=payloads)
+    return SlotRecord(
+        index,
+        SlotState.COMPLETE,
+        seq=seq,
+        meta=meta,
+        payloads=payloads,
+        finished=done == post,
+        token=post,
+    )
 
 
 def _is_int(x: Any) -> bool:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -32,7 +37,11 @@ OPTION_VARS = {
     "outputs": "KDUMP_OUTPUTS",
     "flush_signal": "KDUMP_FLUSH_SIGNAL",
     "log_file": "KDUMP_LOG",
+    "ring_slots": "KDUMP_RING_SLOTS",
+    "slot_bytes": "KDUMP_SLOT_BYTES",
 }
+DEFAULT_MODE = "ring"  # `kdump record` runs the flight recorder unless told otherwise
+STDERR_TAIL = 8192
 _PATH_OPTIONS = ("out", "log_file")  # made absolute: children may chdir
 
 
@@ -57,12 +66,63 @@ def launch(
     cfg = RecordConfig.from_env(env)  # validate here: a bad option is one line, exit 2
     check_mode(cfg.mode)
     parse_targets(list(cfg.targets))
-    if opts.get("flush_signal"):
-        signal_number(opts["flush_signal"])
+    flush_sig = signal_number(opts["flush_signal"]) if opts.get("flush_signal") else None
     started = time.time()
-    rc = run(cmd, env)
+    journals = None
+    if cfg.mode == "ring":
+        cfg.ring.journal_dir.mkdir(parents=True, exist_ok=True)
+        journals = Path(tempfile.mkdtemp(prefix="kdump-run-", dir=cfg.ring.journal_dir))
+        env["KDUMP_JOURNAL_DIR"] = str(journals)
+    tail = bytearray()
+    rc: int | None = None
+    try:
+        rc = run(cmd, env, flush_signal=flush_sig, stderr_tail=tail if journals else None)
+    finally:
+        if journals is not None:  # also when kdump itself is interrupted
+            salvage_run(journals, Path(cfg.out), crash_context(rc, tail), echo)
     summarize(Path(cfg.out), started, cfg.targets, echo)
     return rc
+
+
+def crash_context(rc: int | None, tail: bytes) -> dict[str, Any]:
+    """How the program ended, for every salvaged bundle's meta."""
+    ctx: dict[str, Any] = {}
+    if rc is not None:
+        if rc > 128:
+            ctx["signal"] = rc - 128
+            with contextlib.suppress(ValueError):
+                ctx["signal_name"] = signal.Signals(rc - 128).name
+        else:
+            ctx["exit_code"] = rc
+    ctx["stderr_tail"] = bytes(tail[-STDERR_TAIL:]).decode("utf-8", "replace")
+    return ctx
+
+
+def salvage_run(
+    journals: Path, out: Path, context: dict[str, Any], echo: Callable[[str], None] = _stderr
+) -> list[Path]:
+    """Turn every journal the run's processes left into bundles (under out/flight.HOST.PID),
+    then remove the run's shared-memory folder."""
+    from kdump.record.salvage import CRASH_SUFFIX, salvage_journal
+
+    written: list[Path] = []
+    try:
+        for j in sorted(journals.glob("kdump-journal-*")):
+            if j.name.endswith((CRASH_SUFFIX, ".tmp")):
+                continue
+            try:
+                res = salvage_journal(j, out / f"flight.{socket.gethostname()}", context)
+            except Exception as exc:  # one bad journal must not lose the others
+                echo(f"kdump: cannot salvage {j.name} ({type(exc).__name__}: {exc})")
+                continue
+            written += res.bundles
+            echo(
+                f"kdump: flight recorder: {len(res.bundles)} call(s) salvaged from {j.name}, "
+                f"{len(res.in_flight)} in flight, {len(res.torn)} torn; report {res.report}"
+            )
+    finally:
+        shutil.rmtree(journals, ignore_errors=True)
+    return written
 
 
 def build_env(
@@ -77,6 +137,8 @@ def build_env(
         value = opts.get(key)
         if value is not None:
             env[var] = str(Path(value).resolve()) if key in _PATH_OPTIONS else str(value)
+    if opts.get("mode") is None and not config.get("KDUMP_MODE", env):
+        env["KDUMP_MODE"] = DEFAULT_MODE
     if opts.get("on_exception") is not None:
         env["KDUMP_ON_EXCEPTION"] = "1" if opts["on_exception"] else "0"
     out = config.get("KDUMP_OUT", env) or "kdump-out"
@@ -87,13 +149,25 @@ def build_env(
     return env
 
 
-def run(cmd: list[str], env: Mapping[str, str]) -> int:
-    """Run CMD; SIGTERM / SIGINT sent to kdump go to CMD; CMD's exit code comes back
-    (death by signal n -> 128 + n, as shells report it)."""
+def run(
+    cmd: list[str],
+    env: Mapping[str, str],
+    flush_signal: int | None = None,
+    stderr_tail: bytearray | None = None,
+) -> int:
+    """Run CMD; SIGTERM / SIGINT (and the flush signal) sent to kdump go to CMD; CMD's exit code
+    comes back (death by signal n -> 128 + n, as shells report it). With `stderr_tail`, CMD's
+    stderr passes through kdump unchanged and its last bytes are kept there."""
     try:
-        proc = subprocess.Popen(cmd, env=dict(env))
+        proc = subprocess.Popen(
+            cmd, env=dict(env), stderr=subprocess.PIPE if stderr_tail is not None else None
+        )
     except FileNotFoundError:
         raise UsageError(f"command not found: {cmd[0]}; give the program's path or put it on PATH")
+    tee = None
+    if stderr_tail is not None:
+        tee = threading.Thread(target=_tee, args=(proc.stderr, stderr_tail), daemon=True)
+        tee.start()
 
     def forward(signum: int, frame: Any) -> None:
         try:
@@ -101,7 +175,8 @@ def run(cmd: list[str], env: Mapping[str, str]) -> int:
         except OSError:
             pass
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    forwarded = [signal.SIGTERM, signal.SIGINT] + ([flush_signal] if flush_signal else [])
+    previous = {s: signal.signal(s, forward) for s in forwarded}
     try:
         while True:
             try:
@@ -112,7 +187,28 @@ def run(cmd: list[str], env: Mapping[str, str]) -> int:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+        if tee is not None:
+            tee.join(timeout=5)
     return 128 - rc if rc < 0 else rc
+
+
+def _tee(src: Any, tail: bytearray) -> None:
+    """Copy CMD's stderr to ours as it comes, keeping the last STDERR_TAIL bytes."""
+    out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
+    fd = src.fileno()
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        if out is not None:
+            with contextlib.suppress(OSError, ValueError):
+                out.write(chunk)
+                out.flush()
+        tail += chunk
+        del tail[: max(0, len(tail) - STDERR_TAIL)]
 
 
 def _tree_bytes(folder: Path) -> int:

@@ -2,15 +2,17 @@
 
 Each complete slot becomes one .kdump bundle (newest first), written through the public bundle
 API and read back before it counts, so a damaged slot can never become a corrupt bundle. Slots in
-flight at the crash are reported with their metadata only; torn slots with why. Tensors whose bytes
-the journal lacks (they did not fit a slot) appear in the argument tree as opaque values, their
-layouts kept in the call's meta under `journal.missing_tensors`.
+flight at the crash are reported with their metadata only; torn slots with why. Storages whose
+bytes the journal lacks (bulky inputs, outputs, what did not fit a slot) keep their layouts with
+storage source `missing` (docs/FORMAT.md); their tensors are listed under
+`journal.missing_tensors` in the call's meta.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from kdump.record.journal import (
 )
 
 REPORT_SUFFIX = "-salvage.json"
+CRASH_SUFFIX = ".crash.json"  # next to a journal: the recorded process' last words
 
 
 @dataclass(frozen=True)
@@ -56,15 +59,26 @@ def salvage_journal(
     remove: bool = True,
 ) -> SalvageResult:
     contents = read_journal(journal_path)
+    last_words = contents.path.with_name(contents.path.name + CRASH_SUFFIX)
+    try:  # what the recorded process wrote when an exception ended it
+        said = json.loads(last_words.read_text())
+        if isinstance(said, dict):
+            crash_context = {**(crash_context or {}), **said}
+    except (OSError, ValueError):
+        pass
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     head = contents.header
     torn = contents.having(SlotState.TORN)
     bundles: list[Path] = []
-    for rec in contents.having(SlotState.COMPLETE):
+    complete = contents.having(SlotState.COMPLETE)
+    by_seq = {r.seq: r for r in complete}
+    for rec in complete:
         path = out / f"journal-{head.pid}-call-{rec.meta.call_index:06d}-seq{rec.seq}.kdump"
+        site = rec.meta.extra.get("site") if rec.meta.capture_id else None
+        before = by_seq.get(site.get("eager_seq", -1)) if isinstance(site, dict) else None
         try:
-            _write_bundle(path, rec, contents, crash_context)
+            _write_bundle(path, rec, contents, crash_context, before)
         except (BundleError, ValueError, TypeError, KeyError, OverflowError, RuntimeError) as exc:
             # Checksums held but the content is unusable: report it, never keep the file.
             path.unlink(missing_ok=True)
@@ -76,6 +90,7 @@ def salvage_journal(
     _write_report(report, contents, bundles, in_flight, torn, crash_context)
     if remove:
         contents.path.unlink(missing_ok=True)
+        last_words.unlink(missing_ok=True)
     return SalvageResult(contents.path, bundles, in_flight, torn, report)
 
 
@@ -90,9 +105,16 @@ def _slot_facts(rec: SlotRecord) -> dict[str, Any]:
             stream=m.stream,
             capture_id=m.capture_id,
             graph_id=m.graph_id,
-            replay=m.replay,
             after_kernel=m.after_kernel,
         )
+        if m.capture_id:  # a graph's slot: the markers count the graph's replays
+            site = m.extra.get("site", {})
+            facts.update(graph=m.capture_id, replay=rec.token, site=site.get("position"))
+    if rec.state is SlotState.COMPLETE:
+        facts["finished"] = rec.finished
+        facts["in_flight"] = not rec.finished  # the kernel had not finished when it died
+    elif rec.reason:
+        facts["reason"] = rec.reason
     return facts
 
 
@@ -101,26 +123,55 @@ def _write_bundle(
     rec: SlotRecord,
     contents: JournalContents,
     crash_context: dict[str, Any] | None,
+    before: SlotRecord | None = None,
 ) -> None:
+    """One bundle of slot `rec`. A graph replay's slot whose site kept the eager call made on
+    the same buffers before capture is written as two calls: that call (what the graph was
+    captured over), then the replay's values, so a graph replay of call 0 replays the
+    production sequence (`--then`-style phases come from the bundle's later calls)."""
+    from kdump.bundle import load_bundle, save_calls
+
+    calls = [_call_record(rec, contents, crash_context)]
+    if before is not None:
+        first = _call_record(before, contents, crash_context)
+        first.meta["journal"]["role"] = "before capture (the graph's buffers then)"
+        calls.insert(0, first)
+    info = {
+        "salvaged_from": str(contents.path),
+        "journal_created": contents.header.created,
+        "process": contents.header.process,
+    }
+    facts = calls[-1].meta["journal"]
+    if "graph" in facts:
+        info["graph_replay"] = {
+            "graph": facts["graph"],
+            "replay": facts["replay"],
+            "site": facts["site"],
+            "capture_call": 0,
+            "replay_call": len(calls) - 1,
+        }
+    save_calls(path, calls, info=info)
+    with load_bundle(path) as bundle:  # what salvage leaves behind must load and verify
+        bundle.verify()
+
+
+def _call_record(
+    rec: SlotRecord, contents: JournalContents, crash_context: dict[str, Any] | None
+) -> Any:
     import torch
 
     from kdump.bundle import (
         CallRecord,
         Captured,
+        Source,
         StorageRecord,
         TensorRecord,
-        load_bundle,
-        save_calls,
     )
 
     meta = rec.meta
     assert meta is not None  # complete slots always carry their metadata
-    keep_storage: dict[int, int] = {}
     storages, data = [], []
-    for j, (s, payload) in enumerate(zip(meta.storages, rec.payloads)):
-        if payload is None:
-            continue
-        keep_storage[j] = len(storages)
+    for s, payload in zip(meta.storages, rec.payloads):
         storages.append(
             StorageRecord(
                 device=str(s["device"]),
@@ -128,6 +179,7 @@ def _write_bundle(
                 storage_nbytes=int(s["storage_nbytes"]),
                 span_start=int(s["span_start"]),
                 span_nbytes=int(s["span_nbytes"]),
+                source=Source.BLOB if payload is not None else Source.MISSING,
             )
         )
         data.append(
@@ -135,24 +187,21 @@ def _write_bundle(
             if payload
             else torch.empty(0, dtype=torch.uint8)
         )
-    renumber: dict[int, int] = {}
     tensors, missing = [], []
     for i, t in enumerate(meta.tensors):
-        if t.get("storage") in keep_storage:
-            renumber[i] = len(tensors)
-            tensors.append(
-                TensorRecord(
-                    storage=keep_storage[t["storage"]],
-                    dtype=str(t["dtype"]),
-                    shape=tuple(int(x) for x in t["shape"]),
-                    stride=tuple(int(x) for x in t["stride"]),
-                    storage_offset=int(t["storage_offset"]),
-                    requires_grad=bool(t.get("requires_grad", False)),
-                    data_ptr=int(t.get("data_ptr", 0)),
-                )
+        tensors.append(
+            TensorRecord(
+                storage=int(t["storage"]),
+                dtype=str(t["dtype"]),
+                shape=tuple(int(x) for x in t["shape"]),
+                stride=tuple(int(x) for x in t["stride"]),
+                storage_offset=int(t["storage_offset"]),
+                requires_grad=bool(t.get("requires_grad", False)),
+                data_ptr=int(t.get("data_ptr", 0)),
             )
-        else:
-            missing.append({"tensor": i, **t})
+        )
+        if rec.payloads[int(t["storage"])] is None:
+            missing.append(i)
     journal_meta = _slot_facts(rec)
     if missing:
         journal_meta["missing_tensors"] = missing
@@ -164,37 +213,13 @@ def _write_bundle(
     call = CallRecord(
         target=meta.target,
         called_as=meta.called_as,
-        args=[_rewrite(a, renumber, meta.tensors) for a in meta.args],
-        kwargs={k: _rewrite(v, renumber, meta.tensors) for k, v in meta.kwargs.items()},
+        args=meta.args,
+        kwargs=meta.kwargs,
         names=meta.names,
         inputs=Captured(storages=storages, tensors=tensors, data=data),
         meta=call_meta,
     )
-    info = {
-        "salvaged_from": str(contents.path),
-        "journal_created": contents.header.created,
-        "process": contents.header.process,
-    }
-    save_calls(path, [call], info=info)
-    with load_bundle(path) as bundle:  # what salvage leaves behind must load and verify
-        bundle.verify()
-
-
-def _rewrite(node: Any, renumber: dict[int, int], tensors: list[dict[str, Any]]) -> Any:
-    """The argument tree with tensor references renumbered; tensors without bytes become
-    opaque values that say what they were."""
-    if isinstance(node, list):
-        return [_rewrite(v, renumber, tensors) for v in node]
-    if isinstance(node, dict):
-        if "$tensor" in node:
-            i = node["$tensor"]
-            if i in renumber:
-                return {"$tensor": renumber[i]}
-            t = tensors[i] if isinstance(i, int) and 0 <= i < len(tensors) else {}
-            what = f"{t.get('dtype', '?')}{list(t.get('shape', []))}"
-            return {"$opaque": "torch.Tensor", "repr": f"<{what}: bytes not in the journal>"}
-        return {k: _rewrite(v, renumber, tensors) for k, v in node.items()}
-    return node
+    return call
 
 
 def _write_report(
@@ -253,3 +278,22 @@ def dead_journals(directory: str | os.PathLike[str]) -> list[Path]:
         if not pid_alive(pid):
             found.append(p)
     return found
+
+
+def salvaged_graph_replays(paths: Sequence[str | os.PathLike[str]]) -> bool:
+    """True when every path is a bundle file salvaged from a CUDA-graph replay (their replay
+    reproduces the production sequence in graph mode)."""
+    from kdump.bundle import load_bundle
+
+    if not paths:
+        return False
+    for p in paths:
+        if not Path(p).is_file():
+            return False
+        try:
+            with load_bundle(p) as b:
+                if "graph_replay" not in b.info:
+                    return False
+        except BundleError:
+            return False
+    return True

@@ -6,9 +6,10 @@
 
 Where bundles go: kdump.record.capture_dir. How calls are kept: a `Recorder`, the seam between
 the hooks and the recording mode. `SyncRecorder` (kdump.record.sync) snapshots inputs before the
-call and in-place outputs after it and writes a bundle at once. The flight recorder (`mode="ring"`)
-implements the same three methods: `on_call` (hot path entry for a considered call), `flush`
-(called at exit, SIGTERM/SIGINT and the flush signal) and `close`.
+call and in-place outputs after it and writes a bundle at once. The flight recorder
+(`mode="ring"`, kdump.record.ring) implements the same three methods: `on_call` (hot path entry
+for a considered call), `flush` (called at exit, SIGTERM/SIGINT and the flush signal) and
+`close`.
 
 Failure isolation: everything kdump does around a call is inside try/except; a failure logs one
 line ("kdump: ...") and switches recording of that target off. The original function runs with
@@ -34,10 +35,6 @@ from kdump.record.config import RecordConfig
 from kdump.record.hooks import HookState, PatchSet, parse_targets
 from kdump.record.triggers import Trigger
 
-RING_NOT_IN_BUILD = (
-    "recording mode 'ring' (the flight recorder) is not in this build; use --mode sync"
-)
-
 
 class Recorder(Protocol):
     mode: str
@@ -59,12 +56,18 @@ class Recorder(Protocol):
 
 def check_mode(mode: str) -> None:
     """Raise UsageError for a recording mode this build cannot run."""
-    if mode == "ring":
-        raise UsageError(RING_NOT_IN_BUILD)
+    from kdump.record.config import MODES
+
+    if mode not in MODES:
+        raise UsageError(f"unknown recording mode {mode!r}; use ring or sync")
 
 
 def make_recorder(cfg: RecordConfig, session: Recording) -> Recorder:
     check_mode(cfg.mode)
+    if cfg.mode == "ring":
+        from kdump.record.ring import RingRecorder
+
+        return RingRecorder(cfg, session)
     from kdump.record.sync import SyncRecorder
 
     return SyncRecorder(cfg, session)
@@ -231,6 +234,7 @@ def recording(
     on_exception: bool = False,
     outputs: str | Sequence[str | int] | None = "default",
     mode: str = "sync",
+    ring: Any = None,
 ) -> Recording:
     """Record calls of `target` (a preset, 'module:qualname', 'torch.ops.ns.op', or a list) while
     the returned context is active. See kdump.record.triggers for how the criteria combine;
@@ -249,5 +253,6 @@ def recording(
         on_exception=on_exception,
         outputs=outputs,
         mode=mode,
+        ring=ring,
     )
     return Recording(cfg).start()

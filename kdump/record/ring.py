@@ -1,0 +1,519 @@
+"""The flight recorder (`mode="ring"`): the last calls of a process in a crash-proof journal.
+
+Per recorded call the host writes a compact header into the next journal slot (call index,
+target, argument tree and layouts, stream, capture and graph ids) and the call's small arguments
+are copied into the slot before the kernel runs: by the host for CPU tensors, asynchronously on
+the call's own stream for CUDA tensors (the journal is pinned shared memory), with the slot's
+markers ordered around them (kdump.record.journal). Nothing synchronises on the hot path.
+
+What is copied, in priority order while the slot has room: arguments whose spec role is routing,
+scalar or hint, inputs no bigger than `SMALL_BYTES`, then the other inputs, smallest first; what
+does not fit (weights, big activations) keeps its layout only (salvage marks it missing).
+Outputs are never copied: they are what the kernel writes.
+
+CUDA graphs: a call made during stream capture gets its own slot for its capture site (capture
+id + position in the capture), pinned outside the ring's rotation; its copies are captured into
+the graph, together with an `add_` on a device-side counter that the graph copies into the
+slot's markers, so every replay refreshes the slot before the kernel and marks it done after.
+At most half the ring's slots are pinned (`Journal.pin`); a site over that budget keeps its
+header only, in a rotating slot, marked `site_over_budget`. When a site is made, the last eager
+call of the same target on the same buffers is pinned too (what the buffers held before
+capture).
+
+The journal is allocated at the first recorded call: for CUDA calls only outside capture (never
+during it), on the device current then; a process that never makes a recorded call (launchers,
+tokenizers) never allocates one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kdump import config
+from kdump.log import log_once
+from kdump.record.hooks import HookState, busy
+from kdump.record.journal import Journal, JournalError, Slot, SlotMeta
+from kdump.record.salvage import CRASH_SUFFIX
+
+if TYPE_CHECKING:
+    from kdump.record.config import RecordConfig
+    from kdump.record.session import Recording
+
+SMALL_BYTES = 64 << 10  # inputs up to this size are copied whatever their role
+SLOT_SHARE = 0.9  # of a slot, what payloads may take (the rest: header and argument JSON)
+COPIED_ROLES = ("routing", "scalar", "hint")
+
+
+@dataclass(frozen=True)
+class Site:
+    """One capture site: a call position inside one stream capture."""
+
+    capture_id: int
+    position: int
+    slot: int | None  # its pinned slot; None: over budget
+    counter: int  # index into the device-side replay counters
+    eager_seq: int = 0  # journal seq of the eager call on the same buffers before capture
+
+
+class _CaptureTracker:
+    """Capture ids: a new id each time a stream capture begins (seen at the first call made in
+    it, or announced by CUDAGraph.capture_begin)."""
+
+    def __init__(self) -> None:
+        self.capture_id = 0
+        self.position = 0
+        self._in_capture = False
+
+    def begin(self) -> None:
+        self.capture_id += 1
+        self.position = 0
+        self._in_capture = True
+
+    def end(self) -> None:
+        self._in_capture = False
+
+    def next_site(self, capturing: bool) -> tuple[int, int] | None:
+        if not capturing:
+            self._in_capture = False
+            return None
+        if not self._in_capture:
+            self.begin()
+        pos = self.position
+        self.position += 1
+        return self.capture_id, pos
+
+
+class RingRecorder:
+    """The Recorder of mode ring (see the module docstring)."""
+
+    mode = "ring"
+
+    def __init__(self, cfg: RecordConfig, session: Recording) -> None:
+        self.cfg = cfg
+        self.session = session
+        self._init_process()
+
+    def _init_process(self) -> None:
+        self.lock = threading.RLock()
+        self.journal: Journal | None = None
+        self.pid = os.getpid()
+        self.errors = 0
+        self.written: list[Path] = []
+        self.captures = _CaptureTracker()
+        self.sites: dict[tuple[int, int], Site] = {}
+        self._last_eager: dict[str, tuple[int, int, tuple[int, ...]]] = {}
+        self._target_ids: dict[str, int] = {}
+        self._calls = itertools.count()
+        self._cuda: _CudaSide | None = None
+        self._hooks_installed = False
+
+    def after_fork(self) -> None:
+        # The parent's journal and its mapping belong to the parent; the child starts its own.
+        self._init_process()
+
+    # -- the journal ------------------------------------------------------------------------------
+    def _open(self, cuda_device: Any = None) -> Journal:
+        if self.journal is None:
+            ring = self.cfg.ring
+            ring.journal_dir.mkdir(parents=True, exist_ok=True)
+            self.journal = Journal.create(
+                ring.journal_dir,
+                slots=ring.slots,
+                slot_bytes=ring.slot_bytes,
+                process_info=process_block(),
+            )
+            self._install_last_words()
+        if cuda_device is not None and self._cuda is None:
+            self._cuda = _CudaSide(self.journal, cuda_device)
+            self._patch_graph_capture()
+        return self.journal
+
+    def _install_last_words(self) -> None:
+        if self._hooks_installed:
+            return
+        self._hooks_installed = True
+        previous = sys.excepthook
+
+        def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+            try:
+                self.note_crash(kind, exc, tb)
+            except Exception:
+                pass
+            previous(kind, exc, tb)
+
+        sys.excepthook = hook
+
+    def note_crash(self, kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        """Write the Python traceback (and the CUDA error, when it is one) next to the journal:
+        salvage puts them in the crash context."""
+        j = self.journal
+        if j is None:
+            return
+        text = "".join(traceback.format_exception(kind, exc, tb))[-8000:]
+        doc: dict[str, Any] = {"traceback": text, "exception": f"{kind.__name__}: {exc}"[:2000]}
+        if "CUDA" in str(exc) or "cuda" in kind.__name__.lower():
+            doc["cuda_error"] = str(exc)[:2000]
+        tmp = j.path.with_name(j.path.name + CRASH_SUFFIX + ".tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, j.path.with_name(j.path.name + CRASH_SUFFIX))
+
+    def _patch_graph_capture(self) -> None:
+        """New capture ids exactly where torch begins a capture."""
+        import torch
+
+        cls = torch.cuda.CUDAGraph
+        if getattr(cls, "_kdump_patched", False):
+            return
+        begin, end = cls.capture_begin, cls.capture_end
+        tracker = self.captures
+
+        def capture_begin(graph: Any, *a: Any, **k: Any) -> Any:
+            tracker.begin()
+            return begin(graph, *a, **k)
+
+        def capture_end(graph: Any, *a: Any, **k: Any) -> Any:
+            tracker.end()
+            return end(graph, *a, **k)
+
+        cls.capture_begin, cls.capture_end = capture_begin, capture_end
+        cls._kdump_patched = True
+
+    # -- the call ---------------------------------------------------------------------------------
+    def on_call(
+        self,
+        st: HookState,
+        index: int,
+        called_as: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        prev = busy.flag
+        busy.flag = True  # hooked calls made inside this one pass through unrecorded
+        try:
+            after = None
+            try:
+                if self.session.trigger(st.id).select(index, args, kwargs):
+                    after = self._before(st, index, called_as, args, kwargs)
+            except Exception as exc:
+                self.session.fail(st, "recording the call into the flight recorder", exc)
+            result = fn(*args, **kwargs)  # an exception leaves the slot marked not done
+            if after is not None:
+                try:
+                    after()
+                except Exception as exc:
+                    self.session.fail(st, "marking the call done in the flight recorder", exc)
+            return result
+        finally:
+            busy.flag = prev
+
+    def _before(
+        self,
+        st: HookState,
+        index: int,
+        called_as: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Callable[[], None] | None:
+        import torch
+
+        from kdump.bundle import argtree
+        from kdump.bundle.tensors import group_storages
+
+        with torch._C.DisableTorchFunctionSubclass():
+            tensors: list[Any] = []
+            args_tree = [argtree.encode(a, tensors) for a in args]
+            kwargs_tree = {str(k): argtree.encode(v, tensors) for k, v in kwargs.items()}
+            cuda = [t for t in tensors if t.is_cuda]
+            capturing = self._is_capturing(cuda)
+            with self.lock:
+                if cuda and self.journal is None and capturing:
+                    return None  # never allocate during capture
+                j = self._open(cuda[0].device if cuda and not capturing else None)
+                if cuda and self._cuda is None:
+                    return None  # the journal was made by CPU calls; CUDA side needs no capture
+                storages, records = group_storages(tensors)
+                want = self._wanted(st, args, kwargs, tensors, records, storages)
+                site_key = self.captures.next_site(capturing)
+                stream = int(torch.cuda.current_stream().cuda_stream) if cuda else 0
+                names = st.names()
+                extra: dict[str, Any] = {
+                    "call_index": index,
+                    "pid": self.pid,
+                    "time_ns": time.time_ns(),
+                    "mode": "ring",
+                    "capturing": capturing,
+                    "tiers": ["host"],  # bulky arguments beyond the slot keep their layouts only
+                }
+                site = None
+                pin_index = None
+                if site_key is not None:
+                    site = self._site(site_key, st.id, tensors)
+                    extra["site"] = {
+                        "capture": site.capture_id,
+                        "position": site.position,
+                        "eager_seq": site.eager_seq,
+                    }
+                    if site.slot is None:
+                        extra["site_over_budget"] = True
+                        want = [False] * len(storages)
+                    pin_index = site.slot
+                meta = SlotMeta(
+                    call_index=index,
+                    target=st.id,
+                    target_id=self._target_ids.setdefault(st.id, len(self._target_ids) + 1),
+                    called_as=called_as,
+                    names=list(names[: len(args)]) if names and len(names) >= len(args) else None,
+                    args=args_tree,
+                    kwargs=kwargs_tree,
+                    storages=[_storage_dict(s) for s in storages],
+                    tensors=[_tensor_dict(r) for r in records],
+                    stream=stream,
+                    capture_id=site.capture_id if site else 0,
+                    graph_id=site.capture_id if site else 0,
+                    extra=extra,
+                )
+                slot = j.reserve(meta, index=pin_index, want=want)
+                views = _span_views(tensors, records, storages)
+                if site is None:
+                    ptrs = tuple(t.data_ptr() for t in tensors)
+                    self._last_eager[st.id] = (slot.index, slot.seq, ptrs)
+                if not cuda:
+                    return self._host_copy(slot, views)
+                if site is not None and site.slot is None:
+                    # Over budget: the header only, written now. No captured copies: the slot
+                    # rotates, and replays must never write into a later call's slot.
+                    slot.commit()
+                    slot.finish()
+                    return None
+                assert self._cuda is not None
+                return self._cuda.copy(slot, views, site)
+
+    @staticmethod
+    def _is_capturing(cuda: list[Any]) -> bool:
+        """Is the current stream capturing? Asked only for calls with CUDA tensors."""
+        import torch
+
+        return bool(cuda) and torch.cuda.is_current_stream_capturing()
+
+    def _host_copy(self, slot: Slot, views: list[Any]) -> Callable[[], None]:
+        import torch
+
+        for i, src in enumerate(views):
+            if slot.has_payload(i) and src.numel():
+                dst = torch.frombuffer(slot.payload(i), dtype=torch.uint8)
+                dst.copy_(src.reshape(-1))
+        slot.commit()
+        return slot.finish
+
+    def _wanted(
+        self,
+        st: HookState,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        tensors: list[Any],
+        records: list[Any],
+        storages: list[Any],
+    ) -> list[bool]:
+        """Per storage: copy its bytes? In priority order while the slot has room: routing /
+        scalar / hint parameters and small inputs, then the other inputs, smallest first.
+        Outputs never (the kernel writes them)."""
+        roles = _tensor_roles(st, args, kwargs, tensors)
+        rank = [2] * len(storages)  # 0: first, 1: small, 2: other inputs, 3: never
+        for i, s in enumerate(storages):
+            if s.span_nbytes <= SMALL_BYTES:
+                rank[i] = 1
+        for r, role in zip(records, roles):
+            if role in COPIED_ROLES:
+                rank[r.storage] = min(rank[r.storage], 0)
+            elif role == "output":
+                rank[r.storage] = 3
+        assert self.journal is not None
+        room = int(self.journal.slot_bytes * SLOT_SHARE)
+        want = [False] * len(storages)
+        for i in sorted(range(len(storages)), key=lambda i: (rank[i], storages[i].span_nbytes)):
+            n = storages[i].span_nbytes + 64  # payloads are 64-byte aligned
+            if rank[i] < 3 and n <= room:
+                want[i] = True
+                room -= n
+        return want
+
+    def _site(self, key: tuple[int, int], target: str, tensors: list[Any]) -> Site:
+        site = self.sites.get(key)
+        if site is not None:
+            return site
+        j = self.journal
+        assert j is not None
+        counter = len(self.sites)
+        over = self._cuda is not None and counter >= self._cuda.max_sites
+        slot = None if over else j.pin_next()
+        eager_seq = 0
+        last = self._last_eager.get(target)
+        if last is not None and last[2] == tuple(t.data_ptr() for t in tensors):
+            if j.pin(last[0]):  # the buffers' values before capture stay
+                eager_seq = last[1]
+        site = Site(key[0], key[1], slot, counter, eager_seq)
+        self.sites[key] = site
+        return site
+
+    # -- flush ------------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Write the journal's complete slots as bundles now (the process keeps running and
+        recording); never raises."""
+        try:
+            j = self.journal
+            if j is None:
+                return
+            from kdump.record.salvage import salvage_journal
+
+            # The folder and names the launcher's salvage uses: flushing twice writes the same.
+            out = Path(self.cfg.out) / f"flight.{socket.gethostname()}"
+            res = salvage_journal(j.path, out, {"flushed": True}, remove=False)
+            self.written = res.bundles
+        except Exception as exc:
+            log_once(f"ringflush:{self.pid}", f"flight recorder flush failed: {exc}")
+
+    def close(self) -> None:
+        """End of a session in a live process: write the bundles, then remove the journal
+        (under `kdump record` the launcher salvages instead, after the process is gone)."""
+        if self.journal is None:
+            return
+        if not config.get_flag("KDUMP_RECORD"):
+            self.flush()
+            with self.lock:
+                if self._cuda is not None:
+                    self._cuda.release()
+                self.journal.unlink()
+                self.journal = None
+
+
+class _CudaSide:
+    """The journal as pinned memory for one device, plus the device-side markers' sources."""
+
+    def __init__(self, journal: Journal, device: Any) -> None:
+        import ctypes
+
+        import torch
+
+        self.device = device
+        self.journal = journal
+        self.max_sites = max(1, journal.slot_count // 2)
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(journal._map))
+        self._addr = addr
+        size = len(journal._map)
+        err = torch.cuda.cudart().cudaHostRegister(addr, size, 0)
+        self.registered = int(err) == 0
+        if not self.registered:
+            raise JournalError(f"cudaHostRegister of the journal failed (error {int(err)})")
+        with torch.cuda.device(device):
+            self.one = torch.ones(1, dtype=torch.int64, device=device)
+            self.counters = torch.zeros(self.max_sites, dtype=torch.int64, device=device)
+
+    def copy(self, slot: Slot, views: list[Any], site: Site | None) -> Callable[[], None]:
+        import torch
+
+        slot.commit(device=True)
+
+        def marker(name: str) -> Any:
+            return torch.frombuffer(slot.marker(name), dtype=torch.int64)
+
+        if site is not None and site.slot is not None:
+            token = self.counters[site.counter : site.counter + 1]
+            token.add_(1)  # captured: every replay counts itself
+        else:
+            token = self.one
+        marker("pre").copy_(token, non_blocking=True)
+        for i, src in enumerate(views):
+            if slot.has_payload(i) and src.numel():
+                dst = torch.frombuffer(slot.payload(i), dtype=torch.uint8)
+                dst.copy_(src.reshape(-1), non_blocking=True)
+        marker("post").copy_(token, non_blocking=True)
+        done = marker("done")
+
+        def after() -> None:
+            done.copy_(token, non_blocking=True)
+
+        return after
+
+    def release(self) -> None:
+        import torch
+
+        try:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.cudart().cudaHostUnregister(self._addr)
+        except Exception:
+            pass
+
+
+def _storage_dict(s: Any) -> dict[str, Any]:
+    return {
+        "device": s.device,
+        "base_ptr": s.base_ptr,
+        "storage_nbytes": s.storage_nbytes,
+        "span_start": s.span_start,
+        "span_nbytes": s.span_nbytes,
+    }
+
+
+def _tensor_dict(r: Any) -> dict[str, Any]:
+    return {
+        "storage": r.storage,
+        "dtype": r.dtype,
+        "shape": list(r.shape),
+        "stride": list(r.stride),
+        "storage_offset": r.storage_offset,
+        "requires_grad": r.requires_grad,
+        "data_ptr": r.data_ptr,
+        "nbytes": r.numel * r.itemsize,
+    }
+
+
+def _span_views(tensors: list[Any], records: list[Any], storages: list[Any]) -> list[Any]:
+    """Per storage: a uint8 view of its span (the bytes the kernel reads)."""
+    from kdump.bundle.tensors import _byte_view
+
+    firsts: dict[int, Any] = {}
+    for t, r in zip(tensors, records):
+        firsts.setdefault(r.storage, t)
+    return [_byte_view(firsts[i], s.span_start, s.span_nbytes) for i, s in enumerate(storages)]
+
+
+def _tensor_roles(
+    st: HookState, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[Any]
+) -> list[str | None]:
+    """The spec role of each tensor's parameter (None: unknown)."""
+    try:
+        from kdump.kernels import registry
+
+        spec = registry.spec_for(st.id, st.names())
+        roles = {p.name: p.role.value for p in getattr(spec, "params", ())}
+    except Exception:
+        return [None] * len(tensors)
+    names = st.names() or ()
+    by_id: dict[int, str | None] = {}
+    for name, value in list(zip(names, args)) + list(kwargs.items()):
+        from kdump.bundle import argtree
+
+        for t in argtree.tensors_in(value):
+            by_id.setdefault(id(t), roles.get(name))
+    return [by_id.get(id(t)) for t in tensors]
+
+
+def process_block() -> dict[str, Any]:
+    """The journal's process block: argv and the recorded environment (redacted)."""
+    return {
+        "argv": config.redact_argv(list(sys.argv)),
+        "pid": os.getpid(),
+        "env": config.recorded_environment(),
+    }
