@@ -193,15 +193,30 @@ class Allocation:
         return self.buffer[self.span_offset : self.span_offset + self.span_nbytes]
 
 
+@dataclass(frozen=True)
+class OffsetChange:
+    """A tensor whose storage offset could not be kept (its storage's prefix was over budget)."""
+
+    tensor: int
+    recorded: int  # storage offset in elements, as recorded
+    placed: int  # storage offset in elements, as materialised
+
+    def describe(self, name: str) -> str:
+        return f"{name}: storage offset {self.recorded} became {self.placed}"
+
+
 @dataclass
 class Materialized:
     tensors: list[torch.Tensor]
     allocations: list[Allocation] = field(default_factory=list)
+    # Empty unless a prefix did not fit the budget; a replay says so in its verdict.
+    offset_changes: list[OffsetChange] = field(default_factory=list)
 
 
-# A view's storage offset is kept exactly by re-creating the unrecorded bytes before its span
-# (zeros), as long as the prefixes of one call's storages add up to at most this (so a small
-# hostile file cannot make the reader zero-fill gigabytes).
+# A view's storage offset is kept exactly, in every placement, by re-creating the unrecorded bytes
+# before its span (zeros, or poison with a halo or a flush end), as long as the prefixes of one
+# call's storages add up to at most this (so a small hostile file cannot make the reader fill
+# gigabytes). Past it a storage starts at its span and the offsets that changed are reported.
 PREFIX_LIMIT = 64 << 20
 
 
@@ -274,9 +289,11 @@ def materialize(
 ) -> Materialized:
     """Re-create `tensors` with their exact layout on `device`.
 
-    `read_span(i)` returns storage i's bytes as a CPU uint8 tensor. With the default placement,
-    storage offsets and base-address alignment are those of the call; with a halo or `flush_end`
-    each storage starts at its span (the span is all a memory checker should see).
+    `read_span(i)` returns storage i's bytes as a CPU uint8 tensor. In every placement storage
+    offsets, aliasing and base-address alignment are those of the call: the unrecorded bytes of a
+    storage before its span are re-created (zeros by default; `halo_fill` poison with a halo or a
+    flush end, so a read of them shows), within PREFIX_LIMIT per call; the offsets that changed
+    past it are listed in `offset_changes`.
     On CPU, `fill_spans([(i, dest), ...])`, when given, fills every non-empty span in one batch
     instead of `read_span` (so a reader can copy and verify all spans in parallel, in one pass).
     """
@@ -284,12 +301,12 @@ def materialize(
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CannotRunError("no CUDA device is available here; materialise on 'cpu' instead")
     placement = placement or Placement()
-    keep_prefix = placement.halo == 0 and not placement.flush_end
+    guarded = placement.halo > 0 or placement.flush_end
     allocations: list[Allocation] = []
     batch: list[tuple[int, torch.Tensor]] = []
     prefix_budget = PREFIX_LIMIT
     for idx, st in enumerate(storages):
-        prefix = st.span_start if keep_prefix and st.span_start <= prefix_budget else 0
+        prefix = st.span_start if st.span_start <= prefix_budget else 0
         prefix_budget -= prefix
         region = prefix + st.span_nbytes
         buf, off = _allocate(region, device, (st.span_ptr - prefix) % ALIGN_MOD, placement)
@@ -297,7 +314,7 @@ def materialize(
             buf[:off].fill_(placement.halo_fill)
             buf[off + region :].fill_(placement.halo_fill)
         if prefix:
-            buf[off : off + prefix].zero_()
+            buf[off : off + prefix].fill_(placement.halo_fill if guarded else 0)
         span_off = off + prefix
         if st.span_nbytes and fill_spans is not None and device.type == "cpu":
             batch.append((idx, buf[span_off : span_off + st.span_nbytes]))
@@ -314,6 +331,7 @@ def materialize(
     if batch and fill_spans is not None:
         fill_spans(batch)
     out: list[torch.Tensor] = []
+    changes: list[OffsetChange] = []
     for i, rec in enumerate(tensors):
         alloc = allocations[rec.storage]
         dtype = dtype_from_name(rec.dtype)
@@ -328,5 +346,7 @@ def materialize(
         t.set_(alloc.storage_view, byte_off // dtype.itemsize, rec.shape, rec.stride)
         if rec.requires_grad and (dtype.is_floating_point or dtype.is_complex):
             t.requires_grad_(True)
+        if t.storage_offset() != rec.storage_offset:
+            changes.append(OffsetChange(i, rec.storage_offset, t.storage_offset()))
         out.append(t)
-    return Materialized(out, allocations)
+    return Materialized(out, allocations, changes)
