@@ -279,6 +279,17 @@ def _allocate(
     return buf, buf.numel() - halo - nbytes  # alignment could not be matched; the end stays flush
 
 
+def _direct(
+    view: torch.Tensor | None, st: StorageRecord, placement: Placement
+) -> torch.Tensor | None:
+    """`view` if it can stand for storage `st` in place (right size and alignment)."""
+    if view is None or view.numel() != st.span_nbytes:
+        return None
+    if placement.align and view.data_ptr() % ALIGN_MOD != st.alignment:
+        return None
+    return view
+
+
 def materialize(
     storages: Sequence[StorageRecord],
     tensors: Sequence[TensorRecord],
@@ -286,6 +297,7 @@ def materialize(
     device: torch.device | str = "cpu",
     placement: Placement | None = None,
     fill_spans: Callable[[Sequence[tuple[int, torch.Tensor]]], None] | None = None,
+    view_span: Callable[[int], torch.Tensor | None] | None = None,
 ) -> Materialized:
     """Re-create `tensors` with their exact layout on `device`.
 
@@ -296,6 +308,9 @@ def materialize(
     past it are listed in `offset_changes`.
     On CPU, `fill_spans([(i, dest), ...])`, when given, fills every non-empty span in one batch
     instead of `read_span` (so a reader can copy and verify all spans in parallel, in one pass).
+    On CPU, `view_span(i)`, when given, may return a private (copy-on-write) uint8 tensor of span
+    i's bytes that a storage with nothing before its span (and no halo or flush end) then uses in
+    place, without a copy, where its address has the recorded alignment.
     """
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -308,6 +323,12 @@ def materialize(
     for idx, st in enumerate(storages):
         prefix = st.span_start if st.span_start <= prefix_budget else 0
         prefix_budget -= prefix
+        if view_span is not None and not guarded and prefix == 0 and device.type == "cpu":
+            direct = _direct(view_span(idx), st, placement) if st.span_nbytes else None
+            if direct is not None:
+                storage = direct.untyped_storage()
+                allocations.append(Allocation(idx, direct, 0, st.span_nbytes, st, storage, 0))
+                continue
         region = prefix + st.span_nbytes
         buf, off = _allocate(region, device, (st.span_ptr - prefix) % ALIGN_MOD, placement)
         if placement.halo:
