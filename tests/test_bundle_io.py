@@ -132,3 +132,19 @@ def test_kdump_info_end_to_end_imports_no_torch(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     rep = json.loads(out.stdout)
     assert rep[0]["verified"] is True if isinstance(rep, list) else rep["verified"] is True
+
+
+def test_unchanged_output_shares_its_input_snapshot(tmp_path: Path) -> None:
+    from kdump.bundle import attach_outputs, input_tensors
+
+    x, y = torch.randn(300, 200, generator=GEN), torch.randn(300, 200, generator=GEN)
+    call = capture_call("m:f", [x, y])
+    y.mul_(2)  # y changed, x did not
+    attach_outputs(call, input_tensors(call, [x, y], {}), [0, 1])
+    assert call.outputs.data[0] is call.inputs.data[0]  # compared, not copied
+    assert call.outputs.data[1] is not call.inputs.data[1]
+    path = save_calls(tmp_path / "o.kdump", [call])
+    loaded = load_bundle(path).calls[0]
+    outs = loaded.materialize_outputs("cpu")
+    assert torch.equal(outs[0], x) and torch.equal(outs[1], y)
+    assert torch.equal(loaded.args[1], y / 2)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from kdump.bundle import argtree
 from kdump.bundle.format import (
+    ALIGN_MOD,
     STORE_DIRNAME,
     BlobRecord,
     CallEntry,
@@ -322,6 +323,14 @@ class Bundle:
                 file.close()
         return torch.frombuffer(memoryview(m)[lead:], dtype=torch.uint8)
 
+    def _mappable(self, st: StorageRecord) -> bool:
+        """Whether a page-aligned map puts `st`'s blob at its recorded address alignment."""
+        info = self.blobs.get(st.blob)
+        if info is None or info.nbytes == 0:
+            return False
+        start = self.data_start + self.inline[st.blob][0] if info.where is Where.INLINE else 0
+        return start % ALIGN_MOD == st.alignment
+
     def verify_tensor(self, sha: str, data: torch.Tensor) -> None:
         """Check the bytes handed out for blob `sha` (a contiguous CPU uint8 tensor)."""
         if not self._needs_check(sha):
@@ -387,6 +396,8 @@ class Bundle:
         handed: list[tuple[str, torch.Tensor]] = []
 
         def view_span(i: int) -> torch.Tensor | None:
+            if not self._mappable(storages[i]):
+                return None
             view = self.private_view(storages[i].blob)
             if view is not None:
                 handed.append((storages[i].blob, view))

@@ -9,6 +9,7 @@ import os
 import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -110,7 +111,7 @@ def attach_outputs(
     idx = sorted(set(indices))
     extra: list[torch.Tensor] = [live[i] for i in idx]
     ret_tree = argtree.encode(returned, extra) if returned is not None else None
-    call.outputs = capture(extra)
+    call.outputs = capture(extra, unchanged_from=call.inputs)
     call.inplace = [(i, k) for k, i in enumerate(idx)]
     call.returned = ret_tree
 
@@ -126,7 +127,20 @@ def _blob_view(t: torch.Tensor) -> memoryview:
 def _hash_all(views: Sequence[memoryview]) -> list[Digests]:
     if len(views) <= 1 or sum(len(v) for v in views) < (8 << 20):
         return [blob_digests(v) for v in views]
-    return list(pool().map(blob_digests, views))
+    return [f.result() for f in _submit_once(views)]
+
+
+def _submit_once(views: Sequence[memoryview]) -> list[Future[Digests]]:
+    """Hash jobs for `views` on the shared pool; views of the same bytes (a snapshot shared by an
+    unchanged output and its input) share one job."""
+    jobs: dict[tuple[int, int], Future[Digests]] = {}
+    out = []
+    for v in views:
+        key = (ctypes.addressof(ctypes.c_char.from_buffer(v)) if len(v) else 0, len(v))
+        if key not in jobs:
+            jobs[key] = pool().submit(blob_digests, v)
+        out.append(jobs[key])
+    return out
 
 
 def _aligned(pos: int, nbytes: int, align: int) -> int:
@@ -294,7 +308,7 @@ def _write_pipelined(
         pads: list[tuple[int, int]] = []
         digests: list[Digests] = []
         pos = 0
-        futures = [pool().submit(blob_digests, v) for v in views]
+        futures = _submit_once(views)
         for view, align, fut in zip(views, aligns, futures):
             if fut.done() and fut.result()[0] in layout:
                 digests.append(fut.result())
