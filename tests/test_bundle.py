@@ -25,7 +25,8 @@ from kdump.bundle import (
     save_calls,
 )
 from kdump.bundle.argtree import Opaque, RecordedEnum
-from kdump.bundle.format import FORMAT_VERSION
+from kdump.bundle.format import FORMAT_VERSION, Checksum
+from kdump.bundle.store import blob_digests, fast_checksum
 from kdump.bundle.tensors import ALIGN_MOD
 from kdump.errors import BundleError, KdumpError
 from kdump.errors import BundleErrorKind as K
@@ -320,6 +321,7 @@ def bundle_path(tmp_path: Path) -> Path:
 def test_truncated_and_lying_files(bundle_path: Path) -> None:
     raw = bundle_path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
+    text = len(raw[8 : 8 + n].rstrip())  # the JSON without its padding
     cases = {
         "empty": (b"", "too short", K.TRUNCATED),
         "seven": (raw[:7], "too short", K.TRUNCATED),
@@ -328,7 +330,7 @@ def test_truncated_and_lying_files(bundle_path: Path) -> None:
         "length too big": (struct.pack("<Q", n + 1000) + raw[8:], "header length", K.TRUNCATED),
         "length zero": (struct.pack("<Q", 0) + raw[8:], "header length", K.TRUNCATED),
         "length huge": (struct.pack("<Q", 2**63) + raw[8:], "header length", K.TRUNCATED),
-        "length short": (struct.pack("<Q", n - 8) + raw[8:], "not valid JSON", K.BAD_HEADER),
+        "length short": (struct.pack("<Q", text - 8) + raw[8:], "not valid JSON", K.BAD_HEADER),
         "garbage": (b"\xff" * 64, "header length", K.TRUNCATED),
         "binary header": (struct.pack("<Q", 8) + b"\xff" * 8, "not valid JSON", K.BAD_HEADER),
         "not object": (struct.pack("<Q", 8) + b"[1,2,3] ", "not a JSON object", K.BAD_HEADER),
@@ -444,19 +446,21 @@ def test_duplicates_written_before_their_hash_is_known(
 
     import kdump.bundle.writer as kb
 
-    real = kb.sha256_hex
+    real = kb.blob_digests
 
-    def slow(view: Any) -> str:
+    def slow(view: Any) -> tuple[str, str]:
         time.sleep(0.02)
         return real(view)
 
-    monkeypatch.setattr(kb, "sha256_hex", slow)
+    monkeypatch.setattr(kb, "blob_digests", slow)
     w = rand((64, 256))
     xs = [rand((8, 256)) for _ in range(4)]
     calls = [capture_call("m:f", [w, x, w[1:]]) for x in xs]
     path = save_calls(tmp_path / "b.kdump", calls)
     _, manifest, data = read_manifest(path)
-    assert len(manifest["blobs"]) == 5 and len(data) == w.numel() * 4 + 4 * 8 * 256 * 4
+    unique = w.numel() * 4 + 4 * 8 * 256 * 4
+    assert len(manifest["blobs"]) == 5 and sum(b["nbytes"] for b in manifest["blobs"].values())
+    assert unique <= len(data) < unique + kb.ALIGN_MOD  # one alignment gap at most
     b = load_bundle(path)
     b.verify()
     for call, x in zip(b.calls, xs):
@@ -464,7 +468,8 @@ def test_duplicates_written_before_their_hash_is_known(
         assert_exact(call.args[1], x)
         assert_exact(call.args[2], w[1:])
     with safe_open(str(path), framework="pt") as f:
-        assert len(list(f.keys())) == 5
+        names = list(f.keys())
+        assert len([k for k in names if not k.startswith(kb.PAD_PREFIX)]) == 5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -513,7 +518,15 @@ def test_writer_writes_version_2_sources_and_checksums(bundle_path: Path) -> Non
     _, manifest, _ = read_manifest(bundle_path)
     assert manifest["version"] == FORMAT_VERSION
     assert {s["source"] for s in manifest["calls"][0]["storages"]} == {"blob"}
-    assert {b["checksum"] for b in manifest["blobs"].values()} == {"sha256"}
+    algo = fast_checksum()
+    assert {b["checksum"] for b in manifest["blobs"].values()} == {algo.value}
+    b = load_bundle(bundle_path)
+    for sha, info in manifest["blobs"].items():
+        if algo is Checksum.XXH3_128:  # the digest is the blob's xxh3-128, beside its name
+            assert info["digest"] == blob_digests(b.blob_bytes(sha))[1]
+            assert len(info["digest"]) == 32
+        else:
+            assert "digest" not in info
 
 
 def _set_storage(m: dict, **kw: Any) -> None:
@@ -591,6 +604,7 @@ def test_version_1_without_source_still_loads(bundle_path: Path) -> None:
                 del st["source"]
         for info in m["blobs"].values():
             del info["checksum"]
+            info.pop("digest", None)
 
     x = load_bundle(bundle_path).calls[0].args[1]
     edit_manifest(bundle_path, to_v1)
@@ -660,7 +674,9 @@ def test_format_doc_example_matches_the_writer(tmp_path: Path) -> None:
     attach_outputs(rec, input_tensors(rec, args, kwargs), [2])
     path = save_calls(tmp_path / "b.kdump", [rec], env={"host": "h"}, info={"mode": "sync"})
     _, written, _ = read_manifest(path)
-    assert _json_keys(example) == _json_keys(written)
+    # `digest` is written only with the xxh3-128 check (the xxhash module installed).
+    optional = {".blobs.*.digest"}
+    assert _json_keys(example) - optional == _json_keys(written) - optional
     assert example["version"] == written["version"] == kdump.bundle.FORMAT_VERSION
     c = load_bundle(path).calls[0]
     assert [t.storage_offset for t in c.tensors] == [

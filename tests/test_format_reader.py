@@ -15,6 +15,11 @@ from typing import Any
 import pytest
 import torch
 
+try:  # the xxh3-128 check (§9.1); without the module the reader checks the SHA-256 name
+    import xxhash
+except ImportError:
+    xxhash = None
+
 # ---------------------------------------------------------------------------------------------
 # The reader (FORMAT.md §2–§8)
 
@@ -42,7 +47,8 @@ def read_container(path: Path) -> tuple[dict[str, Any], bytes, dict[str, Any]]:
 
 def read_blob(path: Path, header: dict[str, Any], data: bytes, manifest: dict, sha: str) -> bytes:
     info = manifest["blobs"][sha]
-    if info.get("checksum", "sha256") != "sha256":  # §3: sha256 is the only algorithm
+    algo = info.get("checksum", "sha256")
+    if algo not in ("sha256", "xxh3-128"):  # §3: the algorithms defined
         raise FormatError("unknown checksum algorithm")
     if info["nbytes"] == 0:
         out = b""
@@ -60,7 +66,10 @@ def read_blob(path: Path, header: dict[str, Any], data: bytes, manifest: dict, s
                 break
         else:
             raise FormatError("store not found")
-    if hashlib.sha256(out).hexdigest() != sha:
+    if algo == "xxh3-128" and xxhash is not None:
+        if xxhash.xxh3_128_hexdigest(out) != info["digest"]:
+            raise FormatError("checksum")
+    elif hashlib.sha256(out).hexdigest() != sha:  # §9.1: the name checks any blob
         raise FormatError("checksum")
     return out
 
@@ -213,7 +222,7 @@ def test_safetensors_opens_the_bundle(tmp_path: Path) -> None:
         keys = set(f.keys())
         assert keys == {k for k in header if k != "__metadata__"}
         assert "kdump.manifest" in f.metadata()
-        for sha in keys:
+        for sha in keys - {k for k in keys if k.startswith("kdump.pad.")}:  # §2: padding
             t = f.get_tensor(sha)
             assert t.dtype == torch.uint8 and t.dim() == 1
             assert hashlib.sha256(t.numpy().tobytes()).hexdigest() == sha
@@ -253,3 +262,50 @@ def test_independent_reader_rejects_unknown_source(tmp_path: Path) -> None:
     path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
     with pytest.raises(FormatError, match="unknown storage source"):
         read_call(path, 0)
+
+
+def _rewrite_manifest(path: Path, edit: Any) -> None:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    manifest = json.loads(header["__metadata__"]["kdump.manifest"])
+    edit(manifest)
+    header["__metadata__"]["kdump.manifest"] = json.dumps(manifest)
+    text = json.dumps(header).encode()
+    text += b" " * (n - len(text)) if len(text) <= n else b""
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxh3-128"])
+def test_independent_reader_reads_each_checksum_algorithm(tmp_path: Path, algo: str) -> None:
+    """Version-2 bundles of either check (earlier 2.0 ones say sha256 and carry no digest)."""
+    from kdump import capture_call, save_calls
+    from kdump.bundle import load_bundle
+
+    if algo == "xxh3-128" and xxhash is None:
+        pytest.skip("xxhash is not installed: the xxh3-128 check cannot be computed here")
+    t = torch.randn(300, 70)[5:, 3:]
+    path = save_calls(tmp_path / "b.kdump", [capture_call("m:f", [t], {})])
+
+    def set_algo(m: dict) -> None:
+        for sha, info in m["blobs"].items():
+            info["checksum"] = algo
+            info.pop("digest", None)
+            if algo == "xxh3-128":
+                data = load_bundle(path, verify=False).blob_bytes(sha)
+                info["digest"] = xxhash.xxh3_128_hexdigest(data)
+
+    _rewrite_manifest(path, set_algo)
+    _, _, manifest = read_container(path)
+    assert {b["checksum"] for b in manifest["blobs"].values()} == {algo}
+    _, _, got = read_call(path, 0)
+    assert torch.equal(got[0], t) and got[0].storage_offset() == t.storage_offset()
+    assert torch.equal(load_bundle(path).calls[0].args[0], t)
+    if algo == "xxh3-128":  # a wrong digest is caught by both readers
+        _rewrite_manifest(path, lambda m: [i.update(digest="0" * 32) for i in m["blobs"].values()])
+        with pytest.raises(FormatError, match="checksum"):
+            read_call(path, 0)
+        from kdump.errors import BundleError
+
+        with pytest.raises(BundleError, match="checksum mismatch"):
+            load_bundle(path).calls[0].materialize()

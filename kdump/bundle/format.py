@@ -110,7 +110,11 @@ class Where(str, Enum):
 class Checksum(str, Enum):
     """The algorithm a blob is verified with (its name is always its SHA-256)."""
 
-    SHA256 = "sha256"
+    SHA256 = "sha256"  # the name itself
+    XXH3_128 = "xxh3-128"  # a fast check recorded beside the name, in the entry's `digest`
+
+
+XXH3_DIGEST_LEN = 32  # hex digits of an xxh3-128 digest
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,7 @@ class BlobRecord:
     nbytes: int
     where: Where
     checksum: Checksum = Checksum.SHA256
+    digest: str = ""  # lowercase hex of the `checksum` algorithm's digest (not for sha256)
 
 
 @dataclass(frozen=True)
@@ -277,6 +282,13 @@ def call_json(c: CallEntry) -> dict[str, Any]:
     }
 
 
+def blob_json(b: BlobRecord) -> dict[str, Any]:
+    out: dict[str, Any] = {"nbytes": b.nbytes, "where": b.where.value, "checksum": b.checksum.value}
+    if b.checksum is not Checksum.SHA256:
+        out["digest"] = b.digest
+    return out
+
+
 def manifest_json(m: Manifest) -> dict[str, Any]:
     """The manifest as written (always the current FORMAT_VERSION's layout)."""
     return {
@@ -286,9 +298,6 @@ def manifest_json(m: Manifest) -> dict[str, Any]:
         "created": m.created,
         "env": m.env,
         "info": m.info,
-        "blobs": {
-            sha: {"nbytes": b.nbytes, "where": b.where.value, "checksum": b.checksum.value}
-            for sha, b in m.blobs.items()
-        },
+        "blobs": {sha: blob_json(b) for sha, b in m.blobs.items()},
         "calls": [call_json(c) for c in m.calls],
     }

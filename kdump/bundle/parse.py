@@ -18,6 +18,7 @@ from kdump.bundle.format import (
     MANIFEST_KEY,
     MAX_HEADER,
     SUPPORTED_VERSIONS,
+    XXH3_DIGEST_LEN,
     BlobRecord,
     CallEntry,
     Checksum,
@@ -39,7 +40,7 @@ _STORAGE_FIELDS[2] = _STORAGE_FIELDS[1] | {"source"}
 _STORAGE_FIELDS[3] = _STORAGE_FIELDS[2] | {"stats"}
 _STATS_FLOATS = ("min", "max", "mean", "std")
 E = TypeVar("E", bound=Enum)
-_BLOB_FIELDS = {"nbytes", "where", "checksum"}
+_BLOB_FIELDS = {"nbytes", "where", "checksum", "digest"}
 _SHA_DIGITS = frozenset("0123456789abcdef")
 
 
@@ -239,7 +240,11 @@ class _Parser:
                 f"blob {sha[:12]}… uses checksum {str(algo)[:20]!r}, unknown here; "
                 "upgrade kdump-gpu",
             )
-        return BlobRecord(nbytes=info["nbytes"], where=where, checksum=checksum)
+        digest = info.get("digest", "")
+        want = 0 if checksum is Checksum.SHA256 else XXH3_DIGEST_LEN
+        if not isinstance(digest, str) or len(digest) != want or not set(digest) <= _SHA_DIGITS:
+            raise self.fail("", f"blob {sha[:12]}… has a malformed {checksum.value} digest")
+        return BlobRecord(nbytes=info["nbytes"], where=where, checksum=checksum, digest=digest)
 
     def storages(self, raw: Any, where: str, version: int) -> tuple[StorageRecord, ...]:
         if not isinstance(raw, list):

@@ -4,22 +4,22 @@ the typed records; tensors are built, and torch imported, only when a call is ma
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import mmap
 import os
 import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from kdump.bundle import argtree
 from kdump.bundle.format import (
+    ALIGN_MOD,
     STORE_DIRNAME,
     BlobRecord,
     CallEntry,
+    Checksum,
     Limits,
     Manifest,
     Source,
@@ -28,7 +28,7 @@ from kdump.bundle.format import (
     Where,
 )
 from kdump.bundle.parse import parse_header, parse_manifest, read_header
-from kdump.bundle.store import BlobStore, sha256_hex
+from kdump.bundle.store import BlobStore, can_check, hasher, pool
 from kdump.bundle.validate import check_load, default_limits, validate_manifest
 from kdump.errors import BundleError
 from kdump.errors import BundleErrorKind as K
@@ -42,8 +42,8 @@ STORE_SEARCH_DEPTH = 3  # a bundle looks for the shared store in its folder and 
 # A recording process's folder holds an index (a capture root of its own); version 1 of the
 # capture-folder layout wrote index.json, later versions an append-only index.jsonl.
 INDEX_NAMES = ("index.jsonl", "index.json")
-_THREADS = max(1, min(8, os.cpu_count() or 1))
 _COPY_CHUNK = 1 << 20  # copy-and-hash granularity: small enough to stay in cache
+_PARALLEL_MIN = 8 << 20  # below this many bytes, one thread is faster than the pool
 
 
 @dataclass
@@ -182,9 +182,10 @@ def open_regular(path: Path, what: str = "bundle") -> BinaryIO:
 class Bundle:
     """A loaded .kdump file. Use `load_bundle`."""
 
-    def __init__(self, path: Path, limits: Limits | None = None) -> None:
+    def __init__(self, path: Path, limits: Limits | None = None, verify: bool = True) -> None:
         self.path = path
         self.limits = limits or default_limits()
+        self.verifies = verify  # False: blobs are used unchecked (callers say so loudly)
         self._file: BinaryIO | None = None
         self._map: mmap.mmap | None = None
         self._verified: set[str] = set()
@@ -269,6 +270,10 @@ class Bundle:
         if info.where is Where.INLINE:
             begin, end = self.inline[sha]
             return memoryview(self._mapped())[self.data_start + begin : self.data_start + end]
+        with self._open_store_blob(sha, info) as f:
+            return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+
+    def _open_store_blob(self, sha: str, info: BlobRecord) -> Any:
         p = self._store_path(sha)
         try:
             f = open_regular(p, "store blob")
@@ -280,24 +285,45 @@ class Bundle:
                 "copy the whole capture directory or re-pack the bundle",
                 K.MISSING_BLOB,
             ) from None
-        with f:
-            if os.fstat(f.fileno()).st_size != info.nbytes:
-                raise BundleError(
-                    f"{p}: store blob has the wrong size (expected {info.nbytes})", K.CHECKSUM
-                )
-            try:
-                return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
-            except (OSError, ValueError) as exc:
-                raise BundleError(f"{p}: cannot map the store blob ({exc})", K.MISSING_BLOB)
+        if os.fstat(f.fileno()).st_size != info.nbytes:
+            f.close()
+            raise BundleError(
+                f"{p}: store blob has the wrong size (expected {info.nbytes})", K.CHECKSUM
+            )
+        return f
+
+    @property
+    def verified(self) -> frozenset[str]:
+        """Blobs checked in this process, to pass on to a replay child (`trust`)."""
+        with self._lock:
+            return frozenset(self._verified)
+
+    def trust(self, shas: Iterable[str]) -> None:
+        """Treat blobs as verified: a parent process checked them in this same file."""
+        with self._lock:
+            self._verified.update(shas)
+
+    def _needs_check(self, sha: str) -> bool:
+        return self.verifies and sha not in self._verified
+
+    def _hasher(self, sha: str) -> tuple[Any, str]:
+        """A hasher for blob `sha` and the digest it must give: the fast check recorded beside
+        the name where this kdump can compute it, else the SHA-256 name itself."""
+        info = self.blobs.get(sha)
+        if info is not None and info.checksum is not Checksum.SHA256 and can_check(info.checksum):
+            return hasher(info.checksum), info.digest
+        return hasher(Checksum.SHA256), sha
 
     def verify_blob(self, sha: str, view: memoryview | None = None) -> None:
-        if sha in self._verified:
+        if not self._needs_check(sha):
             return
-        self._accept(sha, sha256_hex(view if view is not None else self.blob_bytes(sha)))
+        h, want = self._hasher(sha)
+        h.update(view if view is not None else self.blob_bytes(sha))
+        self._accept(sha, h.hexdigest(), want)
 
-    def _accept(self, sha: str, got: str) -> None:
-        """Remember a blob whose SHA-256 matched its name; a mismatch means a corrupt bundle."""
-        if got != sha:
+    def _accept(self, sha: str, got: str, want: str) -> None:
+        """Remember a blob whose check matched; a mismatch means a corrupt bundle."""
+        if got != want:
             raise BundleError(
                 f"{self.path}: checksum mismatch in blob {sha[:12]}… (got {got[:12]}…): the "
                 "bundle is corrupt; record it again or restore the file",
@@ -316,9 +342,53 @@ class Bundle:
             return torch.empty(0, dtype=torch.uint8)
         return torch.frombuffer(view, dtype=torch.uint8)
 
+    def private_view(self, sha: str) -> torch.Tensor | None:
+        """A blob as a CPU uint8 tensor over its own copy-on-write map of the file (not yet
+        verified): writes stay private to this view, so two views of one blob never alias and
+        nothing reaches the file. None for an empty blob."""
+        import torch
+
+        info = self.blobs.get(sha)
+        if info is None or info.nbytes == 0:
+            return None
+        if info.where is Where.INLINE:
+            file, start = None, self.data_start + self.inline[sha][0]
+        else:
+            file, start = self._open_store_blob(sha, info), 0
+        try:
+            if file is None and self._file is None:
+                self._file = open(self.path, "rb")  # noqa: SIM115
+            fd = (file or self._file).fileno()
+            lead = start % mmap.ALLOCATIONGRANULARITY
+            m = mmap.mmap(fd, lead + info.nbytes, access=mmap.ACCESS_COPY, offset=start - lead)
+        except (OSError, ValueError) as exc:
+            raise BundleError(f"{self.path}: cannot map blob {sha[:12]}… ({exc})", K.TRUNCATED)
+        finally:
+            if file is not None:
+                file.close()
+        return torch.frombuffer(memoryview(m)[lead:], dtype=torch.uint8)
+
+    def _mappable(self, st: StorageRecord) -> bool:
+        """Whether a page-aligned map puts `st`'s blob at its recorded address alignment."""
+        info = self.blobs.get(st.blob)
+        if info is None or info.nbytes == 0:
+            return False
+        start = self.data_start + self.inline[st.blob][0] if info.where is Where.INLINE else 0
+        return start % ALIGN_MOD == st.alignment
+
+    def verify_tensor(self, sha: str, data: torch.Tensor) -> None:
+        """Check the bytes handed out for blob `sha` (a contiguous CPU uint8 tensor)."""
+        if not self._needs_check(sha):
+            return
+        n = data.numel()
+        h, want = self._hasher(sha)
+        if n:
+            h.update((ctypes.c_char * n).from_address(data.data_ptr()))
+        self._accept(sha, h.hexdigest(), want)
+
     def copy_blob_into(self, sha: str, dest: torch.Tensor) -> None:
-        """Copy a blob into `dest` (contiguous CPU uint8), verifying its SHA-256 in the same pass
-        (each chunk is hashed right after it was copied, while it is still in cache)."""
+        """Copy a blob into `dest` (contiguous CPU uint8), verifying it in the same pass (each
+        chunk is hashed right after it was copied, while it is still in cache)."""
         view = self.blob_bytes(sha)
         n = len(view)
         if dest.numel() != n:
@@ -331,14 +401,23 @@ class Bundle:
             return
         src = ctypes.addressof(ctypes.c_char.from_buffer(view))
         dst = dest.data_ptr()
-        h = hashlib.sha256() if sha not in self._verified else None
+        h, want = self._hasher(sha) if self._needs_check(sha) else (None, "")
         for off in range(0, n, _COPY_CHUNK):
             k = min(_COPY_CHUNK, n - off)
-            ctypes.memmove(dst + off, src + off, k)  # releases the GIL, like hashlib below
+            ctypes.memmove(dst + off, src + off, k)  # releases the GIL, like the hashers below
             if h is not None:
                 h.update((ctypes.c_char * k).from_address(dst + off))
         if h is not None:
-            self._accept(sha, h.hexdigest())
+            self._accept(sha, h.hexdigest(), want)
+
+    def _run(self, fn: Callable[..., None], jobs: Sequence[tuple[Any, ...]], nbytes: int) -> None:
+        """Run `fn(*job)` for every job, on the shared pool when there is enough to share."""
+        if len(jobs) <= 1 or nbytes < _PARALLEL_MIN:
+            for job in jobs:
+                fn(*job)
+            return
+        for fut in [pool().submit(fn, *job) for job in jobs]:
+            fut.result()
 
     def materialize_records(
         self,
@@ -348,7 +427,9 @@ class Bundle:
         placement: Placement | None = None,
     ) -> Materialized:
         """Re-create tensor records from this bundle's blobs (verified), blobs in parallel.
-        What it will allocate is checked against the load limit first."""
+        What it will allocate is checked against the load limit first. On CPU, storages the
+        placement lets start at their blob (no halo, no flush end, nothing before the span) are
+        copy-on-write views of the file; the rest are copies."""
         import torch
 
         from kdump.bundle.tensors import Placement, materialize, synthesize_span
@@ -367,25 +448,24 @@ class Bundle:
                 if storages[i].source is not Source.BLOB:
                     dest.copy_(synthesize_span(storages[i], i))
             jobs = [(storages[i].blob, d) for i, d in batch if storages[i].source is Source.BLOB]
-            if len(jobs) == 1 or sum(d.numel() for _, d in jobs) < (8 << 20):
-                for sha, dest in jobs:
-                    self.copy_blob_into(sha, dest)
-                return
-            with ThreadPoolExecutor(min(_THREADS, len(jobs))) as pool:
-                list(pool.map(lambda job: self.copy_blob_into(*job), jobs))
+            self._run(self.copy_blob_into, jobs, sum(d.numel() for _, d in jobs))
+
+        handed: list[tuple[str, torch.Tensor]] = []
+
+        def view_span(i: int) -> torch.Tensor | None:
+            if storages[i].source is not Source.BLOB or not self._mappable(storages[i]):
+                return None
+            view = self.private_view(storages[i].blob)
+            if view is not None:
+                handed.append((storages[i].blob, view))
+            return view
 
         if torch.device(device).type != "cpu":  # verify in parallel first, then copy one by one
             todo = sorted(
-                {
-                    s.blob
-                    for s in storages
-                    if s.source is Source.BLOB and s.blob not in self._verified
-                }
+                {s.blob for s in storages if s.source is Source.BLOB and self._needs_check(s.blob)}
             )
-            if len(todo) > 1:
-                with ThreadPoolExecutor(min(_THREADS, len(todo))) as pool:
-                    list(pool.map(self.verify_blob, todo))
-        return materialize(
+            self._run(self.verify_blob, [(sha,) for sha in todo], 1 << 62)
+        mat = materialize(
             storages,
             tensors,
             lambda i: (
@@ -396,18 +476,25 @@ class Bundle:
             device,
             placement,
             fill_spans=fill,
+            view_span=view_span,
         )
+        # Check what was handed out (a blob handed out twice is checked once).
+        once = {sha: view for sha, view in handed if self._needs_check(sha)}
+        self._run(self.verify_tensor, list(once.items()), sum(v.numel() for v in once.values()))
+        return mat
 
     def verify(self, progress: Callable[[int], None] | None = None) -> None:
-        """Check every blob's SHA-256 (parallel over blobs)."""
+        """Check every blob (parallel over blobs), even with verification turned off."""
 
         def one(sha: str) -> None:
-            self.verify_blob(sha)
+            if sha not in self._verified:
+                h, want = self._hasher(sha)
+                h.update(self.blob_bytes(sha))
+                self._accept(sha, h.hexdigest(), want)
             if progress:
                 progress(self.blobs[sha].nbytes)
 
-        with ThreadPoolExecutor(_THREADS) as pool:
-            list(pool.map(one, list(self.blobs)))
+        self._run(one, [(sha,) for sha in self.blobs], 1 << 62)
 
     def call(self, index: int) -> Call:
         for c in self.calls:
@@ -416,10 +503,13 @@ class Bundle:
         raise BundleError(f"{self.path} has no call {index} (it holds {len(self.calls)} calls)")
 
 
-def load_bundle(path: str | os.PathLike[str], limits: Limits | None = None) -> Bundle:
+def load_bundle(
+    path: str | os.PathLike[str], limits: Limits | None = None, *, verify: bool = True
+) -> Bundle:
     """Open a bundle: header and manifest validated against `limits` (default: the format's,
-    with KDUMP_MAX_LOAD_BYTES); blobs load lazily, verified on first use."""
-    return Bundle(Path(path), limits)
+    with KDUMP_MAX_LOAD_BYTES); blobs load lazily, verified on first use (`verify=False`: used
+    unchecked, for speed on trusted files)."""
+    return Bundle(Path(path), limits, verify)
 
 
 def iter_bundles(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Path]:

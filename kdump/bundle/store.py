@@ -6,11 +6,20 @@ import contextlib
 import hashlib
 import os
 import tempfile
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
-from kdump.bundle.format import STORE_DIRNAME
+from kdump.bundle.format import STORE_DIRNAME, Checksum
+
+try:  # optional: without it blobs are checked by their SHA-256 name (slower, same safety)
+    import xxhash as _xxhash
+except ImportError:  # pragma: no cover - depends on the environment
+    _xxhash = None
+
+HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
 def _current_umask() -> int:
@@ -49,6 +58,44 @@ def atomic_write(
 def sha256_hex(data: memoryview | bytes) -> str:
     """A blob's name: the SHA-256 of its bytes."""
     return hashlib.sha256(data).hexdigest()
+
+
+def fast_checksum() -> Checksum:
+    """The per-blob check new bundles record: xxh3-128 where the xxhash module is installed."""
+    return Checksum.XXH3_128 if _xxhash is not None else Checksum.SHA256
+
+
+def can_check(algo: Checksum) -> bool:
+    return algo is Checksum.SHA256 or _xxhash is not None
+
+
+def hasher(algo: Checksum) -> Any:
+    """An incremental hasher (update / hexdigest) for `algo`; `can_check(algo)` must hold."""
+    if algo is Checksum.XXH3_128:
+        return _xxhash.xxh3_128()
+    return hashlib.sha256()
+
+
+def blob_digests(data: memoryview | bytes) -> tuple[str, str]:
+    """A new blob's name (SHA-256) and its fast check digest ("" when that is the name)."""
+    fast = _xxhash.xxh3_128_hexdigest(data) if _xxhash is not None else ""
+    return sha256_hex(data), fast
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = 0
+_pool_lock = threading.Lock()
+
+
+def pool() -> ThreadPoolExecutor:
+    """The process's one hashing / copying pool (hashlib and xxhash release the GIL). Created on
+    first use and again in a forked child, whose copy of the parent's pool has no threads."""
+    global _pool, _pool_pid
+    with _pool_lock:
+        if _pool is None or _pool_pid != os.getpid():
+            _pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="kdump-hash")
+            _pool_pid = os.getpid()
+        return _pool
 
 
 class BlobStore:

@@ -128,21 +128,40 @@ def group_storages(
     return storages, records
 
 
-def capture(tensors: Sequence[torch.Tensor]) -> Captured:
+_memcmp = ctypes.CDLL(None).memcmp  # releases the GIL; torch.equal allocates a result per byte
+_memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+_memcmp.restype = ctypes.c_int
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous CPU uint8 tensors hold the same bytes."""
+    n = a.numel()
+    return n == b.numel() and (n == 0 or _memcmp(a.data_ptr(), b.data_ptr(), n) == 0)
+
+
+def capture(tensors: Sequence[torch.Tensor], unchanged_from: Captured | None = None) -> Captured:
     """Snapshot the storage spans that `tensors` cover, as CPU bytes.
 
-    Device tensors are copied to pinned host memory in one batch and synchronised once.
+    Device tensors are copied to pinned host memory in one batch and synchronised once. A CPU
+    span that `unchanged_from` (an earlier snapshot) holds with the same bytes shares its snapshot
+    (comparing is cheaper than copying into fresh memory: outputs a call left unchanged).
     """
     storages, records = group_storages(tensors)
     firsts: dict[int, torch.Tensor] = {}
     for t, rec in zip(tensors, records):
         firsts.setdefault(rec.storage, t)
+    earlier: dict[tuple[str, int, int, int], torch.Tensor] = {}
+    if unchanged_from is not None:
+        for old, old_data in zip(unchanged_from.storages, unchanged_from.data):
+            key = (old.device, old.base_ptr, old.span_start, old.span_nbytes)
+            earlier.setdefault(key, old_data)
     data: list[torch.Tensor] = []
     pending_sync: set[torch.device] = set()
     for idx, st in enumerate(storages):
         src = _byte_view(firsts[idx], st.span_start, st.span_nbytes)
         if src.device.type == "cpu":
-            data.append(src.clone())
+            same = earlier.get((st.device, st.base_ptr, st.span_start, st.span_nbytes))
+            data.append(same if same is not None and _same_bytes(same, src) else src.clone())
         else:
             host = torch.empty(st.span_nbytes, dtype=torch.uint8, pin_memory=True)
             host.copy_(src, non_blocking=True)
@@ -211,15 +230,30 @@ class Allocation:
         return self.buffer[self.span_offset : self.span_offset + self.span_nbytes]
 
 
+@dataclass(frozen=True)
+class OffsetChange:
+    """A tensor whose storage offset could not be kept (its storage's prefix was over budget)."""
+
+    tensor: int
+    recorded: int  # storage offset in elements, as recorded
+    placed: int  # storage offset in elements, as materialised
+
+    def describe(self, name: str) -> str:
+        return f"{name}: storage offset {self.recorded} became {self.placed}"
+
+
 @dataclass
 class Materialized:
     tensors: list[torch.Tensor]
     allocations: list[Allocation] = field(default_factory=list)
+    # Empty unless a prefix did not fit the budget; a replay says so in its verdict.
+    offset_changes: list[OffsetChange] = field(default_factory=list)
 
 
-# A view's storage offset is kept exactly by re-creating the unrecorded bytes before its span
-# (zeros), as long as the prefixes of one call's storages add up to at most this (so a small
-# hostile file cannot make the reader zero-fill gigabytes).
+# A view's storage offset is kept exactly, in every placement, by re-creating the unrecorded bytes
+# before its span (zeros, or poison with a halo or a flush end), as long as the prefixes of one
+# call's storages add up to at most this (so a small hostile file cannot make the reader fill
+# gigabytes). Past it a storage starts at its span and the offsets that changed are reported.
 PREFIX_LIMIT = 64 << 20
 
 
@@ -282,6 +316,17 @@ def _allocate(
     return buf, buf.numel() - halo - nbytes  # alignment could not be matched; the end stays flush
 
 
+def _direct(
+    view: torch.Tensor | None, st: StorageRecord, placement: Placement
+) -> torch.Tensor | None:
+    """`view` if it can stand for storage `st` in place (right size and alignment)."""
+    if view is None or view.numel() != st.span_nbytes:
+        return None
+    if placement.align and view.data_ptr() % ALIGN_MOD != st.alignment:
+        return None
+    return view
+
+
 def materialize(
     storages: Sequence[StorageRecord],
     tensors: Sequence[TensorRecord],
@@ -289,33 +334,45 @@ def materialize(
     device: torch.device | str = "cpu",
     placement: Placement | None = None,
     fill_spans: Callable[[Sequence[tuple[int, torch.Tensor]]], None] | None = None,
+    view_span: Callable[[int], torch.Tensor | None] | None = None,
 ) -> Materialized:
     """Re-create `tensors` with their exact layout on `device`.
 
-    `read_span(i)` returns storage i's bytes as a CPU uint8 tensor. With the default placement,
-    storage offsets and base-address alignment are those of the call; with a halo or `flush_end`
-    each storage starts at its span (the span is all a memory checker should see).
+    `read_span(i)` returns storage i's bytes as a CPU uint8 tensor. In every placement storage
+    offsets, aliasing and base-address alignment are those of the call: the unrecorded bytes of a
+    storage before its span are re-created (zeros by default; `halo_fill` poison with a halo or a
+    flush end, so a read of them shows), within PREFIX_LIMIT per call; the offsets that changed
+    past it are listed in `offset_changes`.
     On CPU, `fill_spans([(i, dest), ...])`, when given, fills every non-empty span in one batch
     instead of `read_span` (so a reader can copy and verify all spans in parallel, in one pass).
+    On CPU, `view_span(i)`, when given, may return a private (copy-on-write) uint8 tensor of span
+    i's bytes that a storage with nothing before its span (and no halo or flush end) then uses in
+    place, without a copy, where its address has the recorded alignment.
     """
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CannotRunError("no CUDA device is available here; materialise on 'cpu' instead")
     placement = placement or Placement()
-    keep_prefix = placement.halo == 0 and not placement.flush_end
+    guarded = placement.halo > 0 or placement.flush_end
     allocations: list[Allocation] = []
     batch: list[tuple[int, torch.Tensor]] = []
     prefix_budget = PREFIX_LIMIT
     for idx, st in enumerate(storages):
-        prefix = st.span_start if keep_prefix and st.span_start <= prefix_budget else 0
+        prefix = st.span_start if st.span_start <= prefix_budget else 0
         prefix_budget -= prefix
+        if view_span is not None and not guarded and prefix == 0 and device.type == "cpu":
+            direct = _direct(view_span(idx), st, placement) if st.span_nbytes else None
+            if direct is not None:
+                storage = direct.untyped_storage()
+                allocations.append(Allocation(idx, direct, 0, st.span_nbytes, st, storage, 0))
+                continue
         region = prefix + st.span_nbytes
         buf, off = _allocate(region, device, (st.span_ptr - prefix) % ALIGN_MOD, placement)
         if placement.halo:
             buf[:off].fill_(placement.halo_fill)
             buf[off + region :].fill_(placement.halo_fill)
         if prefix:
-            buf[off : off + prefix].zero_()
+            buf[off : off + prefix].fill_(placement.halo_fill if guarded else 0)
         span_off = off + prefix
         if st.span_nbytes and fill_spans is not None and device.type == "cpu":
             batch.append((idx, buf[span_off : span_off + st.span_nbytes]))
@@ -332,6 +389,7 @@ def materialize(
     if batch and fill_spans is not None:
         fill_spans(batch)
     out: list[torch.Tensor] = []
+    changes: list[OffsetChange] = []
     for i, rec in enumerate(tensors):
         alloc = allocations[rec.storage]
         dtype = dtype_from_name(rec.dtype)
@@ -346,5 +404,7 @@ def materialize(
         t.set_(alloc.storage_view, byte_off // dtype.itemsize, rec.shape, rec.stride)
         if rec.requires_grad and (dtype.is_floating_point or dtype.is_complex):
             t.requires_grad_(True)
+        if t.storage_offset() != rec.storage_offset:
+            changes.append(OffsetChange(i, rec.storage_offset, t.storage_offset()))
         out.append(t)
-    return Materialized(out, allocations)
+    return Materialized(out, allocations, changes)

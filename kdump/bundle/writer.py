@@ -9,7 +9,7 @@ import os
 import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -18,6 +18,7 @@ import torch
 
 from kdump.bundle import argtree
 from kdump.bundle.format import (
+    ALIGN_MOD,
     FORMAT_VERSION,
     MANIFEST_KEY,
     MAX_HEADER,
@@ -30,12 +31,19 @@ from kdump.bundle.format import (
     Where,
     manifest_json,
 )
-from kdump.bundle.store import BlobStore, atomic_write, sha256_hex
+from kdump.bundle.store import BlobStore, atomic_write, blob_digests, fast_checksum, pool
 from kdump.bundle.tensors import Captured, capture
 from kdump.errors import BundleError
 from kdump.errors import BundleErrorKind as K
 
-HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
+# The data section starts at a multiple of ALIGN_MOD and each large blob at an offset congruent to
+# its storage's recorded address modulo ALIGN_MOD, so a page-aligned map of the file hands out
+# views with the call's alignment; the gaps are covered by padding entries (safetensors allows no
+# holes). Small blobs are copied on load anyway and are not padded.
+DATA_ALIGN = ALIGN_MOD
+ALIGNED_BLOB_MIN = 64 << 10
+PAD_PREFIX = "kdump.pad."
+Digests = tuple[str, str]  # (SHA-256 name, fast check digest or "")
 
 
 def _kdump_version() -> str:
@@ -106,7 +114,7 @@ def attach_outputs(
     idx = sorted(set(indices))
     extra: list[torch.Tensor] = [live[i] for i in idx]
     ret_tree = argtree.encode(returned, extra) if returned is not None else None
-    call.outputs = capture(extra)
+    call.outputs = capture(extra, unchanged_from=call.inputs)
     call.inplace = [(i, k) for k, i in enumerate(idx)]
     call.returned = ret_tree
 
@@ -119,11 +127,29 @@ def _blob_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-def _hash_all(views: Sequence[memoryview]) -> list[str]:
+def _hash_all(views: Sequence[memoryview]) -> list[Digests]:
     if len(views) <= 1 or sum(len(v) for v in views) < (8 << 20):
-        return [sha256_hex(v) for v in views]
-    with ThreadPoolExecutor(HASH_THREADS) as pool:  # hashlib releases the GIL on large data
-        return list(pool.map(sha256_hex, views))
+        return [blob_digests(v) for v in views]
+    return [f.result() for f in _submit_once(views)]
+
+
+def _submit_once(views: Sequence[memoryview]) -> list[Future[Digests]]:
+    """Hash jobs for `views` on the shared pool; views of the same bytes (a snapshot shared by an
+    unchanged output and its input) share one job."""
+    jobs: dict[tuple[int, int], Future[Digests]] = {}
+    out = []
+    for v in views:
+        key = (ctypes.addressof(ctypes.c_char.from_buffer(v)) if len(v) else 0, len(v))
+        if key not in jobs:
+            jobs[key] = pool().submit(blob_digests, v)
+        out.append(jobs[key])
+    return out
+
+
+def _aligned(pos: int, nbytes: int, align: int) -> int:
+    """Where a blob of `nbytes` goes: the first offset at or after `pos` congruent to `align`
+    modulo ALIGN_MOD (large blobs), or `pos`."""
+    return pos + (align - pos) % ALIGN_MOD if nbytes >= ALIGNED_BLOB_MIN else pos
 
 
 def _entries(calls: Sequence[CallRecord], shas: Sequence[str]) -> tuple[CallEntry, ...]:
@@ -193,21 +219,20 @@ def save_calls(
     bundle holds only the manifest.
     """
     path = Path(path)
-    views = [
-        _blob_view(d)
-        for call in calls
-        for cap in (call.inputs, call.outputs)
-        if cap is not None
-        for st, d in zip(cap.storages, cap.data)
-        if st.source is Source.BLOB  # other kinds hold no bytes
+    caps = [cap for call in calls for cap in (call.inputs, call.outputs) if cap is not None]
+    held = [  # storages of other kinds hold no bytes
+        (st, d) for cap in caps for st, d in zip(cap.storages, cap.data) if st.source is Source.BLOB
     ]
+    views = [_blob_view(d) for _, d in held]
+    aligns = [st.alignment for st, _ in held]
     where = Where.STORE if store is not None else Where.INLINE
     created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    algo = fast_checksum()
 
-    def make_manifest(shas: Sequence[str]) -> dict[str, Any]:
+    def make_manifest(digests: Sequence[Digests]) -> dict[str, Any]:
         blobs: dict[str, BlobRecord] = {}
-        for sha, view in zip(shas, views):
-            blobs.setdefault(sha, BlobRecord(nbytes=len(view), where=where))
+        for (sha, fast), view in zip(digests, views):
+            blobs.setdefault(sha, BlobRecord(len(view), where, algo, fast))
         return manifest_json(
             Manifest(
                 version=FORMAT_VERSION,
@@ -216,22 +241,22 @@ def save_calls(
                 env=env or {},
                 info=info or {},
                 blobs=blobs,
-                calls=_entries(calls, shas),
+                calls=_entries(calls, [sha for sha, _ in digests]),
             )
         )
 
-    if store is None and _write_pipelined(path, views, make_manifest):
+    if store is None and _write_pipelined(path, views, aligns, make_manifest):
         return path
-    shas = _hash_all(views)
-    blobs: dict[str, memoryview] = {}
-    for sha, view in zip(shas, views):
-        blobs.setdefault(sha, view)
+    digests = _hash_all(views)
+    blobs: dict[str, tuple[memoryview, int]] = {}
+    for (sha, _), view, align in zip(digests, views, aligns):
+        blobs.setdefault(sha, (view, align))
     if store is not None:
-        for sha, view in blobs.items():
+        for sha, (view, _) in blobs.items():
             store.put(sha, view)
-        _write_safetensors(path, make_manifest(shas), {})
+        _write_safetensors(path, make_manifest(digests), {})
     else:
-        _write_safetensors(path, make_manifest(shas), blobs)
+        _write_safetensors(path, make_manifest(digests), blobs)
     return path
 
 
@@ -243,64 +268,87 @@ def pack(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
     bundle.verify()
     m = bundle.manifest
     inline = {sha: replace(b, where=Where.INLINE) for sha, b in m.blobs.items()}
-    views = {sha: bundle.blob_bytes(sha) for sha, b in m.blobs.items() if b.nbytes}
+    aligns: dict[str, int] = {}
+    for c in m.calls:
+        for st in (*c.storages, *(c.outputs.storages if c.outputs else ())):
+            aligns.setdefault(st.blob, st.alignment)
+    views = {
+        sha: (bundle.blob_bytes(sha), aligns.get(sha, 0)) for sha, b in m.blobs.items() if b.nbytes
+    }
     out = Path(dst)
     _write_safetensors(out, manifest_json(replace(m, blobs=inline)), views)
     return out
 
 
-def _header_json(manifest: dict[str, Any], layout: dict[str, tuple[int, int]]) -> bytes:
+def _header_json(
+    manifest: dict[str, Any], layout: dict[str, tuple[int, int]], pads: Sequence[tuple[int, int]]
+) -> bytes:
+    entries = [*layout.items(), *((f"{PAD_PREFIX}{i}", span) for i, span in enumerate(pads))]
     header: dict[str, Any] = {
-        sha: {"dtype": "U8", "shape": [e - b], "data_offsets": [b, e]}
-        for sha, (b, e) in layout.items()
+        name: {"dtype": "U8", "shape": [e - b], "data_offsets": [b, e]} for name, (b, e) in entries
     }
     header["__metadata__"] = {MANIFEST_KEY: json.dumps(manifest, separators=(",", ":"))}
     return json.dumps(header, separators=(",", ":")).encode()
 
 
+def _padded_size(raw_len: int, sizes: Iterable[int]) -> int:
+    """Header length with its space padding: the data section starts at a multiple of DATA_ALIGN
+    when a blob is to be aligned (else of 8, so small bundles stay small)."""
+    unit = DATA_ALIGN if any(n >= ALIGNED_BLOB_MIN for n in sizes) else 8
+    return raw_len + (-(8 + raw_len)) % unit
+
+
 def _write_pipelined(
     path: Path,
     views: Sequence[memoryview],
-    make_manifest: Callable[[Sequence[str]], dict[str, Any]],
+    aligns: Sequence[int],
+    make_manifest: Callable[[Sequence[Digests]], dict[str, Any]],
 ) -> bool:
     """Write an inline bundle while its blobs are still being hashed (False: header too big).
 
     The header goes first in the file but names blobs by their hashes, so its space is reserved
-    from an upper bound (every blob unique: de-duplication only shortens it) and the real header
-    is padded with spaces to that size. Blobs are written in order while a thread pool hashes
-    them all; a blob whose hash turns out to repeat an earlier one is overwritten by the next.
+    from an upper bound (every blob unique and fully padded: de-duplication only shortens it) and
+    the real header is padded with spaces to that size. Blobs are written in order while the
+    shared pool hashes them all; a blob whose hash repeats an earlier one is overwritten by the
+    next.
     """
-    placeholders = [f"{i:064x}" for i in range(len(views))]
+    placeholder = [(f"{i:064x}", "0" * 32) for i in range(len(views))]
     upper: dict[str, tuple[int, int]] = {}
+    upper_pads = []
     off = 0
-    for name, view in zip(placeholders, views):
+    for (name, _), view in zip(placeholder, views):
+        upper_pads.append((off, off + ALIGN_MOD - 1))
+        off += ALIGN_MOD - 1
         upper[name] = (off, off + len(view))
         off += len(view)
-    reserved = len(_header_json(make_manifest(placeholders), upper))
-    reserved += -reserved % 8  # safetensors pads the header to 8 bytes
+    raw_upper = _header_json(make_manifest(placeholder), upper, upper_pads)
+    reserved = _padded_size(len(raw_upper), map(len, views))
     if reserved > MAX_HEADER:
         return False
     data_start = 8 + reserved
 
     def write(f: BinaryIO) -> None:
         layout: dict[str, tuple[int, int]] = {}
-        shas: list[str] = []
+        pads: list[tuple[int, int]] = []
+        digests: list[Digests] = []
         pos = 0
-        with ThreadPoolExecutor(HASH_THREADS) as pool:
-            futures = [pool.submit(sha256_hex, v) for v in views]
-            for view, fut in zip(views, futures):
-                if fut.done() and fut.result() in layout:
-                    shas.append(fut.result())
-                    continue
-                f.seek(data_start + pos)
-                f.write(view)
-                sha = fut.result()
-                shas.append(sha)
-                if sha not in layout:
-                    layout[sha] = (pos, pos + len(view))
-                    pos += len(view)
+        futures = _submit_once(views)
+        for view, align, fut in zip(views, aligns, futures):
+            if fut.done() and fut.result()[0] in layout:
+                digests.append(fut.result())
+                continue
+            start = _aligned(pos, len(view), align)
+            f.seek(data_start + start)
+            f.write(view)
+            digests.append(fut.result())
+            sha = digests[-1][0]
+            if sha not in layout:
+                if start > pos:
+                    pads.append((pos, start))
+                layout[sha] = (start, start + len(view))
+                pos = start + len(view)
         f.truncate(data_start + pos)
-        raw = _header_json(make_manifest(shas), layout)
+        raw = _header_json(make_manifest(digests), layout, pads)
         if len(raw) > reserved:  # cannot happen: dedup only removes entries and digits
             raise BundleError("internal error: bundle header outgrew its reserved space", K.LIMIT)
         f.seek(0)
@@ -311,14 +359,21 @@ def _write_pipelined(
     return True
 
 
-def _write_safetensors(path: Path, manifest: dict[str, Any], blobs: dict[str, memoryview]) -> None:
+def _write_safetensors(
+    path: Path, manifest: dict[str, Any], blobs: dict[str, tuple[memoryview, int]]
+) -> None:
+    """Write a bundle whose blobs (sha → (bytes, recorded alignment)) are all known."""
     layout: dict[str, tuple[int, int]] = {}
+    pads: list[tuple[int, int]] = []
     offset = 0
-    for sha, view in blobs.items():
-        layout[sha] = (offset, offset + len(view))
-        offset += len(view)
-    raw = _header_json(manifest, layout)
-    raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
+    for sha, (view, align) in blobs.items():
+        start = _aligned(offset, len(view), align)
+        if start > offset:
+            pads.append((offset, start))
+        layout[sha] = (start, start + len(view))
+        offset = start + len(view)
+    raw = _header_json(manifest, layout, pads)
+    raw += b" " * (_padded_size(len(raw), (len(v) for v, _ in blobs.values())) - len(raw))
     if len(raw) > MAX_HEADER:
         raise BundleError(
             f"bundle manifest is {len(raw)} bytes, over the {MAX_HEADER}-byte header limit: "
@@ -329,7 +384,10 @@ def _write_safetensors(path: Path, manifest: dict[str, Any], blobs: dict[str, me
     def write(f: BinaryIO) -> None:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for view in blobs.values():
+        data_start = 8 + len(raw)
+        for sha, (view, _) in blobs.items():
+            f.seek(data_start + layout[sha][0])
             f.write(view)
+        f.truncate(data_start + offset)
 
     atomic_write(path, write)

@@ -155,6 +155,11 @@ class Session:
     def materialize(self) -> MaterializedCall:
         self.progress("begin", f"{self.req.mode}/materialize")
         mc = self.call.materialize(self.device, self.placement())
+        if changed := mc.materialized.offset_changes:
+            self.note(
+                "storage offsets not kept (the bytes before the recorded spans exceed the load "
+                "budget): " + "; ".join(c.describe(mc.tensor_names[c.tensor]) for c in changed)
+            )
         allocs = mc.materialized.allocations
         if self.placement().halo:
             halo.fill(allocs, self.call.tensors)

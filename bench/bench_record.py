@@ -1,0 +1,213 @@
+"""Recording cost: per-call host cost of sync recording, and dump_call's write rate.
+
+    python bench/bench_record.py                # CPU parts (and the GPU part where CUDA is)
+    python bench/bench_record.py --calls 2000   # shorter run of the per-call part
+    python bench/bench_record.py --record       # also append the table to bench/RESULTS.md
+
+1. Sync recording of a small call (two 1 KiB tensors): host time of recorded call 10 and of the
+   calls around call `--calls` (the same within noise: nothing grows with the number of bundles),
+   against an atomic write (temporary file + rename) of a file of the bundle's size.
+2. `kdump.dump_call` of a `--mb` MB call (mixed dtypes, a view with a storage offset, a shared
+   storage) against `safetensors.torch.save_file` of the same tensors, median of `--repeat`.
+3. GPU (CUDA only): recording a 600 MB call from GPU memory with dump_call against a plain copy
+   to pinned host memory plus a raw write of the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import types
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from bench_bundle import machine
+
+
+def median_time(repeat: int, fns: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Run the functions alternately `repeat` times; the median time of each."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _target_module() -> types.ModuleType:
+    mod = types.ModuleType("kdump_bench_target")
+
+    def scale(x: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(x * 2)
+
+    mod.scale = scale  # type: ignore[attr-defined]
+    scale.__module__ = mod.__name__
+    scale.__qualname__ = "scale"
+    sys.modules[mod.__name__] = mod
+    return mod
+
+
+def per_call(work: Path, calls: int) -> list[tuple[str, float, str]]:
+    import kdump
+    from kdump.bundle.store import atomic_write
+
+    mod = _target_module()
+    x, out = torch.randn(256), torch.empty(256)
+    costs: list[float] = []
+    with kdump.recording(f"{mod.__name__}:scale", out=work / "rec") as rec:
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            mod.scale(x, out)
+            costs.append(time.perf_counter() - t0)
+    size = rec.written[-1].stat().st_size
+    blob = os.urandom(size)
+    writes = []
+    for i in range(200):
+        t0 = time.perf_counter()
+        atomic_write(work / "aw" / f"{i}.bin", blob)
+        writes.append(time.perf_counter() - t0)
+    bare = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        mod.scale(x, out)
+        bare.append(time.perf_counter() - t0)
+    early = statistics.median(costs[5:15])
+    late = statistics.median(costs[-100:])
+    aw = statistics.median(writes)
+    return [
+        ("bare call", statistics.median(bare) * 1e3, ""),
+        ("recorded call 10 (median of calls 5-14)", early * 1e3, f"{early / aw:.2f}× atomic write"),
+        (
+            f"recorded call {calls} (median of the last 100)",
+            late * 1e3,
+            f"{late / aw:.2f}× atomic write; {late / early:.2f}× call 10",
+        ),
+        (f"atomic write of {size} B (median of 200)", aw * 1e3, ""),
+    ]
+
+
+def mixed_call(nbytes: int, device: str) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    kinds = [torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int32]
+    per = nbytes // len(kinds)
+    out = []
+    for dtype in kinds:
+        n = per // dtype.itemsize // 1024 * 1024
+        raw = torch.randint(-(2**62), 2**62, (n * dtype.itemsize // 8,), generator=gen)
+        out.append(raw.view(dtype).reshape(-1, 1024).to(device))
+    return out
+
+
+def write_rate(work: Path, mb: float, repeat: int, device: str) -> dict[str, float]:
+    from safetensors.torch import save_file
+
+    import kdump
+
+    tensors = mixed_call(int(mb * 1e6), device)
+    # Views with storage offsets and a shared storage cost no extra bytes.
+    args = [*tensors, tensors[0][7:], tensors[1][:, 3:]]
+
+    def fn(*a: torch.Tensor) -> None:
+        pass
+
+    def pinned_plus_raw() -> None:
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for h, t in zip(host, tensors):
+            h.copy_(t, non_blocking=True)
+        torch.cuda.synchronize()
+        with open(work / "raw.bin", "wb") as f:
+            for h in host:
+                f.write(memoryview(h.view(torch.uint8).reshape(-1).numpy()))
+
+    sides: dict[str, Callable[[], object]] = {
+        "dump_call": lambda: kdump.dump_call(work / "d.kdump", fn, *args),
+    }
+    if device == "cpu":
+        st = {f"t{i}": t for i, t in enumerate(tensors)}
+        sides["save_file"] = lambda: save_file(st, str(work / "s.safetensors"))
+    else:
+        sides["pinned copy + raw write"] = pinned_plus_raw
+    times = median_time(repeat, sides)
+    times["bytes"] = float(sum(t.numel() * t.element_size() for t in tensors))
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=10_000, help="recorded calls (default 10000)")
+    ap.add_argument("--mb", type=float, default=156.0, help="dump_call size in MB (default 156)")
+    ap.add_argument("--gpu-mb", type=float, default=600.0, help="GPU call size (default 600)")
+    ap.add_argument("--repeat", type=int, default=5, help="rounds per side; the median counts")
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the files go")
+    ap.add_argument("--record", action="store_true", help="append results to --results")
+    ap.add_argument(
+        "--results", default=str(Path(__file__).with_name("RESULTS.md")), help="results file"
+    )
+    args = ap.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="kdump-bench-record-", dir=args.dir))
+    lines: list[str] = []
+    try:
+        rows = per_call(work, args.calls)
+        lines += [
+            "Sync recording of a small call (2 x 1 KiB tensors), host time per call:",
+            "",
+            "| what | ms | ratio |",
+            "|---|---:|---|",
+            *(f"| {w} | {ms:.3f} | {r} |" for w, ms, r in rows),
+            "",
+        ]
+        shutil.rmtree(work / "rec", ignore_errors=True)
+        w = write_rate(work, args.mb, args.repeat, "cpu")
+        n = w["bytes"]
+        lines += [
+            f"dump_call of {n / 1e6:.0f} MB on CPU, median of {args.repeat}:",
+            "",
+            "| what | seconds | MB/s | speed vs save_file |",
+            "|---|---:|---:|---:|",
+            *(
+                f"| {k} | {w[k]:.3f} | {n / w[k] / 1e6:.0f} | {w['save_file'] / w[k]:.2f}× |"
+                for k in ("save_file", "dump_call")
+            ),
+            "",
+            f"dump_call = {w['save_file'] / w['dump_call']:.2f}× save_file (goal ≥ 0.8×)",
+        ]
+        if torch.cuda.is_available():
+            g = write_rate(work, args.gpu_mb, args.repeat, "cuda")
+            n = g["bytes"]
+            base = g["pinned copy + raw write"]
+            lines += [
+                "",
+                f"dump_call of {n / 1e6:.0f} MB from GPU memory, median of {args.repeat}:",
+                "",
+                "| what | seconds | MB/s | speed vs pinned copy + raw write |",
+                "|---|---:|---:|---:|",
+                *(
+                    f"| {k} | {g[k]:.3f} | {n / g[k] / 1e6:.0f} | {base / g[k]:.2f}× |"
+                    for k in ("pinned copy + raw write", "dump_call")
+                ),
+                "",
+                f"GPU dump_call = {base / g['dump_call']:.2f}× pinned copy + raw write "
+                "(goal ≥ 0.8×)",
+            ]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print("\n".join(lines))
+    if args.record:
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        out = Path(args.results)
+        with open(out, "a") as f:
+            f.write(f"\n## bench_record\n\n{stamp} — {machine()}\n\n" + "\n".join(lines) + "\n")
+        print(f"appended to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
