@@ -26,6 +26,7 @@ FOLDER/step-N.pt before running it (for checking salvaged bundles bitwise).
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Callable
@@ -38,21 +39,23 @@ ROWS = 128  # DeepGEMM's M alignment: every expert owns a 128-row block
 
 
 def gemm_backend(name: str) -> Callable[..., None]:
-    if name == "deep_gemm":
-        import deep_gemm
-
-        return deep_gemm.m_grouped_fp8_gemm_nt_contiguous
-    if name == "packaged":
-        from kdump.kernels.sm120 import api
-
-        return api.m_grouped_fp8_gemm_nt_contiguous
-    if name == "faulty":
-        from kdump.kernels.sm120 import api
-
-        return api.make_faulty_contiguous()
+    """The grouped GEMM, looked up on its module at every call (as sglang calls DeepGEMM), so a
+    recorder that patches the module's attribute sees each call."""
     if name == "reference":
         return reference_gemm
-    raise SystemExit(f"unknown backend {name!r}: use deep_gemm, packaged, faulty or reference")
+    modules = {
+        "deep_gemm": "deep_gemm",
+        "packaged": "kdump.kernels.sm120.api",
+        "faulty": "kdump.kernels.sm120.faulty",
+    }
+    if name not in modules:
+        raise SystemExit(f"unknown backend {name!r}: use deep_gemm, packaged, faulty or reference")
+    module = importlib.import_module(modules[name])
+
+    def gemm(*args: Any, **kwargs: Any) -> None:
+        module.m_grouped_fp8_gemm_nt_contiguous(*args, **kwargs)
+
+    return gemm
 
 
 def reference_gemm(a: Any, b: Any, d: torch.Tensor, grouped_layout: torch.Tensor, **_: Any) -> None:

@@ -33,7 +33,7 @@ gpu)
   ;;
 flight)
   timeout 300 python3 -m pytest -q -rfE -m gpu tests/test_flight_gpu.py 2>&1 | tee "$OUT/pytest-flight.log"
-  rm -rf /tmp/fl && timeout 120 python3 -m kdump record -o /tmp/fl -t "kdump.kernels.sm120.api:StaleScheduleContiguous.__call__" -- python3 examples/moe_decode.py --backend faulty --steps 6 2>&1 | tee "$OUT/flight-record.log"
+  rm -rf /tmp/fl && timeout 120 python3 -m kdump record -o /tmp/fl -t kdump.kernels.sm120.faulty:m_grouped_fp8_gemm_nt_contiguous -- python3 examples/moe_decode.py --backend faulty --steps 6 2>&1 | tee "$OUT/flight-record.log"
   b=$(ls -t /tmp/fl/flight.*/journal-*.kdump | head -1)
   timeout 120 python3 -m kdump replay "$b" --backend packaged-faulty 2>&1 | tee "$OUT/flight-replay.log"; echo "replay exit ${PIPESTATUS[0]}" | tee -a "$OUT/flight-replay.log"
   timeout 240 python3 bench/bench_flight.py 2>&1 | tee "$OUT/bench-flight.log"

@@ -16,7 +16,7 @@ from kdump.bundle import load_bundle
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "moe_decode.py"
-FAULTY = "kdump.kernels.sm120.api:StaleScheduleContiguous.__call__"
+FAULTY = "kdump.kernels.sm120.faulty:m_grouped_fp8_gemm_nt_contiguous"
 
 
 def _record(tmp_path: Path, backend: str, target: str) -> subprocess.CompletedProcess[str]:

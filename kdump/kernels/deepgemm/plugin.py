@@ -84,6 +84,10 @@ def _unknown_settings(recorded: Mapping[str, Any] | None) -> list[str]:
     return [f"recorded DeepGEMM settings unknown to kdump, not applied: {shown}"]
 
 
+# kdump's own kernels with DeepGEMM's signatures: calls recorded there are DeepGEMM calls.
+_PACKAGED_MODULES = ("kdump.kernels.sm120.api", "kdump.kernels.sm120.faulty")
+
+
 class DeepGemmPlugin(KernelPlugin):
     name = NAME
     library_backend = "deep_gemm"
@@ -116,7 +120,12 @@ class DeepGemmPlugin(KernelPlugin):
             if "." not in target:  # a bare function name
                 return names.deepgemm_id(target) if target in _KNOWN else None
             module, _, fn = target.rpartition(".")
-        if module in (*names.DEEPGEMM_MODULES, "torch.ops.deep_gemm", NAME) and fn in _KNOWN:
+        if module in (
+            *names.DEEPGEMM_MODULES,
+            *_PACKAGED_MODULES,
+            "torch.ops.deep_gemm",
+            NAME,
+        ) and (fn in _KNOWN):
             return names.deepgemm_id(fn)
         return None
 
