@@ -116,7 +116,8 @@ def test_kdump_record_then_wrong_function_mismatches(usermod: Path, tmp_path: Pa
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(SCRIPT))
     out_dir = tmp_path / "out"
-    cmd = [*KDUMP, "record", "-t", "usermod:affine", "-o", str(out_dir), "--"]
+    # sync mode: the flight recorder (ring, the default) keeps outputs only within its slots
+    cmd = [*KDUMP, "record", "--mode", "sync", "-t", "usermod:affine", "-o", str(out_dir), "--"]
     r = subprocess.run(
         [*cmd, sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
     )

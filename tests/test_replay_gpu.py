@@ -303,5 +303,6 @@ def test_graph_overread_named_by_halo_pass(tmp_path: Path) -> None:
         {1: want},
     )
     [v] = replay([path], mode="graph", repeat=1)
-    assert v.exit_code == ExitCode.MEMORY_FINDING, v.headline()
+    steps = "\n".join(f"{st.name} {st.status} {st.message}" for st in v.steps)
+    assert v.exit_code == ExitCode.MEMORY_FINDING, f"{v.headline()}\n{steps}"
     assert "reads past the end of x" in v.headline()

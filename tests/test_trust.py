@@ -20,6 +20,7 @@ from kdump.kernels.deepgemm.plugin import PLUGIN as DEEPGEMM
 from kdump.replay.child import confine_imports, run_in_child, run_in_process
 from kdump.replay.options import ReplayOptions
 from kdump.replay.session import Request
+from kdump.text import visible
 
 MARKER = "MARKER"
 CWD_MODULE = "kdump_trust_probe"  # written into the (temporary) current folder
@@ -212,7 +213,8 @@ def test_bundle_strings_are_escaped_everywhere(
     assert "\\x1b]52" in out and "[/]" in out and "DG_JIT_CACHE_DIR" in out
     code, out, err = _cli(capsys, "info", "--json", str(bundle))
     _assert_safe(code, out, err, (0,))
-    assert json.loads(out)["env"]["hostname"] == EVIL
+    # JSON shows bundle strings the way the table does: escapes visible, nothing raw
+    assert json.loads(out)["env"]["hostname"] == visible(EVIL)
     code, out, err = _cli(capsys, "replay", str(bundle), *REPLAY)
     _assert_safe(code, out, err, (ExitCode.USAGE,))
     assert "\\x1b]52" in err

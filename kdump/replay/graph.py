@@ -302,7 +302,8 @@ def _save_pending(
         dict(s.call.kwargs),
         called_as=s.call.called_as,
         names=s.call.names,
-        meta={**s.call.meta, "graph_role": "capture"},
+        # its tensors are CPU copies of what ran on s.device: say where it ran
+        meta={**s.call.meta, "graph_role": "capture", "device": str(s.device)},
     )
     then = capture_call(
         s.call.target,

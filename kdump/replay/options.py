@@ -123,11 +123,15 @@ class ReplayOptions:
 
     def refuse_inapplicable(self) -> None:
         """Options that mean nothing in the chosen mode are a usage error, not silently ignored."""
-        graphy = self.mode in ("graph", "all")
+        # the graph chain runs in graph and all modes, and under the sanitizer with --graph
+        graphy = self.mode in ("graph", "all") or (
+            self.mode == "sanitizer" and self.sanitizer.graph
+        )
+        where = "--mode graph (or all, or sanitizer with --graph)"
         if self.then and not graphy:
-            raise UsageError(f"--then applies to --mode graph (or all), not {self.mode}")
+            raise UsageError(f"--then applies to {where}, not {self.mode}")
         if self.save_failing and not graphy:
-            raise UsageError(f"--save-failing applies to --mode graph (or all), not {self.mode}")
+            raise UsageError(f"--save-failing applies to {where}, not {self.mode}")
         if self.oracle == "fresh" and self.mode == "sanitizer":
             raise UsageError("--oracle fresh applies to --mode eager, graph or all, not sanitizer")
 

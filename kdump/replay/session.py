@@ -70,7 +70,10 @@ def resolve_device(name: str, call: Call, generic: bool) -> torch.device:
     """`auto`: a GPU when there is one, except for a target without a spec recorded on the CPU
     (a user's own function gets the tensors it was called with, on the device it saw)."""
     if name == "auto":
-        recorded_on_gpu = any(st.device.startswith("cuda") for st in call.storages)
+        ran_on = call.meta.get("device")  # set where the stored tensors are copies
+        recorded_on_gpu = (isinstance(ran_on, str) and ran_on.startswith("cuda")) or any(
+            st.device.startswith("cuda") for st in call.storages
+        )
         use_gpu = torch.cuda.is_available() and (recorded_on_gpu or not generic)
         return torch.device("cuda" if use_gpu else "cpu")
     try:
