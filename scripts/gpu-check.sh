@@ -34,7 +34,8 @@ gpu)
 flight)
   timeout 300 python3 -m pytest -q -rfE -m gpu tests/test_flight_gpu.py 2>&1 | tee "$OUT/pytest-flight.log"
   rm -rf /tmp/fl && timeout 120 python3 -m kdump record -o /tmp/fl -t kdump.kernels.sm120.faulty:m_grouped_fp8_gemm_nt_contiguous -- python3 examples/moe_decode.py --backend faulty --steps 6 2>&1 | tee "$OUT/flight-record.log"
-  b=$(ls -t /tmp/fl/flight.*/journal-*.kdump | head -1)
+  # the salvaged bundle of the last graph replay (the one the loop failed at)
+  b=$(python3 -c "import glob, kdump; print(max((p for p in glob.glob('/tmp/fl/flight.*/journal-*.kdump') if 'graph_replay' in kdump.load_bundle(p).info), key=lambda p: kdump.load_bundle(p).calls[-1].meta['journal']['seq']))")
   timeout 120 python3 -m kdump replay "$b" --backend packaged-faulty 2>&1 | tee "$OUT/flight-replay.log"; echo "replay exit ${PIPESTATUS[0]}" | tee -a "$OUT/flight-replay.log"
   timeout 240 python3 bench/bench_flight.py 2>&1 | tee "$OUT/bench-flight.log"
   ;;
