@@ -116,7 +116,7 @@ def main() -> None:
     torch.cuda.cudart().cudaHostUnregister(addr)
     del slot_view
     j.unlink()
-    print("device tier: not in this build")
+    print("device tier: none (this recorder has the host tier only)")
 
 
 if __name__ == "__main__":
