@@ -7,11 +7,12 @@ verdict) and returns one Verdict per call.
 from __future__ import annotations
 
 import os
+import queue
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kdump.bundle import iter_bundles, load_bundle
 from kdump.errors import BundleError, UsageError
@@ -19,6 +20,8 @@ from kdump.kernels.registry import check_target
 from kdump.replay.options import ReplayOptions, from_keywords
 from kdump.replay.session import Request
 from kdump.replay.verdict import Finding, Step, Verdict
+
+T = TypeVar("T")
 
 
 def replay(
@@ -95,12 +98,7 @@ def replay(
     gpus = _gpu_count() if opts.jobs > 1 else 0
     try:
         if opts.jobs > 1 and len(work) > 1:
-            with ThreadPoolExecutor(opts.jobs) as pool:
-                futures = [
-                    pool.submit(one, item, (k % gpus) if gpus else None)
-                    for k, item in enumerate(work)
-                ]
-                verdicts = [f.result() for f in futures]
+            verdicts = run_on_slots(work, opts.jobs, gpus, one)
         else:
             verdicts = [one(item, None) for item in work]
     finally:
@@ -118,6 +116,28 @@ def _unreadable(path: str, mode: str, exc: BundleError) -> Verdict:
     v = Verdict(path, -1, "", mode)
     v.findings.append(Finding("bundle", "load", str(exc), {"bundle_error": exc.kind.value}))
     return v
+
+
+def run_on_slots(
+    items: Sequence[T], jobs: int, gpus: int, fn: Callable[[T, int | None], Verdict]
+) -> list[Verdict]:
+    """fn(item, gpu) for every item, `jobs` at a time, results in the items' order. A work queue:
+    each of the `jobs` slots is bound to a GPU (round robin over `gpus`; None without GPUs) and
+    takes the next item when its previous one ends, so no GPU runs two replays while another
+    idles."""
+    free: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+    for k in range(jobs):
+        free.put(k % gpus if gpus else None)
+
+    def on_free_slot(item: T) -> Verdict:
+        gpu = free.get()
+        try:
+            return fn(item, gpu)
+        finally:
+            free.put(gpu)
+
+    with ThreadPoolExecutor(jobs) as pool:
+        return list(pool.map(on_free_slot, items))
 
 
 def _gpu_count() -> int:
