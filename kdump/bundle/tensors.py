@@ -157,9 +157,14 @@ def capture(tensors: Sequence[torch.Tensor], unchanged_from: Captured | None = N
             earlier.setdefault(key, old_data)
     data: list[torch.Tensor] = []
     pending_sync: set[torch.device] = set()
+    lazy: list[int] = []  # storages seen through a lazy conj / neg view: resolved after the copy
     for idx, st in enumerate(storages):
         src = _byte_view(firsts[idx], st.span_start, st.span_nbytes)
-        if src.device.type == "cpu":
+        if _has_lazy_bits(firsts[idx]):
+            lazy.append(idx)
+        if src.device.type == "cpu" and idx in lazy:
+            data.append(src.clone())
+        elif src.device.type == "cpu":
             same = earlier.get((st.device, st.base_ptr, st.span_start, st.span_nbytes))
             data.append(same if same is not None and _same_bytes(same, src) else src.clone())
         else:
@@ -169,7 +174,27 @@ def capture(tensors: Sequence[torch.Tensor], unchanged_from: Captured | None = N
             data.append(host)
     for dev in pending_sync:
         torch.cuda.current_stream(dev).synchronize()
+    for idx in lazy:
+        _resolve_lazy_bits(data[idx], firsts[idx])
     return Captured(storages=storages, tensors=records, data=data)
+
+
+def _has_lazy_bits(t: torch.Tensor) -> bool:
+    return bool(t.is_conj() or t.is_neg())
+
+
+def _resolve_lazy_bits(snapshot: torch.Tensor, t: torch.Tensor) -> None:
+    """Turn the raw bytes of a span that `t` sees through torch's lazy conj / neg bits into the
+    values the kernel saw, in place on the private host snapshot (the argument is untouched and
+    the layout unchanged, so the bundle needs no record of the bits)."""
+    size = t.element_size()
+    if snapshot.numel() % size:
+        return  # a span shared with views of other dtypes: no whole elements to resolve
+    values = snapshot.view(t.dtype)
+    if t.is_conj():
+        values.conj_physical_()
+    if t.is_neg():
+        values.neg_()
 
 
 # ---------------------------------------------------------------------------------------------
