@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 import kdump
@@ -34,3 +39,62 @@ def test_conj_and_neg_views_record_the_values_the_kernel_saw(tmp_path) -> None:
     assert torch.equal(_bits(got_x), _bits(x.conj().resolve_conj()))
     assert torch.equal(_bits(got_y), _bits(y._neg_view().resolve_neg()))
     assert not torch.equal(_bits(got_x), _bits(x))  # the stored values are not the raw storage
+
+
+class Counting(torch.Tensor):
+    """A `__torch_function__` subclass that counts every torch call it sees."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        Counting.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+PROGRAM = """
+def affine(x, out):
+    out.copy_(x * 3.0 + 1.0)
+    return out.sum()
+"""
+
+
+@pytest.fixture
+def progmod(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    mod = tmp_path / "mods"
+    mod.mkdir()
+    (mod / "hyg_prog.py").write_text(PROGRAM)
+    monkeypatch.syspath_prepend(str(mod))
+    sys.modules.pop("hyg_prog", None)
+    yield importlib.import_module("hyg_prog")
+    sys.modules.pop("hyg_prog", None)
+
+
+def _counted_call(fn, *args) -> int:
+    before = Counting.calls
+    fn(*args)
+    return Counting.calls - before
+
+
+def _counting_inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(8, 5, generator=g, device="cpu").as_subclass(Counting)
+    out = torch.randn(8, 5, generator=g, device="cpu").as_subclass(Counting)
+    return x, out
+
+
+def test_recording_adds_no_torch_function_calls(progmod, tmp_path: Path) -> None:
+    plain = _counted_call(progmod.affine, *_counting_inputs(1))
+    assert plain > 0
+    with kdump.recording("hyg_prog:affine", out=tmp_path / "rec") as rec:
+        recorded = _counted_call(progmod.affine, *_counting_inputs(2))
+    assert len(rec.written) == 1
+    assert recorded == plain
+    one = _counted_call(
+        lambda *a: kdump.dump_call(tmp_path / "one.kdump", progmod.affine, *a),
+        *_counting_inputs(3),
+    )
+    assert one == plain
+    for path in (rec.written[0], tmp_path / "one.kdump"):
+        call = load_bundle(path).calls[0]
+        assert call.outputs is not None and len(call.outputs) >= 1

@@ -14,7 +14,7 @@ from kdump import envinfo
 from kdump.errors import UsageError
 from kdump.log import log
 from kdump.record.hooks import HookState, TargetSpec, busy
-from kdump.record.sync import cuda_state, output_indices
+from kdump.record.sync import cuda_state, output_indices, own_tensor_work
 
 
 def dump_call(
@@ -49,12 +49,13 @@ def dump_call(
         }
         from kdump.bundle import argtree
 
-        tensors = argtree.tensors_in(args, kwargs)
-        capturing, stream = cuda_state(tensors)
-        if capturing:
-            raise UsageError("dump_call cannot read tensors during CUDA-graph capture")
-        meta.update(capturing=False, stream=stream)
-        call = capture_call(target, args, kwargs, called_as=target, names=pos, meta=meta)
+        with own_tensor_work():
+            tensors = argtree.tensors_in(args, kwargs)
+            capturing, stream = cuda_state(tensors)
+            if capturing:
+                raise UsageError("dump_call cannot read tensors during CUDA-graph capture")
+            meta.update(capturing=False, stream=stream)
+            call = capture_call(target, args, kwargs, called_as=target, names=pos, meta=meta)
     except Exception as exc:
         log(f"dump_call: cannot capture {target} ({type(exc).__name__}: {exc}); calling it anyway")
     if call is None:
@@ -70,9 +71,10 @@ def dump_call(
     finally:
         busy.flag = prev
     try:
-        live = input_tensors(call, args, kwargs)
-        idx = output_indices("default", spec, names, live, args, kwargs)
-        attach_outputs(call, live, idx, returned=result)
+        with own_tensor_work():
+            live = input_tensors(call, args, kwargs)
+            idx = output_indices("default", spec, names, live, args, kwargs)
+            attach_outputs(call, live, idx, returned=result)
     except Exception as exc:
         log(f"dump_call: cannot snapshot the outputs of {target} ({type(exc).__name__}: {exc})")
         call.outputs = None
@@ -83,7 +85,8 @@ def dump_call(
 def _save_one(path: Any, call: Any, save_calls: Callable[..., Any], *, cuda: bool) -> None:
     try:
         env = envinfo.collect(cuda=cuda)  # GPU facts only when CUDA is in use: no CUDA init
-        save_calls(Path(path), [call], env=env, info={"recorder": "dump_call"})
+        with own_tensor_work():
+            save_calls(Path(path), [call], env=env, info={"recorder": "dump_call"})
     except Exception as exc:
         log(f"dump_call: cannot write {path} ({type(exc).__name__}: {exc})")
 

@@ -8,6 +8,7 @@ addresses; no bytes) and marks it `capturing: true, data: metadata-only`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -143,9 +144,10 @@ class SyncRecorder:
             snap = None
             plan = None
             try:
-                plan = self._plan(st, index, args, kwargs)
-                if plan is not None:
-                    snap = self._snapshot(st, index, called_as, args, kwargs, plan)
+                with own_tensor_work():
+                    plan = self._plan(st, index, args, kwargs)
+                    if plan is not None:
+                        snap = self._snapshot(st, index, called_as, args, kwargs, plan)
             except Exception as exc:
                 self.session.fail(st, "capturing the arguments", exc)
             if snap is None:
@@ -155,15 +157,17 @@ class SyncRecorder:
             except Exception as exc:
                 try:  # the snapshot taken BEFORE the call; nothing is read after it raised
                     snap.meta["exception"] = f"{type(exc).__name__}: {exc}"[:2000]
-                    self._write(st, snap, index)
+                    with own_tensor_work():
+                        self._write(st, snap, index)
                 except Exception as exc2:
                     self.session.fail(st, "writing the bundle", exc2)
                 raise
             if plan == "dump":
                 try:
-                    if not snap.meta.get("capturing"):
-                        self._attach_outputs(st, snap, args, kwargs, result)
-                    self._write(st, snap, index)
+                    with own_tensor_work():
+                        if not snap.meta.get("capturing"):
+                            self._attach_outputs(st, snap, args, kwargs, result)
+                        self._write(st, snap, index)
                 except Exception as exc:
                     self.session.fail(st, "writing the bundle", exc)
             return result
@@ -291,6 +295,15 @@ class SyncRecorder:
     @property
     def written(self) -> list[Path]:
         return self.dest.written
+
+
+def own_tensor_work() -> contextlib.AbstractContextManager[Any]:
+    """Around kdump's own tensor operations: `__torch_function__` subclasses of the recorded
+    program never see them (their counters, logs and dispatch stay those of the program)."""
+    torch = sys.modules.get("torch")  # no torch imported: no tensors, nothing to hide
+    if torch is None:
+        return contextlib.nullcontext()
+    return torch._C.DisableTorchFunctionSubclass()
 
 
 def cuda_state(tensors: Sequence[Any]) -> tuple[bool, int | None]:
