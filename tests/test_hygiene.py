@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import os
+import signal
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +16,7 @@ import torch
 
 import kdump
 from kdump.bundle import load_bundle
+from kdump.record.capture_dir import list_bundles
 
 
 def _pair(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -98,3 +104,114 @@ def test_recording_adds_no_torch_function_calls(progmod, tmp_path: Path) -> None
     for path in (rec.written[0], tmp_path / "one.kdump"):
         call = load_bundle(path).calls[0]
         assert call.outputs is not None and len(call.outputs) >= 1
+
+
+WRITER = """
+import sys, time, torch, kdump, hyg_big
+x = torch.randn(6 * 1024 * 1024, generator=torch.Generator().manual_seed(5), device="cpu")
+out = torch.empty_like(x)
+with kdump.recording("hyg_big:scale", out=sys.argv[1]):
+    for _ in range(1000):
+        x.add_(1.0)  # new bytes each call: every bundle writes new blobs
+        hyg_big.scale(x, out)
+"""
+
+BIG = """
+def scale(x, out):
+    out.copy_(x * 2.0)
+"""
+
+
+def _leftovers(root: Path) -> list[Path]:
+    return [
+        p
+        for p in root.rglob("*")
+        if p.is_file()
+        and (p.name.endswith(".tmp") or (p.suffix == ".kdump" and p.stat().st_size == 0))
+    ]
+
+
+def _env(mod: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KDUMP_")}
+    old = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(mod), str(Path(kdump.__file__).parents[1]), *old])
+    return env
+
+
+def _mid_write(out: Path) -> bool:
+    """A whole bundle has been written (so one must survive) and another write is under way."""
+    files = [p for p in out.rglob("*") if p.is_file()]
+    whole = any(p.suffix == ".kdump" and p.stat().st_size > 0 for p in files)
+    return whole and any(p.name.endswith(".tmp") for p in files)
+
+
+def _kill_mid_write(out: Path, mod: Path, delay: float) -> bool:
+    """Run the writer until it is mid-write, SIGKILL it `delay` s later; whether a
+    temporary or reserved name was left behind."""
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(out)], env=_env(mod))
+    try:
+        deadline = time.monotonic() + 120
+        while not _mid_write(out):
+            assert proc.poll() is None, "the writer ended before writing anything"
+            assert time.monotonic() < deadline, "no temporary file seen in 120 s"
+            time.sleep(0.005)
+        time.sleep(delay)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    return bool(_leftovers(out))
+
+
+def test_temporaries_of_a_killed_writer_are_removed_at_the_next_recording(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mod = tmp_path / "mods"
+    mod.mkdir()
+    (mod / "hyg_big.py").write_text(BIG)
+    (mod / "hyg_prog.py").write_text(PROGRAM)
+    monkeypatch.syspath_prepend(str(mod))
+    sys.modules.pop("hyg_prog", None)
+    import hyg_prog
+
+    out = tmp_path / "rec"
+    left = [_kill_mid_write(out, mod, delay) for delay in (0.0, 0.01, 0.05)]
+    assert any(left), "no kill landed mid-write: the test proves nothing"
+    # A live writer's temporary (this process) and one of another host are not touched.
+    blobs = out / "blobs"
+    live = blobs / f".x.{os.getpid()}@{socket.gethostname().replace('.', '-')}.abc123.tmp"
+    other = blobs / ".y.1@some-other-host.abc123.tmp"
+    for p in (live, other):
+        p.write_bytes(b"partial")
+    x, o = _counting_inputs(4)
+    with kdump.recording("hyg_prog:affine", out=out) as rec:
+        hyg_prog.affine(x.as_subclass(torch.Tensor), o.as_subclass(torch.Tensor))
+    assert len(rec.written) == 1
+    assert sorted(_leftovers(out)) == sorted([live, other])
+    bundles = list_bundles(out)
+    assert len(bundles) >= 2 and rec.written[0] in bundles
+    for path in bundles:
+        calls = load_bundle(path).calls
+        assert len(calls) == 1
+        x_rec, out_rec = calls[0].args  # both targets take (x, out)
+        assert x_rec.numel() > 0 and x_rec.shape == out_rec.shape
+    sys.modules.pop("hyg_prog", None)
+
+
+def test_salvage_removes_temporaries_of_dead_writers_only(tmp_path: Path) -> None:
+    from kdump.cli import main
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname().replace(".", "-")
+    out = tmp_path / "crash"
+    (out / "blobs" / "ab").mkdir(parents=True)
+    stale = out / "blobs" / "ab" / f".abcd.{dead.pid}@{host}.q1w2e3.tmp"
+    live = out / f".b.kdump.{os.getpid()}@{host}.q1w2e3.tmp"
+    for p in (stale, live):
+        p.write_bytes(os.urandom(64))
+    journals = tmp_path / "journals"
+    journals.mkdir()
+    with pytest.raises(SystemExit) as done:
+        main(["salvage", str(journals), "-o", str(out)])
+    assert done.value.code == 0
+    assert not stale.exists() and live.exists()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
+import socket
 import tempfile
 import threading
 from collections.abc import Callable
@@ -30,6 +32,25 @@ def _current_umask() -> int:
 
 _UMASK = _current_umask()
 
+TEMP_SUFFIX = ".tmp"
+# `.<name>.<pid>@<host>.<random>.tmp`: who owns a temporary, so a later process can tell one
+# left by a killed writer (its pid gone on this host) from one still being written.
+_TEMP_RE = re.compile(r"^\..+\.(?P<pid>\d+)@(?P<host>[A-Za-z0-9-]*)\.[^.]+\.tmp$")
+
+
+def _host_tag() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())
+
+
+def temp_owner(name: str) -> tuple[int, str] | None:
+    """(pid, host tag) of an `atomic_write` temporary's file name; None for any other name."""
+    m = _TEMP_RE.match(name)
+    return (int(m["pid"]), m["host"]) if m else None
+
+
+def is_own_host(tag: str) -> bool:
+    return tag == _host_tag()
+
 
 def atomic_write(
     path: str | os.PathLike[str], content: bytes | memoryview | Callable[[BinaryIO], object]
@@ -38,7 +59,8 @@ def atomic_write(
     the same folder, then rename it over `path`: readers see the old file or the whole new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    prefix = f".{path.name}.{os.getpid()}@{_host_tag()}."
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=TEMP_SUFFIX, dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; these are ordinary files
         with os.fdopen(fd, "wb") as f:

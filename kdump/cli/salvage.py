@@ -29,10 +29,13 @@ def command(
     """
     from pathlib import Path
 
+    from kdump.record.capture_dir import remove_stale_temporaries
     from kdump.record.journal import DEFAULT_DIR, read_pid
     from kdump.record.salvage import dead_journals, pid_alive, salvage_journal
     from kdump.text import visible as v  # names and paths may come from a journal
 
+    for left in remove_stale_temporaries(output):  # a killed writer's partial files
+        click.echo(f"removed {v(left)}: left by a writer that was killed", err=True)
     paths: list[Path] = []
     for j in journals or (str(DEFAULT_DIR),):
         p = Path(j)

@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import secrets
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kdump.log import log_once
 from kdump.record.triggers import Limits, Written
 
 INDEX_NAME = "index.jsonl"
@@ -148,6 +150,58 @@ def list_bundles(root: str | os.PathLike[str]) -> list[Path]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Leftovers of killed writers
+
+
+def remove_stale_temporaries(root: str | os.PathLike[str]) -> list[Path]:
+    """Remove what writers killed mid-write left under `root`: `atomic_write` temporaries (blobs,
+    bundles) whose owning process on this host is gone, and the empty reserved bundle names in
+    process folders whose process is gone. Files of live processes and of other hosts are kept.
+    Returns what was removed."""
+    from kdump.bundle.store import is_own_host, temp_owner
+    from kdump.record.salvage import pid_alive
+
+    root = Path(root)
+    removed: list[Path] = []
+    if not root.is_dir():
+        return removed
+    host = socket.gethostname()
+    for dirpath, _dirnames, filenames in os.walk(root):
+        folder = Path(dirpath)
+        dead_owner: bool | None = None  # of this folder's index header; asked once, if needed
+        for name in filenames:
+            path = folder / name
+            owner = temp_owner(name)
+            if owner is not None:
+                stale = is_own_host(owner[1]) and not pid_alive(owner[0])
+            elif name.endswith(BUNDLE_SUFFIX) and _is_empty(path):
+                if dead_owner is None:
+                    dead_owner = _dead_owner(folder, host, pid_alive)
+                stale = dead_owner
+            else:
+                continue
+            if stale:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                    removed.append(path)
+    return removed
+
+
+def _is_empty(path: Path) -> bool:
+    try:
+        return path.is_file() and path.stat().st_size == 0
+    except OSError:
+        return False
+
+
+def _dead_owner(folder: Path, host: str, pid_alive: Callable[[int], bool]) -> bool:
+    """Whether the process that wrote `folder`'s index ran on this host and is gone."""
+    header = read_index(folder).header
+    pid = header.get("pid")
+    return header.get("host") == host and isinstance(pid, int) and not pid_alive(pid)
+
+
+# ---------------------------------------------------------------------------------------------
 # Writing
 
 
@@ -222,6 +276,10 @@ class CaptureDir:
 
     def _make_folder(self) -> Path:
         self.out.mkdir(parents=True, exist_ok=True)
+        try:  # a recording never fails for a predecessor's leftovers
+            remove_stale_temporaries(self.out)
+        except Exception as exc:
+            log_once(f"leftovers:{self.out}", f"cannot tidy {self.out}: {exc}")
         rank = self._rank()
         base = f"{self.host}.{self.pid}" + (f".rank{rank}" if rank is not None else "")
         for _ in range(_NAME_ATTEMPTS):
