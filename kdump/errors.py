@@ -107,6 +107,45 @@ def worst_exit_code(codes: list[int] | tuple[int, ...]) -> int:
     return 0
 
 
+# `git bisect run` reads 0 as good, 125 as skip, 128 (any code above 127) as abort and any
+# other code as bad. Only a reproduced failure may mark a commit bad.
+BISECT_GOOD = 0
+BISECT_BAD = 1
+BISECT_SKIP = 125
+BISECT_ABORT = 128
+
+
+def bisect_exit_code(code: int) -> int:
+    """The `git bisect run` exit code for a kdump exit code: clean is good; a reproduced failure
+    (mismatch, kernel error, memory finding, contract violation) is bad; a library that cannot
+    run at this commit is skip; a usage, bundle or internal error (or an unknown code) aborts."""
+    if code == ExitCode.CLEAN:
+        return BISECT_GOOD
+    if code in (
+        ExitCode.MISMATCH,
+        ExitCode.KERNEL_ERROR,
+        ExitCode.MEMORY_FINDING,
+        ExitCode.CONTRACT,
+    ):
+        return BISECT_BAD
+    if code == ExitCode.CANNOT_RUN:
+        return BISECT_SKIP
+    return BISECT_ABORT
+
+
+def bisect_text() -> str:
+    """The `--bisect` paragraph shared by `kdump replay --help` and the README."""
+    bad = ", ".join(str(int(c)) for c in ExitCode if bisect_exit_code(c) == BISECT_BAD)
+    abort = ", ".join(str(int(c)) for c in ExitCode if bisect_exit_code(c) == BISECT_ABORT)
+    return (
+        "`kdump replay --bisect` follows `git bisect run` (e.g. `git bisect run kdump replay "
+        f"--bisect BUNDLE`): clean exits {BISECT_GOOD} (good); a reproduced failure ({bad}) "
+        f"exits {BISECT_BAD} (bad); a library that cannot be imported or built at this commit "
+        f"({int(ExitCode.CANNOT_RUN)}) exits {BISECT_SKIP} (skip); a usage, bundle or internal "
+        f"error ({abort}) exits {BISECT_ABORT} (abort)."
+    )
+
+
 def precedence_rank(code: int) -> int:
     """Position of `code` in EXIT_PRECEDENCE (unknown codes last)."""
     for i, c in enumerate(EXIT_PRECEDENCE):
@@ -130,7 +169,7 @@ def exit_codes_markdown() -> str:
         kinds = ", ".join(f"`{k.value}`" for k in FindingKind if k.code == c)
         lines.append(f"| {int(c)} | {c.meaning} | {kinds} |")
     order = ", ".join(str(int(c)) for c in EXIT_PRECEDENCE)
-    lines += ["", f"With several findings the first in the order {order} wins."]
+    lines += ["", f"With several findings the first in the order {order} wins.", "", bisect_text()]
     return "\n".join(lines)
 
 

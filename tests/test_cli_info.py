@@ -54,7 +54,7 @@ def test_info_table(capsys: pytest.CaptureFixture[str], bundle: Path) -> None:
 def test_info_json(capsys: pytest.CaptureFixture[str], bundle: Path) -> None:
     code, out, _ = run(capsys, "info", "--json", str(bundle))
     assert code == 0
-    rep = json.loads(out)
+    [rep] = json.loads(out)  # a list, also for one bundle
     assert rep["format_version"] == 3 and len(rep["calls"]) == 2
     assert rep["file_bytes"] == bundle.stat().st_size
     assert rep["blob_bytes"] * 2 == rep["logical_bytes"]  # the second call is deduplicated
@@ -134,7 +134,9 @@ def test_pack(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, out, _ = run(capsys, "pack", str(src), "-o", str(out_path))
     assert code == 0 and f"wrote {out_path}" in out and "kdump replay" in out
     code, out, _ = run(capsys, "pack", str(src))
-    assert code == 0 and (cap / "c.packed.kdump").is_file()
+    # beside the capture folder, not inside it: a replay of cap/ must not see the copy
+    assert code == 0 and (tmp_path / "cap.packed" / "c.kdump").is_file()
+    assert not (cap / "c.packed.kdump").exists()
     shutil.rmtree(cap)
     got = load_bundle(out_path).calls[0]
     assert torch.equal(got.args[1], args[1]) and got.args[1].stride() == args[1].stride()
@@ -150,7 +152,8 @@ def test_python_dash_m_entry_point(bundle: Path) -> None:
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["calls"][0]["target"] == "deep_gemm:m_grouped"
+    [rep] = json.loads(proc.stdout)
+    assert rep["calls"][0]["target"] == "deep_gemm:m_grouped"
     proc = subprocess.run(
         [sys.executable, "-m", "kdump", "info", str(bundle.parent / "nope.kdump")],
         capture_output=True,

@@ -126,7 +126,7 @@ def test_kdump_record_then_wrong_function_mismatches(usermod: Path, tmp_path: Pa
     info = subprocess.run(
         [*KDUMP, "info", "--json", str(bundle)], env=env, capture_output=True, text=True
     )
-    rep = json.loads(info.stdout)
+    [rep] = json.loads(info.stdout)
     assert rep["calls"][0]["outputs"] == ["x", "out", "return value"]
     text = subprocess.run([*KDUMP, "info", str(bundle)], env=env, capture_output=True, text=True)
     assert "outputs recorded: x, out, return value" in text.stdout

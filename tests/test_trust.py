@@ -214,7 +214,8 @@ def test_bundle_strings_are_escaped_everywhere(
     code, out, err = _cli(capsys, "info", "--json", str(bundle))
     _assert_safe(code, out, err, (0,))
     # JSON shows bundle strings the way the table does: escapes visible, nothing raw
-    assert json.loads(out)["env"]["hostname"] == visible(EVIL)
+    [rep] = json.loads(out)
+    assert rep["env"]["hostname"] == visible(EVIL)
     code, out, err = _cli(capsys, "replay", str(bundle), *REPLAY)
     _assert_safe(code, out, err, (ExitCode.USAGE,))
     assert "\\x1b]52" in err

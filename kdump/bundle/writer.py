@@ -22,6 +22,7 @@ from kdump.bundle.format import (
     FORMAT_VERSION,
     MANIFEST_KEY,
     MAX_HEADER,
+    STORE_DIRNAME,
     BlobRecord,
     CallEntry,
     Manifest,
@@ -33,7 +34,7 @@ from kdump.bundle.format import (
 )
 from kdump.bundle.store import BlobStore, atomic_write, blob_digests, fast_checksum, pool
 from kdump.bundle.tensors import Captured, capture
-from kdump.errors import BundleError
+from kdump.errors import BundleError, UsageError
 from kdump.errors import BundleErrorKind as K
 
 # The data section starts at a multiple of ALIGN_MOD and each large blob at an offset congruent to
@@ -276,8 +277,60 @@ def pack(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
         sha: (bundle.blob_bytes(sha), aligns.get(sha, 0)) for sha, b in m.blobs.items() if b.nbytes
     }
     out = Path(dst)
+    out.parent.mkdir(parents=True, exist_ok=True)
     _write_safetensors(out, manifest_json(replace(m, blobs=inline)), views)
     return out
+
+
+PACKED_SUFFIX = ".packed"
+
+
+def capture_root(bundle: str | os.PathLike[str]) -> Path | None:
+    """The capture directory (the folder holding the shared blob store) a bundle belongs to,
+    looked for where the reader looks for its store; None for a bundle outside one."""
+    from kdump.bundle.reader import STORE_SEARCH_DEPTH
+
+    here = Path(bundle).resolve().parent
+    for cand in [here, *list(here.parents)[:STORE_SEARCH_DEPTH]]:
+        if (cand / STORE_DIRNAME).is_dir():
+            return cand
+    return None
+
+
+def pack_destination(
+    src: str | os.PathLike[str],
+    output: str | os.PathLike[str] | None = None,
+    base: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Where `kdump pack` writes the packed copy of bundle `src` (found under folder `base`, if
+    one was given): never inside the capture directory or `base`, so a later replay of that
+    folder does not replay the copy as well.
+
+    Default: `<root>.packed/<path of src under root>` beside `root`, the outer of `base` and the
+    capture directory, else the bundle's own folder. An `output` that is an existing folder
+    receives the bundle under its name (its path under `base` when packing a folder); any other
+    `output` is the file to write."""
+    src_p = Path(src).resolve()
+    base_p = Path(base).resolve() if base is not None else None
+    capture = capture_root(src_p)
+    # Both hold src, so one holds the other: the outer one is the folder a replay would read.
+    folders = [f for f in (capture, base_p) if f is not None]
+    root = min(folders, key=lambda f: len(f.parts)) if folders else src_p.parent
+    if output is None:
+        dst = root.with_name(root.name + PACKED_SUFFIX) / src_p.relative_to(root)
+    elif Path(output).is_dir():
+        inner = src_p.relative_to(base_p) if base_p is not None else Path(src_p.name)
+        dst = Path(output).resolve() / inner
+    else:
+        dst = Path(output).resolve()
+    if dst == src_p:
+        raise UsageError(f"{src}: the packed copy would overwrite the bundle; pass another -o")
+    for folder in folders:
+        if dst.is_relative_to(folder):
+            raise UsageError(
+                f"{dst} is inside {folder}, which a replay would read twice; pass -o outside it"
+            )
+    return dst
 
 
 def _header_json(

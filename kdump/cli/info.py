@@ -32,7 +32,7 @@ def command(bundles: tuple[str, ...], verify: bool, as_json: bool) -> int:
         rep["verified"] = verify
         reports.append(rep)
     if as_json:
-        emit_json(reports if len(reports) > 1 else reports[0])
+        emit_json(reports)  # always a list, also for one bundle
         return 0
     for rep in reports:
         _render(rep)

@@ -6,24 +6,48 @@ import click
 @click.command("pack")
 @click.argument("bundle", type=click.Path())
 @click.option(
-    "-o", "--output", type=click.Path(), help="Output file (default: BUNDLE.packed.kdump)."
+    "-o",
+    "--output",
+    type=click.Path(),
+    help="Output file, or an existing folder to write into (default: see below).",
 )
 def command(bundle: str, output: str | None) -> int:
-    """Write BUNDLE as one self-contained file (blobs from the capture directory's shared store
-    folded in, checksums verified), ready to attach to a bug report.
+    """Write BUNDLE (a file, or every bundle of a capture folder) as self-contained files (blobs
+    from the capture directory's shared store folded in, checksums verified), ready to attach to
+    a bug report.
+
+    The copy never goes inside the capture folder, so replaying that folder later does not
+    replay it twice. By default it goes to ROOT.packed/ beside ROOT, under the bundle's path in
+    ROOT, where ROOT is the outer of the folder given and the bundle's capture directory, else
+    the bundle's own folder: dumps/host-1234/call-000017.kdump becomes
+    dumps.packed/host-1234/call-000017.kdump. With -o naming an existing folder the copy goes
+    into it under the bundle's name; any other -o is the file to write (one bundle only).
 
     \b
-    Example:
+    Examples:
       kdump pack dumps/host-1234/call-000017.kdump -o issue-4711.kdump
+      kdump pack dumps/ -o attachments/
     """
     from pathlib import Path
 
-    from kdump.bundle import pack
+    from kdump.bundle import iter_bundles
+    from kdump.bundle.writer import pack, pack_destination
+    from kdump.errors import UsageError
     from kdump.text import visible
 
     src = Path(bundle)
-    dst = Path(output) if output else src.with_suffix(".packed.kdump")
-    out = pack(src, dst)
-    shown = visible(out)
-    click.echo(f"wrote {shown} ({out.stat().st_size} bytes); replay it with: kdump replay {shown}")
+    base = src if src.is_dir() else None
+    sources = list(iter_bundles([src]))
+    if len(sources) > 1 and output is not None and not Path(output).is_dir():
+        raise UsageError(
+            f"{visible(src)} holds {len(sources)} bundles: -o must be an existing folder"
+        )
+    # All destinations first: a refused one writes nothing.
+    plan = [(s, pack_destination(s, output, base)) for s in sources]
+    for s, dst in plan:
+        out = pack(s, dst)
+        shown = visible(out)
+        click.echo(
+            f"wrote {shown} ({out.stat().st_size} bytes); replay it with: kdump replay {shown}"
+        )
     return 0

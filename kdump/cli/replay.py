@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import textwrap
+from typing import Any
+
 import click
 
 from kdump.cli.common import console, emit_json, json_option, max_load_option
-from kdump.errors import exit_codes_help
+from kdump.errors import ExitCode, bisect_exit_code, bisect_text, exit_codes_help
 from kdump.kernels.registry import backend_names
 from kdump.replay.options import MODES, ORACLES, TOOLS
 from kdump.text import markup
@@ -24,8 +27,26 @@ class _BackendChoice(click.Choice):
         pass
 
 
+class _ReplayCommand(click.Command):
+    """Under --bisect a command line click rejects aborts the bisection (128) instead of
+    exiting 2, which `git bisect run` would read as a bad commit."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        bisecting = "--bisect" in args
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            if not bisecting:
+                raise
+            exc.show()
+            raise click.exceptions.Exit(bisect_exit_code(ExitCode.USAGE))
+
+
+BISECT_HELP = "\n\b\n" + textwrap.fill(bisect_text().replace("`", ""), width=92)
+
 EPILOG = (
     exit_codes_help()
+    + BISECT_HELP
     + """
 \b
 Examples:
@@ -37,7 +58,7 @@ Examples:
 )
 
 
-@click.command("replay", epilog=EPILOG)
+@click.command("replay", cls=_ReplayCommand, epilog=EPILOG)
 @click.argument("bundles", nargs=-1, required=True, type=click.Path())
 @max_load_option
 @click.option(
@@ -160,8 +181,40 @@ Examples:
     help="Set this recorded environment variable in the replay (repeatable), e.g. "
     "DG_JIT_CACHE_DIR; others are only shown.",
 )
+@click.option(
+    "--bisect",
+    is_flag=True,
+    help="Exit with git bisect run's codes: 0 good, 1 bad, 125 skip, 128 abort (see below).",
+)
 @json_option
-def command(
+def command(bisect: bool, **kwargs: Any) -> int:
+    """Replay the calls in BUNDLES (files or capture folders) and say which step fails and how.
+
+    Each replay runs in a child process, so a crash becomes a verdict. Outputs are poisoned
+    before each run so unwritten elements show, every tensor sits between poisoned guard bytes,
+    and results are compared with the torch reference, with the output recorded in the bundle
+    (bitwise when backend, library version and GPU match the recording) and across runs.
+
+    """
+    if not bisect:
+        return _replay(**kwargs)
+    from kdump.errors import KdumpError
+    from kdump.text import visible
+
+    try:
+        code = _replay(**kwargs)
+    except KdumpError as exc:
+        click.echo(f"kdump: error: {visible(exc)}", err=True)
+        code = int(exc.exit_code)
+    except Exception as exc:  # a kdump bug must abort, not mark the commit bad
+        click.echo(f"kdump: internal error: {type(exc).__name__}: {visible(exc)}", err=True)
+        code = int(ExitCode.INTERNAL)
+    mapped = bisect_exit_code(code)
+    click.echo(f"kdump: bisect: replay exit {code} -> {mapped}", err=True)
+    return mapped
+
+
+def _replay(
     bundles: tuple[str, ...],
     mode: str,
     backend: str,
@@ -190,14 +243,6 @@ def command(
     apply_env: tuple[str, ...],
     as_json: bool,
 ) -> int:
-    """Replay the calls in BUNDLES (files or capture folders) and say which step fails and how.
-
-    Each replay runs in a child process, so a crash becomes a verdict. Outputs are poisoned
-    before each run so unwritten elements show, every tensor sits between poisoned guard bytes,
-    and results are compared with the torch reference, with the output recorded in the bundle
-    (bitwise when backend, library version and GPU match the recording) and across runs.
-
-    """
     from kdump.errors import KdumpError, UsageError, worst_exit_code
     from kdump.record.salvage import salvaged_graph_replays
     from kdump.replay import replay
