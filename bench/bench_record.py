@@ -8,7 +8,8 @@
    calls around call `--calls` (the same within noise: nothing grows with the number of bundles),
    against an atomic write (temporary file + rename) of a file of the bundle's size.
 2. `kdump.dump_call` of a `--mb` MB call (mixed dtypes, a view with a storage offset, a shared
-   storage) against `safetensors.torch.save_file` of the same tensors, median of `--repeat`.
+   storage) against `safetensors.torch.save_file` of the same tensors, median of `--repeat`;
+   each timed write makes a new file (the previous one is deleted untimed).
 3. GPU (CUDA only): recording a 600 MB call from GPU memory with dump_call against a plain copy
    to pinned host memory plus a raw write of the same bytes.
 """
@@ -31,15 +32,31 @@ import torch
 from bench_bundle import machine
 
 
-def median_time(repeat: int, fns: dict[str, Callable[[], object]]) -> dict[str, float]:
-    """Run the functions alternately `repeat` times; the median time of each."""
+def median_time(
+    repeat: int, fns: dict[str, Callable[[], object]], between: Callable[[], object] | None = None
+) -> dict[str, float]:
+    """Run the functions alternately `repeat` times; the median time of each. `between` runs,
+    untimed, after each function."""
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+            if between is not None:
+                between()
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def remover(*paths: Path) -> Callable[[], None]:
+    """Delete `paths` (untimed), so every timed write makes a new file as a recorder does:
+    replacing a large file would time the kernel freeing the old one's pages."""
+
+    def remove() -> None:
+        for p in paths:
+            p.unlink(missing_ok=True)
+
+    return remove
 
 
 def _target_module() -> types.ModuleType:
@@ -135,7 +152,8 @@ def write_rate(work: Path, mb: float, repeat: int, device: str) -> dict[str, flo
         sides["save_file"] = lambda: save_file(st, str(work / "s.safetensors"))
     else:
         sides["pinned copy + raw write"] = pinned_plus_raw
-    times = median_time(repeat, sides)
+    outputs = (work / "d.kdump", work / "s.safetensors", work / "raw.bin")
+    times = median_time(repeat, sides, between=remover(*outputs))
     times["bytes"] = float(sum(t.numel() * t.element_size() for t in tensors))
     return times
 

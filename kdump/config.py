@@ -108,6 +108,11 @@ def environ() -> dict[str, str]:
     return dict(os.environ)
 
 
+def environ_view() -> Mapping[str, str]:
+    """The live process environment, read-only and uncopied: for lookups on a per-call path."""
+    return os.environ
+
+
 def get(name: str, env: Mapping[str, str] | None = None) -> str | None:
     """Value of a declared kdump variable, or its default."""
     var = _BY_NAME[name]  # KeyError on undeclared names: every variable must be declared above

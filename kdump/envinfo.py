@@ -10,7 +10,7 @@ import os
 import platform
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kdump import config
@@ -41,8 +41,8 @@ def library_state() -> dict[str, Any]:
     return out
 
 
-def rank_info(env: dict[str, str] | None = None) -> dict[str, Any]:
-    source = env if env is not None else config.environ()
+def rank_info(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    source = env if env is not None else config.environ_view()  # no copy: read per call
     out: dict[str, Any] = {}
     for var in RANK_VARS:
         if var in source:
@@ -53,7 +53,7 @@ def rank_info(env: dict[str, str] | None = None) -> dict[str, Any]:
     return out
 
 
-def current_rank(env: dict[str, str] | None = None) -> int | None:
+def current_rank(env: Mapping[str, str] | None = None) -> int | None:
     info = rank_info(env)
     for key in ("rank", "tp_rank", "local_rank"):
         if isinstance(info.get(key), int):
@@ -126,19 +126,35 @@ def collect(include_gpu: bool = True, cuda: bool = False) -> dict[str, Any]:
     """The environment manifest (docs/FORMAT.md, "env"). GPU facts need include_gpu, and a call
     with CUDA tensors (`cuda`) or CUDA already initialised (see gpu_info)."""
     env = {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "hostname": socket.gethostname(),
-        "pid": os.getpid(),
+        **_process_facts(),
         "argv": list(sys.argv)[:32],
         "ranks": rank_info(),
         "env_vars": config.recorded_environment(),
-        "kdump": _kdump_version(),
     }
     if include_gpu:
         env.update(gpu_info(cuda=cuda))
     env["libraries"] = library_state()
     return env
+
+
+_FACTS: tuple[int, dict[str, Any]] | None = None
+
+
+def _process_facts() -> dict[str, Any]:
+    """Facts fixed for the life of a process (platform.platform() alone reads the interpreter
+    binary): collected once per pid, so a forked child reports its own pid."""
+    global _FACTS
+    pid = os.getpid()
+    if _FACTS is None or _FACTS[0] != pid:
+        facts = {
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "hostname": socket.gethostname(),
+            "pid": pid,
+            "kdump": _kdump_version(),
+        }
+        _FACTS = (pid, facts)
+    return dict(_FACTS[1])
 
 
 def _kdump_version() -> str:

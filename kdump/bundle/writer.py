@@ -128,8 +128,13 @@ def _blob_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
+# Below this many bytes hashing on the calling thread beats handing blobs to the pool, and
+# hashing before writing beats the pipelined writer (which builds the manifest twice).
+INLINE_HASH_MAX = 8 << 20
+
+
 def _hash_all(views: Sequence[memoryview]) -> list[Digests]:
-    if len(views) <= 1 or sum(len(v) for v in views) < (8 << 20):
+    if len(views) <= 1 or sum(len(v) for v in views) < INLINE_HASH_MAX:
         return [blob_digests(v) for v in views]
     return [f.result() for f in _submit_once(views)]
 
@@ -246,7 +251,8 @@ def save_calls(
             )
         )
 
-    if store is None and _write_pipelined(path, views, aligns, make_manifest):
+    small = sum(len(v) for v in views) < INLINE_HASH_MAX
+    if store is None and not small and _write_pipelined(path, views, aligns, make_manifest):
         return path
     digests = _hash_all(views)
     blobs: dict[str, tuple[memoryview, int]] = {}
