@@ -29,23 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from bench_bundle import best_of as median_time  # alternating runs, median of each
 from bench_bundle import machine
-
-
-def median_time(
-    repeat: int, fns: dict[str, Callable[[], object]], between: Callable[[], object] | None = None
-) -> dict[str, float]:
-    """Run the functions alternately `repeat` times; the median time of each. `between` runs,
-    untimed, after each function."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-            if between is not None:
-                between()
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def remover(*paths: Path) -> Callable[[], None]:

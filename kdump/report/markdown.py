@@ -49,12 +49,6 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def routing_plot_png(summaries: Sequence[RoutingSummary], path: Path) -> Path | None:
-    """Where a plot of the per-group distribution would be drawn; no plot is drawn yet, and the
-    report shows one only when this returns a file."""
-    return None
-
-
 class _Writer:
     def __init__(self, bundle: Bundle, shown_path: str, redactor: Redactor) -> None:
         self.bundle = bundle
