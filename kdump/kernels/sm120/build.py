@@ -11,8 +11,6 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import importlib.util
-import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,12 +214,10 @@ def build_cubin(req: BuildRequest, use_cache: bool = True) -> BuildResult:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
+    from kdump.bundle.store import atomic_write
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        atomic_write(path, data)
     except OSError:
         # A read-only or full cache directory only costs a recompile next time.
         return
