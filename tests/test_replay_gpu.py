@@ -109,6 +109,8 @@ def test_stale_schedule_caught_at_changed_batch_replay(tmp_path: Path) -> None:
     failing = [f for f in v.findings if f.kind == "mismatch"]
     assert failing and failing[0].step.startswith("graph/replay 1 (recorded b.kdump:0)")
     assert v.exit_code == ExitCode.MISMATCH
+    # The fresh-eager oracle (a new process, no state from earlier calls) names the class.
+    assert any("capture-unsafe" in f.message for f in failing), [f.message for f in failing]
     # the saved bundle (capture call + failing replay call) reproduces on its own
     [saved] = list(save.glob("*.kdump"))
     [again] = replay([saved], mode="graph")
