@@ -290,6 +290,11 @@ def test_graph_atomics_noise_clean_with_note(tmp_path: Path) -> None:
     for mode in ("eager", "graph"):
         [v] = replay([path], mode=mode, repeat=3)
         assert v.exit_code == 0, (mode, v.headline())
+    from kdump.tools import find_tool
+
+    if find_tool("compute-sanitizer"):
+        [m] = replay([path], mode="sanitizer", sanitize_graph=True, timeout=300)
+        assert m.exit_code == 0, m.headline()
 
 
 def test_graph_overread_named_by_halo_pass(tmp_path: Path) -> None:
