@@ -315,3 +315,35 @@ def test_graph_overread_named_by_halo_pass(tmp_path: Path) -> None:
     steps = "\n".join(f"{st.name} {st.status} {st.message}" for st in v.steps)
     assert v.exit_code == ExitCode.MEMORY_FINDING, f"{v.headline()}\n{steps}"
     assert "reads past the end of x" in v.headline()
+
+
+def test_fault_variant_stray_write_attributed_to_d_by_memcheck(tmp_path: Path) -> None:
+    """Under the sanitizer every storage ends flush against address space of no allocation, so
+    memcheck sees the fault variant's first stray store and kdump maps it to d."""
+    from kdump.kernels.registry import spec_for
+    from kdump.tools import find_tool
+
+    if not find_tool("compute-sanitizer"):
+        pytest.skip("compute-sanitizer is not installed here")
+    spec = spec_for("deep_gemm:m_grouped_fp8_gemm_nt_contiguous")
+    args, kwargs = spec.generate(
+        seed=5, device="cuda", num_groups=8, n=256, k=512, expected_m=100, scale_format="ue8m0"
+    )
+    names = spec.param_names()
+    save_calls(tmp_path / "b.kdump", [capture_call(spec.id, args, kwargs, names=names)])
+    args[3][3 * 128 :] = -1
+    save_calls(tmp_path / "a.kdump", [capture_call(spec.id, args, kwargs, names=names)])
+    [m] = replay(
+        [tmp_path / "a.kdump"],
+        mode="sanitizer",
+        backend="packaged-faulty",
+        sanitize_graph=True,
+        options={"then": [str(tmp_path / "b.kdump")], "mutations": 0},
+        timeout=500,
+    )
+    print(m.headline())
+    writes = [f for f in m.findings if f.kind == "memory" and "write" in f.message]
+    assert writes, m.headline()
+    where = writes[0].details["location"]["text"]
+    assert "past the end of d" in where, where
+    assert writes[0].step.startswith("sanitizer/memcheck/graph/graph/replay 1"), writes[0].step
