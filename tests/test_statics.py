@@ -325,6 +325,44 @@ def test_conj_and_neg_views_are_recorded_as_the_kernel_saw_them(tmp_path):
         assert torch.equal(arg, big.conj().resolve_conj()), idx
 
 
+def test_device_fill_protocol_on_host_memory(tmp_path, monkeypatch):
+    """The device path's markers and statistics (queued copies; on CPU they run at once): salvage
+    takes the bytes on the markers alone (no CRC), the statistics by their own marker, and an
+    entry whose `post` marker was never written reads as in flight."""
+    from kdump.record.statics import Statics
+
+    monkeypatch.setattr(Statics, "_fill_for", lambda self, t: self._device_fill)
+    monkeypatch.setattr(Statics, "_register", lambda self: True)
+    g = torch.Generator().manual_seed(10)
+    w = torch.randn(*W_SHAPE, generator=g).to(torch.bfloat16)
+
+    def calls():
+        for _ in range(3):
+            linear(torch.randn(2, W_SHAPE[0], generator=g).bfloat16(), w, torch.empty(2, 256))
+
+    written, entries, _ = _run(tmp_path, calls, _ring(tmp_path, slots=4))
+    (e,) = entries
+    assert e.copied and not e.flags & 2 and e.stats is not None  # no host CRC: markers only
+    s = decode_stats(e.dtype, e.stats)
+    assert e.dtype == "bfloat16" and s.max == float(w.max()) and s.min == float(w.min())
+    assert all(torch.equal(b.calls[0].args[1], w) for b in map(load_bundle, written))
+
+    ring = _ring(tmp_path / "2", slots=4)
+    with kdump.recording(f"{T}:linear", out=tmp_path / "o2", mode="ring", ring=ring) as rec:
+        calls()
+        path = region_path(rec.recorder.journal.path)
+        at = 4096 + e.index * ENTRY_BYTES + 88  # the post marker: as if the copy never finished
+        with open(path, "r+b") as f:
+            f.seek(at)
+            f.write(bytes(8))
+        rec.flush()
+        written = list(rec.written)
+    call = load_bundle(written[0]).calls[0]
+    assert call.meta["journal"]["statics"][0]["why"] == "static copy was in flight"
+    assert call.storages[1].source is Source.BY_REFERENCE
+    assert call.storages[1].stats.max == float(w.max()) and call.storages[1].stats.checksum == ""
+
+
 def test_resolve_lazy_leaves_partial_elements_alone():
     raw = torch.arange(12, dtype=torch.uint8)
     same = resolve_lazy(raw.clone(), {"dtype": "complex64", "conj": True, "neg": False})
@@ -355,9 +393,10 @@ def test_moe_decode_weights_held_once_and_replay_clean_on_reference(tmp_path):
     for p in bundles:
         with load_bundle(p) as b:
             b.verify()
-            for call in b.calls:
-                assert call.tensor_names[1] not in call.synthesized  # the weight is held
-                st = [s for s in call.meta["journal"].get("statics", []) if s["storage"] == 1]
+            for call in b.calls:  # tensors: a, sfa, b (the weight), sfb, d, grouped_layout
+                assert call.tensor_names[2] not in call.synthesized  # the weight is held
+                weight = call.tensors[2].storage
+                st = [s for s in call.meta["journal"].get("statics", []) if s["storage"] == weight]
                 assert st and st[0]["source"] == "blob", call.meta["journal"]
             if "graph_replay" in b.info:
                 replays.append(p)

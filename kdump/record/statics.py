@@ -415,7 +415,9 @@ class Statics:
 
     def _new_entry(self, key: tuple[str, int, int], t: Any, s: Any, version: int) -> _Entry | None:
         view = self._open()
-        if t.is_cuda:
+        fill = self._fill_for(t)
+        host = fill == self._host_fill
+        if not host:
             self._register()
         n = s.span_nbytes
         old = self._by_key.get(key)
@@ -436,7 +438,7 @@ class Statics:
         seq = self._seq
         base = PAGE + index * ENTRY_BYTES
         view[base : base + ENTRY_BYTES] = bytes(ENTRY_BYTES)  # first: no old copy reads valid
-        flags = (FLAG_DATA if copied else 0) | (0 if t.is_cuda else FLAG_HOST) | FLAG_STATS
+        flags = (FLAG_DATA if copied else 0) | (FLAG_HOST if host else 0) | FLAG_STATS
         try:
             sdtype = _DTYPES.index(stats_dtype(t.dtype))
         except Exception:
@@ -458,13 +460,14 @@ class Statics:
         view[base : base + _ENTRY.size] = head
         from kdump.bundle.tensors import _byte_view
 
-        src = _byte_view(t, s.span_start, n)
-        if t.is_cuda:
-            self._device_fill(view, base, seq, offset if copied else None, src, t, flags)
-        else:
-            self._host_fill(view, base, seq, offset if copied else None, src, t, flags)
+        fill(view, base, seq, offset if copied else None, _byte_view(t, s.span_start, n), t, flags)
         owner = weakref.ref(_owner(t))
         return _Entry(index, seq, offset, n, s.span_start, version, copied, owner)
+
+    def _fill_for(self, t: Any) -> Any:
+        """How an entry is filled: queued on the current stream for device tensors, by the host
+        (with a CRC of the bytes) for CPU tensors."""
+        return self._device_fill if t.is_cuda else self._host_fill
 
     def _take_index(self) -> int | None:
         if self._next_entry >= self.entry_count:
