@@ -371,7 +371,38 @@ def test_resolve_lazy_leaves_partial_elements_alone():
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU: the MoE example under `kdump record` (ring mode, the packaged kernel)
+# GPU: the pinned region and device-side statistics; the MoE example under `kdump record`
+
+
+def mix(x: torch.Tensor, w: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(x @ w + v[: x.shape[0], : w.shape[1]].float())
+
+
+@pytest.mark.gpu
+def test_cuda_static_copy_in_pinned_region_and_device_statistics(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    g = torch.Generator(device="cuda").manual_seed(11)
+    w = torch.randn(*W_SHAPE, device="cuda", generator=g)
+    v = (torch.randn(512, 512, device="cuda", generator=g) * 2).to(torch.float8_e4m3fn)
+    x = torch.randn(4, W_SHAPE[0], device="cuda", generator=g)
+    out = torch.empty(4, W_SHAPE[1], device="cuda")
+    ring = _ring(tmp_path, static_bytes=w.numel() * 4)  # room for w; v keeps its statistics
+    with kdump.recording(f"{T}:mix", out=tmp_path / "out", mode="ring", ring=ring) as rec:
+        for _ in range(3):
+            mix(x, w, v, out)
+        assert rec.recorder.statics._registered  # pinned for the asynchronous copies
+        torch.cuda.synchronize()
+        rec.flush()
+        written = list(rec.written)
+    call = _by_call(written)[2].calls[0]
+    assert torch.equal(call.args[1], w.cpu())
+    st = call.storages[2]
+    assert st.source is Source.BY_REFERENCE and st.stats.dtype == "float8_e4m3fn"
+    ref = v.double()
+    assert st.stats.min == float(ref.min()) and st.stats.max == float(ref.max())
+    assert st.stats.mean == pytest.approx(float(ref.mean()), abs=1e-9)
+    assert st.stats.std == pytest.approx(float(ref.std()), rel=1e-9)
 
 
 @pytest.mark.gpu
