@@ -370,6 +370,41 @@ def test_resolve_lazy_leaves_partial_elements_alone():
     assert ENTRY_BYTES % 8 == 0
 
 
+CHILD = """
+import os, sys, torch
+sys.path.insert(0, {tests!r})
+from test_statics import linear
+g = torch.Generator().manual_seed(12)
+w = torch.randn(256, 256, generator=g)
+torch.save(w, sys.argv[1])
+for _ in range(5):
+    linear(torch.randn(2, 256, generator=g), w, torch.empty(2, 256))
+os.abort()
+"""
+
+
+def test_weight_salvaged_from_the_static_region_after_abort(tmp_path):
+    """Under `kdump record`: the process dies, the launcher salvages the journal and its static
+    region (and says nothing about the region file), then removes both."""
+    script = tmp_path / "child.py"
+    script.write_text(CHILD.format(tests=str(Path(__file__).parent)))
+    cmd = [sys.executable, "-m", "kdump", "record", "-t", f"{T}:linear", "-o", str(tmp_path / "o")]
+    cmd += ["--ring-slots", "8", "--slot-bytes", "256K", "--"]
+    cmd += [sys.executable, str(script), str(tmp_path / "w.pt")]
+    env = dict(os.environ, KDUMP_JOURNAL_DIR=str(tmp_path / "shm"))
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 128 + 6, r.stderr
+    assert "cannot salvage" not in r.stderr
+    w = torch.load(tmp_path / "w.pt")
+    bundles = _by_call(sorted((tmp_path / "o").rglob("*.kdump")))
+    assert sorted(bundles) == [0, 1, 2, 3, 4]
+    for idx, b in bundles.items():
+        b.verify()
+        assert torch.equal(b.calls[0].args[1], w) != (idx == 0), idx  # 0: its first sighting
+    assert not list((tmp_path / "shm").glob("**/kdump-journal-*"))
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: the pinned region and device-side statistics; the MoE example under `kdump record`
 
