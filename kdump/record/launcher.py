@@ -104,11 +104,12 @@ def salvage_run(
     """Turn every journal the run's processes left into bundles (under out/flight.HOST.PID),
     then remove the run's shared-memory folder."""
     from kdump.record.salvage import CRASH_SUFFIX, salvage_journal
+    from kdump.record.statics import STATIC_SUFFIX
 
     written: list[Path] = []
     try:
         for j in sorted(journals.glob("kdump-journal-*")):
-            if j.name.endswith((CRASH_SUFFIX, ".tmp")):
+            if j.name.endswith((CRASH_SUFFIX, STATIC_SUFFIX, ".tmp")):
                 continue
             try:
                 res = salvage_journal(j, out / f"flight.{socket.gethostname()}", context)
