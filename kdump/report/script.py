@@ -40,8 +40,8 @@ def known_targets() -> dict[str, tuple[tuple[str, str], ...]]:
 def _literal_table(table: Mapping[str, Sequence[tuple[str, str]]]) -> str:
     lines = ["{"]
     for target, places in table.items():
-        lines.append(f"    {ascii(target)}: (")
-        lines.extend(f"        ({ascii(m)}, {ascii(f)})," for m, f in places)
+        lines.append(f"    {target!a}: (")
+        lines.extend(f"        ({m!a}, {f!a})," for m, f in places)
         lines.append("    ),")
     lines.append("}")
     return "\n".join(lines)
@@ -53,7 +53,7 @@ def render_script(bundle_path: str, allowed: Sequence[str] = ()) -> str:
     codes = (ExitCode.CLEAN, ExitCode.MISMATCH, ExitCode.USAGE, ExitCode.KERNEL_ERROR)
     values = (
         ascii(str(bundle_path)),
-        "(" + "".join(f"{ascii(str(a))}, " for a in allowed) + ")",
+        "(" + "".join(f"{str(a)!a}, " for a in allowed) + ")",
         _literal_table(known_targets()),
         ", ".join(str(int(c)) for c in codes),
     )
