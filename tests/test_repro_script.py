@@ -343,3 +343,48 @@ def test_gpu_deepgemm_bundle_reproduces_without_kdump(tmp_path: Path) -> None:
     proc = run_script(tmp_path, script, "--no-graph", timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "eager call 0: ok (outputs match the recorded ones)" in _lines(proc)
+
+
+def _packaged_bundle(path: Path, kernel: Any) -> Path:
+    """Two calls recorded through `kernel` on the GPU, as a serving loop makes them: the same
+    buffers, the routing rewritten in place between the calls (the experts rotated)."""
+    c = load_bundle(CAPTURES / "contiguous_fp32.kdump").calls[0]
+    mc = c.materialize("cuda")
+    args, kwargs = list(mc.args), dict(mc.kwargs)
+    d, labels = args[2], args[3]
+    groups = args[1][0].shape[0]
+    recs = []
+    for step in range(2):
+        if step:
+            labels.copy_(torch.where(labels >= 0, (labels + 1) % groups, labels))
+        d.fill_(float("nan"))
+        rec = capture_call(c.target, args, kwargs, names=c.names)
+        live = input_tensors(rec, args, kwargs)
+        kernel(*args, **kwargs)
+        torch.cuda.synchronize()
+        attach_outputs(rec, live, [i for i, t in enumerate(live) if t is d])
+        recs.append(rec)
+    return save_calls(path, recs)
+
+
+@pytest.mark.gpu
+def test_gpu_packaged_kernel_verdicts_reproduce_without_kdump(tmp_path: Path) -> None:
+    """Bundles recorded through kdump's packaged kernel (clean) and its planted stale-schedule
+    variant (the second call is wrong) on the GPU; the script, with the pure-torch DeepGEMM
+    stand-in as the kernel library and kdump not importable, says clean and differs."""
+    _need_cuda()
+    from kdump.kernels.sm120 import api, faulty
+
+    ok, why = api.is_available()
+    if not ok:
+        pytest.skip(why)
+    good = _packaged_bundle(tmp_path / "packaged.kdump", api.m_grouped_fp8_gemm_nt_contiguous)
+    bad = _packaged_bundle(tmp_path / "faulty.kdump", faulty.m_grouped_fp8_gemm_nt_contiguous)
+    argv = ("--path", str(STANDINS), "--device", "cuda", "--no-graph")
+    proc = run_script(tmp_path, generate(tmp_path, good), *argv, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_script(tmp_path, generate(tmp_path, bad), *argv, timeout=600)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = _lines(proc)
+    assert lines[1] == "eager call 0: ok (outputs match the recorded ones)"
+    assert lines[2].startswith("eager call 1: DIFFERS: d:")
