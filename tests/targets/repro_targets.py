@@ -36,3 +36,12 @@ def scale_rows_capture_unsafe(
     rows = _rows["last"]
     out.zero_()
     out.index_copy_(0, rows, x.index_select(0, rows) * factor)
+
+
+def layout_probe(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> None:
+    """Writes what a raw-pointer kernel sees of its two inputs: storage offsets, addresses
+    modulo 1024, strides and whether they share one allocation."""
+    shared = x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+    seen = [x.storage_offset(), x.data_ptr() % 1024, *x.stride()]
+    seen += [y.storage_offset(), y.data_ptr() % 1024, *y.stride(), int(shared)]
+    out.copy_(torch.tensor(seen, dtype=out.dtype))
