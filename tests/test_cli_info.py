@@ -44,7 +44,7 @@ def test_info_table(capsys: pytest.CaptureFixture[str], bundle: Path) -> None:
     code, out, err = run(capsys, "info", str(bundle))
     assert code == 0, err
     flat = " ".join(out.split())  # the header line wraps with the terminal's width
-    assert "format v3" in flat and "2 call(s)" in flat and "node7" in out
+    assert f"format v{FORMAT_VERSION}" in flat and "2 call(s)" in flat and "node7" in out
     assert "deep_gemm:m_grouped" in out
     for col in ("arg", "dtype", "shape", "stride", "offset", "align", "bytes"):
         assert col in out
