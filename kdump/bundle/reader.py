@@ -483,6 +483,13 @@ class Bundle:
         self._run(self.verify_tensor, list(once.items()), sum(v.numel() for v in once.values()))
         return mat
 
+    def span_bytes(self, st: StorageRecord, index: int) -> torch.Tensor:
+        """A storage's span bytes (CPU uint8) whatever its source (`index`: its position, the
+        seed of a by-reference or missing storage's re-creation)."""
+        if st.source is Source.BLOB:
+            return self.read_blob(st.blob)
+        return self.recreate_span(st, index)
+
     def recreate_span(self, st: StorageRecord, index: int) -> torch.Tensor:
         """The span bytes (CPU uint8) of a storage not held whole as a blob: a sparse one's
         ranges from its blob (verified), zeros elsewhere; a synthetic one from kdump's generator;
