@@ -20,6 +20,7 @@ held; its `info.slim` records every tier (what was replaced, how, with which see
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -39,8 +40,8 @@ from kdump.bundle.format import (
     TensorRecord,
 )
 from kdump.bundle.store import sha256_hex
+from kdump.bundle.synthetic import DEFAULT_GENERATOR, DEFAULT_VERSION, SEED_LIMIT, splitmix64
 from kdump.bundle.synthetic import DTYPES as SYNTHETIC_DTYPES
-from kdump.bundle.synthetic import SEED_LIMIT, splitmix64
 from kdump.bundle.writer import save_entries
 from kdump.errors import (
     CannotRunError,
@@ -107,6 +108,7 @@ class TierResult:
     held: bool | None  # None: nothing to replace, not replayed
     headline: str  # the tier's verdict headline, or why it was not tried
     replaced: tuple[Replaced, ...] = ()
+    outputs_dropped: bool = False  # this tier dropped the recorded outputs
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -116,6 +118,7 @@ class TierResult:
             "held": self.held,
             "headline": self.headline,
             "replaced": [r.to_json() for r in self.replaced],
+            "outputs_dropped": self.outputs_dropped,
         }
 
 
@@ -343,30 +346,47 @@ def _needed(
 # Tiers 2 and 3: statistics and synthetic storages
 
 
-def _values(
+_STATS_CHUNK = 16 << 20  # bytes converted to float64 at once (bounded memory for any weight)
+
+
+def _stats(
     bundle: Bundle, st: StorageRecord, dtype: str, ranges: Sequence[tuple[int, int]] | None
-) -> torch.Tensor | None:
-    """The recorded values of a storage as float64 (only its touched ranges, when known)."""
+) -> Stats | None:
+    """min, max, mean and population std of a storage's finite recorded values (only its
+    touched ranges, when known), in bounded chunks; None without a finite value."""
     from kdump.bundle.tensors import dtype_from_name
 
     dt = dtype_from_name(dtype)
+    size = dt.itemsize
     raw = bundle.read_blob(st.blob)
-    parts = [raw[b:e] for b, e in ranges] if ranges else [raw]
-    vals = []
-    for p in parts:
-        usable = p.numel() - p.numel() % dt.itemsize
-        if usable:
-            vals.append(p[:usable].clone().view(dt).to(torch.float64))
-    if not vals:
+    n, mean, m2 = 0, 0.0, 0.0
+    lo, hi = math.inf, -math.inf
+    step = _STATS_CHUNK - _STATS_CHUNK % size
+    for b, e in ranges or [(0, raw.numel())]:
+        e -= (e - b) % size
+        for start in range(b, e, step):
+            v = raw[start : min(start + step, e)].clone().view(dt).to(torch.float64)
+            v = v[torch.isfinite(v)]
+            k = v.numel()
+            if not k:
+                continue
+            cmean = float(v.mean())
+            cm2 = float(((v - cmean) ** 2).sum())
+            delta = cmean - mean  # Chan et al.: merge the chunk's mean and M2 into the total
+            mean += delta * k / (n + k)
+            m2 += cm2 + delta * delta * n * k / (n + k)
+            n += k
+            lo, hi = min(lo, float(v.min())), max(hi, float(v.max()))
+    if not n:
         return None
-    v = torch.cat(vals)
-    v = v[torch.isfinite(v)]
-    return v if v.numel() else None
+    return Stats(dtype, lo, hi, mean, math.sqrt(m2 / n))
 
 
-def _stats(v: torch.Tensor, dtype: str) -> Stats:
-    std = float(v.std(unbiased=False)) if v.numel() > 1 else 0.0
-    return Stats(dtype, float(v.min()), float(v.max()), float(v.mean()), std)
+def _usable(stats: Stats | None, dtype: str) -> bool:
+    if stats is None or stats.dtype != dtype:
+        return False
+    values = (stats.min, stats.max, stats.mean, stats.std)
+    return all(math.isfinite(v) for v in values) and stats.min <= stats.max and stats.std >= 0
 
 
 def _seed(base: int, storage: int) -> int:
@@ -464,7 +484,7 @@ class _Slimmer:
         for j, st in enumerate(storages):
             views = self.views_of(j)
             orig = self.call.storages[j]
-            if not views or orig.source is not Source.BLOB or st.source is Source.SYNTHETIC:
+            if not views or st.source is Source.SYNTHETIC:
                 continue
             if any(self.roles.kept[i] or self.roles.kind[i] not in kinds for i in views):
                 continue
@@ -472,25 +492,25 @@ class _Slimmer:
             if len(dtypes) != 1 or not dtypes <= _FLOAT_DTYPES:
                 continue
             [dtype] = dtypes
-            values = _values(self.bundle, orig, dtype, self.needed.get(j))
-            if values is None and all(self.roles.kind[i] == "output" for i in views):
+            if orig.source is Source.BLOB:
+                stats = _stats(self.bundle, orig, dtype, self.needed.get(j))
+            elif _usable(orig.stats, dtype):
+                stats = orig.stats  # a storage recorded by its statistics alone keeps them
+            else:
+                continue
+            if stats is None and all(self.roles.kind[i] == "output" for i in views):
                 # An output's prior contents without a finite value (a NaN fill): zeros.
                 empty = sha256_hex(b"")
                 storages[j] = replace(st, source=Source.SPARSE, blob=empty, ranges=(), stats=None)
                 data[empty] = b""
                 done.append(self.replaced(j, "zeros", 0))
                 continue
-            if values is None:
+            if stats is None:
                 continue
             seed = _seed(self.opts.seed, j)
-            gen = GeneratorRecord("splitmix64-ih4", 1, seed)
+            gen = GeneratorRecord(DEFAULT_GENERATOR, DEFAULT_VERSION, seed)
             storages[j] = replace(
-                st,
-                source=Source.SYNTHETIC,
-                blob="",
-                ranges=(),
-                stats=_stats(values, dtype),
-                generator=gen,
+                st, source=Source.SYNTHETIC, blob="", ranges=(), stats=stats, generator=gen
             )
             done.append(self.replaced(j, "synthetic", 0, seed))
         return self.pruned(storages, data, False), done
@@ -549,13 +569,21 @@ class _Slimmer:
                 target = want if tier < 2 else independent
                 assert target is not None
                 held = _holds(v, target, independent=tier >= 2)
-                tiers.append(TierResult(tier, name, nbytes, held, v.headline(), tuple(replaced)))
+                dropped = state.outputs and not cand.outputs
+                tiers.append(
+                    TierResult(tier, name, nbytes, held, v.headline(), tuple(replaced), dropped)
+                )
                 if not held:
                     reason = f"tier {tier} ({name}) lost the failure: {v.headline()}"
                     break
                 state, best, size, stopped = cand, path, nbytes, tier
             else:
-                reason = "every tier kept the failure"
+                last = self.opts.max_tier
+                reason = (
+                    "every tier kept the failure"
+                    if last == MAX_TIER
+                    else f"tier {last} is the last one asked for (of {MAX_TIER})"
+                )
             final = self.summary(want, tiers, stopped, reason)
             size = self.write(state, best, final)
             os.replace(best, self.out)
