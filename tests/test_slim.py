@@ -257,3 +257,61 @@ def test_gpu_faulty_kernel_slims_20x_and_still_fails_in_graph_mode(tmp_path: Pat
     assert r.ratio >= 20, (r.original_nbytes, r.nbytes)
     [v] = replay([tmp_path / "small.kdump"], graph)
     assert any(f.kind == r.finding_kind and f.step == r.finding_step for f in v.findings)
+
+
+def _thinned(path: Path) -> tuple[Any, list[torch.Tensor], list[torch.Tensor]]:
+    """The call of a sample capture and its input tensors before and after tier 1's plan."""
+    from dataclasses import replace
+
+    from kdump.report.slim import touched_ranges
+
+    bundle = load_bundle(path)
+    call = bundle.calls[0]
+    plan = touched_ranges(bundle)
+    assert plan, "tier 1 found nothing to drop"
+    storages = list(call.storages)
+    for j, ranges in plan.items():
+        storages[j] = replace(storages[j], source=Source.SPARSE, ranges=tuple(ranges))
+
+    spans = []
+    for j, st in enumerate(storages):
+        full = bundle.read_blob(call.storages[j].blob)
+        if st.source is Source.SPARSE:
+            out = torch.zeros_like(full)
+            for b, e in st.ranges:
+                out[b:e] = full[b:e]
+            spans.append(out)
+        else:
+            spans.append(full)
+    from kdump.bundle.tensors import materialize
+
+    thin = materialize(storages, call.tensors, spans.__getitem__).tensors
+    return call, call.materialize("cpu").tensors, thin
+
+
+def test_tier_1_plan_for_the_masked_layout() -> None:
+    call, full, thin = _thinned(TESTS.parent / "captures" / "masked_ue8m0.kdump")
+    names = call.tensor_names
+    a, a0 = thin[names.index("a[0]")], full[names.index("a[0]")]
+    masked_m = full[names.index("masked_m")]
+    rows = torch.arange(a.shape[1]).unsqueeze(0) < masked_m.unsqueeze(1)
+    assert torch.equal(a.view(torch.uint8)[rows], a0.view(torch.uint8)[rows])
+    assert not a.view(torch.uint8)[~rows].any()
+    b, b0 = thin[names.index("b[0]")], full[names.index("b[0]")]
+    for g, m in enumerate(masked_m.tolist()):
+        assert torch.equal(b[g].view(torch.uint8), b0[g].view(torch.uint8)) == (m > 0)
+
+
+def test_tier_1_plan_for_the_psum_layout() -> None:
+    from kdump.kernels.deepgemm.reference import psum_row_mask
+
+    call, full, thin = _thinned(TESTS.parent / "captures" / "contiguous_psum_fp32.kdump")
+    names = call.tensor_names
+    a, a0 = thin[names.index("a[0]")], full[names.index("a[0]")]
+    ends = full[names.index("grouped_layout")]
+    rows = psum_row_mask(ends, 128, a.shape[0])
+    assert not rows.all() and rows.any()
+    assert torch.equal(a.view(torch.uint8)[rows], a0.view(torch.uint8)[rows])
+    assert not a.view(torch.uint8)[~rows].any()
+    sfa, sfa0 = thin[names.index("a[1]")], full[names.index("a[1]")]
+    assert torch.equal(sfa[rows], sfa0[rows])  # MN-major scales: the touched elements only

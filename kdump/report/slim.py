@@ -692,3 +692,15 @@ def describe(result: SlimResult) -> list[str]:
         f"{visible(str(result.output), 300)} ({result.nbytes} bytes, {result.ratio:.1f}x smaller)"
     )
     return lines
+
+
+def touched_ranges(
+    bundle: Bundle, call: int = 0, keep: Sequence[str] = ()
+) -> dict[int, list[tuple[int, int]]]:
+    """Tier 1's plan: per input storage it thins out, the span-relative byte ranges the call
+    can touch (storages absent from it are kept whole)."""
+    from kdump.report.routing import call_spec
+
+    c = bundle.call(call)
+    spec = call_spec(bundle, c)
+    return _needed(bundle, c, spec, _roles(spec, c, keep))
