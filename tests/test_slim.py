@@ -4,6 +4,7 @@ the stop message, --keep, refusals; and on a GPU, the packaged kernel's fault va
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -315,3 +316,32 @@ def test_tier_1_plan_for_the_psum_layout() -> None:
     assert not a.view(torch.uint8)[~rows].any()
     sfa, sfa0 = thin[names.index("a[1]")], full[names.index("a[1]")]
     assert torch.equal(sfa[rows], sfa0[rows])  # MN-major scales: the touched elements only
+
+
+def test_hostile_slim_requests_are_refused(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from kdump.bundle.writer import _entries, save_entries
+
+    src = TESTS.parent / "captures" / "contiguous_ue8m0.kdump"
+    for opts, needle in [
+        (SlimOptions(seed=1 << 64), "seed"),
+        (SlimOptions(seed=-1), "seed"),
+        (SlimOptions(max_tier=4), "max tier"),
+    ]:
+        with pytest.raises(UsageError, match=needle):
+            slim(src, tmp_path / "s.kdump", opts)
+    with pytest.raises(UsageError, match="names no tensor argument"):
+        slim(src, tmp_path / "s.kdump", SlimOptions(replay=CPU, keep=("nope",)))
+    # The writer of rewritten records checks that every blob holds what its name says.
+    rec = capture_call("m:f", [torch.arange(8.0)], {})
+    [entry] = _entries([rec], ["a" * 64])
+    with pytest.raises(UsageError, match="not given"):
+        save_entries(tmp_path / "w.kdump", [entry], {})
+    with pytest.raises(UsageError, match="does not hold"):
+        save_entries(tmp_path / "w.kdump", [entry], {"a" * 64: b"x" * 32})
+    ok = replace(entry.storages[0], blob=hashlib.sha256(b"y" * 32).hexdigest())
+    path = save_entries(
+        tmp_path / "w.kdump", [replace(entry, storages=(ok,))], {ok.blob: b"y" * 32}
+    )
+    assert load_bundle(path).calls[0].args[0].view(torch.uint8).tolist() == [ord("y")] * 32

@@ -99,7 +99,7 @@ def test_bytes_do_not_depend_on_size_or_chunking(monkeypatch: pytest.MonkeyPatch
 
 
 def test_splitmix64_reference_values() -> None:
-    # SplitMix64 from seed 0: the published first outputs.
+    # SplitMix64's reference outputs for seed 0.
     got = [int(w) for w in synthetic.splitmix64(0, 0, 3)]
     assert got == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
 

@@ -372,7 +372,7 @@ def _stats(
                 continue
             cmean = float(v.mean())
             cm2 = float(((v - cmean) ** 2).sum())
-            delta = cmean - mean  # Chan et al.: merge the chunk's mean and M2 into the total
+            delta = cmean - mean  # merge the chunk's mean and sum of squares into the total
             mean += delta * k / (n + k)
             m2 += cm2 + delta * delta * n * k / (n + k)
             n += k
