@@ -33,7 +33,13 @@ Examples:
     show_default=True,
     help="The replay mode whose verdict must hold.",
 )
-@click.option("--backend", type=_BackendChoice(), default="auto", show_default=True)
+@click.option(
+    "--backend",
+    type=_BackendChoice(),
+    default="auto",
+    show_default=True,
+    help="The backend every replay runs on (as for kdump replay).",
+)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--call", "call", type=int, default=0, show_default=True, help="Call to slim.")
 @click.option(
@@ -45,9 +51,17 @@ Examples:
 @click.option(
     "--max-tier", type=click.IntRange(0, 3), default=3, show_default=True, help="Last tier tried."
 )
-@click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=0, show_default=True)
-@click.option("--repeat", type=click.IntRange(1, 100), default=2, show_default=True)
-@click.option("--timeout", type=float, default=600.0, show_default=True)
+@click.option(
+    "--seed",
+    type=click.IntRange(0, 2**64 - 1),
+    default=0,
+    show_default=True,
+    help="Base seed of the synthetic data (each storage derives its own).",
+)
+@click.option(
+    "--repeat", type=click.IntRange(1, 100), default=2, show_default=True, help="Eager runs."
+)
+@click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds per replay.")
 @click.option(
     "--allow-target",
     "allow_targets",
