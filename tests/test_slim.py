@@ -345,3 +345,34 @@ def test_hostile_slim_requests_are_refused(tmp_path: Path) -> None:
         tmp_path / "w.kdump", [replace(entry, storages=(ok,))], {ok.blob: b"y" * 32}
     )
     assert load_bundle(path).calls[0].args[0].view(torch.uint8).tolist() == [ord("y")] * 32
+
+
+def test_every_call_of_a_bundle_is_slimmed_and_shared_weights_stay_shared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dg = _planted(monkeypatch, "routing")
+    spec = spec_for(TARGET)
+    args, kwargs = spec.generate(seed=4, num_groups=6, group_sizes=SIZES, scale_format="fp32")
+    calls = []
+    for step in range(2):
+        if step:
+            labels = args[3]
+            labels[labels == 5] = -1  # a later batch: group 5 got no tokens
+        call = capture_call(TARGET, args, kwargs, names=NAMES)
+        live = input_tensors(call, args, kwargs)
+        dg.m_grouped_fp8_gemm_nt_contiguous(*args, **kwargs)
+        attach_outputs(call, live, [4])
+        calls.append(call)
+    src = save_calls(tmp_path / "two.kdump", calls)
+    r = slim(src, tmp_path / "small.kdump", SlimOptions(replay=CPU, call=1))
+    assert r.call == 1 and r.stopped_at == 3 and all(t.held for t in r.tiers)
+    small = load_bundle(tmp_path / "small.kdump")
+    assert len(small.calls) == 2
+    first, second = (c.storages for c in small.calls)
+    b = small.calls[0].tensor_names.index("b[0]")
+    sb = small.calls[0].tensors[b].storage
+    assert first[sb].source is Source.SYNTHETIC and first[sb] == second[sb]  # one weight
+    assert {x.call for x in r.tiers[0].replaced} == {0, 1}
+    # Tier 1 dropped group 5's weights only in the call where it had no tokens.
+    t1 = {(x.call, x.tensors): x.held_bytes for x in r.tiers[0].replaced}
+    assert t1[(1, ("b[0]",))] < t1[(0, ("b[0]",))]

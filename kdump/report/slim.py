@@ -32,7 +32,6 @@ import torch
 
 from kdump.bundle import Bundle, Call, load_bundle
 from kdump.bundle.format import (
-    CallEntry,
     GeneratorRecord,
     Source,
     Stats,
@@ -82,6 +81,7 @@ class SlimOptions:
 class Replaced:
     """One storage a tier rewrote."""
 
+    call: int
     storage: int
     tensors: tuple[str, ...]
     how: str  # sparse | synthetic
@@ -90,6 +90,7 @@ class Replaced:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
+            "call": self.call,
             "storage": self.storage,
             "tensors": list(self.tensors),
             "how": self.how,
@@ -399,27 +400,53 @@ def _seed(base: int, storage: int) -> int:
 
 @dataclass
 class _State:
-    storages: list[StorageRecord]
+    storages: list[list[StorageRecord]]  # per call
     data: dict[str, bytes | memoryview]  # blob sha -> bytes, for the storages holding bytes
     outputs: bool  # the recorded outputs are still in the bundle
 
 
+@dataclass
+class _Plan:
+    """One call of the bundle: its spec, the roles of its tensors, tier 1's ranges."""
+
+    call: Call
+    spec: KernelSpec
+    roles: _Roles
+    needed: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+
+    def views_of(self, j: int) -> list[int]:
+        return [i for i, t in enumerate(self.call.tensors) if t.storage == j]
+
+
 class _Slimmer:
+    """Every call of the bundle is slimmed alike (a graph replay may need the others, e.g. a
+    salvaged replay's values); the call under test is the one replayed."""
+
     def __init__(self, path: Path, out: Path, opts: SlimOptions, progress: Progress | None) -> None:
+        from kdump.kernels.registry import check_target
+        from kdump.report.routing import call_spec
+
         self.path = path
         self.out = out
         self.opts = opts
         self.progress = progress or (lambda label, done, total: None)
         self.bundle = load_bundle(path)
         self.call = self.bundle.call(opts.call)
-        from kdump.kernels.registry import check_target
-        from kdump.report.routing import call_spec
-
-        check_target(self.call.target, opts.replay.allow_targets)  # refused like replay
-        self.spec = call_spec(self.bundle, self.call)
-        self.roles = _roles(self.spec, self.call, opts.keep)
-        self.names = self.call.tensor_names
-        self.needed: dict[int, list[tuple[int, int]]] = {}
+        for c in self.bundle.calls:
+            check_target(c.target, opts.replay.allow_targets)  # refused like replay
+        self.plans = []
+        for c in self.bundle.calls:
+            spec = call_spec(self.bundle, c)
+            keep = opts.keep if c.index == self.call.index else ()
+            roles = _roles(spec, c, keep)
+            if c.index != self.call.index:  # a kept name protects it in every call
+                paths = c.tensor_names
+                kept = [
+                    roles.param[i] in opts.keep or paths[i] in opts.keep for i in range(len(paths))
+                ]
+                roles = replace(roles, kept=tuple(kept))
+            self.plans.append(_Plan(c, spec, roles))
+        self.synthetic_of: dict[tuple[str, str], tuple[Stats, int]] = {}
         self.steps = 1 + opts.max_tier
         self.done = 0
 
@@ -428,102 +455,124 @@ class _Slimmer:
         self.done += 1
 
     # -- writing and replaying
-    def entry(self, state: _State) -> CallEntry:
-        c = self.call.entry
-        outputs = c.outputs if state.outputs else None
-        return replace(c, index=0, storages=tuple(state.storages), outputs=outputs)
-
     def write(self, state: _State, path: Path, summary: dict[str, Any]) -> int:
         data: dict[str, bytes | memoryview] = dict(state.data)
-        c = self.call.entry
-        if state.outputs and c.outputs is not None:
-            for st in c.outputs.storages:
-                if st.source is Source.BLOB:
-                    data[st.blob] = self.bundle.blob_bytes(st.blob)
+        entries = []
+        for plan, storages in zip(self.plans, state.storages):
+            c = plan.call.entry
+            if state.outputs and c.outputs is not None:
+                for st in c.outputs.storages:
+                    if st.source is Source.BLOB:
+                        data[st.blob] = self.bundle.blob_bytes(st.blob)
+            outputs = c.outputs if state.outputs else None
+            entries.append(replace(c, storages=tuple(storages), outputs=outputs))
         info = {**self.bundle.info, "slim": summary}
-        save_entries(path, [self.entry(state)], data, env=self.bundle.env, info=info)
+        save_entries(path, entries, data, env=self.bundle.env, info=info)
         return path.stat().st_size
 
     def replay(self, path: Path) -> Verdict:
         from kdump.replay import replay
 
-        [v] = replay([path], self.opts.replay, calls=[0])
+        [v] = replay([path], self.opts.replay, calls=[self.call.index])
         return v
 
     # -- the tiers
     def initial(self) -> _State:
         data: dict[str, bytes | memoryview] = {}
-        for st in self.call.storages:
-            if st.source is Source.BLOB:
-                self.bundle.verify_blob(st.blob)  # a slimmed bundle never launders corruption
-                data[st.blob] = self.bundle.blob_bytes(st.blob)
-        return _State(list(self.call.storages), data, True)
-
-    def views_of(self, j: int) -> list[int]:
-        return [i for i, t in enumerate(self.call.tensors) if t.storage == j]
+        for c in self.bundle.calls:
+            for st in c.storages:
+                if st.source is Source.BLOB and st.blob not in data:
+                    self.bundle.verify_blob(st.blob)  # a slimmed bundle launders no corruption
+                    data[st.blob] = self.bundle.blob_bytes(st.blob)
+        return _State([list(c.storages) for c in self.bundle.calls], data, True)
 
     def tier1(self, state: _State) -> tuple[_State, list[Replaced]]:
-        self.needed = _needed(self.bundle, self.call, self.spec, self.roles)
-        storages = list(state.storages)
+        storages = [list(x) for x in state.storages]
         data = dict(state.data)
         done = []
-        for j, ranges in sorted(self.needed.items()):
-            st = storages[j]
-            raw = self.bundle.blob_bytes(st.blob)
-            held = b"".join(bytes(raw[b:e]) for b, e in ranges)
-            sha = sha256_hex(held)
-            storages[j] = replace(st, source=Source.SPARSE, blob=sha, ranges=tuple(ranges))
-            data[sha] = held
-            done.append(self.replaced(j, "sparse", len(held)))
+        for k, plan in enumerate(self.plans):
+            plan.needed = _needed(self.bundle, plan.call, plan.spec, plan.roles)
+            for j, ranges in sorted(plan.needed.items()):
+                st = storages[k][j]
+                raw = self.bundle.blob_bytes(st.blob)
+                held = b"".join(bytes(raw[b:e]) for b, e in ranges)
+                sha = sha256_hex(held)
+                storages[k][j] = replace(st, source=Source.SPARSE, blob=sha, ranges=tuple(ranges))
+                data[sha] = held
+                done.append(self.replaced(plan, j, "sparse", len(held)))
         return self.pruned(storages, data, state.outputs), done
 
     def synthetic(self, state: _State, kinds: set[str]) -> tuple[_State, list[Replaced]]:
-        storages = list(state.storages)
+        storages = [list(x) for x in state.storages]
         data = dict(state.data)
         done = []
-        for j, st in enumerate(storages):
-            views = self.views_of(j)
-            orig = self.call.storages[j]
-            if not views or st.source is Source.SYNTHETIC:
-                continue
-            if any(self.roles.kept[i] or self.roles.kind[i] not in kinds for i in views):
-                continue
-            dtypes = {self.call.tensors[i].dtype for i in views}
-            if len(dtypes) != 1 or not dtypes <= _FLOAT_DTYPES:
-                continue
-            [dtype] = dtypes
-            if orig.source is Source.BLOB:
-                stats = _stats(self.bundle, orig, dtype, self.needed.get(j))
-            elif _usable(orig.stats, dtype):
-                stats = orig.stats  # a storage recorded by its statistics alone keeps them
-            else:
-                continue
-            if stats is None and all(self.roles.kind[i] == "output" for i in views):
-                # An output's prior contents without a finite value (a NaN fill): zeros.
-                empty = sha256_hex(b"")
-                storages[j] = replace(st, source=Source.SPARSE, blob=empty, ranges=(), stats=None)
-                data[empty] = b""
-                done.append(self.replaced(j, "zeros", 0))
-                continue
-            if stats is None:
-                continue
-            seed = _seed(self.opts.seed, j)
-            gen = GeneratorRecord(DEFAULT_GENERATOR, DEFAULT_VERSION, seed)
-            storages[j] = replace(
-                st, source=Source.SYNTHETIC, blob="", ranges=(), stats=stats, generator=gen
-            )
-            done.append(self.replaced(j, "synthetic", 0, seed))
+        for k, plan in enumerate(self.plans):
+            for j, st in enumerate(storages[k]):
+                views = plan.views_of(j)
+                if not views or st.source is Source.SYNTHETIC:
+                    continue
+                if any(plan.roles.kept[i] or plan.roles.kind[i] not in kinds for i in views):
+                    continue
+                dtypes = {plan.call.tensors[i].dtype for i in views}
+                if len(dtypes) != 1 or not dtypes <= _FLOAT_DTYPES:
+                    continue
+                [dtype] = dtypes
+                made = self.draw(plan, j, dtype)
+                if made is None and all(plan.roles.kind[i] == "output" for i in views):
+                    # An output's prior contents without a finite value (a NaN fill): zeros.
+                    empty = sha256_hex(b"")
+                    storages[k][j] = replace(
+                        st, source=Source.SPARSE, blob=empty, ranges=(), stats=None
+                    )
+                    data[empty] = b""
+                    done.append(self.replaced(plan, j, "zeros", 0))
+                    continue
+                if made is None:
+                    continue
+                stats, seed = made
+                gen = GeneratorRecord(DEFAULT_GENERATOR, DEFAULT_VERSION, seed)
+                storages[k][j] = replace(
+                    st, source=Source.SYNTHETIC, blob="", ranges=(), stats=stats, generator=gen
+                )
+                done.append(self.replaced(plan, j, "synthetic", 0, seed))
         return self.pruned(storages, data, False), done
 
+    def draw(self, plan: _Plan, j: int, dtype: str) -> tuple[Stats, int] | None:
+        """Statistics and seed of storage j's synthetic data. Storages of several calls that
+        held one blob (a layer's weights) get the same ones, so they stay equal."""
+        orig = plan.call.storages[j]
+        key = (orig.blob, dtype)
+        if orig.source is Source.BLOB and key in self.synthetic_of:
+            return self.synthetic_of[key]
+        if orig.source is Source.BLOB:
+            stats = _stats(self.bundle, orig, dtype, plan.needed.get(j))
+        elif _usable(orig.stats, dtype):
+            stats = orig.stats  # a storage recorded by its statistics alone keeps them
+        else:
+            return None
+        if stats is None:
+            return None
+        made = (stats, _seed(self.opts.seed, len(self.synthetic_of)))
+        if orig.source is Source.BLOB:
+            self.synthetic_of[key] = made
+        return made
+
     def pruned(
-        self, storages: list[StorageRecord], data: dict[str, bytes | memoryview], outputs: bool
+        self,
+        storages: list[list[StorageRecord]],
+        data: dict[str, bytes | memoryview],
+        outputs: bool,
     ) -> _State:
-        used = {st.blob for st in storages if st.source in (Source.BLOB, Source.SPARSE)}
+        used = {
+            st.blob for part in storages for st in part if st.source in (Source.BLOB, Source.SPARSE)
+        }
         return _State(storages, {k: v for k, v in data.items() if k in used}, outputs)
 
-    def replaced(self, j: int, how: str, held: int, seed: int | None = None) -> Replaced:
-        names = tuple(self.names[i] for i in self.views_of(j))
-        return Replaced(j, names, how, held, seed)
+    def replaced(
+        self, plan: _Plan, j: int, how: str, held: int, seed: int | None = None
+    ) -> Replaced:
+        names = tuple(plan.call.tensor_names[i] for i in plan.views_of(j))
+        return Replaced(plan.call.index, j, names, how, held, seed)
 
     def build(self, tier: int, state: _State) -> tuple[_State, list[Replaced]]:
         if tier == 1:
