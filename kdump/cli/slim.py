@@ -10,10 +10,10 @@ EPILOG = (
     exit_codes_help()
     + """
 \b
-kdump slim exits 0 when it wrote SMALL (the verdict held at the tier it stopped at, tier 0
-being the call alone); 2 when the original replays clean (nothing to reproduce), for a bad
-bundle or a target no plug-in knows and the user did not allow; 125 when the original cannot
-be replayed here; 70 for an internal error.
+kdump slim exits 0 when it wrote SMALL (the verdict held at the tier it stopped at, tier 0 being
+the bundle rewritten self-contained); 2 when the original replays clean (nothing to reproduce),
+for a bad bundle or a target no plug-in knows and the user did not allow; 125 when the original
+cannot be replayed here; 70 for an internal error.
 \b
 Examples:
   kdump slim dumps/host-1234/call-000017.kdump -o small.kdump
@@ -95,15 +95,15 @@ def command(
     tools: tuple[str, ...],
     as_json: bool,
 ) -> int:
-    """Write SMALL: one call of BUNDLE, as small as it gets while it still shows the failure.
+    """Write SMALL: BUNDLE as small as it gets while it still shows the failure.
 
-    The original is replayed first for its verdict (finding kind and step). Then, each tier on
-    top of the last one that held, replaying after each: (1) rows the call cannot touch are
-    dropped (weights of groups without tokens, padding rows); (2) floating-point activations
-    and scales become synthetic data with the recorded statistics, and the recorded outputs
-    are dropped; (3) weights become synthetic too. Routing metadata stays exact. From tier 2 on
-    the failure must show against an oracle other than the recorded output. SMALL records each
-    tier (what was replaced, how, the seed).
+    The call under test (--call) is replayed first for its verdict (finding kind and step).
+    Then, each tier on top of the last one that held, replaying after each: (1) rows the call
+    cannot touch are dropped (weights of groups without tokens, padding rows); (2) floating-
+    point activations and scales become synthetic data with the recorded statistics, and the
+    recorded outputs are dropped; (3) weights become synthetic too. Routing metadata stays
+    exact. From tier 2 on the failure must show against an oracle other than the recorded
+    output. SMALL records each tier (what was replaced, how, the seed).
     """
     from kdump.replay.options import TOOLS, ReplayOptions, SanitizerOptions
     from kdump.report.slim import SlimOptions, describe, slim

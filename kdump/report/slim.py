@@ -1,8 +1,9 @@
-"""`kdump slim`: a small bundle of one call that still reproduces its failure.
+"""`kdump slim`: a small bundle that still reproduces its failure.
 
-The original call is replayed first for its verdict (the headline finding: kind and step). Tiers
-then rewrite the call's storages, each on top of the last one that held, and the result is
-replayed after each (through `kdump.replay.replay`: child processes, the allow-list):
+The call under test is replayed first for its verdict (the headline finding: kind and step).
+Tiers then rewrite the storages of every call of the bundle (a graph replay may use the others),
+each on top of the last one that held, and the result is replayed after each (through
+`kdump.replay.replay`: child processes, the allow-list):
 
 1. content the call cannot touch is dropped (`sparse` storages; shapes and layouts identical):
    rows of groups without tokens in the weights, padding rows (label -1, outside psum groups,
@@ -131,7 +132,7 @@ class SlimResult:
     finding_kind: str
     finding_step: str
     headline: str  # the original's
-    original_nbytes: int  # the call alone, packed (tier 0)
+    original_nbytes: int  # the bundle rewritten self-contained (tier 0)
     nbytes: int  # the output's
     tiers: tuple[TierResult, ...]
     stopped_at: int
@@ -708,9 +709,9 @@ def slim(
     options: SlimOptions | None = None,
     progress: Progress | None = None,
 ) -> SlimResult:
-    """Write `out`: call `options.call` of `path`, as small as the tiers can make it while its
-    replay still shows the original's failure. `progress(label, done, total)` is called before
-    each replay and once at the end."""
+    """Write `out`: the bundle `path`, as small as the tiers can make it while the replay of its
+    call `options.call` still shows the original's failure. `progress(label, done, total)` is
+    called before each replay and once at the end."""
     opts = options or SlimOptions()
     if not 0 <= opts.max_tier <= MAX_TIER:
         raise UsageError(f"max tier {opts.max_tier} is not in 0..{MAX_TIER}")
