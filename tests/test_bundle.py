@@ -366,8 +366,8 @@ def _mutations() -> dict[str, tuple[Any, str, K]]:
 
     return {
         "version": (
-            lambda m: m.update(version=4),
-            "version 4 is not supported",
+            lambda m: m.update(version=FORMAT_VERSION + 1),
+            f"version {FORMAT_VERSION + 1} is not supported",
             K.UNSUPPORTED_VERSION,
         ),
         "version str": (lambda m: m.update(version="1"), "not supported", K.UNSUPPORTED_VERSION),
@@ -566,7 +566,7 @@ STRICT = {
         ),
         K.SCHEMA,
     ),
-    "unknown source": (lambda m: _set_storage(m, source="synthetic"), K.UNKNOWN_SOURCE),
+    "unknown source": (lambda m: _set_storage(m, source="compressed"), K.UNKNOWN_SOURCE),
     "v2 with missing": (
         lambda m: (m.update(version=2), _set_storage(m, source="missing", blob="")),
         K.UNKNOWN_SOURCE,
@@ -591,8 +591,8 @@ def test_manifest_types_are_strict(bundle_path: Path, case: str) -> None:
 
 
 def test_unknown_source_message_says_what_to_do(bundle_path: Path) -> None:
-    edit_manifest(bundle_path, lambda m: _set_storage(m, source="sparse"))
-    with pytest.raises(BundleError, match=r"source 'sparse', unknown .* upgrade kdump-gpu"):
+    edit_manifest(bundle_path, lambda m: _set_storage(m, source="compressed"))
+    with pytest.raises(BundleError, match=r"source 'compressed', unknown .* upgrade kdump-gpu"):
         load_bundle(bundle_path)
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kdump.bundle import BlobStore, capture_call, load_bundle, save_calls
+from kdump.bundle.format import FORMAT_VERSION
 from kdump.bundle.tensors import ALIGN_MOD
 from kdump.cli import main
 
@@ -43,7 +44,7 @@ def test_info_table(capsys: pytest.CaptureFixture[str], bundle: Path) -> None:
     code, out, err = run(capsys, "info", str(bundle))
     assert code == 0, err
     flat = " ".join(out.split())  # the header line wraps with the terminal's width
-    assert "format v3" in flat and "2 call(s)" in flat and "node7" in out
+    assert f"format v{FORMAT_VERSION}" in flat and "2 call(s)" in flat and "node7" in out
     assert "deep_gemm:m_grouped" in out
     for col in ("arg", "dtype", "shape", "stride", "offset", "align", "bytes"):
         assert col in out
@@ -55,7 +56,7 @@ def test_info_json(capsys: pytest.CaptureFixture[str], bundle: Path) -> None:
     code, out, _ = run(capsys, "info", "--json", str(bundle))
     assert code == 0
     [rep] = json.loads(out)  # a list, also for one bundle
-    assert rep["format_version"] == 3 and len(rep["calls"]) == 2
+    assert rep["format_version"] == FORMAT_VERSION and len(rep["calls"]) == 2
     assert rep["file_bytes"] == bundle.stat().st_size
     assert rep["blob_bytes"] * 2 == rep["logical_bytes"]  # the second call is deduplicated
     call = rep["calls"][1]

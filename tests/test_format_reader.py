@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from pathlib import Path
 from typing import Any
@@ -40,8 +41,8 @@ def read_container(path: Path) -> tuple[dict[str, Any], bytes, dict[str, Any]]:
     header = json.loads(raw[8 : 8 + n].decode("utf-8"))
     data = raw[8 + n :]
     manifest = json.loads(header["__metadata__"]["kdump.manifest"])
-    if manifest["format"] != "kdump" or manifest["version"] not in (1, 2, 3):
-        raise FormatError("not a kdump v1, v2 or v3 manifest")
+    if manifest["format"] != "kdump" or manifest["version"] not in (1, 2, 3, 4):
+        raise FormatError("not a kdump v1 to v4 manifest")
     return header, data, manifest
 
 
@@ -103,6 +104,103 @@ def decode(node: Any, tensors: list[torch.Tensor]) -> Any:
     return ("opaque", node["$opaque"])
 
 
+# §5.2.1: generator "splitmix64-ih4" version 1, element by element in plain Python.
+M64 = (1 << 64) - 1
+_FLOAT_FORMATS = {  # exponent bits, mantissa bits, bias, max finite
+    "float16": (5, 10, 15, 65504.0),
+    "bfloat16": (8, 7, 127, 3.3895313892515355e38),
+    "float8_e4m3fn": (4, 3, 7, 448.0),
+    "float8_e5m2": (5, 2, 15, 57344.0),
+}
+_INT_FORMATS = {  # struct code, low, high
+    "int8": ("b", -128, 127),
+    "int16": ("h", -32768, 32767),
+    "int32": ("i", -(2**31), 2**31 - 1),
+    "int64": ("q", -(2**63), 2**63 - 1024),
+    "uint8": ("B", 0, 255),
+    "uint16": ("H", 0, 65535),
+    "uint32": ("I", 0, 2**32 - 1),
+    "uint64": ("Q", 0, 2**64 - 2048),
+}
+
+
+def _splitmix(seed: int, i: int) -> int:
+    z = (seed + (i + 1) * 0x9E3779B97F4A7C15) & M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def _small_float(v: float, exp_bits: int, man_bits: int, bias: int) -> int:
+    sign = 1 if math.copysign(1.0, v) < 0 else 0
+    a = abs(v)
+    if a == 0:
+        return sign << (exp_bits + man_bits)
+    e = math.frexp(a)[1] - 1  # floor(log2 a)
+    biased = max(e + bias, 1)
+    q = round(math.ldexp(a, man_bits - (biased - bias)))  # Python rounds half to even
+    return ((biased - 1) << man_bits) + q | sign << (exp_bits + man_bits)
+
+
+def _encode(v: float, dtype: str) -> bytes:
+    if dtype in _FLOAT_FORMATS:
+        e, m, bias, top = _FLOAT_FORMATS[dtype]
+        bits = _small_float(min(max(v, -top), top), e, m, bias)
+        return bits.to_bytes((1 + e + m) // 8, "little")
+    if dtype in _INT_FORMATS:
+        code, lo, hi = _INT_FORMATS[dtype]
+        return struct.pack("<" + code, int(min(max(round(v), lo), hi)))
+    if dtype == "float32":
+        return struct.pack("<f", min(max(v, -3.4028234663852886e38), 3.4028234663852886e38))
+    if dtype == "float64":
+        return struct.pack("<d", v)
+    if dtype == "float8_e8m0fnu":
+        return bytes([math.frexp(min(max(v, 2.0**-127), 2.0**127))[1] - 1 + 127])
+    if dtype == "bool":
+        return b"\x01" if v >= 0.5 else b"\x00"
+    raise FormatError("the generator does not produce this dtype")
+
+
+def synthetic_bytes(st: dict[str, Any]) -> bytes:
+    gen, stats = st["generator"], st["stats"]
+    if (gen["name"], gen["version"]) != ("splitmix64-ih4", 1):
+        raise FormatError("unknown generator")
+    size = getattr(torch, stats["dtype"]).itemsize
+    out = bytearray()
+    i = 0
+    while len(out) < st["span_nbytes"]:
+        w = _splitmix(gen["seed"], i)
+        s = sum((w >> (16 * k)) & 0xFFFF for k in range(4))
+        x = ((s + 2) / 65536 - 2) * 1.7320508075688772
+        v = min(max(stats["mean"] + stats["std"] * x, stats["min"]), stats["max"])
+        out += _encode(v, stats["dtype"])
+        i += 1
+    assert size
+    return bytes(out[: st["span_nbytes"]])
+
+
+def span_bytes(path: Path, header: dict, data: bytes, manifest: dict, st: dict) -> bytes:
+    """§5.2: the span's bytes for the kinds this reader knows."""
+    source = st.get("source", "blob")  # §5.2: no source means a blob
+    if source == "blob":
+        blob = read_blob(path, header, data, manifest, st["blob"])
+        assert len(blob) == st["span_nbytes"]
+        return blob
+    if source == "sparse" and manifest["version"] >= 4:
+        held = read_blob(path, header, data, manifest, st["blob"])
+        out = bytearray(st["span_nbytes"])
+        pos, end = 0, 0
+        for b, e in st["ranges"]:
+            assert end <= b < e <= st["span_nbytes"]
+            out[b:e] = held[pos : pos + e - b]
+            pos, end = pos + e - b, e
+        assert pos == len(held)
+        return bytes(out)
+    if source == "synthetic" and manifest["version"] >= 4:
+        return synthetic_bytes(st)
+    raise FormatError("unknown storage source")
+
+
 def read_call(path: Path, index: int) -> tuple[list[Any], dict[str, Any], list[torch.Tensor]]:
     """Positional args, kwargs and the tensor table of call `index`."""
     header, data, manifest = read_container(path)
@@ -110,11 +208,8 @@ def read_call(path: Path, index: int) -> tuple[list[Any], dict[str, Any], list[t
     assert call["index"] == index
     buffers = []
     for st in call["storages"]:
-        if st.get("source", "blob") != "blob":  # §5.2: no source means a blob, the only kind
-            raise FormatError("unknown storage source")
         # Re-create the storage from its original start: unrecorded prefix, then the span.
-        blob = read_blob(path, header, data, manifest, st["blob"])
-        assert len(blob) == st["span_nbytes"]
+        blob = span_bytes(path, header, data, manifest, st)
         buf = bytearray(st["span_start"]) + bytearray(blob)
         buffers.append((st, torch.frombuffer(buf, dtype=torch.uint8) if buf else None))
     tensors = []
@@ -255,8 +350,8 @@ def test_independent_reader_rejects_unknown_source(tmp_path: Path) -> None:
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + n])
     manifest = json.loads(header["__metadata__"]["kdump.manifest"])
-    assert manifest["version"] == 3 and manifest["calls"][0]["storages"][0]["source"] == "blob"
-    manifest["calls"][0]["storages"][0]["source"] = "sparse"
+    assert manifest["version"] == 4 and manifest["calls"][0]["storages"][0]["source"] == "blob"
+    manifest["calls"][0]["storages"][0]["source"] = "compressed"
     header["__metadata__"]["kdump.manifest"] = json.dumps(manifest)
     text = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
@@ -309,3 +404,43 @@ def test_independent_reader_reads_each_checksum_algorithm(tmp_path: Path, algo: 
 
         with pytest.raises(BundleError, match="checksum mismatch"):
             load_bundle(path).calls[0].materialize()
+
+
+def test_independent_reader_reads_sparse_and_synthetic(tmp_path: Path) -> None:
+    """Version 4's kinds, read from the document alone, give the bytes kdump's reader gives."""
+    from dataclasses import replace
+
+    from kdump import capture_call
+    from kdump.bundle import load_bundle
+    from kdump.bundle.format import GeneratorRecord, Source, Stats
+    from kdump.bundle.store import sha256_hex
+    from kdump.bundle.writer import _entries, save_entries
+
+    tensors = [
+        torch.randn(64, 16),
+        torch.randn(40, 8).to(torch.bfloat16),
+        torch.randn(300).to(torch.float8_e4m3fn),
+        torch.arange(50, dtype=torch.int32),
+    ]
+    rec = capture_call("m:f", tensors, {})
+    [entry] = _entries([rec], ["0" * 64] * len(rec.inputs.storages))
+    data = bytes(rec.inputs.data[0].numpy())
+    ranges = ((0, 128), (1024, 2048), (4000, 4096))
+    held = b"".join(data[b:e] for b, e in ranges)
+    storages = [
+        replace(entry.storages[0], source=Source.SPARSE, blob=sha256_hex(held), ranges=ranges)
+    ]
+    for j, dtype in ((1, "bfloat16"), (2, "float8_e4m3fn"), (3, "int32")):
+        stats = Stats(dtype, -3.0, 3.0, 0.25, 1.5) if dtype != "int32" else Stats(dtype, 0, 9, 4, 3)
+        gen = GeneratorRecord("splitmix64-ih4", 1, 1000 + j)
+        storages.append(
+            replace(entry.storages[j], source=Source.SYNTHETIC, blob="", stats=stats, generator=gen)
+        )
+    path = save_entries(
+        tmp_path / "v4.kdump", [replace(entry, storages=tuple(storages))], {storages[0].blob: held}
+    )
+    _, _, got = read_call(path, 0)
+    ours = load_bundle(path).calls[0].materialize("cpu").tensors
+    for a, b in zip(got, ours):
+        assert _bits(a) == _bits(b)
+    assert _bits(got[0])[:128] == data[:128] and set(_bits(got[0])[128:1024]) == {0}

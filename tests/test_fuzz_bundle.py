@@ -87,11 +87,34 @@ def bases(tmp_path_factory: pytest.TempPathFactory) -> Path:
     save_calls(folder / "single.kdump", calls[1:2])
     store = folder / "store_rich"
     save_calls(store / BUNDLE_NAME, calls, store=BlobStore(store))
+    _slim_base(folder / "slim.kdump")
     return folder
 
 
+def _slim_base(path: Path) -> Path:
+    """A version-4 bundle with a sparse storage and synthetic ones (what `kdump slim` writes)."""
+    from kdump.bundle.format import GeneratorRecord, Source, Stats
+    from kdump.bundle.store import sha256_hex
+    from kdump.bundle.writer import _entries, save_entries
+
+    rec = capture_call("m:f", [_rand(64, 16, seed=7), _rand(40, 8, seed=8).half()], {})
+    [entry] = _entries([rec], ["0" * 64] * len(rec.inputs.storages))
+    data = bytes(rec.inputs.data[0].numpy())
+    ranges = ((0, 128), (1024, 2048))
+    held = b"".join(data[b:e] for b, e in ranges)
+    sparse = replace(entry.storages[0], source=Source.SPARSE, blob=sha256_hex(held), ranges=ranges)
+    synth = replace(
+        entry.storages[1],
+        source=Source.SYNTHETIC,
+        blob="",
+        stats=Stats("float16", -2.0, 2.0, 0.0, 1.0),
+        generator=GeneratorRecord("splitmix64-ih4", 1, 5),
+    )
+    return save_entries(path, [replace(entry, storages=(sparse, synth))], {sparse.blob: held})
+
+
 def _file_bases(bases: Path) -> list[str]:
-    return ["rich.kdump", "single.kdump", *[p.name for p in CAPTURES], "rich.kdump"]
+    return ["rich.kdump", "single.kdump", "slim.kdump", *[p.name for p in CAPTURES], "rich.kdump"]
 
 
 def test_campaign(bases: Path, tmp_path: Path) -> None:
@@ -186,7 +209,7 @@ def test_repro_script_sample(bases: Path, tmp_path: Path) -> None:
 
 
 def test_unmutated_bases_load(bases: Path) -> None:
-    for name in ["rich.kdump", "single.kdump", f"store_rich/{BUNDLE_NAME}"]:
+    for name in ["rich.kdump", "single.kdump", "slim.kdump", f"store_rich/{BUNDLE_NAME}"]:
         b = load_bundle(bases / name)
         b.verify()
         for call in b.calls:
@@ -455,3 +478,88 @@ def test_too_long_string_argument_becomes_a_placeholder(tmp_path: Path) -> None:
     rec = capture_call("m:f", ["s" * (Limits().max_string + 1), _rand(2, seed=13)], {})
     call = load_bundle(save_calls(tmp_path / "s.kdump", [rec])).calls[0]
     assert type(call.materialize("cpu").args[0]).__name__ == "Opaque"
+
+
+# --------------------------------------------------------------------------------------------
+# Version 4's storage kinds (sparse, synthetic): hostile ranges, counts, generators, stats
+
+
+def _sparse(m: dict[str, Any]) -> dict[str, Any]:
+    return m["calls"][0]["storages"][0]
+
+
+def _synth(m: dict[str, Any]) -> dict[str, Any]:
+    return m["calls"][0]["storages"][1]
+
+
+_HOSTILE_V4 = [
+    ("ranges unsorted", lambda m: _sparse(m).update(ranges=[[1024, 2048], [0, 128]]), "schema"),
+    ("ranges overlap", lambda m: _sparse(m).update(ranges=[[0, 1100], [1024, 2048]]), "schema"),
+    ("range empty", lambda m: _sparse(m).update(ranges=[[0, 0], [0, 1152]]), "schema"),
+    ("range past span", lambda m: _sparse(m).update(ranges=[[0, 128], [4000, 5024]]), "schema"),
+    ("range huge", lambda m: _sparse(m).update(ranges=[[0, 128], [1 << 80, 1 << 81]]), "schema"),
+    ("range negative", lambda m: _sparse(m).update(ranges=[[-128, 0], [0, 1024]]), "schema"),
+    ("range bools", lambda m: _sparse(m).update(ranges=[[False, True]]), "schema"),
+    ("range floats", lambda m: _sparse(m).update(ranges=[[0.0, 128.0], [1024, 2048]]), "schema"),
+    ("range triple", lambda m: _sparse(m).update(ranges=[[0, 128, 9], [1024, 2048]]), "schema"),
+    ("ranges not a list", lambda m: _sparse(m).update(ranges={"0": 128}), "schema"),
+    ("ranges missing", lambda m: _sparse(m).pop("ranges"), "schema"),
+    ("ranges miss the blob size", lambda m: _sparse(m).update(ranges=[[0, 64]]), "missing-blob"),
+    ("sparse without blob", lambda m: _sparse(m).update(blob=""), "schema"),
+    ("ranges on a blob", lambda m: _sparse(m).update(source="blob"), "schema"),
+    (
+        "generator on sparse",
+        lambda m: _sparse(m).update(generator=_synth(m)["generator"]),
+        "schema",
+    ),
+    ("synthetic names a blob", lambda m: _synth(m).update(blob=_sparse(m)["blob"]), "schema"),
+    ("synthetic without stats", lambda m: _synth(m).pop("stats"), "schema"),
+    ("synthetic without generator", lambda m: _synth(m).pop("generator"), "schema"),
+    ("generator unknown", lambda m: _synth(m)["generator"].update(name="mt19937"), "schema"),
+    ("generator version", lambda m: _synth(m)["generator"].update(version=99), "schema"),
+    ("generator version bool", lambda m: _synth(m)["generator"].update(version=True), "schema"),
+    ("seed negative", lambda m: _synth(m)["generator"].update(seed=-1), "schema"),
+    ("seed 2^64", lambda m: _synth(m)["generator"].update(seed=1 << 64), "schema"),
+    ("seed huge", lambda m: _synth(m)["generator"].update(seed=10**400), "schema"),
+    ("seed float", lambda m: _synth(m)["generator"].update(seed=1.5), "schema"),
+    ("seed string", lambda m: _synth(m)["generator"].update(seed="7"), "schema"),
+    ("generator extra field", lambda m: _synth(m)["generator"].update(code="x"), "schema"),
+    ("generator not an object", lambda m: _synth(m).update(generator=[1, 2, 3]), "schema"),
+    ("stats min > max", lambda m: _synth(m)["stats"].update(min=3.0, max=-3.0), "schema"),
+    ("stats std < 0", lambda m: _synth(m)["stats"].update(std=-1.0), "schema"),
+    ("stats nan", lambda m: _synth(m)["stats"].update(mean=float("nan")), "schema"),
+    ("stats inf", lambda m: _synth(m)["stats"].update(max=float("inf")), "schema"),
+    ("stats huge int", lambda m: _synth(m)["stats"].update(max=10**400), "schema"),
+    ("stats dtype unproduced", lambda m: _synth(m)["stats"].update(dtype="complex64"), "schema"),
+    ("stats dtype unknown", lambda m: _synth(m)["stats"].update(dtype="float128"), "schema"),
+    (
+        "span absurd",
+        lambda m: _synth(m).update(span_nbytes=1 << 60, storage_nbytes=1 << 60),
+        "limit",
+    ),
+    ("sparse in version 3", lambda m: m.update(version=3), "schema"),  # ranges came with 4
+    (
+        "kind of version 4 in version 3",
+        lambda m: (m.update(version=3), _sparse(m).pop("ranges")),
+        "unknown-source",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "edit", "kind"), _HOSTILE_V4, ids=[c[0] for c in _HOSTILE_V4])
+def test_hostile_sparse_and_synthetic_storages_are_refused(
+    bases: Path, tmp_path: Path, name: str, edit: Any, kind: str
+) -> None:
+    path = _edit_manifest(bases / "slim.kdump", tmp_path / "h.kdump", edit)
+    _rejects(path, BundleErrorKind(kind), Limits(max_load_bytes=FUZZ_LOAD_BYTES))
+
+
+def test_sparse_range_count_is_a_limit(bases: Path, tmp_path: Path) -> None:
+    path = bases / "slim.kdump"
+    err = _rejects(path, BundleErrorKind.LIMIT, Limits(max_ranges=1))
+    assert "byte ranges" in str(err)
+
+    def many(m: dict[str, Any]) -> None:  # a million and one ranges: refused before the blob
+        _sparse(m).update(ranges=[[i, i + 1] for i in range(0, 2 * 1_000_001, 2)])
+
+    _rejects(_edit_manifest(path, tmp_path / "n.kdump", many), BundleErrorKind.LIMIT)

@@ -14,8 +14,8 @@ from enum import Enum
 from typing import Any
 
 FORMAT_NAME = "kdump"
-FORMAT_VERSION = 3  # what this writer writes
-SUPPORTED_VERSIONS = (1, 2, 3)  # what this reader reads
+FORMAT_VERSION = 4  # what this writer writes
+SUPPORTED_VERSIONS = (1, 2, 3, 4)  # what this reader reads
 MANIFEST_KEY = "kdump.manifest"
 MAX_HEADER = 100 * 1000 * 1000  # safetensors' own cap
 STORE_DIRNAME = "blobs"
@@ -53,6 +53,7 @@ class Limits:
     max_tree_nodes: int = 100_000
     max_string: int = 1 << 20
     max_load_bytes: int = DEFAULT_MAX_LOAD_BYTES
+    max_ranges: int = 1_000_000  # byte ranges of the sparse storages of one call part together
 
 
 # Every dtype a bundle may hold, by its stable name in the format, with its size in bytes.
@@ -86,6 +87,17 @@ class Source(str, Enum):
     BLOB = "blob"  # the span's bytes are a blob of the blob table
     BY_REFERENCE = "by-reference"  # a static operand (weights): shape, layout and stats only
     MISSING = "missing"  # device data the recorder could not keep (salvage); stats if known
+    SPARSE = "sparse"  # only listed byte ranges are held (the blob: them, concatenated); rest zero
+    SYNTHETIC = "synthetic"  # produced by kdump's generator from a seed and the stats
+
+
+@dataclass(frozen=True)
+class GeneratorRecord:
+    """Which of kdump's generators made a synthetic storage (kdump.bundle.synthetic)."""
+
+    name: str
+    version: int
+    seed: int
 
 
 @dataclass(frozen=True)
@@ -129,6 +141,16 @@ class StorageRecord:
     blob: str = ""  # sha256 of the span's bytes, filled in by the writer ("" unless a blob)
     source: Source = Source.BLOB
     stats: Stats | None = None  # by-reference / missing storages: what their values looked like
+    # sparse: the held [start, end) byte ranges, relative to the span's start (sorted, disjoint)
+    ranges: tuple[tuple[int, int], ...] = ()
+    generator: GeneratorRecord | None = None  # synthetic: how the bytes are produced
+
+    @property
+    def held_nbytes(self) -> int:
+        """Bytes of the span its blob holds (sparse: the ranges; no blob: 0)."""
+        if self.source is Source.SPARSE:
+            return sum(e - b for b, e in self.ranges)
+        return self.span_nbytes if self.source is Source.BLOB else 0
 
     @property
     def span_ptr(self) -> int:
@@ -244,6 +266,11 @@ def storage_json(st: StorageRecord) -> dict[str, Any]:
             "std": s.std,
             "checksum": s.checksum,
         }
+    if st.source is Source.SPARSE:
+        out["ranges"] = [[b, e] for b, e in st.ranges]
+    if st.generator is not None:
+        g = st.generator
+        out["generator"] = {"name": g.name, "version": g.version, "seed": g.seed}
     return out
 
 

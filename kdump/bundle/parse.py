@@ -7,6 +7,7 @@ relate to each other is checked once, afterwards, by `kdump.bundle.validate`.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from enum import Enum
 from pathlib import Path
@@ -22,6 +23,7 @@ from kdump.bundle.format import (
     BlobRecord,
     CallEntry,
     Checksum,
+    GeneratorRecord,
     Limits,
     Manifest,
     OutputsRecord,
@@ -38,6 +40,8 @@ _STORAGE_INTS = ("base_ptr", "storage_nbytes", "span_start", "span_nbytes")
 _STORAGE_FIELDS = {1: {"device", "blob", *_STORAGE_INTS}}
 _STORAGE_FIELDS[2] = _STORAGE_FIELDS[1] | {"source"}
 _STORAGE_FIELDS[3] = _STORAGE_FIELDS[2] | {"stats"}
+_STORAGE_FIELDS[4] = _STORAGE_FIELDS[3] | {"ranges", "generator"}
+_SINCE = {Source.BY_REFERENCE: 3, Source.MISSING: 3, Source.SPARSE: 4, Source.SYNTHETIC: 4}
 _STATS_FLOATS = ("min", "max", "mean", "std")
 E = TypeVar("E", bound=Enum)
 _BLOB_FIELDS = {"nbytes", "where", "checksum", "digest"}
@@ -251,6 +255,7 @@ class _Parser:
             raise self.fail(where, "storages is not a list")
         self.count(len(raw), self.limits.max_storages, where, "storages")
         out = []
+        ranges_left = self.limits.max_ranges  # shared by the part's sparse storages
         for j, s in enumerate(raw):
             if not isinstance(s, dict) or not all(
                 is_int(s.get(k)) and s[k] >= 0 for k in _STORAGE_INTS
@@ -259,9 +264,9 @@ class _Parser:
             if not isinstance(s.get("device"), str) or not isinstance(s.get("blob"), str):
                 raise self.fail(where, f"storage {j} lacks its device or blob")
             self.string(s["device"], where, f"storage {j}'s device")
-            # A data-less storage (by-reference, missing) names no blob: an empty string.
+            # A data-less storage (by-reference, missing, synthetic) names no blob: "".
             if not _is_sha(s["blob"]) and not (
-                s["blob"] == "" and s.get("source", "blob") != "blob"
+                s["blob"] == "" and s.get("source", "blob") not in ("blob", "sparse")
             ):
                 raise self.fail(where, f"storage {j} does not name a blob by its SHA-256")
             extra = set(s) - _STORAGE_FIELDS[version]
@@ -269,8 +274,8 @@ class _Parser:
                 raise self.fail(where, f"storage {j} has unknown fields {sorted(map(str, extra))}")
             raw_source = s.get("source", Source.BLOB.value)  # version 1 knows only blobs
             source = _member(Source, raw_source)
-            if version < 3 and source is not Source.BLOB:
-                source = None  # by-reference and missing came with version 3
+            if source is not None and version < _SINCE.get(source, 1):
+                source = None  # a kind is unknown to the versions before the one it came with
             if source is None:
                 raise self.fail(
                     where,
@@ -281,16 +286,76 @@ class _Parser:
             stats = None
             if "stats" in s:
                 stats = self.stats(s["stats"], where, j)
-            if source is not Source.BLOB and s["blob"]:
+            if source not in (Source.BLOB, Source.SPARSE) and s["blob"]:
                 raise self.fail(where, f"storage {j} is {source.value} but names a blob")
+            if ("ranges" in s) != (source is Source.SPARSE):
+                raise self.fail(where, f"storage {j}: ranges belong to sparse storages (only)")
+            if ("generator" in s) != (source is Source.SYNTHETIC):
+                raise self.fail(where, f"storage {j}: a generator belongs to synthetic storages")
+            ranges: tuple[tuple[int, int], ...] = ()
+            generator = None
+            if source is Source.SPARSE:
+                ranges = self.ranges(s["ranges"], s["span_nbytes"], where, j, ranges_left)
+                ranges_left -= len(ranges)
+            if source is Source.SYNTHETIC:
+                generator = self.generator(s["generator"], stats, where, j)
             out.append(
                 StorageRecord(
                     **{k: s[k] for k in ("device", "blob", *_STORAGE_INTS)},
                     source=source,
                     stats=stats,
+                    ranges=ranges,
+                    generator=generator,
                 )
             )
         return tuple(out)
+
+    def ranges(
+        self, raw: Any, span: int, where: str, j: int, left: int
+    ) -> tuple[tuple[int, int], ...]:
+        """A sparse storage's held byte ranges: sorted, disjoint, non-empty, inside the span."""
+        if not isinstance(raw, list):
+            raise self.fail(where, f"storage {j}: ranges is not a list")
+        if len(raw) > left:
+            raise self.fail(
+                where,
+                f"storage {j}: {len(raw)} byte ranges, over the limit of "
+                f"{self.limits.max_ranges} per call part",
+                K.LIMIT,
+            )
+        out: list[tuple[int, int]] = []
+        end = 0
+        for r in raw:
+            if not (isinstance(r, list) and len(r) == 2 and is_int(r[0]) and is_int(r[1])):
+                raise self.fail(where, f"storage {j}: a byte range is not a pair of integers")
+            b, e = r
+            if not end <= b < e <= span:
+                raise self.fail(
+                    where,
+                    f"storage {j}: byte range [{b}, {e}) is empty, overlaps or precedes the one "
+                    f"before it, or leaves the {span}-byte span",
+                )
+            out.append((b, e))
+            end = e
+        return tuple(out)
+
+    def generator(self, raw: Any, stats: Stats | None, where: str, j: int) -> GeneratorRecord:
+        """A synthetic storage's generator: one of kdump's, over finite, ordered stats."""
+        from kdump.bundle.synthetic import refusal
+
+        if not isinstance(raw, dict) or set(raw) != {"name", "version", "seed"}:
+            raise self.fail(where, f"storage {j}: generator is not {{name, version, seed}}")
+        if stats is None:
+            raise self.fail(where, f"storage {j}: a synthetic storage needs its stats")
+        why = refusal(raw["name"], raw["version"], raw["seed"], stats.dtype)
+        if why is not None:
+            raise self.fail(where, f"storage {j}: {why}")
+        values = (stats.min, stats.max, stats.mean, stats.std)
+        if not all(math.isfinite(v) for v in values) or stats.min > stats.max or stats.std < 0:
+            raise self.fail(
+                where, f"storage {j}: synthetic stats must be finite, min <= max and std >= 0"
+            )
+        return GeneratorRecord(raw["name"], raw["version"], raw["seed"])
 
     def stats(self, raw: Any, where: str, j: int) -> Stats:
         ok = (
@@ -306,11 +371,11 @@ class _Parser:
         )
         if not ok:
             raise self.fail(where, f"storage {j} has malformed stats")
-        return Stats(
-            dtype=raw["dtype"],
-            checksum=raw.get("checksum", ""),
-            **{k: float(raw[k]) for k in _STATS_FLOATS},
-        )
+        try:
+            values = {k: float(raw[k]) for k in _STATS_FLOATS}
+        except OverflowError:  # an integer beyond float range
+            raise self.fail(where, f"storage {j} has stats out of float range") from None
+        return Stats(dtype=raw["dtype"], checksum=raw.get("checksum", ""), **values)
 
     def tensors(self, raw: Any, where: str) -> tuple[TensorRecord, ...]:
         if not isinstance(raw, list):

@@ -108,7 +108,7 @@ class Call:
         return [
             names[i]
             for i, t in enumerate(self.tensors)
-            if self.storages[t.storage].source is not Source.BLOB
+            if self.storages[t.storage].source not in (Source.BLOB, Source.SPARSE)
         ]
 
     def materialize(
@@ -432,7 +432,7 @@ class Bundle:
         copy-on-write views of the file; the rest are copies."""
         import torch
 
-        from kdump.bundle.tensors import Placement, materialize, synthesize_span
+        from kdump.bundle.tensors import Placement, materialize
 
         place = placement or Placement()
         check_load(
@@ -446,7 +446,7 @@ class Bundle:
         def fill(batch: Sequence[tuple[int, torch.Tensor]]) -> None:
             for i, dest in batch:
                 if storages[i].source is not Source.BLOB:
-                    dest.copy_(synthesize_span(storages[i], i))
+                    dest.copy_(self.recreate_span(storages[i], i))
             jobs = [(storages[i].blob, d) for i, d in batch if storages[i].source is Source.BLOB]
             self._run(self.copy_blob_into, jobs, sum(d.numel() for _, d in jobs))
 
@@ -471,7 +471,7 @@ class Bundle:
             lambda i: (
                 self.read_blob(storages[i].blob)
                 if storages[i].source is Source.BLOB
-                else synthesize_span(storages[i], i)
+                else self.recreate_span(storages[i], i)
             ),
             device,
             placement,
@@ -482,6 +482,38 @@ class Bundle:
         once = {sha: view for sha, view in handed if self._needs_check(sha)}
         self._run(self.verify_tensor, list(once.items()), sum(v.numel() for v in once.values()))
         return mat
+
+    def span_bytes(self, st: StorageRecord, index: int) -> torch.Tensor:
+        """A storage's span bytes (CPU uint8) whatever its source (`index`: its position, the
+        seed of a by-reference or missing storage's re-creation)."""
+        if st.source is Source.BLOB:
+            return self.read_blob(st.blob)
+        return self.recreate_span(st, index)
+
+    def recreate_span(self, st: StorageRecord, index: int) -> torch.Tensor:
+        """The span bytes (CPU uint8) of a storage not held whole as a blob: a sparse one's
+        ranges from its blob (verified), zeros elsewhere; a synthetic one from kdump's generator;
+        a by-reference or missing one from its stats with the seed `index`."""
+        import torch
+
+        if st.source is Source.SPARSE:
+            out = torch.zeros(st.span_nbytes, dtype=torch.uint8)
+            held = self.read_blob(st.blob)
+            pos = 0
+            for b, e in st.ranges:
+                out[b:e].copy_(held[pos : pos + e - b])
+                pos += e - b
+            return out
+        if st.source is Source.SYNTHETIC:
+            from kdump.bundle.synthetic import Params, generate
+
+            assert st.generator is not None and st.stats is not None  # the parser checked
+            g, s = st.generator, st.stats
+            p = Params(g.seed, s.dtype, s.min, s.max, s.mean, s.std, g.name, g.version)
+            return torch.from_numpy(generate(p, st.span_nbytes))
+        from kdump.bundle.tensors import synthesize_span
+
+        return synthesize_span(st, index)
 
     def verify(self, progress: Callable[[int], None] | None = None) -> None:
         """Check every blob (parallel over blobs), even with verification turned off."""

@@ -143,12 +143,12 @@ def _validate_part(
     limits: Limits,
 ) -> None:
     for j, st in enumerate(storages):
-        if st.source is not Source.BLOB:
-            continue  # no bytes: a replay re-creates it from its stats
+        if st.source not in (Source.BLOB, Source.SPARSE):
+            continue  # no bytes: a replay re-creates it (stats, generator)
         blob = blobs.get(st.blob)
-        if blob is None or blob.nbytes != st.span_nbytes:
+        if blob is None or blob.nbytes != st.held_nbytes:
             raise BundleError(
-                f"{where}: storage {j} needs {st.span_nbytes} bytes from blob {st.blob[:12]}…, "
+                f"{where}: storage {j} needs {st.held_nbytes} bytes from blob {st.blob[:12]}…, "
                 "which the bundle does not hold",
                 K.MISSING_BLOB,
             )

@@ -450,3 +450,46 @@ def _write_safetensors(
         f.truncate(data_start + offset)
 
     atomic_write(path, write)
+
+
+def save_entries(
+    path: str | os.PathLike[str],
+    calls: Sequence[CallEntry],
+    data: dict[str, bytes | memoryview],
+    *,
+    env: dict[str, Any] | None = None,
+    info: dict[str, Any] | None = None,
+) -> Path:
+    """Write manifest records whose blobs are already named (sha → bytes in `data`) as one
+    self-contained bundle, atomically: what a rewriting tool (`kdump slim`) produces. Every
+    storage that holds bytes (blob, sparse) must name a blob of `data`; the names are checked."""
+    algo = fast_checksum()
+    aligns: dict[str, int] = {}
+    for c in calls:
+        for st in (*c.storages, *(c.outputs.storages if c.outputs else ())):
+            if st.source in (Source.BLOB, Source.SPARSE):
+                if st.blob not in data:
+                    raise UsageError(f"storage names blob {st.blob[:12]}…, which is not given")
+                aligns.setdefault(st.blob, st.alignment)
+    blobs: dict[str, BlobRecord] = {}
+    views: dict[str, tuple[memoryview, int]] = {}
+    for sha in aligns:
+        view = memoryview(data[sha]).cast("B")
+        name, fast = blob_digests(view)
+        if name != sha:
+            raise UsageError(f"blob {sha[:12]}… does not hold the bytes its name says")
+        blobs[sha] = BlobRecord(len(view), Where.INLINE, algo, fast)
+        if len(view):
+            views[sha] = (view, aligns[sha])
+    manifest = Manifest(
+        version=FORMAT_VERSION,
+        writer=f"kdump {_kdump_version()}",
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        env=env or {},
+        info=info or {},
+        blobs=blobs,
+        calls=tuple(replace(c, index=i) for i, c in enumerate(calls)),
+    )
+    out = Path(path)
+    _write_safetensors(out, manifest_json(manifest), views)
+    return out

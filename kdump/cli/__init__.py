@@ -19,6 +19,7 @@ COMMANDS = {
     "diff": ("kdump.cli.diff", "Show what differs between two recorded calls or bundles."),
     "report": ("kdump.cli.report", "Write a Markdown bug report of a bundle, ready for an issue."),
     "pack": ("kdump.cli.pack", "Fold a bundle and its shared blobs into one file to attach."),
+    "slim": ("kdump.cli.slim", "Shrink a failing call's bundle to one that still reproduces it."),
     "salvage": ("kdump.cli.salvage", "Turn a dead process' flight-recorder journal into bundles."),
     "doctor": (
         "kdump.cli.doctor",

@@ -52,8 +52,8 @@ def run_eager(req: Request, progress: Progress) -> Verdict:
     prelude = earlier_calls(s) if req.options.wants_fresh_oracle(s.spec.has_reference()) else []
     for c in prelude:
         step = f"eager/call {c.index} (in sequence)"
-        for a, blob in zip(mc.materialized.allocations, c.storages):
-            a.span.copy_(c._bundle.read_blob(blob.blob).to(a.span.device))
+        for j, (a, st) in enumerate(zip(mc.materialized.allocations, c.storages)):
+            a.span.copy_(c._bundle.span_bytes(st, j).to(a.span.device))
         if s.run_kernel(fn, mc, step) is None:
             return s.verdict
         s.step(step, "ok", "earlier call of the same target, in the same buffers")

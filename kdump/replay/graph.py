@@ -23,8 +23,7 @@ from typing import Any
 import torch
 
 from kdump.bundle import Call, MaterializedCall, capture_call, load_bundle, save_calls
-from kdump.bundle.format import Source
-from kdump.bundle.tensors import capture, synthesize_span
+from kdump.bundle.tensors import capture
 from kdump.errors import CannotRunError, UsageError
 from kdump.replay import oracle
 from kdump.replay.overreads import attribute_overreads, unexplained_nans
@@ -89,11 +88,8 @@ def recorded_phases(s: Session) -> list[Phase]:
         sources.append((f"{Path(path).name}:{idx}", other))
     phases = []
     for label, c in sources:
-        # Storages a salvaged call lacks (missing / by-reference) keep the capture's re-creation.
-        spans = [
-            c._bundle.read_blob(st.blob) if st.source is Source.BLOB else synthesize_span(st, j)
-            for j, st in enumerate(c.storages)
-        ]
+        # Storages not held as a blob (sparse, synthetic, missing, by-reference) are re-created.
+        spans = [c._bundle.span_bytes(st, j) for j, st in enumerate(c.storages)]
         outs = c.materialize_outputs(s.device) if c.has_outputs else None
         phases.append(Phase(f"recorded {label}", spans=spans, recorded_outputs=outs))
     return phases
