@@ -187,9 +187,10 @@ def _roles(spec: KernelSpec, call: Call, keep: Sequence[str]) -> _Roles:
     bound = bind_encoded(spec, call)
     params = {p.name: p.role for p in getattr(spec, "params", ())}
     inputs = [n for n in bound if params.get(n) is Role.INPUT]
-    # The GEMM convention: the first input is the activation, the others are weights; a spec
-    # may name its weights itself.
-    weights = set(getattr(spec, "weight_params", inputs[1:]))
+    declared = {n for n in bound if params.get(n) is Role.WEIGHT}
+    # Weights as the spec declares them; else the GEMM convention: the first input is the
+    # activation, the others are weights.
+    weights = declared or set(getattr(spec, "weight_params", inputs[1:]))
     n = len(call.tensors)
     param = [""] * n
     kind = ["activation"] * n  # a spec without roles: everything is data
