@@ -28,6 +28,7 @@ import torch
 import kdump
 from kdump import config
 from kdump.record import devshare, launcher, salvager
+from kdump.record.salvage import pid_alive
 from kdump.record.salvager import ENV, Salvager, announce, device_file, request
 
 KDUMP_ROOT = str(Path(kdump.__file__).resolve().parent.parent)
@@ -215,6 +216,57 @@ def test_owner_death_is_noticed_and_its_file_written_at_once(server, tmp_path):
         time.sleep(0.05)
     assert dest.read_bytes() == _pattern(3)  # without any "ended" from kdump
     assert request(server.socket_path, {"op": "status"}, 10)["held"] == []
+
+
+def test_announce_is_bounded_when_the_salvage_process_hangs(short_dir, monkeypatch):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as hung:  # listens, never answers
+        hung.bind(str(short_dir / "hung.sock"))
+        hung.listen(4)
+        monkeypatch.setenv(ENV, str(short_dir / "hung.sock"))
+        monkeypatch.setattr(salvager, "ANNOUNCE_TIMEOUT", 0.5)
+        t0 = time.monotonic()
+        reason = announce(Path("/dev/shm/kdump-journal-1-a"), 0, {})
+        assert time.monotonic() - t0 < 3
+    assert reason == "the salvage process did not answer in 0.5 s"
+
+
+# kdump itself: starts the salvage process, says where, then waits to be SIGKILLed
+KDUMP_STANDIN = """
+import sys, time
+from pathlib import Path
+from kdump.record import salvager
+got = salvager.start(Path(sys.argv[1]), {}, argv=[sys.executable, sys.argv[2], "0"])
+print(got.socket_path, got.proc.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_salvage_process_writes_everything_and_exits_when_kdump_dies(tmp_path, monkeypatch):
+    fake = tmp_path / "fake_salvager.py"
+    fake.write_text(FAKE_SALVAGER)
+    jdir = tmp_path / "run"
+    jdir.mkdir()
+    kd = subprocess.Popen(
+        [sys.executable, "-c", KDUMP_STANDIN, str(jdir), str(fake)],
+        env=_child_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert kd.stdout is not None
+    sock, pid = kd.stdout.readline().split()
+    mem = tmp_path / "mem"
+    mem.write_bytes(_pattern(4))
+    journal = jdir / f"kdump-journal-{os.getpid()}-k"
+    monkeypatch.setenv(ENV, sock)
+    assert announce(journal, 1, {"path": str(mem), "nbytes": NBYTES}) is None
+    kd.kill()
+    kd.wait()
+    deadline = time.monotonic() + 20
+    while pid_alive(int(pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(int(pid))  # it exited (a zombie until whoever adopted it reaps it)
+    assert device_file(journal, 1).read_bytes() == _pattern(4)  # this process still lives
+    shutil.rmtree(Path(sock).parent, ignore_errors=True)
 
 
 def _fake_start(monkeypatch, tmp_path: Path, argv: list[str]) -> list[salvager.Started]:
