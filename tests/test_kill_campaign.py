@@ -107,6 +107,7 @@ def test_cpu_kill_campaign_under_kdump_record(tmp_path, monkeypatch, capfd):
     cmd = [sys.executable, str(script), str(TRIALS), "7", str(mem)]
     rc = launcher.launch(cmd, ("plainmod:axpy",), opts, echo=lines.append)
     assert rc == 0 and "campaign done" in capfd.readouterr().out, lines
+    assert not [line for line in lines if "cannot salvage" in line], lines
     reports = sorted((tmp_path / "out").rglob("journal-*-salvage.json"))
     assert len(reports) == TRIALS, lines
     assert len(device_tiers) == TRIALS  # every killed child's device tier was written

@@ -389,6 +389,33 @@ def test_no_salvage_process_option_and_a_salvage_process_that_cannot_start(
     assert any("host tier only" in line for line in lines)
 
 
+def test_kdump_salvage_removes_the_device_tier_files_with_the_journal(tmp_path):
+    from click.testing import CliRunner
+
+    from kdump.cli.salvage import command
+    from kdump.record.journal import Journal
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    pid = os.fork()
+    if pid == 0:  # a process that made a journal and died
+        try:
+            Journal.create(shm, slots=2, slot_bytes=16 << 10)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    (journal,) = shm.glob("kdump-journal-*")
+    for keep in (True, False):
+        for d in (0, 3):
+            device_file(journal, d).write_bytes(b"x" * 16)
+        args = [str(shm), "-o", str(tmp_path / "out")] + (["--keep"] if keep else [])
+        r = CliRunner().invoke(command, args)
+        assert r.exit_code == 0, r.output
+        assert "cuda" not in r.output  # the device files are no journals of their own
+        assert len(salvager.device_files(journal)) == (2 if keep else 0)
+    assert not journal.exists()
+
+
 def test_env_var_table_and_cli_options():
     from click.testing import CliRunner
 
