@@ -74,6 +74,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("KDUMP_RING_SLOTS", "journal slots: the last calls kept per process", "64"),
     EnvVar("KDUMP_SLOT_BYTES", "bytes per journal slot (suffixes K, M, G)", "1M"),
     EnvVar(
+        "KDUMP_STATIC_BYTES",
+        "bytes of the static region: weights copied once per version (suffixes K, M, G; 0: off)",
+        "1G",
+    ),
+    EnvVar(
         "KDUMP_JOURNAL_DIR",
         "folder of the journals (shared memory); `kdump record` sets one per run",
         "/dev/shm",

@@ -330,15 +330,34 @@ def _allocate(
         return buf, halo + pad
     # End flush: the allocation must end exactly at the region's end (+ halo). The allocator's
     # alignment is unknown until we allocate, so guess, check, and retry with the corrected pad.
+    front = moat_front(nbytes + 2 * halo + ALIGN_MOD, device)
     pad = target_align % ALIGN_MOD
     buf = torch.empty(0, dtype=torch.uint8, device=device)
     for _ in range(4):
         del buf  # let the allocator hand the same block back with the corrected size
-        buf = torch.empty(pad + halo + nbytes + halo, dtype=torch.uint8, device=device)
-        if (buf.data_ptr() + pad + halo) % ALIGN_MOD == target_align:
-            return buf, pad + halo
-        pad = (target_align - buf.data_ptr() - halo) % ALIGN_MOD
+        buf = torch.empty(front + pad + halo + nbytes + halo, dtype=torch.uint8, device=device)
+        if (buf.data_ptr() + front + pad + halo) % ALIGN_MOD == target_align:
+            return buf, front + pad + halo
+        pad = (target_align - buf.data_ptr() - front - halo) % ALIGN_MOD
     return buf, buf.numel() - halo - nbytes  # alignment could not be matched; the end stays flush
+
+
+MOAT = 1 << 20  # unallocated address space wanted after a flush allocation on a GPU
+
+
+def moat_front(total: int, device: torch.device) -> int:
+    """Bytes to put in front of a flush-end GPU allocation of `total` bytes so that it ends
+    MOAT bytes into a 2 MiB granule of an address range of its own.
+
+    Without the caching allocator (how memory checkers run) small allocations share address
+    ranges with their neighbours, so a write just past the end lands in another live allocation
+    and looks valid; allocations of 2 MiB and more get 2 MiB-aligned ranges, and the rest of the
+    last granule is no allocation at all: a write there is reported, against this buffer."""
+    if device.type != "cuda":
+        return 0
+    granule = 2 * MOAT
+    want = max(granule + MOAT, -(-(total - MOAT) // granule) * granule + MOAT)
+    return want - total
 
 
 def _direct(

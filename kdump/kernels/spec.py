@@ -21,6 +21,7 @@ from kdump.errors import UsageError
 
 class Role(str, Enum):
     INPUT = "input"  # read by the kernel
+    WEIGHT = "weight"  # read by the kernel and the same across calls (the recorder copies it once)
     OUTPUT = "output"  # written in place by the kernel
     ROUTING = "routing"  # routing metadata (grouped_layout, masked_m): mutated by graph replays
     SCALAR = "scalar"  # changes the computation (recipe, flags)

@@ -22,12 +22,15 @@ class RingConfig:
     slots: int = 64  # 64 x 1 MiB of pinned shared memory: small next to a serving GPU's host
     slot_bytes: int = 1 << 20
     journal_dir: Path = Path("/dev/shm")
+    static_bytes: int = 1 << 30  # static operands, copied once per (storage, version); 0: off
 
     def __post_init__(self) -> None:
         if self.slots < 2:
             raise UsageError(f"--ring-slots {self.slots}: the ring needs at least 2 slots")
         if self.slot_bytes < 4096:
             raise UsageError(f"--slot-bytes {self.slot_bytes}: use at least 4K per slot")
+        if self.static_bytes < 0:
+            raise UsageError(f"KDUMP_STATIC_BYTES {self.static_bytes}: give 0 (off) or more")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RingConfig:
@@ -46,6 +49,7 @@ class RingConfig:
             slots=slots,
             slot_bytes=parse_bytes(get("KDUMP_SLOT_BYTES")),
             journal_dir=Path(get("KDUMP_JOURNAL_DIR")),
+            static_bytes=parse_bytes(get("KDUMP_STATIC_BYTES")),
         )
 
 

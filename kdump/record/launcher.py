@@ -166,12 +166,13 @@ def salvage_run(
     it)."""
     from kdump.record.journal import read_pid
     from kdump.record.salvage import CRASH_SUFFIX, salvage_journal
+    from kdump.record.statics import STATIC_SUFFIX
 
     written: list[Path] = []
     cores = context.get("cuda_coredumps") or {}
     try:
         for j in sorted(journals.glob("kdump-journal-*")):
-            if j.name.endswith((CRASH_SUFFIX, ".tmp")) or salvager.is_device_file(j):
+            if j.name.endswith((CRASH_SUFFIX, STATIC_SUFFIX, ".tmp")) or salvager.is_device_file(j):
                 continue
             own = context
             with contextlib.suppress(Exception):

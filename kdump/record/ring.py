@@ -45,6 +45,7 @@ from kdump.log import log_once
 from kdump.record.hooks import HookState, busy
 from kdump.record.journal import Journal, JournalError, Slot, SlotMeta
 from kdump.record.salvage import CRASH_SUFFIX
+from kdump.record.statics import Statics, storage_meta
 
 if TYPE_CHECKING:
     from kdump.record.config import RecordConfig
@@ -117,6 +118,7 @@ class RingRecorder:
         self._calls = itertools.count()
         self._cuda: _CudaSide | None = None
         self._hooks_installed = False
+        self.statics: Statics | None = None  # made with the journal (kdump.record.statics)
 
     def after_fork(self) -> None:
         # The parent's journal and its mapping belong to the parent; the child starts its own.
@@ -244,7 +246,9 @@ class RingRecorder:
                 if cuda and self._cuda is None:
                     return None  # the journal was made by CPU calls; CUDA side needs no capture
                 storages, records = group_storages(tensors)
-                want = self._wanted(st, args, kwargs, tensors, records, storages)
+                roles = _tensor_roles(st, args, kwargs, tensors)
+                refs = self._static_refs(tensors, records, storages, roles, capturing)
+                want = self._wanted(st, args, kwargs, tensors, records, storages, roles, refs)
                 site_key = self.captures.next_site(capturing)
                 stream = int(torch.cuda.current_stream().cuda_stream) if cuda else 0
                 names = st.names()
@@ -277,7 +281,9 @@ class RingRecorder:
                     names=list(names[: len(args)]) if names and len(names) >= len(args) else None,
                     args=args_tree,
                     kwargs=kwargs_tree,
-                    storages=[_storage_dict(s) for s in storages],
+                    storages=storage_meta(
+                        [_storage_dict(s) for s in storages], tensors, records, refs
+                    ),
                     tensors=[_tensor_dict(r) for r in records],
                     stream=stream,
                     capture_id=site.capture_id if site else 0,
@@ -325,11 +331,15 @@ class RingRecorder:
         tensors: list[Any],
         records: list[Any],
         storages: list[Any],
+        roles: list[str | None] | None = None,
+        static: list[dict | None] | None = None,
     ) -> list[bool]:
         """Per storage: copy its bytes? In priority order while the slot has room: routing /
         scalar / hint parameters and small inputs, then the other inputs, smallest first.
-        Outputs never (the kernel writes them)."""
-        roles = _tensor_roles(st, args, kwargs, tensors)
+        Outputs never (the kernel writes them), nor static operands (the static region holds
+        them, or they are recorded by reference)."""
+        if roles is None:
+            roles = _tensor_roles(st, args, kwargs, tensors)
         rank = [2] * len(storages)  # 0: first, 1: small, 2: other inputs, 3: never
         for i, s in enumerate(storages):
             if s.span_nbytes <= SMALL_BYTES:
@@ -339,6 +349,9 @@ class RingRecorder:
                 rank[r.storage] = min(rank[r.storage], 0)
             elif role == "output":
                 rank[r.storage] = 3
+        for i, ref in enumerate(static or ()):
+            if ref is not None:
+                rank[i] = 3
         assert self.journal is not None
         room = int(self.journal.slot_bytes * SLOT_SHARE)
         want = [False] * len(storages)
@@ -348,6 +361,22 @@ class RingRecorder:
                 want[i] = True
                 room -= n
         return want
+
+    def _static_refs(
+        self,
+        tensors: list[Any],
+        records: list[Any],
+        storages: list[Any],
+        roles: list[str | None],
+        capturing: bool,
+    ) -> list[dict | None]:
+        """Per storage: its static reference (kdump.record.statics), None when not static."""
+        budget = self.cfg.ring.static_bytes
+        if budget <= 0 or self.journal is None:
+            return [None] * len(storages)
+        if self.statics is None:
+            self.statics = Statics(self.journal.path, budget)
+        return self.statics.refer(tensors, records, storages, roles, capturing)
 
     def _site(self, key: tuple[int, int], target: str, tensors: list[Any]) -> Site:
         site = self.sites.get(key)
@@ -394,6 +423,9 @@ class RingRecorder:
             with self.lock:
                 if self._cuda is not None:
                     self._cuda.release()
+                if self.statics is not None:
+                    self.statics.close(unlink=True)
+                    self.statics = None
                 self.journal.unlink()
                 self.journal = None
 

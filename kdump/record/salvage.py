@@ -5,7 +5,10 @@ API and read back before it counts, so a damaged slot can never become a corrupt
 flight at the crash are reported with their metadata only; torn slots with why. Storages whose
 bytes the journal lacks (bulky inputs, outputs, what did not fit a slot) keep their layouts with
 storage source `missing` (docs/FORMAT.md); their tensors are listed under
-`journal.missing_tensors` in the call's meta.
+`journal.missing_tensors` in the call's meta. Static operands (kdump.record.statics) come from the
+static region next to the journal: complete copies become blobs of the folder's shared store (one
+copy for every bundle), the others `by-reference` with their statistics
+(`journal.by_reference_tensors`; `journal.statics` says which and why).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from kdump.record.journal import (
     read_journal,
     read_pid,
 )
+from kdump.record.statics import Region, read_region, region_path, salvaged_storage
 
 REPORT_SUFFIX = "-salvage.json"
 CRASH_SUFFIX = ".crash.json"  # next to a journal: the recorded process' last words
@@ -73,24 +77,28 @@ def salvage_journal(
     bundles: list[Path] = []
     complete = contents.having(SlotState.COMPLETE)
     by_seq = {r.seq: r for r in complete}
+    region = read_region(contents.path)  # static operands copied once (kdump.record.statics)
     for rec in complete:
         path = out / f"journal-{head.pid}-call-{rec.meta.call_index:06d}-seq{rec.seq}.kdump"
         site = rec.meta.extra.get("site") if rec.meta.capture_id else None
         before = by_seq.get(site.get("eager_seq", -1)) if isinstance(site, dict) else None
         try:
-            _write_bundle(path, rec, contents, crash_context, before)
+            _write_bundle(path, rec, contents, crash_context, before, region)
         except (BundleError, ValueError, TypeError, KeyError, OverflowError, RuntimeError) as exc:
             # Checksums held but the content is unusable: report it, never keep the file.
             path.unlink(missing_ok=True)
             torn.append(SlotRecord(rec.index, SlotState.TORN, rec.seq, rec.meta, (), str(exc)))
             continue
         bundles.append(path)
+    if region is not None:
+        region.close()
     in_flight = contents.having(SlotState.IN_FLIGHT)
     report = out / f"journal-{head.pid}{REPORT_SUFFIX}"
     _write_report(report, contents, bundles, in_flight, torn, crash_context)
     if remove:
         contents.path.unlink(missing_ok=True)
         last_words.unlink(missing_ok=True)
+        region_path(contents.path).unlink(missing_ok=True)
     return SalvageResult(contents.path, bundles, in_flight, torn, report)
 
 
@@ -124,16 +132,18 @@ def _write_bundle(
     contents: JournalContents,
     crash_context: dict[str, Any] | None,
     before: SlotRecord | None = None,
+    region: Region | None = None,
 ) -> None:
     """One bundle of slot `rec`. A graph replay's slot whose site kept the eager call made on
     the same buffers before capture is written as two calls: that call (what the graph was
     captured over), then the replay's values, so a graph replay of call 0 replays the
     production sequence (`--then`-style phases come from the bundle's later calls)."""
     from kdump.bundle import load_bundle, save_calls
+    from kdump.bundle.store import BlobStore
 
-    calls = [_call_record(rec, contents, crash_context)]
+    calls = [_call_record(rec, contents, crash_context, region)]
     if before is not None:
-        first = _call_record(before, contents, crash_context)
+        first = _call_record(before, contents, crash_context, region)
         first.meta["journal"]["role"] = "before capture (the graph's buffers then)"
         calls.insert(0, first)
     info = {
@@ -150,13 +160,18 @@ def _write_bundle(
             "capture_call": 0,
             "replay_call": len(calls) - 1,
         }
-    save_calls(path, calls, info=info)
+    # Weights from the static region go to the folder's blob store: one copy for all bundles.
+    shared = any(c.meta["journal"].get("static_blobs") for c in calls)
+    save_calls(path, calls, info=info, store=BlobStore(path.parent) if shared else None)
     with load_bundle(path) as bundle:  # what salvage leaves behind must load and verify
         bundle.verify()
 
 
 def _call_record(
-    rec: SlotRecord, contents: JournalContents, crash_context: dict[str, Any] | None
+    rec: SlotRecord,
+    contents: JournalContents,
+    crash_context: dict[str, Any] | None,
+    region: Region | None = None,
 ) -> Any:
     import torch
 
@@ -170,8 +185,9 @@ def _call_record(
 
     meta = rec.meta
     assert meta is not None  # complete slots always carry their metadata
-    storages, data = [], []
-    for s, payload in zip(meta.storages, rec.payloads):
+    storages, data, statics = [], [], []
+    for j, (s, payload) in enumerate(zip(meta.storages, rec.payloads)):
+        got = salvaged_storage(s, payload, region)
         storages.append(
             StorageRecord(
                 device=str(s["device"]),
@@ -179,15 +195,14 @@ def _call_record(
                 storage_nbytes=int(s["storage_nbytes"]),
                 span_start=int(s["span_start"]),
                 span_nbytes=int(s["span_nbytes"]),
-                source=Source.BLOB if payload is not None else Source.MISSING,
+                source=got.source,
+                stats=got.stats,
             )
         )
-        data.append(
-            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            if payload
-            else torch.empty(0, dtype=torch.uint8)
-        )
-    tensors, missing = [], []
+        data.append(got.data if got.data is not None else torch.empty(0, dtype=torch.uint8))
+        if got.static:
+            statics.append({"storage": j, "source": got.source.value, "why": got.note})
+    tensors, missing, by_ref = [], [], []
     for i, t in enumerate(meta.tensors):
         tensors.append(
             TensorRecord(
@@ -200,11 +215,19 @@ def _call_record(
                 data_ptr=int(t.get("data_ptr", 0)),
             )
         )
-        if rec.payloads[int(t["storage"])] is None:
+        source = storages[int(t["storage"])].source
+        if source is Source.MISSING:
             missing.append(i)
+        elif source is Source.BY_REFERENCE:
+            by_ref.append(i)
     journal_meta = _slot_facts(rec)
     if missing:
         journal_meta["missing_tensors"] = missing
+    if by_ref:  # static operands without their bytes: re-created from their statistics
+        journal_meta["by_reference_tensors"] = by_ref
+    if statics:  # which storages the static region gave, or why it could not
+        journal_meta["statics"] = statics
+        journal_meta["static_blobs"] = sum(s["source"] == "blob" for s in statics)
     call_meta = dict(meta.extra)
     call_meta["journal"] = journal_meta
     call_meta["process"] = {"pid": contents.header.pid, "host": contents.header.host}

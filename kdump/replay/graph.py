@@ -228,10 +228,7 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
         n_before = len(s.verdict.findings)
         recorded = phase.recorded_outputs if phase else None
         reproduced = check(step, exp, recorded, baseline if phase is None else None)
-        if oracle_dir is not None:
-            result = {idx: mc.tensors[idx].clone() for idx in outputs.values()}
-            path = Path(oracle_dir.name, f"{len(oracles)}.kdump")
-            oracles[step] = (oracle.save_inputs(s, mc, inputs, result, path), reproduced)
+        replayed = {idx: mc.tensors[idx].clone() for idx in outputs.values()} if fresh else {}
         if s.placement().halo and not halo_done:
             known = {
                 name: [
@@ -258,6 +255,10 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
             if nan_seen:
                 halo_done = True
                 attribute_overreads(s, mc, again, count, outputs, step, step, nan_seen)
+        if oracle_dir is not None:
+            # After the halo pass: saving writes the replay's inputs back into the buffers.
+            path = Path(oracle_dir.name, f"{len(oracles)}.kdump")
+            oracles[step] = (oracle.save_inputs(s, mc, inputs, replayed, path), reproduced)
         if len(s.verdict.findings) > n_before:
             _keep_pending(save_dir, step)
         else:

@@ -72,7 +72,7 @@ def _param(name: str, role: Role, default: Any = _EMPTY, aliases: tuple[str, ...
 
 
 _A = _param("a", Role.INPUT)
-_B = _param("b", Role.INPUT)
+_B = _param("b", Role.WEIGHT)  # the experts' weights (and their scales)
 _D = _param("d", Role.OUTPUT)
 _LAYOUT = _param("grouped_layout", Role.ROUTING, aliases=("m_indices",))
 _MASKED_M = _param("masked_m", Role.ROUTING)
