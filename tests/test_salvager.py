@@ -471,7 +471,7 @@ def _valid_doc() -> dict:
         {"handle": "AB"},
         {"handle": "abc"},
         {"handle": ""},
-        {"handle": "ab" * 5000},
+        {"handle": "ab" * 9000},
         {"nbytes": 0},
         {"nbytes": 1.5},
         {"offset": (1 << 20) - 100},

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 KIND = "cuda-ipc"
 VERSION = 1
-MAX_HEX = 4096  # hex characters of one handle field (torch's handles are well under 200 bytes)
+MAX_HEX = 16384  # hex characters of one handle field (a cudaMalloc handle is 64 bytes)
 MAX_DEVICES = 1024
 MAX_NBYTES = 1 << 46
 _HEX = re.compile(r"\A(?:[0-9a-f]{2})*\Z")
@@ -159,7 +159,7 @@ def import_cuda(doc: dict[str, Any]) -> torch.Tensor:
         doc["storage_offset"],
         bytes.fromhex(doc["ref_counter_handle"]),
         doc["ref_counter_offset"],
-        bytes.fromhex(doc["event_handle"]) or None,
+        bytes.fromhex(doc["event_handle"]),  # torch takes bytes here, zeros when unused
         doc["event_sync_required"],
     )
     out = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
