@@ -405,15 +405,19 @@ def test_kdump_salvage_removes_the_device_tier_files_with_the_journal(tmp_path):
             os._exit(0)
     os.waitpid(pid, 0)
     (journal,) = shm.glob("kdump-journal-*")
+    core = tmp_path / "cuda-coredump.h.1.nvcudmp"
+    core.write_bytes(b"core")
     for keep in (True, False):
         for d in (0, 3):
             device_file(journal, d).write_bytes(b"x" * 16)
         args = [str(shm), "-o", str(tmp_path / "out")] + (["--keep"] if keep else [])
-        r = CliRunner().invoke(command, args)
+        r = CliRunner().invoke(command, [*args, "--cuda-coredump", str(core)])
         assert r.exit_code == 0, r.output
-        assert "cuda" not in r.output  # the device files are no journals of their own
+        assert "cuda" not in r.output.replace(str(core), "")  # no journals of their own
         assert len(salvager.device_files(journal)) == (2 if keep else 0)
     assert not journal.exists()
+    (report,) = (tmp_path / "out").glob("journal-*-salvage.json")
+    assert json.loads(report.read_text())["crash"]["cuda_coredump"] == str(core)
 
 
 def test_env_var_table_and_cli_options():

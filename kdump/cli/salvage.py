@@ -10,12 +10,19 @@ import click
 @click.option(
     "--stderr", "stderr_file", type=click.Path(exists=True), help="File with the process' stderr."
 )
+@click.option(
+    "--cuda-coredump",
+    "coredump",
+    type=click.Path(exists=True, dir_okay=False),
+    help="The GPU core dump the process wrote (named in every salvaged call's crash context).",
+)
 @click.option("--keep", is_flag=True, help="Keep the journal files after salvaging them.")
 def command(
     journals: tuple[str, ...],
     output: str,
     exit_code: int | None,
     stderr_file: str | None,
+    coredump: str | None,
     keep: bool,
 ) -> int:
     """Turn the flight-recorder journals of dead processes into bundles (one per complete slot)
@@ -51,8 +58,10 @@ def command(
         click.echo("no journals of dead processes found; nothing to salvage")
         return 0
     context: dict[str, object] | None = None
-    if exit_code is not None or stderr_file:
+    if exit_code is not None or stderr_file or coredump:
         context = {}
+        if coredump:
+            context["cuda_coredump"] = str(Path(coredump).resolve())
         if exit_code is not None:
             context["exit_code" if exit_code >= 0 else "signal"] = abs(exit_code)
         if stderr_file:
