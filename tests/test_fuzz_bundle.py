@@ -134,6 +134,57 @@ def test_console_script_sample(bases: Path, tmp_path: Path) -> None:
     assert codes == {0, 2}
 
 
+SCRIPT_LAUNCHER = """\
+import runpy, sys
+sys.modules["kdump"] = None  # the repro script runs without kdump
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+runpy.run_path(script, run_name="__main__")
+"""
+SCRIPT_AS_LIMIT = 8 << 30  # address space of the script's process: torch plus the byte cap
+SCRIPT_MAX_BYTES = 256 << 20
+
+
+def _limit_script_memory() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (SCRIPT_AS_LIMIT, SCRIPT_AS_LIMIT))
+
+
+def test_repro_script_sample(bases: Path, tmp_path: Path) -> None:
+    """The standalone repro script (`kdump report --script`) on a sample of the campaign, every
+    target allowed so that mutated calls get as far as materialising: each case ends in a
+    clean run, a difference or a one-line refusal, never a traceback, a hang or a raw ESC."""
+    from kdump.report.script import render_script
+
+    script = tmp_path / "repro.py"
+    script.write_text(render_script("unused.kdump", ["*"]))
+    launcher = tmp_path / "nokdump.py"
+    launcher.write_text(SCRIPT_LAUNCHER)
+    cases = campaign(_file_bases(bases), ["store_rich"], 3)[1::5][:24]
+    endings: dict[int, int] = {}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    for case in cases:
+        path = build(case, bases, tmp_path / case.name)
+        where = f"case {case.name} (rebuilt in {tmp_path / case.name})"
+        argv = [str(path), "--device", "cpu", "--max-bytes", str(SCRIPT_MAX_BYTES)]
+        proc = subprocess.run(
+            [sys.executable, "-I", str(launcher), str(script), *argv],
+            capture_output=True,
+            timeout=120,
+            env=env,
+            preexec_fn=_limit_script_memory,
+        )
+        out = proc.stdout + proc.stderr
+        assert proc.returncode in (0, 1, 2, 3), f"{where}: exit {proc.returncode}: {out[-400:]!r}"
+        assert b"Traceback" not in out and b"\x1b" not in out, f"{where}: {out[-400:]!r}"
+        assert proc.stderr.count(b"\n") <= 1, f"{where}: {proc.stderr[-400:]!r}"
+        if proc.returncode == 2:
+            assert proc.stderr.startswith(b"repro: refused: "), f"{where}: {out[-400:]!r}"
+        endings[proc.returncode] = endings.get(proc.returncode, 0) + 1
+    assert endings.get(2, 0) >= 5, endings
+
+
 def test_unmutated_bases_load(bases: Path) -> None:
     for name in ["rich.kdump", "single.kdump", f"store_rich/{BUNDLE_NAME}"]:
         b = load_bundle(bases / name)

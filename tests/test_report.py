@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from pathlib import Path
 
@@ -185,3 +186,15 @@ def test_cli_report_bad_bundle_exit_2(tmp_path: Path, capsys: pytest.CaptureFixt
     junk.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}xxxxxx")
     code, _, err = run(capsys, "report", str(junk))
     assert code == 2 and err.startswith("kdump: error:")
+
+
+def test_cli_report_with_script_lists_it_in_reproduce(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = str(CAPTURES / "contiguous_fp32.kdump")
+    script = tmp_path / "repro.py"
+    code, out, err = run(capsys, "report", path, "--script", str(script))
+    assert code == 0 and script.is_file() and os.access(script, os.X_OK)
+    assert f"python {script}  # standalone" in out
+    assert err == f"wrote {script}; run it with: python {script}\n"
+    compile(script.read_text(), str(script), "exec")

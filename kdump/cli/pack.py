@@ -11,7 +11,8 @@ import click
     type=click.Path(),
     help="Output file, or an existing folder to write into (default: see below).",
 )
-def command(bundle: str, output: str | None) -> int:
+@click.option("-q", "--quiet", is_flag=True, help="No progress display for several bundles.")
+def command(bundle: str, output: str | None, quiet: bool) -> int:
     """Write BUNDLE (a file, or every bundle of a capture folder) as self-contained files (blobs
     from the capture directory's shared store folded in, checksums verified), ready to attach to
     a bug report.
@@ -33,6 +34,7 @@ def command(bundle: str, output: str | None) -> int:
     from kdump.bundle import iter_bundles
     from kdump.bundle.writer import pack, pack_destination
     from kdump.errors import UsageError
+    from kdump.progress import progress
     from kdump.text import visible
 
     src = Path(bundle)
@@ -44,10 +46,12 @@ def command(bundle: str, output: str | None) -> int:
         )
     # All destinations first: a refused one writes nothing.
     plan = [(s, pack_destination(s, output, base)) for s in sources]
-    for s, dst in plan:
-        out = pack(s, dst)
-        shown = visible(out)
-        click.echo(
-            f"wrote {shown} ({out.stat().st_size} bytes); replay it with: kdump replay {shown}"
-        )
+    with progress(f"pack {bundle}", len(plan), enabled=len(plan) > 1 and not quiet) as bar:
+        for s, dst in plan:
+            out = pack(s, dst)
+            shown = visible(out)
+            click.echo(
+                f"wrote {shown} ({out.stat().st_size} bytes); replay it with: kdump replay {shown}"
+            )
+            bar.advance()
     return 0

@@ -186,6 +186,9 @@ Examples:
     is_flag=True,
     help="Exit with git bisect run's codes: 0 good, 1 bad, 125 skip, 128 abort (see below).",
 )
+@click.option(
+    "-q", "--quiet", is_flag=True, help="No progress display while replaying several calls."
+)
 @json_option
 def command(bisect: bool, **kwargs: Any) -> int:
     """Replay the calls in BUNDLES (files or capture folders) and say which step fails and how.
@@ -241,11 +244,11 @@ def _replay(
     allow_targets: tuple[str, ...],
     paths: tuple[str, ...],
     apply_env: tuple[str, ...],
+    quiet: bool,
     as_json: bool,
 ) -> int:
     from kdump.errors import KdumpError, UsageError, worst_exit_code
     from kdump.record.salvage import salvaged_graph_replays
-    from kdump.replay import replay
     from kdump.replay.options import GraphOptions, ReplayOptions, SanitizerOptions
 
     if mode is None:
@@ -283,7 +286,7 @@ def _replay(
                 log_dir=sanitizer_logs,
             ),
         )
-        verdicts = replay(bundles, options, calls=list(calls) or None)
+        verdicts = _replay_with_progress(bundles, options, calls, not (quiet or as_json))
     except KdumpError as exc:
         if not as_json:
             raise
@@ -300,6 +303,24 @@ def _replay(
                 f"\n{len(verdicts)} replays, {len(verdicts) - bad} clean, {bad} not: exit {code}"
             )
     return code
+
+
+def _replay_with_progress(
+    bundles: tuple[str, ...], options: Any, calls: tuple[int, ...], shown: bool
+) -> list:
+    """replay(), with a progress display once there is more than one replay to wait for."""
+    from kdump.progress import progress
+    from kdump.replay import replay
+
+    label = "replay " + (bundles[0] if len(bundles) == 1 else f"{len(bundles)} paths")
+    with progress(label, None, enabled=shown) as bar:
+
+        def done(_verdict: Any, total: int) -> None:
+            if total > 1:
+                bar.total = total
+                bar.advance()
+
+        return replay(bundles, options, calls=list(calls) or None, on_done=done)
 
 
 _STATUS = {"ok": "[green]ok[/]", "fail": "[red]FAIL[/]", "error": "[red]ERROR[/]"}

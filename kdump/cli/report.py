@@ -26,6 +26,21 @@ import click
 @click.option(
     "--redact", is_flag=True, help="Replace host names, user names, paths and env values."
 )
+@click.option(
+    "--no-plot", is_flag=True, help="With -o: do not write the routing plot (PNG) beside it."
+)
+@click.option(
+    "--script",
+    type=click.Path(dir_okay=False),
+    help="Also write a standalone repro script here (needs torch and the kernel library only).",
+)
+@click.option(
+    "--allow-target",
+    "allow_targets",
+    multiple=True,
+    metavar="PATTERN",
+    help="--script/--replay: also run this target (module:function, globs; repeatable).",
+)
 def command(
     bundle: str,
     output: str | None,
@@ -34,30 +49,58 @@ def command(
     backend: str,
     device: str,
     redact: bool,
+    no_plot: bool,
+    script: str | None,
+    allow_targets: tuple[str, ...],
 ) -> int:
     """Write a Markdown bug report of BUNDLE, ready to paste into an issue: environment, every
-    argument's layout and aliasing, routing metadata per group, replay verdicts (--replay), the
-    commands that reproduce it, the file's size and SHA-256, and a privacy note.
+    argument's layout and aliasing, routing metadata per group (with -o also as a PNG plot,
+    FILE-routing.png beside FILE.md; matplotlib, `kdump-gpu[report]`), replay verdicts
+    (--replay), the commands that reproduce it, the file's size and SHA-256, and a privacy note.
+
+    --script writes a Python script that reproduces the calls without kdump: it reads the
+    bundle as data when it runs, calls only DeepGEMM's entry points and the targets allowed
+    here, runs each call eagerly and, on a GPU, captures a CUDA graph with the first call and
+    replays it with the later call's values; it exits 0 clean, 1 outputs differ, 2 refused,
+    3 kernel error.
 
     \b
     Examples:
       kdump report captures/contiguous_ue8m0.kdump -o report.md
       kdump report failing.kdump --replay --mode eager --mode graph --redact
+      kdump report failing.kdump --script repro.py && python repro.py
     """
+    from dataclasses import replace
+
     from kdump.bundle import load_bundle
     from kdump.report.markdown import ReportOptions, render_report
 
     b = load_bundle(bundle)
     options = ReportOptions(redact, modes or ("eager",), backend, device)
+    if script:
+        from kdump.report.script import write_script
+
+        write_script(script, bundle, [c.target for c in b.calls], allow_targets)
+        options = replace(options, script=script)
     verdicts = []
     if do_replay:
         from kdump.replay import replay
 
         for mode in options.modes:
-            verdicts += replay([bundle], mode=mode, backend=backend, device=device)
+            verdicts += replay(
+                [bundle], mode=mode, backend=backend, device=device, allow_targets=allow_targets
+            )
+    if output and not no_plot:
+        from kdump.report.plot import draw, plot_path
+
+        options = replace(options, plot=draw(b, plot_path(output)))
     text = render_report(b, bundle, verdicts, options)
     if output:
         Path(output).write_text(text, encoding="utf-8")
     else:
         click.echo(text, nl=False)
+    if script:
+        from kdump.text import visible
+
+        click.echo(f"wrote {visible(script)}; run it with: python {visible(script)}", err=True)
     return 0

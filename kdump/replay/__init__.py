@@ -29,9 +29,12 @@ def replay(
     options: ReplayOptions | Mapping[str, Any] | None = None,
     *,
     calls: Sequence[int] | None = None,
+    on_done: Callable[[Verdict, int], None] | None = None,
     **keywords: Any,
 ) -> list[Verdict]:
     """Replay every selected call of `paths`; one Verdict per call (mode "all": one combined).
+    `on_done(verdict, replays)` runs as each replay ends (progress display; `replays` is how many
+    there are), from the thread that ran it.
 
     `options` is a ReplayOptions; keyword arguments (mode=, backend=, repeat=, tools=, ...) and
     a plain mapping of the older flat option names (then, mutations, seed, halo, save_failing,
@@ -93,6 +96,8 @@ def replay(
             v = _all(base, run, env)
         if not v.target:
             v.target = load_bundle(path).call(i).target
+        if on_done is not None:
+            on_done(v, len(work))
         return v
 
     gpus = _gpu_count() if opts.jobs > 1 else 0

@@ -8,11 +8,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from kdump.bundle import Bundle, Call
 from kdump.bundle.inspect import aliasing_groups
 from kdump.report.diff import alignment_class, flatten, scalar_arguments, show
 from kdump.report.escape import code_fence, escape_md, escape_text
+from kdump.report.plot import INSTALL_HINT, PlotResult, matplotlib_available
 from kdump.report.redact import Redactor
 from kdump.report.routing import RoutingSummary, routing_summaries
 
@@ -30,6 +32,8 @@ class ReportOptions:
     modes: tuple[str, ...] = ("eager",)
     backend: str = "auto"
     device: str = "auto"
+    plot: PlotResult | None = None  # the routing plot written beside the report, or why not
+    script: str | None = None  # the standalone repro script written with --script
 
 
 def _row(cells: Sequence[Any]) -> str:
@@ -133,7 +137,7 @@ class _Writer:
         if meta:
             self.add(*table(["meta", "value"], [[self.md(k), self.md(v)] for k, v in meta.items()]))
 
-    def routing(self) -> None:
+    def routing(self, plot: PlotResult | None = None) -> None:
         """One table per (target, routing argument): the calls of that target side by side."""
         by_key: dict[tuple[str, str], list[tuple[Call, RoutingSummary]]] = {}
         for call in self.bundle.calls:
@@ -162,6 +166,25 @@ class _Writer:
             if any(s.invalid for _, s in entries):
                 rows.append(["invalid entries", *(str(s.invalid) for _, s in entries)])
             self.add(*table(header, rows))
+        self.plot(plot)
+
+    def plot(self, plot: PlotResult | None) -> None:
+        if plot is not None and plot.path is not None and plot.size is not None:
+            name = plot.path.name
+            w, h = plot.size
+            self.add(
+                f"![Tokens per group of each routing argument]({quote(name)})",
+                "",
+                f"Plot: {escape_md(name)} ({w}×{h} pixels), tokens per group with empty groups "
+                "marked, one panel per call; its data are the tables above.",
+                "",
+            )
+        elif plot is not None and plot.note:
+            self.add(plot.note, "")
+        elif plot is None and not matplotlib_available():
+            self.add(INSTALL_HINT, "")
+        elif plot is None:
+            self.add("A plot of these tables is written beside the report with `-o FILE.md`.", "")
 
     def verdicts(self, verdicts: Sequence[Any]) -> None:
         self.add("## Replay verdicts", "")
@@ -195,6 +218,9 @@ class _Writer:
         if len(self.bundle.calls) > 1:
             first, second = self.bundle.calls[0].index, self.bundle.calls[1].index
             cmds.append(f"kdump diff {path}#{first} {path}#{second}")
+        if options.script:
+            script = shlex.quote(escape_text(self.r.text(options.script)))
+            cmds.append(f"python {script}  # standalone: torch and the kernel library, no kdump")
         self.add("## Reproduce", "", code_fence("\n".join(cmds)), "")
 
 
@@ -217,7 +243,7 @@ def render_report(
     w.add("## Calls", "")
     for call in bundle.calls:
         w.call(call)
-    w.routing()
+    w.routing(options.plot)
     if verdicts:
         w.verdicts(verdicts)
     w.reproduce(options)

@@ -56,7 +56,7 @@ def _grouped_contiguous(
         want = (a[0].shape[0], b[0].shape[1])
         raise ValueError(f"d has shape {tuple(d.shape)}, expected {want}")
     x = _dequant_rows(*a)
-    out = torch.zeros(d.shape, dtype=torch.float32)
+    out = torch.zeros(d.shape, dtype=torch.float32, device=d.device)
     for g in range(b[0].shape[0]):
         rows = (grouped_layout == g).nonzero().flatten()
         if rows.numel():
