@@ -147,9 +147,9 @@ def local_device(doc: dict[str, Any]) -> int:
 def import_cuda(doc: dict[str, Any]) -> torch.Tensor:
     """The memory `doc` describes, as a 1-D uint8 CUDA tensor of exactly `nbytes`; holding it
     keeps the memory alive."""
+    validate(doc)  # before torch: a malformed description is refused at once
     import torch
 
-    validate(doc)
     device = local_device(doc)
     torch.cuda._lazy_init()  # what torch.multiprocessing does before it opens a handle
     storage = torch.UntypedStorage._new_shared_cuda(

@@ -15,7 +15,8 @@ Protocol: over a Unix socket in a private folder (mode 0700), one request per co
 message a 4-byte big-endian length and a JSON object (at most MAX_FRAME bytes); nothing in a
 request is evaluated. Who announces comes from the socket's peer credentials, not the request.
 CUDA is initialised only at the first announcement: a program that never uses CUDA costs one
-small idle process.
+idle process (torch is imported in the background at start, host memory only, so that the first
+announcement is answered in time).
 
     {"op": "announce", "journal": PATH, "device": N, "doc": {...}} -> {"ok": true}
                                                             or {"ok": false, "reason": "..."}
@@ -450,8 +451,16 @@ def main(argv: list[str] | None = None, importer: Importer = _default_importer) 
     server.listen()
     sys.stdout.write("ready\n")
     sys.stdout.flush()
+    # torch takes seconds to import on a busy host: have it ready before the first announcement,
+    # which must be answered within ANNOUNCE_TIMEOUT (importing it starts no CUDA)
+    threading.Thread(target=_preimport, name="kdump-salvager-import", daemon=True).start()
     server.serve()
     return 0
+
+
+def _preimport() -> None:
+    with contextlib.suppress(Exception):
+        import torch  # noqa: F401
 
 
 # -- kdump record's side --------------------------------------------------------------------
