@@ -83,6 +83,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "folder of the journals (shared memory); `kdump record` sets one per run",
         "/dev/shm",
     ),
+    EnvVar(
+        "KDUMP_SALVAGER",
+        "Unix socket of the salvage process that `kdump record` starts; recorded processes "
+        "announce their device-tier memory there (set by `kdump record`)",
+    ),
     # -- kdump's own log
     EnvVar("KDUMP_LOG", "file that kdump's own log lines go to (default: stderr)"),
     # -- tools and builds

@@ -14,6 +14,7 @@ EPILOG = (
     "  kdump record -- python -m sglang.launch_server --model-path M --tp 8\n"
     "  kdump record --ring-slots 256 --flush-signal USR1 -- python examples/moe_decode.py\n"
     "  kdump record --mode sync --calls 0-9 -- python serve.py\n"
+    "  kdump record --cuda-coredump -- python serve.py\n"
     "  kdump record -t deep_gemm --calls 0-99 --max-bytes 20G -o dumps -- python serve.py\n"
     "  kdump record -t mypkg.ops:gemm --outputs all --on-exception -- python train.py\n"
     "\b\nEnvironment (what the options set in CMD's processes):\n" + config.help_table()
@@ -62,6 +63,19 @@ EPILOG = (
 @click.option("--outputs", help="default | none | all | names,positions [KDUMP_OUTPUTS].")
 @click.option("--flush-signal", help="Signal that flushes, e.g. USR1 [KDUMP_FLUSH_SIGNAL].")
 @click.option("--log", "log_file", type=click.Path(), help="kdump's log file [KDUMP_LOG].")
+@click.option(
+    "--salvage-process/--no-salvage-process",
+    default=True,
+    help="Mode ring: a process of kdump's that holds each recorded process' device tier and "
+    "writes it when that process dies, also by SIGKILL or an illegal address (default: on) "
+    "[KDUMP_SALVAGER].",
+)
+@click.option(
+    "--cuda-coredump",
+    is_flag=True,
+    help="A GPU exception writes a GPU core dump per process into the output directory "
+    "(cuda-coredump.HOST.PID.nvcudmp; salvaged bundles name it) [CUDA_COREDUMP_FILE].",
+)
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def command(cmd: tuple[str, ...], targets: tuple[str, ...], **opts: Any) -> int:
     """Run CMD with recording active in CMD's process and every Python process it starts

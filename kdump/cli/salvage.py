@@ -10,16 +10,24 @@ import click
 @click.option(
     "--stderr", "stderr_file", type=click.Path(exists=True), help="File with the process' stderr."
 )
+@click.option(
+    "--cuda-coredump",
+    "coredump",
+    type=click.Path(exists=True, dir_okay=False),
+    help="The GPU core dump the process wrote (named in every salvaged call's crash context).",
+)
 @click.option("--keep", is_flag=True, help="Keep the journal files after salvaging them.")
 def command(
     journals: tuple[str, ...],
     output: str,
     exit_code: int | None,
     stderr_file: str | None,
+    coredump: str | None,
     keep: bool,
 ) -> int:
     """Turn the flight-recorder journals of dead processes into bundles (one per complete slot)
-    and remove the journals. JOURNAL may be a file or a folder; default: the journals in /dev/shm
+    and remove the journals (with the device-tier files JOURNAL.cudaN that the salvage process of
+    `kdump record` wrote). JOURNAL may be a file or a folder; default: the journals in /dev/shm
     whose process is gone.
 
     \b
@@ -32,6 +40,7 @@ def command(
     from kdump.record.capture_dir import remove_stale_temporaries
     from kdump.record.journal import DEFAULT_DIR, read_pid
     from kdump.record.salvage import dead_journals, pid_alive, salvage_journal
+    from kdump.record.salvager import device_files, is_device_file
     from kdump.text import visible as v  # names and paths may come from a journal
 
     for left in remove_stale_temporaries(output):  # a killed writer's partial files
@@ -40,7 +49,7 @@ def command(
     for j in journals or (str(DEFAULT_DIR),):
         p = Path(j)
         if p.is_dir():
-            paths.extend(dead_journals(p))
+            paths.extend(d for d in dead_journals(p) if not is_device_file(d))
         elif pid_alive(read_pid(p)):
             click.echo(f"skipped {v(p)}: its process is still running", err=True)
         else:
@@ -49,8 +58,10 @@ def command(
         click.echo("no journals of dead processes found; nothing to salvage")
         return 0
     context: dict[str, object] | None = None
-    if exit_code is not None or stderr_file:
+    if exit_code is not None or stderr_file or coredump:
         context = {}
+        if coredump:
+            context["cuda_coredump"] = str(Path(coredump).resolve())
         if exit_code is not None:
             context["exit_code" if exit_code >= 0 else "signal"] = abs(exit_code)
         if stderr_file:
@@ -58,6 +69,9 @@ def command(
             context["stderr_tail"] = tail.decode("utf-8", "replace")
     for p in paths:
         res = salvage_journal(p, output, context, remove=not keep)
+        if not keep:  # the salvage process' copies of its device tier go with it
+            for f in device_files(p):
+                f.unlink(missing_ok=True)
         click.echo(
             f"{v(p)}: {len(res.bundles)} bundles, {len(res.in_flight)} in flight, "
             f"{len(res.torn)} torn; report {v(res.report)}"

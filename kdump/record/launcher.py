@@ -18,7 +18,8 @@ from typing import Any
 
 from kdump import config
 from kdump.errors import UsageError
-from kdump.record import capture_dir
+from kdump.record import capture_dir, salvager
+from kdump.text import visible as v
 
 STARTUP_DIR = Path(__file__).resolve().parent / "_startup"
 
@@ -68,25 +69,84 @@ def launch(
     parse_targets(list(cfg.targets))
     flush_sig = signal_number(opts["flush_signal"]) if opts.get("flush_signal") else None
     started = time.time()
+    out = Path(cfg.out)
+    if opts.get("cuda_coredump"):
+        env.update(coredump_env(out, env))
     journals = None
+    holder: salvager.Started | None = None
+    env.pop(salvager.ENV, None)  # an outer `kdump record`'s salvage process is not ours
     if cfg.mode == "ring":
         cfg.ring.journal_dir.mkdir(parents=True, exist_ok=True)
         journals = Path(tempfile.mkdtemp(prefix="kdump-run-", dir=cfg.ring.journal_dir))
         env["KDUMP_JOURNAL_DIR"] = str(journals)
+        if opts.get("salvage_process", True):
+            got = salvager.start(journals, config.environ(), flush_sig)
+            if isinstance(got, str):
+                echo(f"kdump: {got}; the flight recorder keeps its host tier only")
+            else:
+                holder = got
+                env[salvager.ENV] = str(got.socket_path)
     tail = bytearray()
     rc: int | None = None
     try:
         rc = run(cmd, env, flush_signal=flush_sig, stderr_tail=tail if journals else None)
     finally:
         if journals is not None:  # also when kdump itself is interrupted
-            salvage_run(journals, Path(cfg.out), crash_context(rc, tail), echo)
-    summarize(Path(cfg.out), started, cfg.targets, echo)
+            if holder is not None:  # its files must be complete before salvage reads them
+                report_salvager(salvager.finish(holder), echo)
+            context = crash_context(rc, tail, coredumps(out, started))
+            salvage_run(journals, out, context, echo)
+    summarize(out, started, cfg.targets, echo)
     return rc
 
 
-def crash_context(rc: int | None, tail: bytes) -> dict[str, Any]:
-    """How the program ended, for every salvaged bundle's meta."""
+COREDUMP_PATTERN = "cuda-coredump.%h.%p.nvcudmp"  # the driver fills in host name and pid
+
+
+def coredump_env(out: Path, env: Mapping[str, str]) -> dict[str, str]:
+    """The CUDA driver's variables that make a GPU exception write a GPU core dump into `out`
+    (one per process). A host core dump is left off unless the user's environment asks for it:
+    it can be as large as the process."""
+    out.mkdir(parents=True, exist_ok=True)
+    got = {
+        "CUDA_ENABLE_COREDUMP_ON_EXCEPTION": "1",
+        "CUDA_COREDUMP_FILE": str(out.resolve() / COREDUMP_PATTERN),
+    }
+    if "CUDA_ENABLE_CPU_COREDUMP_ON_EXCEPTION" not in env:
+        got["CUDA_ENABLE_CPU_COREDUMP_ON_EXCEPTION"] = "0"
+    return got
+
+
+def coredumps(out: Path, since: float) -> dict[int, Path]:
+    """The GPU core dumps written in `out` since `since`, by process id."""
+    found: dict[int, Path] = {}
+    for p in out.glob(COREDUMP_PATTERN.replace("%h", "*").replace("%p", "*")):
+        try:
+            if p.stat().st_mtime < since - 1:
+                continue
+            found[int(p.name.rsplit(".", 2)[-2])] = p
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def report_salvager(done: salvager.Finished, echo: Callable[[str], None]) -> None:
+    if done.written:
+        echo(f"kdump: salvage process: wrote the device tier of {len(done.written)} memory(ies)")
+    for line in done.failed:
+        echo(f"kdump: salvage process: {v(line)}")
+    if done.problem:
+        echo(f"kdump: {done.problem}; salvaging the host tier only where it lacks a file")
+
+
+def crash_context(
+    rc: int | None, tail: bytes, cores: Mapping[int, Path] | None = None
+) -> dict[str, Any]:
+    """How the program ended, for every salvaged bundle's meta; `cores`: the GPU core dumps
+    written, by pid (salvage_run names each journal's own)."""
     ctx: dict[str, Any] = {}
+    if cores:
+        ctx["cuda_coredumps"] = {str(pid): str(p) for pid, p in sorted(cores.items())}
     if rc is not None:
         if rc > 128:
             ctx["signal"] = rc - 128
@@ -102,17 +162,25 @@ def salvage_run(
     journals: Path, out: Path, context: dict[str, Any], echo: Callable[[str], None] = _stderr
 ) -> list[Path]:
     """Turn every journal the run's processes left into bundles (under out/flight.HOST.PID),
-    then remove the run's shared-memory folder."""
+    then remove the run's shared-memory folder (the salvage process' device-tier files with
+    it)."""
+    from kdump.record.journal import read_pid
     from kdump.record.salvage import CRASH_SUFFIX, salvage_journal
     from kdump.record.statics import STATIC_SUFFIX
 
     written: list[Path] = []
+    cores = context.get("cuda_coredumps") or {}
     try:
         for j in sorted(journals.glob("kdump-journal-*")):
-            if j.name.endswith((CRASH_SUFFIX, STATIC_SUFFIX, ".tmp")):
+            if j.name.endswith((CRASH_SUFFIX, STATIC_SUFFIX, ".tmp")) or salvager.is_device_file(j):
                 continue
+            own = context
+            with contextlib.suppress(Exception):
+                core = cores.get(str(read_pid(j)))
+                if core:
+                    own = {**context, "cuda_coredump": core}
             try:
-                res = salvage_journal(j, out / f"flight.{socket.gethostname()}", context)
+                res = salvage_journal(j, out / f"flight.{socket.gethostname()}", own)
             except Exception as exc:  # one bad journal must not lose the others
                 echo(f"kdump: cannot salvage {j.name} ({type(exc).__name__}: {exc})")
                 continue
@@ -224,7 +292,6 @@ def summarize(
     """What the run wrote (bundles newer than `since`, read through the folders' indexes), and
     the exact next command."""
     from kdump.cli.common import human_bytes
-    from kdump.text import visible as v  # folder names and targets come from the recorded run
 
     bundles: list[Path] = []
     for p in capture_dir.list_bundles(out):

@@ -1,0 +1,573 @@
+"""The salvage process of `kdump record`: it holds the flight recorder's device tier.
+
+After an illegal-address error a process cannot read its own GPU memory, and a tree kill leaves
+it no time to: but a *sibling* process that imported that memory through CUDA IPC still can,
+also after the owner was SIGKILLed. So `kdump record` starts this process (a child of kdump, in
+its own session, not of the recorded program: a tree kill of the program does not reach it)
+before the program. Each recorded process announces its device-tier memory right after it
+allocated it (`announce`); this process imports it (kdump.record.devshare) and keeps it. When the
+process dies (noticed through a pidfd, or by polling where there is none), or when kdump says
+that the program ended, it writes each import to `<journal>.cuda<device>` (raw bytes,
+atomically), then releases it. The recorder's salvage reads those files; what lies inside them is
+the recorder's business.
+
+Protocol: over a Unix socket in a private folder (mode 0700), one request per connection, each
+message a 4-byte big-endian length and a JSON object (at most MAX_FRAME bytes); nothing in a
+request is evaluated. Who announces comes from the socket's peer credentials, not the request.
+CUDA is initialised only at the first announcement: a program that never uses CUDA costs one
+idle process (torch is imported in the background at start, host memory only, so that the first
+announcement is answered in time).
+
+    {"op": "announce", "journal": PATH, "device": N, "doc": {...}} -> {"ok": true}
+                                                            or {"ok": false, "reason": "..."}
+    {"op": "status"} -> {"ok": true, "held": [...], "written": [...], "failed": [...]}
+    {"op": "ended"}  -> writes every import, then {"ok": true, "written": [...], "failed": [...]}
+                        and the process exits
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kdump import config
+from kdump.errors import UsageError
+from kdump.record.journal import FILE_PREFIX
+
+ENV = "KDUMP_SALVAGER"
+DEVICE_SUFFIX = ".cuda"
+MAX_FRAME = 64 << 10  # a description is well under 2 KiB; replies list paths
+IO_TIMEOUT = 5.0  # one request's reads and writes on the server side
+ANNOUNCE_TIMEOUT = 5.0  # all of announce(), CUDA start-up of the salvage process included
+START_TIMEOUT = 20.0  # until the salvage process listens
+END_TIMEOUT = 60.0  # writing every import at the program's end
+WATCH_PERIOD = 0.1
+MAX_HANDLERS = 32  # concurrent requests; more are refused at once
+MAX_DEVICE = 1023
+IGNORED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+SOCKET_NAME = "salvager.sock"
+_DEVICE_FILE = re.compile(r"\.cuda\d+\Z")
+_LEN = struct.Struct(">I")
+_PEERCRED = struct.Struct("3i")
+
+
+class ProtocolError(UsageError):
+    """A message on the salvage socket that is malformed, too big, or not answered in time."""
+
+
+class ProtocolTimeout(ProtocolError):
+    """No complete message within the time allowed."""
+
+
+def device_file(journal: str | os.PathLike[str], device: int) -> Path:
+    """Where the device tier of `journal` on device `device` is written."""
+    p = Path(journal)
+    return p.with_name(f"{p.name}{DEVICE_SUFFIX}{int(device)}")
+
+
+def is_device_file(path: str | os.PathLike[str]) -> bool:
+    return bool(_DEVICE_FILE.search(Path(path).name))
+
+
+def device_files(journal: str | os.PathLike[str]) -> list[Path]:
+    """The device-tier files written for `journal`, any device."""
+    p = Path(journal)
+    return sorted(f for f in p.parent.glob(f"{p.name}{DEVICE_SUFFIX}*") if is_device_file(f))
+
+
+# -- framing --------------------------------------------------------------------------------
+
+
+def send_message(sock: socket.socket, obj: Mapping[str, Any]) -> None:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    if len(data) > MAX_FRAME:
+        raise ProtocolError(f"message of {len(data)} bytes is over the {MAX_FRAME}-byte limit")
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ProtocolTimeout("no complete message in time")
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(n - len(buf))
+        except TimeoutError:
+            raise ProtocolTimeout("no complete message in time") from None
+        if not chunk:
+            raise ProtocolError("the other side closed the connection mid-message")
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_message(sock: socket.socket, timeout: float | None = None) -> dict[str, Any]:
+    """One message: a JSON object of at most MAX_FRAME bytes, read within `timeout` s
+    (default IO_TIMEOUT)."""
+    deadline = time.monotonic() + (IO_TIMEOUT if timeout is None else timeout)
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))
+    if n > MAX_FRAME:
+        raise ProtocolError(f"message of {n} bytes is over the {MAX_FRAME}-byte limit")
+    raw = _recv_exact(sock, n, deadline)
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise ProtocolError("message is not UTF-8 JSON") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"message is a JSON {type(obj).__name__}, not an object")
+    return obj
+
+
+def request(socket_path: str | os.PathLike[str], obj: Mapping[str, Any], timeout: float) -> dict:
+    """Send one request, wait for its reply; ProtocolError / OSError when that fails."""
+    deadline = time.monotonic() + timeout
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(os.fspath(socket_path))
+        send_message(s, obj)
+        return recv_message(s, max(0.0, deadline - time.monotonic()))
+
+
+# -- the recorded process' side -------------------------------------------------------------
+
+
+def announce(journal_path: Path, device_index: int, doc: dict[str, Any]) -> str | None:
+    """Hand the device-tier memory `doc` (devshare.export_cuda) of this process' journal to the
+    salvage process. None when it now holds an import, else why the device tier is not held.
+    Takes at most ANNOUNCE_TIMEOUT s and never raises."""
+    try:
+        path = config.get(ENV)
+        if not path:
+            return f"not running under `kdump record` with its salvage process ({ENV} is not set)"
+        req = {"op": "announce", "journal": str(journal_path), "device": device_index, "doc": doc}
+        try:
+            reply = request(path, req, ANNOUNCE_TIMEOUT)
+        except (TimeoutError, ProtocolTimeout):
+            return f"the salvage process did not answer in {ANNOUNCE_TIMEOUT:g} s"
+        except ProtocolError as exc:
+            return f"the salvage process answered badly ({exc})"
+        except OSError as exc:
+            return f"cannot reach the salvage process ({exc.strerror or exc})"
+        if reply.get("ok") is True:
+            return None
+        reason = reply.get("reason")
+        return f"the salvage process refused: {reason if isinstance(reason, str) else reply}"
+    except Exception as exc:  # recording must never break the program
+        return f"announcing to the salvage process failed ({type(exc).__name__}: {exc})"
+
+
+# -- the salvage process --------------------------------------------------------------------
+
+
+Importer = Callable[[dict[str, Any]], Any]
+
+
+@dataclass
+class Holding:
+    pid: int
+    journal: Path
+    device: int
+    memory: Any  # what the importer returned: a 1-D uint8 tensor
+    nbytes: int
+
+
+@dataclass
+class _Watched:
+    pidfd: int | None
+    holdings: list[Holding] = field(default_factory=list)
+
+
+def _default_importer(doc: dict[str, Any]) -> Any:
+    from kdump.record.devshare import import_cuda
+
+    return import_cuda(doc)
+
+
+def _write_memory(memory: Any, dest: Path) -> None:
+    """The imported bytes to `dest`, atomically (readers see no file or the whole one)."""
+    from kdump.bundle.store import atomic_write
+
+    host = memory.detach().to("cpu").contiguous()
+    atomic_write(dest, memoryview(host.numpy()).cast("B"))
+
+
+def _pid_alive(pid: int) -> bool:
+    from kdump.record.salvage import pid_alive
+
+    return pid_alive(pid)
+
+
+class Salvager:
+    """The server: imports announced memory, writes it out when its process dies."""
+
+    def __init__(
+        self,
+        socket_path: Path,
+        journal_dir: Path,
+        parent: int | None = None,
+        importer: Importer = _default_importer,
+    ) -> None:
+        self.socket_path = Path(socket_path)
+        self.journal_dir = Path(journal_dir).resolve()
+        self.parent = parent
+        self.importer = importer
+        self.lock = threading.RLock()  # the holdings
+        self.write_lock = threading.RLock()  # held from taking a process' holdings to written
+        self.watched: dict[int, _Watched] = {}
+        self.written: list[str] = []
+        self.failed: list[str] = []
+        self.stop = threading.Event()
+        self._slots = threading.BoundedSemaphore(MAX_HANDLERS)
+        self.listener: socket.socket | None = None
+
+    # serving
+
+    def listen(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(str(self.socket_path))
+        os.chmod(self.socket_path, 0o600)
+        s.listen(64)
+        s.settimeout(WATCH_PERIOD)
+        self.listener = s
+
+    def serve(self) -> None:
+        """Accept requests until told to end or the parent dies; the watcher runs alongside."""
+        assert self.listener is not None
+        watcher = threading.Thread(target=self._watch, name="kdump-salvager-watch", daemon=True)
+        watcher.start()
+        try:
+            while not self.stop.is_set():
+                try:
+                    conn, _ = self.listener.accept()
+                except TimeoutError:
+                    continue
+                except OSError:
+                    if self.stop.is_set():
+                        break
+                    raise
+                if not self._slots.acquire(blocking=False):
+                    conn.close()  # too many at once: the announcer reports it
+                    continue
+                threading.Thread(target=self._serve_one, args=(conn,), daemon=True).start()
+        finally:
+            self.listener.close()
+            watcher.join(timeout=5)
+
+    def _serve_one(self, conn: socket.socket) -> None:
+        try:
+            with conn:
+                pid, uid, _ = _PEERCRED.unpack(
+                    conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+                )
+                try:
+                    if uid != os.getuid():
+                        raise ProtocolError("requests come from the recorded program's user only")
+                    req = recv_message(conn)
+                    reply = self.handle(req, pid)
+                except ProtocolError as exc:
+                    reply = {"ok": False, "reason": str(exc)}
+                with contextlib.suppress(OSError, ProtocolError):
+                    conn.settimeout(IO_TIMEOUT)
+                    send_message(conn, reply)
+                if reply.get("ended"):
+                    self.stop.set()
+        except OSError:
+            pass  # the requester went away: nothing to answer
+        finally:
+            self._slots.release()
+
+    def handle(self, req: dict[str, Any], pid: int) -> dict[str, Any]:
+        """The reply to request `req` of process `pid` (ProtocolError on a malformed one)."""
+        op = req.get("op")
+        if op == "announce":
+            return self._announce(req, pid)
+        if op not in ("status", "ended"):
+            raise ProtocolError(f"unknown request {str(op)[:40]!r}")
+        if set(req) != {"op"}:
+            raise ProtocolError(f"request {op!r} takes no fields")
+        if op == "status":
+            with self.lock:
+                held = [
+                    {
+                        "pid": h.pid,
+                        "journal": str(h.journal),
+                        "device": h.device,
+                        "nbytes": h.nbytes,
+                    }
+                    for w in self.watched.values()
+                    for h in w.holdings
+                ]
+                return {"ok": True, "held": held, "written": self.written, "failed": self.failed}
+        self.write_all()  # "ended"
+        with self.lock:
+            return {"ok": True, "ended": True, "written": self.written, "failed": self.failed}
+
+    def _journal(self, value: Any) -> Path:
+        if not isinstance(value, str) or not 0 < len(value) <= 4096 or "\0" in value:
+            raise ProtocolError("journal must be a path")
+        p = Path(value)
+        name = p.name
+        if (
+            not p.is_absolute()
+            or not name.startswith(FILE_PREFIX)
+            or name.endswith(".tmp")
+            or is_device_file(name)
+            or len(name) > 200
+            or p.parent.resolve() != self.journal_dir
+        ):
+            raise ProtocolError(f"journal {value!r} is not a journal of this run's folder")
+        return self.journal_dir / name
+
+    def _announce(self, req: dict[str, Any], pid: int) -> dict[str, Any]:
+        if set(req) != {"op", "journal", "device", "doc"}:
+            raise ProtocolError("announce takes exactly journal, device and doc")
+        journal = self._journal(req["journal"])
+        device = req["device"]
+        if type(device) is not int or not 0 <= device <= MAX_DEVICE:
+            raise ProtocolError("device must be a device index")
+        doc = req["doc"]
+        if not isinstance(doc, dict):
+            raise ProtocolError("doc must be an object")
+        if pid <= 0 or not _pid_alive(pid):
+            raise ProtocolError("the announcing process is gone")
+        try:
+            memory = self.importer(doc)
+            nbytes = int(memory.numel())
+        except Exception as exc:  # any import failure is the announcer's reason
+            return {
+                "ok": False,
+                "reason": f"cannot import the memory ({type(exc).__name__}: {exc})",
+            }
+        holding = Holding(pid, journal, device, memory, nbytes)
+        with self.lock:
+            w = self.watched.get(pid)
+            if w is None:
+                w = self.watched[pid] = _Watched(_pidfd(pid))
+            # a newer announcement of the same journal and device replaces the older import
+            w.holdings = [h for h in w.holdings if (h.journal, h.device) != (journal, device)]
+            w.holdings.append(holding)
+        return {"ok": True}
+
+    # writing
+
+    def write_pid(self, pid: int) -> None:
+        """Write and release every import of process `pid`. Announcements of other processes go
+        on meanwhile; `write_all` waits for a write in progress."""
+        with self.write_lock:
+            with self.lock:
+                w = self.watched.pop(pid, None)
+            if w is None:
+                return
+            if w.pidfd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(w.pidfd)
+            for h in w.holdings:
+                dest = device_file(h.journal, h.device)
+                try:
+                    _write_memory(h.memory, dest)
+                    with self.lock:
+                        self.written.append(str(dest))
+                except Exception as exc:
+                    with self.lock:
+                        self.failed.append(f"{dest}: {type(exc).__name__}: {exc}")
+                    _say(f"cannot write {dest} ({type(exc).__name__}: {exc})")
+                h.memory = None  # releases the import
+            w.holdings.clear()
+
+    def write_all(self) -> None:
+        with self.write_lock:
+            with self.lock:
+                pids = list(self.watched)
+            for pid in pids:
+                self.write_pid(pid)
+
+    def _watch(self) -> None:
+        """Write a process' imports as soon as it dies; everything when kdump itself died."""
+        while not self.stop.is_set():
+            with self.lock:
+                fds = {w.pidfd: pid for pid, w in self.watched.items() if w.pidfd is not None}
+                polled = [pid for pid, w in self.watched.items() if w.pidfd is None]
+            dead: list[int] = []
+            if fds:
+                try:
+                    ready, _, _ = select.select(list(fds), [], [], WATCH_PERIOD)
+                except (OSError, ValueError):
+                    ready = []
+                dead += [fds[fd] for fd in ready]
+            else:
+                self.stop.wait(WATCH_PERIOD)
+            dead += [pid for pid in polled if not _pid_alive(pid)]
+            for pid in dead:
+                self.write_pid(pid)
+            if self.parent is not None and os.getppid() != self.parent:
+                self.write_all()  # the journals stay for `kdump salvage`, with these files
+                self.stop.set()
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)  # type: ignore[attr-defined]  # Linux 5.3+
+    except (AttributeError, OSError):
+        return None  # poll instead
+
+
+def _say(line: str) -> None:
+    with contextlib.suppress(Exception):
+        sys.stderr.write(f"kdump: salvage process: {line}\n")
+        sys.stderr.flush()
+
+
+def main(argv: list[str] | None = None, importer: Importer = _default_importer) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kdump.record.salvager", description=__doc__)
+    ap.add_argument("--socket", required=True, type=Path)
+    ap.add_argument("--journal-dir", required=True, type=Path)
+    ap.add_argument("--parent", type=int, help="exit (after writing) when this process is gone")
+    ap.add_argument("--ignore-signal", type=int, action="append", default=[])
+    args = ap.parse_args(argv)
+    # signals meant for the program (Ctrl-C, the flush signal, a group kill) must not end us
+    for name in IGNORED_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    for num in args.ignore_signal:
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(num, signal.SIG_IGN)
+    server = Salvager(args.socket, args.journal_dir, args.parent, importer)
+    server.listen()
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    # torch takes seconds to import on a busy host: have it ready before the first announcement,
+    # which must be answered within ANNOUNCE_TIMEOUT (importing it starts no CUDA)
+    threading.Thread(target=_preimport, name="kdump-salvager-import", daemon=True).start()
+    server.serve()
+    return 0
+
+
+def _preimport() -> None:
+    with contextlib.suppress(Exception):
+        import torch  # noqa: F401
+
+
+# -- kdump record's side --------------------------------------------------------------------
+
+
+@dataclass
+class Started:
+    """A running salvage process, as the launcher holds it."""
+
+    proc: subprocess.Popen[bytes]
+    folder: Path
+    socket_path: Path
+
+
+def _kdump_pythonpath(env: Mapping[str, str]) -> str:
+    import kdump
+
+    root = str(Path(kdump.__file__).resolve().parent.parent)
+    old = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join([root, *old])
+
+
+def start(
+    journal_dir: Path,
+    base_env: Mapping[str, str],
+    flush_signal: int | None = None,
+    argv: list[str] | None = None,
+) -> Started | str:
+    """Start the salvage process and wait until it listens: its handle, or why it did not start.
+    `argv` replaces `python -m kdump.record.salvager` (tests give one with a fake importer)."""
+    tmp = tempfile.gettempdir()
+    if len(os.path.join(tmp, "kdump-salvager-XXXXXXXX", SOCKET_NAME)) > 100:
+        tmp = "/tmp"  # a Unix socket path has a 108-byte limit
+    folder = Path(tempfile.mkdtemp(prefix="kdump-salvager-", dir=tmp))  # mode 0700
+    sock = folder / SOCKET_NAME
+    env = {k: v for k, v in base_env.items() if k not in ("KDUMP_RECORD", ENV)}
+    env["PYTHONPATH"] = _kdump_pythonpath(base_env)
+    cmd = list(argv or [sys.executable, "-m", "kdump.record.salvager"])
+    cmd += ["--socket", str(sock), "--journal-dir", str(journal_dir), "--parent", str(os.getpid())]
+    if flush_signal:
+        cmd += ["--ignore-signal", str(flush_signal)]
+    try:
+        proc = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True
+        )
+    except OSError as exc:
+        _remove(folder)
+        return f"cannot start the salvage process ({exc})"
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT)
+    line = proc.stdout.readline() if ready else b""
+    if line.strip() != b"ready":
+        _kill(proc)
+        _remove(folder)
+        why = f"exited with {proc.returncode}" if ready else f"not ready in {START_TIMEOUT:g} s"
+        return f"the salvage process did not start ({why})"
+    proc.stdout.close()
+    return Started(proc, folder, sock)
+
+
+@dataclass(frozen=True)
+class Finished:
+    written: tuple[str, ...]
+    failed: tuple[str, ...]
+    problem: str | None  # why the salvage process did not finish cleanly
+
+
+def finish(started: Started, timeout: float | None = None) -> Finished:
+    """Tell the salvage process that the program ended, wait (at most `timeout` s, default
+    END_TIMEOUT) until it wrote every import, then make sure it is gone (killed when stuck) and
+    remove its folder."""
+    timeout = END_TIMEOUT if timeout is None else timeout
+    written: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()
+    problem = None
+    try:
+        if started.proc.poll() is not None:
+            problem = f"the salvage process had died (exit {started.proc.returncode})"
+        else:
+            reply = request(started.socket_path, {"op": "ended"}, timeout)
+            written = tuple(str(p) for p in reply.get("written", []) if isinstance(p, str))
+            failed = tuple(str(p) for p in reply.get("failed", []) if isinstance(p, str))
+            if reply.get("ok") is not True:
+                problem = f"the salvage process answered {reply.get('reason')!r}"
+    except (OSError, ProtocolError) as exc:
+        problem = f"the salvage process did not finish in {timeout:g} s ({exc})"
+    try:
+        started.proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        _kill(started.proc)
+        problem = (problem or "the salvage process did not exit") + "; killed it"
+    _remove(started.folder)
+    return Finished(written, failed, problem)
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(OSError):
+        proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
+
+
+def _remove(folder: Path) -> None:
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
