@@ -109,6 +109,11 @@ def test_every_tier_holds_for_a_routing_bug(
     # The slim bundle replays to the same finding, from the reference, on its own.
     [v] = replay([tmp_path / "small.kdump"], CPU)
     assert any(f.kind == "mismatch" and f.details.get("oracle") == "reference" for f in v.findings)
+    # `kdump info` says how each storage is held.
+    from kdump.bundle.inspect import describe_bundle
+
+    held = {t["name"]: t["source"] for t in describe_bundle(small)["calls"][0]["tensors"]}
+    assert held["grouped_layout"] == "blob" and held["b[0]"] == "synthetic", held
     # Expanding it is deterministic: the same bytes twice.
     again = load_bundle(tmp_path / "small.kdump").calls[0].materialize("cpu").materialized
     for x, y in zip(call.materialize("cpu").materialized.allocations, again.allocations):

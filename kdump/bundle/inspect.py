@@ -86,6 +86,9 @@ def describe_call(call: Call) -> dict[str, Any]:
                 "storage": rec.storage,
                 "storage_span": [st.span_start, st.span_start + st.span_nbytes],
                 "storage_nbytes": st.storage_nbytes,
+                # blob / sparse / synthetic / by-reference / missing, and the bytes held of it
+                "source": st.source.value,
+                "held_bytes": st.held_nbytes,
             }
         )
     aliasing = aliasing_groups(call)

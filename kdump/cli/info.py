@@ -87,12 +87,15 @@ def _render(rep: dict) -> None:
             + (f" — {'; '.join(extra)}" if extra else "")
         )
         table = Table(show_edge=False, pad_edge=False)
-        for col in ("arg", "dtype", "shape", "stride", "offset", "device", "align", "bytes"):
+        # A column for how each storage is held, only when some storage is not a plain blob.
+        held = any(t.get("source", "blob") != "blob" for t in call["tensors"])
+        cols = ("arg", "dtype", "shape", "stride", "offset", "device", "align", "bytes")
+        for col in (*cols, "held") if held else cols:
             table.add_column(
                 col, justify="right" if col in ("offset", "align", "bytes") else "left"
             )
         for t in call["tensors"]:
-            table.add_row(
+            row = [
                 m(t["name"]),
                 m(t["dtype"]),
                 m("×".join(map(str, t["shape"])) or "()"),
@@ -101,7 +104,13 @@ def _render(rep: dict) -> None:
                 m(t["device"]),
                 m(t["alignment"]),
                 human_bytes(t["bytes"]),
-            )
+            ]
+            if held:
+                source = t.get("source", "blob")
+                if source == "sparse":
+                    source = f"sparse ({human_bytes(t.get('held_bytes', 0))} held)"
+                row.append(m(source))
+            table.add_row(*row)
         con.print(table)
         if call["aliasing"]:
             groups = "; ".join(" = ".join(m(n) for n in g) for g in call["aliasing"])
