@@ -107,7 +107,6 @@ def command(
     """
     from kdump.replay.options import TOOLS, ReplayOptions, SanitizerOptions
     from kdump.report.slim import SlimOptions, describe, slim
-    from kdump.text import visible
 
     chosen = TOOLS if "all" in tools else (tools or ("memcheck",))
     replay = ReplayOptions(
@@ -122,11 +121,15 @@ def command(
     )
     opts = SlimOptions(replay=replay, call=call, keep=keep, seed=seed, max_tier=max_tier)
 
-    def progress(label: str, done: int, total: int) -> None:
-        if not as_json and label != "done":
-            click.echo(f"[{done + 1}/{total}] {visible(label)}…", err=True)
+    from kdump.progress import progress
 
-    result = slim(bundle, output, opts, progress)
+    with progress(f"slim {bundle}", None, enabled=not as_json) as bar:
+
+        def step(label: str, done: int, total: int) -> None:
+            bar.total = total
+            bar.advance(done - bar.done)
+
+        result = slim(bundle, output, opts, step)
     if as_json:
         emit_json({"exit_code": 0, **result.to_json()})
     else:
