@@ -58,23 +58,50 @@ def atomic_write(
     """Write `content` (bytes, or a function that writes to the open file) to a temporary file in
     the same folder, then rename it over `path`: readers see the old file or the whole new one."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    prefix = f".{path.name}.{os.getpid()}@{_host_tag()}."
-    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=TEMP_SUFFIX, dir=path.parent)
+    fd, tmp = open_temp(path)
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; these are ordinary files
-        with os.fdopen(fd, "wb") as f:
-            if callable(content):
+        if not callable(content):
+            try:  # one write for a small file; no buffered file object
+                view = memoryview(content).cast("B")
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+        else:
+            with os.fdopen(fd, "wb") as f:
                 content(f)
-            else:
-                f.write(content)
-            f.flush()
+                f.flush()
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
     return path
+
+
+def open_temp(path: Path) -> tuple[int, Path]:
+    """A new temporary file (read-write descriptor, ordinary permissions) in `path`'s folder,
+    named so that `temp_owner` tells who wrote it; the caller renames it over `path` or removes
+    it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{path.name}.{_PID_HOST[0] if _PID_HOST[1] == os.getpid() else _pid_host()}."
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=TEMP_SUFFIX, dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; these are ordinary files
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    return fd, Path(tmp)
+
+
+def _pid_host() -> str:
+    global _PID_HOST
+    _PID_HOST = (f"{os.getpid()}@{_host_tag()}", os.getpid())
+    return _PID_HOST[0]
+
+
+_PID_HOST: tuple[str, int] = ("", -1)  # the temporaries' owner tag, made once per process
 
 
 def sha256_hex(data: memoryview | bytes) -> str:

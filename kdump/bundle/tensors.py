@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -53,6 +54,12 @@ class Captured:
     storages: list[StorageRecord]
     tensors: list[TensorRecord]
     data: list[torch.Tensor]  # one contiguous CPU uint8 tensor per storage
+    # (SHA-256, fast check) of each storage's bytes where the capture already hashed them (a
+    # capture written straight into its bundle file); empty or None where not yet known.
+    digests: list[tuple[str, str] | None] = field(default_factory=list)
+
+    def digest(self, idx: int) -> tuple[str, str] | None:
+        return self.digests[idx] if idx < len(self.digests) else None
 
     @property
     def nbytes(self) -> int:
@@ -139,34 +146,65 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return n == b.numel() and (n == 0 or _memcmp(a.data_ptr(), b.data_ptr(), n) == 0)
 
 
-def capture(tensors: Sequence[torch.Tensor], unchanged_from: Captured | None = None) -> Captured:
+class Sink(Protocol):
+    """Where a capture can write storage spans as it reads them (kdump.bundle.spool.Spool)."""
+
+    @property
+    def active(self) -> bool: ...
+
+    def put(
+        self, sources: Sequence[torch.Tensor], aligns: Sequence[int], records: int = 0
+    ) -> list[tuple[torch.Tensor, tuple[str, str]]]: ...
+
+
+SINK_MIN = 8 << 20  # a capture of fewer bytes stays in memory unless its sink is already in use
+
+
+def capture(
+    tensors: Sequence[torch.Tensor],
+    unchanged_from: Captured | None = None,
+    sink: Sink | None = None,
+) -> Captured:
     """Snapshot the storage spans that `tensors` cover, as CPU bytes.
 
     Device tensors are copied to pinned host memory in one batch and synchronised once. A CPU
     span that `unchanged_from` (an earlier snapshot) holds with the same bytes shares its snapshot
     (comparing is cheaper than copying into fresh memory: outputs a call left unchanged).
+    With `sink` (and at least SINK_MIN bytes, or a sink already written to), the spans go straight
+    from the tensors' memory into the sink's file, hashed on the way, and the snapshot's bytes
+    are views of that file.
     """
     storages, records = group_storages(tensors)
     firsts: dict[int, torch.Tensor] = {}
     for t, rec in zip(tensors, records):
         firsts.setdefault(rec.storage, t)
-    earlier: dict[tuple[str, int, int, int], torch.Tensor] = {}
+    earlier: dict[tuple[str, int, int, int], int] = {}
     if unchanged_from is not None:
-        for old, old_data in zip(unchanged_from.storages, unchanged_from.data):
+        for i, old in enumerate(unchanged_from.storages):
             key = (old.device, old.base_ptr, old.span_start, old.span_nbytes)
-            earlier.setdefault(key, old_data)
+            earlier.setdefault(key, i)
+    total = sum(st.span_nbytes for st in storages)
+    if sink is not None and (sink.active or total >= SINK_MIN):
+        return _capture_into(sink, storages, records, firsts, unchanged_from, earlier)
     data: list[torch.Tensor] = []
+    digests: list[tuple[str, str] | None] = []
     pending_sync: set[torch.device] = set()
     lazy: list[int] = []  # storages seen through a lazy conj / neg view: resolved after the copy
     for idx, st in enumerate(storages):
         src = _byte_view(firsts[idx], st.span_start, st.span_nbytes)
+        digests.append(None)
         if _has_lazy_bits(firsts[idx]):
             lazy.append(idx)
         if src.device.type == "cpu" and idx in lazy:
             data.append(src.clone())
         elif src.device.type == "cpu":
-            same = earlier.get((st.device, st.base_ptr, st.span_start, st.span_nbytes))
-            data.append(same if same is not None and _same_bytes(same, src) else src.clone())
+            j = earlier.get((st.device, st.base_ptr, st.span_start, st.span_nbytes))
+            same = unchanged_from.data[j] if j is not None and unchanged_from else None
+            if same is not None and _same_bytes(same, src):
+                data.append(same)
+                digests[-1] = unchanged_from.digest(j) if unchanged_from else None
+            else:
+                data.append(src.clone())
         else:
             host = torch.empty(st.span_nbytes, dtype=torch.uint8, pin_memory=True)
             host.copy_(src, non_blocking=True)
@@ -176,7 +214,43 @@ def capture(tensors: Sequence[torch.Tensor], unchanged_from: Captured | None = N
         torch.cuda.current_stream(dev).synchronize()
     for idx in lazy:
         _resolve_lazy_bits(data[idx], firsts[idx])
-    return Captured(storages=storages, tensors=records, data=data)
+    return Captured(storages=storages, tensors=records, data=data, digests=digests)
+
+
+def _capture_into(
+    sink: Sink,
+    storages: list[StorageRecord],
+    records: list[TensorRecord],
+    firsts: dict[int, torch.Tensor],
+    unchanged_from: Captured | None,
+    earlier: dict[tuple[str, int, int, int], int],
+) -> Captured:
+    data: list[torch.Tensor | None] = []
+    digests: list[tuple[str, str] | None] = []
+    todo: list[int] = []
+    sources: list[torch.Tensor] = []
+    for idx, st in enumerate(storages):
+        t = firsts[idx]
+        src = _byte_view(t, st.span_start, st.span_nbytes)
+        j = earlier.get((st.device, st.base_ptr, st.span_start, st.span_nbytes))
+        if j is not None and unchanged_from is not None and src.device.type == "cpu":
+            same = unchanged_from.data[j]
+            if _same_bytes(same, src):  # unchanged: the bytes already in the file
+                data.append(same)
+                digests.append(unchanged_from.digest(j))
+                continue
+        if _has_lazy_bits(t):  # the values the kernel saw, resolved on a private copy
+            src = src.clone() if src.device.type == "cpu" else src.cpu()
+            _resolve_lazy_bits(src, t)
+        data.append(None)
+        digests.append(None)
+        todo.append(idx)
+        sources.append(src)
+    if sources:
+        aligns = [storages[i].alignment for i in todo]
+        for idx, (view, dig) in zip(todo, sink.put(sources, aligns, len(storages) + len(records))):
+            data[idx], digests[idx] = view, dig
+    return Captured(storages=storages, tensors=records, data=data, digests=digests)  # type: ignore[arg-type]
 
 
 def _has_lazy_bits(t: torch.Tensor) -> bool:

@@ -32,6 +32,7 @@ from kdump.bundle.format import (
     Where,
     manifest_json,
 )
+from kdump.bundle.spool import Spool, cpu_view
 from kdump.bundle.store import BlobStore, atomic_write, blob_digests, fast_checksum, pool
 from kdump.bundle.tensors import Captured, capture
 from kdump.errors import BundleError, UsageError
@@ -81,8 +82,10 @@ def capture_call(
     called_as: str | None = None,
     names: Sequence[str] | None = None,
     meta: dict[str, Any] | None = None,
+    sink: Spool | None = None,
 ) -> CallRecord:
-    """Snapshot a call's arguments (before the call runs)."""
+    """Snapshot a call's arguments (before the call runs). With `sink` (a `Spool` for the bundle
+    `save_calls` will write), a large snapshot is written straight into that bundle's file."""
     kwargs = kwargs or {}
     tensors: list[torch.Tensor] = []
     # One node budget for all of a call's arguments: the reader checks them together.
@@ -95,7 +98,7 @@ def capture_call(
         args=args_tree,
         kwargs=kwargs_tree,
         names=list(names) if names is not None else None,
-        inputs=capture(tensors),
+        inputs=capture(tensors, sink=sink),
         meta=dict(meta or {}),
     )
 
@@ -108,24 +111,29 @@ def input_tensors(
 
 
 def attach_outputs(
-    call: CallRecord, live: Sequence[torch.Tensor], indices: Iterable[int], returned: Any = None
+    call: CallRecord,
+    live: Sequence[torch.Tensor],
+    indices: Iterable[int],
+    returned: Any = None,
+    sink: Spool | None = None,
 ) -> None:
     """Snapshot tensors `indices` of the call's tensor table after the call (in-place outputs),
-    and tensors in the return value."""
+    and tensors in the return value (into `sink`'s file when the inputs went there)."""
     idx = sorted(set(indices))
     extra: list[torch.Tensor] = [live[i] for i in idx]
     ret_tree = argtree.encode(returned, extra) if returned is not None else None
-    call.outputs = capture(extra, unchanged_from=call.inputs)
+    call.outputs = capture(extra, unchanged_from=call.inputs, sink=sink)
     call.inplace = [(i, k) for k, i in enumerate(idx)]
     call.returned = ret_tree
 
 
-def _blob_view(t: torch.Tensor) -> memoryview:
-    """Zero-copy bytes of a contiguous CPU uint8 tensor."""
-    n = t.numel()
-    if n == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+_blob_view = cpu_view  # zero-copy bytes of a contiguous CPU uint8 tensor
+
+
+def open_spool(path: str | os.PathLike[str]) -> Spool:
+    """A spool for the bundle to be written at `path`: pass it to `capture_call` and
+    `attach_outputs` as `sink`, then to `save_calls` as `spool` (or `abort()` it)."""
+    return Spool(path, ALIGNED_BLOB_MIN)
 
 
 # Below this many bytes hashing on the calling thread beats handing blobs to the pool, and
@@ -133,10 +141,18 @@ def _blob_view(t: torch.Tensor) -> memoryview:
 INLINE_HASH_MAX = 8 << 20
 
 
-def _hash_all(views: Sequence[memoryview]) -> list[Digests]:
-    if len(views) <= 1 or sum(len(v) for v in views) < INLINE_HASH_MAX:
-        return [blob_digests(v) for v in views]
-    return [f.result() for f in _submit_once(views)]
+def _hash_all(
+    views: Sequence[memoryview], known: Sequence[Digests | None] | None = None
+) -> list[Digests]:
+    """Digests of `views`; those in `known` (a capture that hashed them already) are not hashed
+    again."""
+    known = known if known is not None else [None] * len(views)
+    todo = [v for v, k in zip(views, known) if k is None]
+    if len(todo) <= 1 or sum(len(v) for v in todo) < INLINE_HASH_MAX:
+        fresh = iter([blob_digests(v) for v in todo])
+    else:
+        fresh = iter([f.result() for f in _submit_once(todo)])
+    return [k if k is not None else next(fresh) for k in known]
 
 
 def _submit_once(views: Sequence[memoryview]) -> list[Future[Digests]]:
@@ -218,27 +234,67 @@ def save_calls(
     env: dict[str, Any] | None = None,
     store: BlobStore | None = None,
     info: dict[str, Any] | None = None,
+    spool: Spool | None = None,
 ) -> Path:
     """Write `calls` as one bundle, atomically. Identical storages are stored once.
 
     With `store`, blobs go to the shared store (each written once per capture directory) and the
-    bundle holds only the manifest.
+    bundle holds only the manifest. With `spool` (the sink the calls were captured into, opened
+    for `path`), the blobs already in its file stay there and the header completes it.
     """
     path = Path(path)
     caps = [cap for call in calls for cap in (call.inputs, call.outputs) if cap is not None]
     held = [  # storages of other kinds hold no bytes
-        (st, d) for cap in caps for st, d in zip(cap.storages, cap.data) if st.source is Source.BLOB
+        (st, d, cap.digest(i))
+        for cap in caps
+        for i, (st, d) in enumerate(zip(cap.storages, cap.data))
+        if st.source is Source.BLOB
     ]
-    views = [_blob_view(d) for _, d in held]
-    aligns = [st.alignment for st, _ in held]
+    views = [_blob_view(d) for _, d, _ in held]
+    aligns = [st.alignment for st, _, _ in held]
+    known = [dig for _, _, dig in held]
     where = Where.STORE if store is not None else Where.INLINE
+    make_manifest = _manifest_maker(calls, [len(v) for v in views], where, env, info)
+    if spool is not None and spool.active:
+        if store is None:
+            return _finish_spool(spool, path, held, known, make_manifest)
+        spool.abort()  # the blobs go to the store: its file was only the snapshot's memory
+    small = sum(len(v) for v in views) < INLINE_HASH_MAX
+    if (
+        store is None
+        and not small
+        and not all(known)
+        and _write_pipelined(path, views, aligns, make_manifest)
+    ):
+        return path
+    digests = _hash_all(views, known)
+    blobs: dict[str, tuple[memoryview, int]] = {}
+    for (sha, _), view, align in zip(digests, views, aligns):
+        blobs.setdefault(sha, (view, align))
+    if store is not None:
+        for sha, (view, _) in blobs.items():
+            store.put(sha, view)
+        _write_safetensors(path, make_manifest(digests), {})
+    else:
+        _write_safetensors(path, make_manifest(digests), blobs)
+    return path
+
+
+def _manifest_maker(
+    calls: Sequence[CallRecord],
+    sizes: Sequence[int],
+    where: Where,
+    env: dict[str, Any] | None,
+    info: dict[str, Any] | None,
+) -> Callable[[Sequence[Digests]], dict[str, Any]]:
+    """The manifest of `calls` given the digests of their blob storages (in capture order)."""
     created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     algo = fast_checksum()
 
     def make_manifest(digests: Sequence[Digests]) -> dict[str, Any]:
         blobs: dict[str, BlobRecord] = {}
-        for (sha, fast), view in zip(digests, views):
-            blobs.setdefault(sha, BlobRecord(len(view), where, algo, fast))
+        for (sha, fast), n in zip(digests, sizes):
+            blobs.setdefault(sha, BlobRecord(n, where, algo, fast))
         return manifest_json(
             Manifest(
                 version=FORMAT_VERSION,
@@ -251,20 +307,29 @@ def save_calls(
             )
         )
 
-    small = sum(len(v) for v in views) < INLINE_HASH_MAX
-    if store is None and not small and _write_pipelined(path, views, aligns, make_manifest):
-        return path
-    digests = _hash_all(views)
-    blobs: dict[str, tuple[memoryview, int]] = {}
-    for (sha, _), view, align in zip(digests, views, aligns):
-        blobs.setdefault(sha, (view, align))
-    if store is not None:
-        for sha, (view, _) in blobs.items():
-            store.put(sha, view)
-        _write_safetensors(path, make_manifest(digests), {})
-    else:
-        _write_safetensors(path, make_manifest(digests), blobs)
-    return path
+    return make_manifest
+
+
+def _finish_spool(
+    spool: Spool,
+    path: Path,
+    held: Sequence[tuple[StorageRecord, torch.Tensor, Digests | None]],
+    known: Sequence[Digests | None],
+    make_manifest: Callable[[Sequence[Digests]], dict[str, Any]],
+) -> Path:
+    """Complete a spooled bundle: blobs captured in memory (small parts) join the file, then the
+    header names them all."""
+    if spool.path != path:
+        raise UsageError(f"the spool was opened for {spool.path}, not {path}")
+    missing = [i for i, dig in enumerate(known) if dig is None]
+    digests: list[Digests | None] = list(known)
+    if missing:
+        put = spool.put([held[i][1] for i in missing], [held[i][0].alignment for i in missing])
+        for i, (_, dig) in zip(missing, put):
+            digests[i] = dig
+    final = [d for d in digests if d is not None]
+    layout, pads, _ = spool.layout({sha for sha, _ in final})
+    return spool.finish(_header_json(make_manifest(final), layout, pads))
 
 
 def pack(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
