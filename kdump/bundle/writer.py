@@ -136,6 +136,13 @@ def open_spool(path: str | os.PathLike[str]) -> Spool:
     return Spool(path, ALIGNED_BLOB_MIN)
 
 
+# A bundle whose data section is at most this is assembled in memory and written in one write.
+ONE_WRITE_MAX = 1 << 20
+# What a recorder keeps inline in a store bundle (`inline_below`): a blob smaller than this costs
+# more as a file of its own in the store (a temporary, a rename, an inode) than its bytes in each
+# bundle that uses it.
+STORE_MIN = 16 << 10
+
 # Below this many bytes hashing on the calling thread beats handing blobs to the pool, and
 # hashing before writing beats the pipelined writer (which builds the manifest twice).
 INLINE_HASH_MAX = 8 << 20
@@ -235,12 +242,14 @@ def save_calls(
     store: BlobStore | None = None,
     info: dict[str, Any] | None = None,
     spool: Spool | None = None,
+    inline_below: int = 0,
 ) -> Path:
     """Write `calls` as one bundle, atomically. Identical storages are stored once.
 
     With `store`, blobs go to the shared store (each written once per capture directory) and the
-    bundle holds only the manifest. With `spool` (the sink the calls were captured into, opened
-    for `path`), the blobs already in its file stay there and the header completes it.
+    bundle holds only the manifest, except blobs smaller than `inline_below` bytes (a recorder
+    passes STORE_MIN), which stay inline. With `spool` (the sink the calls were captured into,
+    opened for `path`), the blobs already in its file stay there and the header completes it.
     """
     path = Path(path)
     caps = [cap for call in calls for cap in (call.inputs, call.outputs) if cap is not None]
@@ -253,8 +262,11 @@ def save_calls(
     views = [_blob_view(d) for _, d, _ in held]
     aligns = [st.alignment for st, _, _ in held]
     known = [dig for _, _, dig in held]
-    where = Where.STORE if store is not None else Where.INLINE
-    make_manifest = _manifest_maker(calls, [len(v) for v in views], where, env, info)
+    sizes = [len(v) for v in views]
+    wheres = [
+        Where.STORE if store is not None and n >= inline_below else Where.INLINE for n in sizes
+    ]
+    make_manifest = _manifest_maker(calls, sizes, wheres, env, info)
     if spool is not None and spool.active:
         if store is None:
             return _finish_spool(spool, path, held, known, make_manifest)
@@ -268,22 +280,24 @@ def save_calls(
     ):
         return path
     digests = _hash_all(views, known)
-    blobs: dict[str, tuple[memoryview, int]] = {}
-    for (sha, _), view, align in zip(digests, views, aligns):
-        blobs.setdefault(sha, (view, align))
+    inline: dict[str, tuple[memoryview, int]] = {}
+    stored: dict[str, memoryview] = {}
+    for (sha, _), view, align, where in zip(digests, views, aligns, wheres):
+        if where is Where.STORE:
+            stored.setdefault(sha, view)
+        else:
+            inline.setdefault(sha, (view, align))
     if store is not None:
-        for sha, (view, _) in blobs.items():
+        for sha, view in stored.items():
             store.put(sha, view)
-        _write_safetensors(path, make_manifest(digests), {})
-    else:
-        _write_safetensors(path, make_manifest(digests), blobs)
+    _write_safetensors(path, make_manifest(digests), inline)
     return path
 
 
 def _manifest_maker(
     calls: Sequence[CallRecord],
     sizes: Sequence[int],
-    where: Where,
+    wheres: Sequence[Where],
     env: dict[str, Any] | None,
     info: dict[str, Any] | None,
 ) -> Callable[[Sequence[Digests]], dict[str, Any]]:
@@ -293,7 +307,7 @@ def _manifest_maker(
 
     def make_manifest(digests: Sequence[Digests]) -> dict[str, Any]:
         blobs: dict[str, BlobRecord] = {}
-        for (sha, fast), n in zip(digests, sizes):
+        for (sha, fast), n, where in zip(digests, sizes, wheres):
             blobs.setdefault(sha, BlobRecord(n, where, algo, fast))
         return manifest_json(
             Manifest(
@@ -407,12 +421,17 @@ def pack_destination(
 def _header_json(
     manifest: dict[str, Any], layout: dict[str, tuple[int, int]], pads: Sequence[tuple[int, int]]
 ) -> bytes:
+    """The safetensors header: one U8 entry per inline blob and padding span, and the manifest
+    as a JSON string in `__metadata__`. Entry names are hex digests and `kdump.pad.<i>` (nothing
+    to escape), so the entries are formatted directly and only the manifest goes through json."""
     entries = [*layout.items(), *((f"{PAD_PREFIX}{i}", span) for i, span in enumerate(pads))]
-    header: dict[str, Any] = {
-        name: {"dtype": "U8", "shape": [e - b], "data_offsets": [b, e]} for name, (b, e) in entries
-    }
-    header["__metadata__"] = {MANIFEST_KEY: json.dumps(manifest, separators=(",", ":"))}
-    return json.dumps(header, separators=(",", ":")).encode()
+    parts = [
+        f'"{name}":{{"dtype":"U8","shape":[{e - b}],"data_offsets":[{b},{e}]}}'
+        for name, (b, e) in entries
+    ]
+    text = json.dumps(json.dumps(manifest, separators=(",", ":")))
+    parts.append(f'"__metadata__":{{{json.dumps(MANIFEST_KEY)}:{text}}}')
+    return ("{" + ",".join(parts) + "}").encode()
 
 
 def _padded_size(raw_len: int, sizes: Iterable[int]) -> int:
@@ -504,6 +523,18 @@ def _write_safetensors(
             "write fewer calls per bundle",
             K.LIMIT,
         )
+
+    if offset <= ONE_WRITE_MAX:  # a small bundle: assembled here, written by one write
+        parts: list[bytes | memoryview] = [struct.pack("<Q", len(raw)), raw]
+        pos = 0
+        for sha, (view, _) in blobs.items():
+            start = layout[sha][0]
+            if start > pos:
+                parts.append(bytes(start - pos))
+            parts.append(view)
+            pos = start + len(view)
+        atomic_write(path, b"".join(parts))
+        return
 
     def write(f: BinaryIO) -> None:
         f.write(struct.pack("<Q", len(raw)))

@@ -263,6 +263,7 @@ class SyncRecorder:
 
     def _write(self, st: HookState, call: Any, index: int) -> None:
         from kdump.bundle import save_calls
+        from kdump.bundle.writer import STORE_MIN
 
         with self.lock:
             if not self.dest.admit():
@@ -273,7 +274,14 @@ class SyncRecorder:
             info = {"recorder": "sync", "session": self.session.started_ns}
             cuda = call.meta.get("stream") is not None  # set only when a CUDA tensor is involved
             try:
-                save_calls(path, [call], env=self.proc.env(cuda), store=store.store, info=info)
+                save_calls(
+                    path,
+                    [call],
+                    env=self.proc.env(cuda),
+                    store=store.store,
+                    info=info,
+                    inline_below=STORE_MIN,
+                )
             except BaseException:
                 self.dest.abandon(path)
                 raise
@@ -291,6 +299,8 @@ class SyncRecorder:
 
     def close(self) -> None:
         self.flush()
+        with self.lock:
+            self.dest.close()
 
     @property
     def written(self) -> list[Path]:
