@@ -2,6 +2,7 @@
 
     python bench/bench_record.py                # CPU parts (and the GPU part where CUDA is)
     python bench/bench_record.py --calls 2000   # shorter run of the per-call part
+    python bench/bench_record.py --gpu          # only the GPU part (needs CUDA)
     python bench/bench_record.py --record       # also append the table to bench/RESULTS.md
 
 1. Sync recording of a small call (two 1 KiB tensors): host time of recorded call 10 and of the
@@ -10,8 +11,10 @@
 2. `kdump.dump_call` of a `--mb` MB call (mixed dtypes, a view with a storage offset, a shared
    storage) against `safetensors.torch.save_file` of the same tensors, median of `--repeat`;
    each timed write makes a new file (the previous one is deleted untimed).
-3. GPU (CUDA only): recording a 600 MB call from GPU memory with dump_call against a plain copy
-   to pinned host memory plus a raw write of the same bytes.
+3. GPU (CUDA only): recording a `--gpu-mb` MB call from GPU memory with dump_call (device spans
+   staged through pinned buffers, the copy of one chunk overlapping the hashing and the write of
+   the previous one) against a plain copy of the same bytes to pinned host memory plus a raw write
+   of them, median of `--repeat`, alternating in one run.
 """
 
 from __future__ import annotations
@@ -150,58 +153,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-mb", type=float, default=600.0, help="GPU call size (default 600)")
     ap.add_argument("--repeat", type=int, default=5, help="rounds per side; the median counts")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the files go")
+    ap.add_argument("--gpu", action="store_true", help="only the GPU part (needs CUDA)")
     ap.add_argument("--record", action="store_true", help="append results to --results")
     ap.add_argument(
         "--results", default=str(Path(__file__).with_name("RESULTS.md")), help="results file"
     )
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="kdump-bench-record-", dir=args.dir))
-    lines: list[str] = []
+    lines: list[str] = [f"load average (1, 5, 15 min) at the start: {_load()}", ""]
+    if args.gpu and not torch.cuda.is_available():
+        print("bench_record: --gpu needs a CUDA device")
+        return 2
     try:
-        rows = per_call(work, args.calls)
-        lines += [
-            "Sync recording of a small call (2 x 1 KiB tensors), host time per call:",
-            "",
-            "| what | ms | ratio |",
-            "|---|---:|---|",
-            *(f"| {w} | {ms:.3f} | {r} |" for w, ms, r in rows),
-            "",
-        ]
-        shutil.rmtree(work / "rec", ignore_errors=True)
-        w = write_rate(work, args.mb, args.repeat, "cpu")
-        n = w["bytes"]
-        lines += [
-            f"dump_call of {n / 1e6:.0f} MB on CPU, median of {args.repeat}:",
-            "",
-            "| what | seconds | MB/s | speed vs save_file |",
-            "|---|---:|---:|---:|",
-            *(
-                f"| {k} | {w[k]:.3f} | {n / w[k] / 1e6:.0f} | {w['save_file'] / w[k]:.2f}× |"
-                for k in ("save_file", "dump_call")
-            ),
-            "",
-            f"dump_call = {w['save_file'] / w['dump_call']:.2f}× save_file (goal ≥ 0.8×)",
-        ]
+        if not args.gpu:
+            lines += cpu_parts(work, args)
         if torch.cuda.is_available():
-            g = write_rate(work, args.gpu_mb, args.repeat, "cuda")
-            n = g["bytes"]
-            base = g["pinned copy + raw write"]
-            lines += [
-                "",
-                f"dump_call of {n / 1e6:.0f} MB from GPU memory, median of {args.repeat}:",
-                "",
-                "| what | seconds | MB/s | speed vs pinned copy + raw write |",
-                "|---|---:|---:|---:|",
-                *(
-                    f"| {k} | {g[k]:.3f} | {n / g[k] / 1e6:.0f} | {base / g[k]:.2f}× |"
-                    for k in ("pinned copy + raw write", "dump_call")
-                ),
-                "",
-                f"GPU dump_call = {base / g['dump_call']:.2f}× pinned copy + raw write "
-                "(goal ≥ 0.8×)",
-            ]
+            lines += gpu_part(work, args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    lines.append(f"\nload average (1, 5, 15 min) at the end: {_load()}")
     print("\n".join(lines))
     if args.record:
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -210,6 +180,59 @@ def main(argv: list[str] | None = None) -> int:
             f.write(f"\n## bench_record\n\n{stamp} — {machine()}\n\n" + "\n".join(lines) + "\n")
         print(f"appended to {out}")
     return 0
+
+
+def _load() -> str:
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def cpu_parts(work: Path, args: argparse.Namespace) -> list[str]:
+    lines: list[str] = []
+    rows = per_call(work, args.calls)
+    lines += [
+        "Sync recording of a small call (2 x 1 KiB tensors), host time per call:",
+        "",
+        "| what | ms | ratio |",
+        "|---|---:|---|",
+        *(f"| {w} | {ms:.3f} | {r} |" for w, ms, r in rows),
+        "",
+    ]
+    shutil.rmtree(work / "rec", ignore_errors=True)
+    w = write_rate(work, args.mb, args.repeat, "cpu")
+    n = w["bytes"]
+    lines += [
+        f"dump_call of {n / 1e6:.0f} MB on CPU, median of {args.repeat}:",
+        "",
+        "| what | seconds | MB/s | speed vs save_file |",
+        "|---|---:|---:|---:|",
+        *(
+            f"| {k} | {w[k]:.3f} | {n / w[k] / 1e6:.0f} | {w['save_file'] / w[k]:.2f}× |"
+            for k in ("save_file", "dump_call")
+        ),
+        "",
+        f"dump_call = {w['save_file'] / w['dump_call']:.2f}× save_file (goal ≥ 0.8×)",
+    ]
+    return lines
+
+
+def gpu_part(work: Path, args: argparse.Namespace) -> list[str]:
+    g = write_rate(work, args.gpu_mb, args.repeat, "cuda")
+    n = g["bytes"]
+    base = g["pinned copy + raw write"]
+    return [
+        "",
+        f"dump_call of {n / 1e6:.0f} MB from GPU memory ({torch.cuda.get_device_name()}), "
+        f"median of {args.repeat}:",
+        "",
+        "| what | seconds | MB/s | speed vs pinned copy + raw write |",
+        "|---|---:|---:|---:|",
+        *(
+            f"| {k} | {g[k]:.3f} | {n / g[k] / 1e6:.0f} | {base / g[k]:.2f}× |"
+            for k in ("pinned copy + raw write", "dump_call")
+        ),
+        "",
+        f"GPU dump_call = {base / g['dump_call']:.2f}× pinned copy + raw write (goal ≥ 0.8×)",
+    ]
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import mmap
 import os
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -359,45 +359,75 @@ def _caller_streams(sources: Sequence[torch.Tensor]) -> dict[torch.device, Any]:
     return out
 
 
-def _write_device(fd: int, src: torch.Tensor, at: int, after: Any) -> Digests:
-    """Copy a device span to the file through two pinned staging buffers: chunk k+1 is copied
-    on a side stream while chunk k is hashed here and written on the write pool."""
+def _staged(src: torch.Tensor, after: Any) -> Iterator[tuple[int, memoryview]]:
+    """(offset, host bytes) of a device span, chunk by chunk, through two pinned staging
+    buffers: chunk k+1 is being copied on a side stream (after the work queued on `after`) while
+    the caller uses chunk k. A chunk's bytes are valid until the next one is asked for."""
     n = src.numel()
-    algo = fast_checksum()
-    sha = hashlib.sha256()
-    fast = hasher(algo) if algo.value != "sha256" else None
+    if n == 0:
+        return
     with torch.cuda.device(src.device):
         side = torch.cuda.Stream(src.device)
         side.wait_stream(after)
         chunk = min(STAGE_CHUNK, n)
         bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        views = [cpu_view(b) for b in bufs]
         events = [torch.cuda.Event(), torch.cuda.Event()]
 
         def issue(k: int) -> None:
             lo = k * chunk
-            hi = min(n, lo + chunk)
+            part = src[lo : lo + chunk]
             with torch.cuda.stream(side):
-                bufs[k % 2][: hi - lo].copy_(src[lo:hi], non_blocking=True)
+                bufs[k % 2][: part.numel()].copy_(part, non_blocking=True)
                 events[k % 2].record(side)
 
         count = -(-n // chunk)
         issue(0)
-        pending: Future[None] | None = None
-        for k in range(count):
-            events[k % 2].synchronize()
-            lo = k * chunk
-            piece = cpu_view(bufs[k % 2])[: min(n, lo + chunk) - lo]
-            write = io_pool().submit(pwrite_all, fd, piece, at + lo)
-            if pending is not None:
-                pending.result()  # the other buffer is free again
-            if k + 1 < count:
-                issue(k + 1)
+        try:
+            for k in range(count):
+                events[k % 2].synchronize()
+                if k + 1 < count:
+                    issue(k + 1)  # into the buffer the caller finished with
+                lo = k * chunk
+                yield lo, views[k % 2][: min(n, lo + chunk) - lo]
+        finally:
+            side.synchronize()  # no copy may still target the buffers once they are released
+
+
+def _write_device(fd: int, src: torch.Tensor, at: int, after: Any) -> Digests:
+    """Copy a device span to the file at offset `at`: each staged chunk is written on the write
+    pool while it is hashed here."""
+    algo = fast_checksum()
+    sha = hashlib.sha256()
+    fast = hasher(algo) if algo.value != "sha256" else None
+    for lo, piece in _staged(src, after):
+        write = io_pool().submit(pwrite_all, fd, piece, at + lo)
+        try:
             for j in range(0, len(piece), HASH_CHUNK):
                 part = piece[j : j + HASH_CHUNK]
                 sha.update(part)
                 if fast is not None:
                     fast.update(part)
-            pending = write
-        if pending is not None:
-            pending.result()
+        finally:
+            write.result()  # before the buffer is reused
     return sha.hexdigest(), fast.hexdigest() if fast is not None else ""
+
+
+def _same_device(src: torch.Tensor, snapshot: torch.Tensor, after: Any) -> bool:
+    """Whether a device span holds the bytes of a host snapshot, compared chunk by chunk as
+    they arrive (stops at the first chunk that differs)."""
+    if src.numel() != snapshot.numel():
+        return False
+    base = snapshot.data_ptr()
+    for lo, piece in _staged(src, after):
+        if _memcmp(_address(piece), base + lo, len(piece)) != 0:
+            return False
+    return True
+
+
+def same_on_device(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
+    """For each (device span, host snapshot) pair: whether they hold the same bytes (the spans
+    compared in parallel, after the work queued on the caller's streams)."""
+    streams = _caller_streams([src for src, _ in pairs])
+    jobs = [pool().submit(_same_device, src, snap, streams[src.device]) for src, snap in pairs]
+    return [j.result() for j in jobs]

@@ -229,16 +229,22 @@ def _capture_into(
     digests: list[tuple[str, str] | None] = []
     todo: list[int] = []
     sources: list[torch.Tensor] = []
-    for idx, st in enumerate(storages):
+    views = [_byte_view(firsts[i], st.span_start, st.span_nbytes) for i, st in enumerate(storages)]
+    matches: dict[int, int] = {}  # storage -> the earlier snapshot of the same span
+    if unchanged_from is not None:
+        for idx, st in enumerate(storages):
+            j = earlier.get((st.device, st.base_ptr, st.span_start, st.span_nbytes))
+            if j is not None and not _has_lazy_bits(firsts[idx]):
+                matches[idx] = j
+    unchanged = _unchanged(views, matches, unchanged_from)
+    for idx in range(len(storages)):
         t = firsts[idx]
-        src = _byte_view(t, st.span_start, st.span_nbytes)
-        j = earlier.get((st.device, st.base_ptr, st.span_start, st.span_nbytes))
-        if j is not None and unchanged_from is not None and src.device.type == "cpu":
-            same = unchanged_from.data[j]
-            if _same_bytes(same, src):  # unchanged: the bytes already in the file
-                data.append(same)
-                digests.append(unchanged_from.digest(j))
-                continue
+        src = views[idx]
+        if idx in unchanged and unchanged_from is not None:  # the bytes already in the file
+            j = matches[idx]
+            data.append(unchanged_from.data[j])
+            digests.append(unchanged_from.digest(j))
+            continue
         if _has_lazy_bits(t):  # the values the kernel saw, resolved on a private copy
             src = src.clone() if src.device.type == "cpu" else src.cpu()
             _resolve_lazy_bits(src, t)
@@ -251,6 +257,27 @@ def _capture_into(
         for idx, (view, dig) in zip(todo, sink.put(sources, aligns, len(storages) + len(records))):
             data[idx], digests[idx] = view, dig
     return Captured(storages=storages, tensors=records, data=data, digests=digests)  # type: ignore[arg-type]
+
+
+def _unchanged(
+    views: Sequence[torch.Tensor], matches: dict[int, int], earlier: Captured | None
+) -> set[int]:
+    """The storages in `matches` whose bytes equal their earlier snapshot (device spans are
+    compared through staging buffers as they arrive, without writing them again)."""
+    if earlier is None or not matches:
+        return set()
+    same = {
+        i
+        for i, j in matches.items()
+        if views[i].device.type == "cpu" and _same_bytes(earlier.data[j], views[i])
+    }
+    device = [i for i in matches if views[i].device.type != "cpu"]
+    if device:
+        from kdump.bundle.spool import same_on_device
+
+        pairs = [(views[i], earlier.data[matches[i]]) for i in device]
+        same.update(i for i, ok in zip(device, same_on_device(pairs)) if ok)
+    return same
 
 
 def _has_lazy_bits(t: torch.Tensor) -> bool:

@@ -335,15 +335,20 @@ def _finish_spool(
     header names them all."""
     if spool.path != path:
         raise UsageError(f"the spool was opened for {spool.path}, not {path}")
-    missing = [i for i, dig in enumerate(known) if dig is None]
-    digests: list[Digests | None] = list(known)
-    if missing:
-        put = spool.put([held[i][1] for i in missing], [held[i][0].alignment for i in missing])
-        for i, (_, dig) in zip(missing, put):
-            digests[i] = dig
-    final = [d for d in digests if d is not None]
-    layout, pads, _ = spool.layout({sha for sha, _ in final})
-    return spool.finish(_header_json(make_manifest(final), layout, pads))
+    try:
+        missing = [i for i, dig in enumerate(known) if dig is None]
+        digests: list[Digests | None] = list(known)
+        if missing:
+            put = spool.put([held[i][1] for i in missing], [held[i][0].alignment for i in missing])
+            for i, (_, dig) in zip(missing, put):
+                digests[i] = dig
+        final = [d for d in digests if d is not None]
+        layout, pads, _ = spool.layout({sha for sha, _ in final})
+        raw = _header_json(make_manifest(final), layout, pads)
+    except BaseException:
+        spool.abort()  # nothing of a bundle that could not be completed stays behind
+        raise
+    return spool.finish(raw)
 
 
 def pack(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
