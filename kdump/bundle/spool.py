@@ -20,15 +20,23 @@ import mmap
 import os
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kdump.bundle.format import ALIGN_MOD
-from kdump.bundle.store import HASH_THREADS, fast_checksum, hasher, open_temp, pool
+from kdump.bundle.format import ALIGN_MOD, STORE_DIRNAME
+from kdump.bundle.store import (
+    HASH_THREADS,
+    BlobStore,
+    blob_digests,
+    fast_checksum,
+    hasher,
+    open_temp,
+    pool,
+)
 from kdump.errors import BundleError
 from kdump.errors import BundleErrorKind as K
 
@@ -124,7 +132,7 @@ class Spool:
         self.path = Path(path)
         self.min_aligned = min_aligned
         self._fd: int | None = None
-        self._tmp: Path | None = None
+        self._tmp: str | None = None
         self._reserved = 0  # header bytes, length prefix included; a multiple of ALIGN_MOD
         self._pos = 0  # end of the data written, relative to the data section
         self._regions: list[_Region] = []
@@ -317,6 +325,79 @@ class Spool:
         with contextlib.suppress(Exception):
             if not self._done:
                 self.abort()
+
+
+class StoreSpool:
+    """The sink of a recorder that writes to a capture directory's blob store: each large span
+    goes straight from the tensor's memory into a temporary in the store's folder, hashed on the
+    way, and is then renamed to its name (or dropped, when the store already holds it). Spans
+    smaller than `min_blob` stay in memory (they go inline into the bundle). `created` holds the
+    blobs it added (name → bytes)."""
+
+    def __init__(self, store: Callable[[], BlobStore], min_blob: int) -> None:
+        self._store = store
+        self.min_blob = min_blob
+        self.created: dict[str, int] = {}
+        self._active = False
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def put(
+        self, sources: Sequence[torch.Tensor], aligns: Sequence[int], records: int = 0
+    ) -> list[tuple[torch.Tensor, Digests]]:
+        store = self._store()
+        self._active = True
+        out: list[tuple[torch.Tensor, Digests] | None] = [None] * len(sources)
+        streams = _caller_streams(sources)
+        jobs: list[tuple[int, int, str, _CpuJob | Future[Digests]]] = []
+        try:
+            for i, src in enumerate(sources):
+                if src.numel() < max(self.min_blob, 1):
+                    host = src.clone() if src.device.type == "cpu" else src.cpu()
+                    out[i] = (host, blob_digests(cpu_view(host)))
+                    continue
+                fd, tmp = open_temp(store.root / STORE_DIRNAME / "spool")
+                try:
+                    if src.device.type == "cpu":
+                        job: _CpuJob | Future[Digests] = _CpuJob(fd, src, 0)
+                    else:
+                        job = pool().submit(_write_device, fd, src, 0, streams[src.device])
+                except BaseException:
+                    os.close(fd)
+                    os.unlink(tmp)
+                    raise
+                jobs.append((i, fd, tmp, job))
+        finally:  # every job started is waited for, and every file closed
+            errors: list[BaseException] = []
+            for i, fd, tmp, job in jobs:
+                n = sources[i].numel()
+                try:
+                    digests = job.result()
+                    mapped = mmap.mmap(fd, n, access=mmap.ACCESS_COPY)
+                    view = torch.frombuffer(mapped, dtype=torch.uint8, count=n)
+                except BaseException as exc:
+                    errors.append(exc)
+                    os.close(fd)
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+                    continue
+                os.close(fd)
+                try:
+                    if store.adopt(digests[0], tmp, n):
+                        self.created[digests[0]] = n
+                    out[i] = (view, digests)
+                except BaseException as exc:
+                    errors.append(exc)
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+            if errors:
+                raise errors[0]
+        return out  # type: ignore[return-value]
+
+    def abort(self) -> None:
+        """Nothing to undo: what it added to the store are whole blobs under their names."""
 
 
 _memcmp = ctypes.CDLL(None).memcmp  # releases the GIL

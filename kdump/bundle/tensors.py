@@ -66,10 +66,6 @@ class Captured:
         return sum(s.span_nbytes for s in self.storages)
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return (str(t.device), t.untyped_storage().data_ptr())
-
-
 def _byte_view(t: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
     """A uint8 view of `nbytes` bytes of t's storage starting at byte `start`."""
     out = torch.empty(0, dtype=torch.uint8, device=t.device)
@@ -81,63 +77,61 @@ def group_storages(
     tensors: Sequence[torch.Tensor],
 ) -> tuple[list[StorageRecord], list[TensorRecord]]:
     """Group tensors by storage and compute each storage's covered span. Reads no data."""
-    for t in tensors:
-        if t.is_sparse or t.layout != torch.strided:
-            raise BundleError(f"tensor layout {t.layout} is not supported (strided tensors only)")
-        if any(s < 0 for s in t.stride()):
-            raise BundleError("tensors with negative strides are not supported")
+    strided = torch.strided
     order: dict[tuple[str, int], int] = {}
     spans: list[list[int]] = []
-    first: list[torch.Tensor] = []
-    owner: list[int] = []
+    bases: list[tuple[str, int, int]] = []  # (device, data pointer, nbytes) of each storage
+    records: list[TensorRecord] = []
     for t in tensors:
-        key = _storage_key(t)
-        lo, hi = view_byte_extent(t.shape, t.stride(), t.storage_offset(), t.element_size())
-        if key not in order:
-            order[key] = len(spans)
+        if t.layout != strided:
+            raise BundleError(f"tensor layout {t.layout} is not supported (strided tensors only)")
+        shape = tuple(t.shape)
+        stride = tuple(t.stride())
+        if any(s < 0 for s in stride):
+            raise BundleError("tensors with negative strides are not supported")
+        storage = t.untyped_storage()
+        device = str(t.device)
+        key = (device, storage.data_ptr())
+        offset = t.storage_offset()
+        lo, hi = view_byte_extent(shape, stride, offset, t.element_size())
+        idx = order.get(key)
+        if idx is None:
+            idx = order[key] = len(spans)
             spans.append([lo, hi])
-            first.append(t)
-        else:
-            span = spans[order[key]]
-            # An empty view adds nothing to the span.
-            if hi > lo:
-                if span[1] <= span[0]:
-                    span[0], span[1] = lo, hi
-                else:
-                    span[0], span[1] = min(span[0], lo), max(span[1], hi)
-        owner.append(order[key])
-    storages = []
-    for (lo, hi), t in zip(spans, first):
-        if hi <= lo:
-            lo = hi = min(lo, t.untyped_storage().nbytes())
-        st = t.untyped_storage()
-        storages.append(
-            StorageRecord(
-                device=str(t.device),
-                base_ptr=st.data_ptr(),
-                storage_nbytes=st.nbytes(),
-                span_start=lo,
-                span_nbytes=hi - lo,
+            bases.append((device, key[1], storage.nbytes()))
+        elif hi > lo:  # an empty view adds nothing to the span
+            span = spans[idx]
+            if span[1] <= span[0]:
+                span[0], span[1] = lo, hi
+            else:
+                span[0], span[1] = min(span[0], lo), max(span[1], hi)
+        records.append(
+            TensorRecord(
+                storage=idx,
+                dtype=dtype_name(t.dtype),
+                shape=shape,
+                stride=stride,
+                storage_offset=offset,
+                requires_grad=bool(t.requires_grad),
+                data_ptr=t.data_ptr(),
             )
         )
-    records = [
-        TensorRecord(
-            storage=idx,
-            dtype=dtype_name(t.dtype),
-            shape=tuple(t.shape),
-            stride=tuple(t.stride()),
-            storage_offset=t.storage_offset(),
-            requires_grad=bool(t.requires_grad),
-            data_ptr=t.data_ptr(),
-        )
-        for t, idx in zip(tensors, owner)
-    ]
+    storages = []
+    for (lo, hi), (device, ptr, nbytes) in zip(spans, bases):
+        if hi <= lo:
+            lo = hi = min(lo, nbytes)
+        storages.append(StorageRecord(device, ptr, nbytes, lo, hi - lo))
     return storages, records
 
 
 _memcmp = ctypes.CDLL(None).memcmp  # releases the GIL; torch.equal allocates a result per byte
 _memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
 _memcmp.restype = ctypes.c_int
+
+
+def _same_at(a: torch.Tensor, ptr: int, n: int) -> bool:
+    """Whether a contiguous CPU uint8 tensor holds the `n` bytes at address `ptr`."""
+    return a.numel() == n and (n == 0 or _memcmp(a.data_ptr(), ptr, n) == 0)
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -191,21 +185,23 @@ def capture(
     pending_sync: set[torch.device] = set()
     lazy: list[int] = []  # storages seen through a lazy conj / neg view: resolved after the copy
     for idx, st in enumerate(storages):
-        src = _byte_view(firsts[idx], st.span_start, st.span_nbytes)
         digests.append(None)
         if _has_lazy_bits(firsts[idx]):
             lazy.append(idx)
-        if src.device.type == "cpu" and idx in lazy:
-            data.append(src.clone())
-        elif src.device.type == "cpu":
-            j = earlier.get((st.device, st.base_ptr, st.span_start, st.span_nbytes))
+        if st.device == "cpu":  # read at the span's address: no view to build
+            n = st.span_nbytes
+            j = earlier.get((st.device, st.base_ptr, st.span_start, n))
             same = unchanged_from.data[j] if j is not None and unchanged_from else None
-            if same is not None and _same_bytes(same, src):
+            if idx not in lazy and same is not None and _same_at(same, st.span_ptr, n):
                 data.append(same)
                 digests[-1] = unchanged_from.digest(j) if unchanged_from else None
             else:
-                data.append(src.clone())
+                copy = torch.empty(n, dtype=torch.uint8)
+                if n:
+                    ctypes.memmove(copy.data_ptr(), st.span_ptr, n)
+                data.append(copy)
         else:
+            src = _byte_view(firsts[idx], st.span_start, st.span_nbytes)
             host = torch.empty(st.span_nbytes, dtype=torch.uint8, pin_memory=True)
             host.copy_(src, non_blocking=True)
             pending_sync.add(src.device)

@@ -32,7 +32,7 @@ from kdump.bundle.format import (
     Where,
     manifest_json,
 )
-from kdump.bundle.spool import Spool, cpu_view
+from kdump.bundle.spool import Spool, StoreSpool, cpu_view
 from kdump.bundle.store import BlobStore, atomic_write, blob_digests, fast_checksum, pool
 from kdump.bundle.tensors import Captured, capture
 from kdump.errors import BundleError, UsageError
@@ -82,7 +82,7 @@ def capture_call(
     called_as: str | None = None,
     names: Sequence[str] | None = None,
     meta: dict[str, Any] | None = None,
-    sink: Spool | None = None,
+    sink: Spool | StoreSpool | None = None,
 ) -> CallRecord:
     """Snapshot a call's arguments (before the call runs). With `sink` (a `Spool` for the bundle
     `save_calls` will write), a large snapshot is written straight into that bundle's file."""
@@ -115,7 +115,7 @@ def attach_outputs(
     live: Sequence[torch.Tensor],
     indices: Iterable[int],
     returned: Any = None,
-    sink: Spool | None = None,
+    sink: Spool | StoreSpool | None = None,
 ) -> None:
     """Snapshot tensors `indices` of the call's tensor table after the call (in-place outputs),
     and tensors in the return value (into `sink`'s file when the inputs went there)."""
@@ -152,14 +152,26 @@ def _hash_all(
     views: Sequence[memoryview], known: Sequence[Digests | None] | None = None
 ) -> list[Digests]:
     """Digests of `views`; those in `known` (a capture that hashed them already) are not hashed
-    again."""
+    again, nor views of the same bytes (an unchanged output sharing its input's snapshot)."""
     known = known if known is not None else [None] * len(views)
     todo = [v for v, k in zip(views, known) if k is None]
     if len(todo) <= 1 or sum(len(v) for v in todo) < INLINE_HASH_MAX:
-        fresh = iter([blob_digests(v) for v in todo])
+        done: dict[tuple[int, int], Digests] = {}
+        out = []
+        for v in todo:
+            key = (_address(v), len(v))
+            dig = done.get(key)
+            if dig is None:
+                dig = done[key] = blob_digests(v)
+            out.append(dig)
+        fresh = iter(out)
     else:
         fresh = iter([f.result() for f in _submit_once(todo)])
     return [k if k is not None else next(fresh) for k in known]
+
+
+def _address(v: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(v)) if len(v) else 0
 
 
 def _submit_once(views: Sequence[memoryview]) -> list[Future[Digests]]:
@@ -168,7 +180,7 @@ def _submit_once(views: Sequence[memoryview]) -> list[Future[Digests]]:
     jobs: dict[tuple[int, int], Future[Digests]] = {}
     out = []
     for v in views:
-        key = (ctypes.addressof(ctypes.c_char.from_buffer(v)) if len(v) else 0, len(v))
+        key = (_address(v), len(v))
         if key not in jobs:
             jobs[key] = pool().submit(blob_digests, v)
         out.append(jobs[key])
@@ -186,8 +198,21 @@ def _entries(calls: Sequence[CallRecord], shas: Sequence[str]) -> tuple[CallEntr
     it = iter(shas)
 
     def named(cap: Captured) -> tuple[StorageRecord, ...]:
+        # The constructor, not dataclasses.replace: this runs for every storage of every bundle.
         return tuple(
-            replace(st, blob=next(it)) if st.source is Source.BLOB else st for st in cap.storages
+            StorageRecord(
+                st.device,
+                st.base_ptr,
+                st.storage_nbytes,
+                st.span_start,
+                st.span_nbytes,
+                next(it),
+                st.source,
+                st.stats,
+            )
+            if st.source is Source.BLOB
+            else st
+            for st in cap.storages
         )
 
     out = []
@@ -221,6 +246,11 @@ def _entries(calls: Sequence[CallRecord], shas: Sequence[str]) -> tuple[CallEntr
 def _bounded(meta: dict[str, Any]) -> dict[str, Any]:
     """`meta` with strings cut to the reader's string limit (an exception text may be huge)."""
     limit = argtree.LIMITS.max_string
+    try:  # no string is longer than the whole JSON text: nothing to cut (the common case)
+        if len(json.dumps(meta)) <= limit:
+            return meta
+    except (TypeError, ValueError):
+        pass
 
     def cut(v: Any) -> Any:
         if isinstance(v, str) and len(v) > limit:
@@ -241,7 +271,7 @@ def save_calls(
     env: dict[str, Any] | None = None,
     store: BlobStore | None = None,
     info: dict[str, Any] | None = None,
-    spool: Spool | None = None,
+    spool: Spool | StoreSpool | None = None,
     inline_below: int = 0,
 ) -> Path:
     """Write `calls` as one bundle, atomically. Identical storages are stored once.
@@ -249,7 +279,8 @@ def save_calls(
     With `store`, blobs go to the shared store (each written once per capture directory) and the
     bundle holds only the manifest, except blobs smaller than `inline_below` bytes (a recorder
     passes STORE_MIN), which stay inline. With `spool` (the sink the calls were captured into,
-    opened for `path`), the blobs already in its file stay there and the header completes it.
+    opened for `path`), the blobs already in its file stay there and the header completes it; a
+    `StoreSpool`'s blobs are in the store already (and not written again).
     """
     path = Path(path)
     caps = [cap for call in calls for cap in (call.inputs, call.outputs) if cap is not None]
@@ -267,7 +298,7 @@ def save_calls(
         Where.STORE if store is not None and n >= inline_below else Where.INLINE for n in sizes
     ]
     make_manifest = _manifest_maker(calls, sizes, wheres, env, info)
-    if spool is not None and spool.active:
+    if isinstance(spool, Spool) and spool.active:
         if store is None:
             return _finish_spool(spool, path, held, known, make_manifest)
         spool.abort()  # the blobs go to the store: its file was only the snapshot's memory
@@ -294,6 +325,18 @@ def save_calls(
     return path
 
 
+_stamp: tuple[int, str] = (-1, "")
+
+
+def _utc_now() -> str:
+    """The manifest's `created` time (formatted once per second: bundles come faster)."""
+    global _stamp
+    now = int(time.time())
+    if _stamp[0] != now:
+        _stamp = (now, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)))
+    return _stamp[1]
+
+
 def _manifest_maker(
     calls: Sequence[CallRecord],
     sizes: Sequence[int],
@@ -302,7 +345,7 @@ def _manifest_maker(
     info: dict[str, Any] | None,
 ) -> Callable[[Sequence[Digests]], dict[str, Any]]:
     """The manifest of `calls` given the digests of their blob storages (in capture order)."""
-    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    created = _utc_now()
     algo = fast_checksum()
 
     def make_manifest(digests: Sequence[Digests]) -> dict[str, Any]:

@@ -227,6 +227,14 @@ class CountingStore:
                     outer.created[sha] = len(data)
                 outer.present.add(sha)
 
+            def adopt(self, sha: str, tmp: str, nbytes: int) -> bool:
+                if sha in outer.present:
+                    os.unlink(tmp)
+                    return False
+                added = BlobStore.adopt(self, sha, tmp, nbytes)
+                outer.present.add(sha)
+                return added
+
         self.store = Store(root)
         self.used: list[str] = []
         self.created: dict[str, int] = {}
@@ -335,24 +343,25 @@ class CaptureDir:
         """Account for the bundle just written at `path` (with the store's last blobs), evict
         what the limits say, and append its index line."""
         store = self.store()
-        added = path.stat().st_size + sum(store.created.values())
+        key = str(path)
+        added = os.stat(key).st_size + sum(store.created.values())
         used = list(dict.fromkeys(store.used))
-        self._bundle_blobs[str(path)] = used
+        self._bundle_blobs[key] = used
         for sha in used:
             self._blob_refs[sha] = self._blob_refs.get(sha, 0) + 1
         if self.private_store:
             self._blob_owned.update(store.created)
-        self.limits.add(Written(str(path), target, index, added, exception))
+        self.limits.add(Written(key, target, index, added, exception))
         victims = []
         while (victim := self.limits.victim()) is not None:
             freed = self._delete(victim)
             self.limits.freed(freed)
             victims.append((victim, freed))
         for victim, freed in victims:
-            if victim.path == str(path):  # never kept: it gets no index line
+            if victim.path == key:  # never kept: it gets no index line
                 continue
             self._append({"kind": "evicted", "path": Path(victim.path).name, "freed": freed})
-        if all(v.path != str(path) for v, _ in victims):
+        if all(v.path != key for v, _ in victims):
             self._append(
                 {
                     "kind": "bundle",
