@@ -401,3 +401,41 @@ def test_gpu_unchanged_output_compare_finds_a_late_difference(tmp_path, monkeypa
     loaded = load_bundle(path).calls[0]
     assert torch.equal(loaded.materialize("cpu").tensors[0], before)
     assert torch.equal(loaded.materialize_outputs("cpu")[0], x.cpu())
+
+
+@pytest.mark.gpu
+def test_gpu_sync_recording_stages_large_spans_into_the_store(tmp_path) -> None:
+    import sys
+    import types
+
+    import kdump
+
+    mod = types.ModuleType("kdump_io_gpu_target")
+
+    def step(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
+        torch.matmul(x, w, out=out)
+
+    step.__module__, step.__qualname__ = mod.__name__, "step"
+    mod.step = step  # type: ignore[attr-defined]
+    sys.modules[mod.__name__] = mod
+    w = torch.randn(2048, 2048, device="cuda")  # 16 MiB, the same in every call
+    befores = []
+    try:
+        with kdump.recording(f"{mod.__name__}:step", out=tmp_path) as rec:
+            for i in range(2):
+                x = torch.full((64, 2048), float(i + 1), device="cuda")
+                out = torch.zeros(64, 2048, device="cuda")
+                befores.append((x.cpu(), out.cpu()))
+                mod.step(w, x, out)
+                befores[-1] += (out.cpu(),)
+    finally:
+        del sys.modules[mod.__name__]
+    assert len(rec.written) == 2
+    stored = [p for p in (tmp_path / "blobs").rglob("*") if p.is_file()]
+    assert sum(p.stat().st_size == w.numel() * 4 for p in stored) == 1  # the weight once
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
+    for path, (x0, out0, out1) in zip(rec.written, befores):
+        call = load_bundle(path).calls[0]
+        assert torch.equal(call.args[0], w.cpu()) and torch.equal(call.args[1], x0)
+        assert torch.equal(call.args[2], out0)
+        assert torch.equal(call.materialize_outputs("cpu")[2], out1)
