@@ -77,7 +77,7 @@ class _Process:
             self._rank, self._rank_final = r, True
         return r, r is not None
 
-    def env(self, cuda: bool) -> dict[str, Any]:
+    def env(self, cuda: bool, libraries: dict[str, Any] | None = None) -> dict[str, Any]:
         """The environment manifest: collected once per process, GPU facts once CUDA is in use
         (never initialising CUDA for a CPU call), library state fresh for every bundle."""
         if self._env is None:
@@ -87,7 +87,9 @@ class _Process:
             gpu = envinfo.gpu_info(cuda=cuda)
             if "cuda_available" in gpu:  # asked once: the facts do not change
                 self._gpu = gpu
-        return {**self._env, **gpu, "libraries": envinfo.library_state()}
+        if libraries is None:
+            libraries = envinfo.library_state()
+        return {**self._env, **gpu, "libraries": libraries}
 
 
 class SyncRecorder:
@@ -297,7 +299,8 @@ class SyncRecorder:
                 save_calls(
                     path,
                     [call],
-                    env=self.proc.env(cuda),
+                    # The library state read at the call (it is the same a moment later).
+                    env=self.proc.env(cuda, call.meta.get("library_state")),
                     store=store.store,
                     info=info,
                     inline_below=STORE_MIN,
