@@ -166,18 +166,16 @@ class Spool:
         fd = self._open(records)
         regions: list[_Region] = []
         jobs: list[_CpuJob | Future[Digests] | None] = []
-        firsts: list[tuple[torch.Tensor, _Region]] = []  # CPU sources written, by size, to compare
+        # CPU sources written, by size and edge bytes: equal bytes have equal names, so a source
+        # is compared with the earlier ones that could be equal instead of being written twice.
+        firsts: dict[tuple[int, bytes], list[tuple[torch.Tensor, _Region]]] = {}
         streams = _caller_streams(sources)
         for src, align in zip(sources, aligns):
             n = src.numel()
             twin = None
             if src.device.type == "cpu":
-                # Equal bytes, equal names: compare instead of writing twice (a differing pair
-                # mostly differs in its first bytes, so this costs little).
-                twin = next(
-                    (r for s, r in firsts if r.nbytes == n and _same(s, src)),
-                    None,
-                )
+                key = _edge_key(src)
+                twin = next((r for s, r in firsts.get(key, ()) if _same(s, src)), None)
             if twin is not None:
                 region = _Region(twin.start, n)
                 region.alias = twin
@@ -190,7 +188,7 @@ class Spool:
             regions.append(region)
             at = self._reserved + start
             if src.device.type == "cpu":
-                firsts.append((src, region))
+                firsts.setdefault(key, []).append((src, region))
                 jobs.append(_CpuJob(fd, src, at))
             else:
                 jobs.append(pool().submit(_write_device, fd, src, at, streams[src.device]))
@@ -403,6 +401,18 @@ class StoreSpool:
 _memcmp = ctypes.CDLL(None).memcmp  # releases the GIL
 _memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
 _memcmp.restype = ctypes.c_int
+
+
+EDGE = 64  # bytes from each end of a span that key the search for an equal earlier span
+
+
+def _edge_key(t: torch.Tensor) -> tuple[int, bytes]:
+    """A CPU span's size and its first and last EDGE bytes: spans with different keys differ."""
+    n = t.numel()
+    if n <= 2 * EDGE:
+        return n, ctypes.string_at(t.data_ptr(), n) if n else b""
+    ptr = t.data_ptr()
+    return n, ctypes.string_at(ptr, EDGE) + ctypes.string_at(ptr + n - EDGE, EDGE)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
