@@ -291,12 +291,7 @@ class Spool:
         assert self._fd is not None and self._tmp is not None
         fd, tmp = open_temp(self.path)
         try:
-            src, dst, left = self._reserved, reserved, length
-            while left:
-                n = os.copy_file_range(self._fd, fd, left, src, dst)
-                if n <= 0:
-                    raise BundleError(f"{self.path}: cannot move the data section", K.LIMIT)
-                src, dst, left = src + n, dst + n, left - n
+            _copy_range(self._fd, fd, self._reserved, reserved, length)
         except BaseException:
             os.close(fd)
             os.unlink(tmp)
@@ -401,6 +396,26 @@ class StoreSpool:
 _memcmp = ctypes.CDLL(None).memcmp  # releases the GIL
 _memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
 _memcmp.restype = ctypes.c_int
+
+
+def _copy_range(src_fd: int, dst_fd: int, src: int, dst: int, length: int) -> None:
+    """Copy `length` bytes between files, in the kernel where it can (else through a buffer:
+    some sandboxes have no copy_file_range)."""
+    left = length
+    try:
+        while left:
+            n = os.copy_file_range(src_fd, dst_fd, left, src, dst)
+            if n <= 0:
+                break
+            src, dst, left = src + n, dst + n, left - n
+    except OSError:
+        pass
+    while left:
+        piece = os.pread(src_fd, min(left, WRITE_CHUNK), src)
+        if not piece:
+            raise BundleError("the bundle's temporary ended while its data was moved", K.LIMIT)
+        pwrite_all(dst_fd, memoryview(piece), dst)
+        src, dst, left = src + len(piece), dst + len(piece), left - len(piece)
 
 
 EDGE = 64  # bytes from each end of a span that key the search for an equal earlier span
