@@ -148,3 +148,305 @@ def test_unchanged_output_shares_its_input_snapshot(tmp_path: Path) -> None:
     outs = loaded.materialize_outputs("cpu")
     assert torch.equal(outs[0], x) and torch.equal(outs[1], y)
     assert torch.equal(loaded.args[1], y / 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Snapshots written straight into the bundle file (kdump.bundle.spool)
+
+
+def _temporaries(folder: Path) -> list[str]:
+    return [p.name for p in folder.iterdir() if p.name.endswith(".tmp")]
+
+
+def _large_call(device: str = "cpu") -> list[torch.Tensor]:
+    """A call over the spool threshold: mixed dtypes, a view with a storage offset, a shared
+    storage, a transposed view, a tiny tensor, and two storages holding the same bytes."""
+    from kdump.bundle.tensors import SINK_MIN
+
+    n = SINK_MIN // 4 + 4099  # not a multiple of any chunk size
+    a = torch.randn(n, generator=GEN)
+    b = torch.randint(-(2**31), 2**31 - 1, (777, 1025), dtype=torch.int32, generator=GEN)
+    twin = torch.arange(300_000, dtype=torch.float32)
+    tensors = [a, b, twin.clone(), twin.clone(), torch.randn(5, generator=GEN)]
+    tensors = [t.to(device) for t in tensors]
+    a, b = tensors[0], tensors[1]
+    return [*tensors, a[7:], b.t(), b[3:, 5:]]
+
+
+def _check_round_trip(
+    path: Path, live: list[torch.Tensor], before: list[torch.Tensor], after: list[torch.Tensor]
+) -> None:
+    """The bundle at `path` holds the call on `live` (its layouts), with values `before` as
+    inputs and `after` as outputs, bit for bit."""
+    bundle = load_bundle(path)
+    bundle.verify()
+    call = bundle.calls[0]
+    got = call.materialize("cpu").tensors
+    for g, layout, want in zip(got, live, before):
+        assert g.dtype == layout.dtype and g.stride() == layout.stride()
+        assert g.storage_offset() == layout.storage_offset()
+        assert torch.equal(g, want.cpu())
+    outs = call.materialize_outputs("cpu")
+    assert sorted(outs) == list(range(len(after)))
+    for i, g in outs.items():
+        assert torch.equal(g, after[i].cpu())
+    seen: set[str] = set()
+    for st in call.storages:
+        begin, end = bundle.inline[st.blob]
+        assert end - begin == st.span_nbytes
+        if st.span_nbytes >= 64 << 10 and st.blob not in seen:  # a shared blob: the first's
+            assert (bundle.data_start + begin) % ALIGN_MOD == st.alignment
+        seen.add(st.blob)
+
+
+def test_dump_call_writes_its_snapshot_into_the_bundle_file(tmp_path: Path) -> None:
+    import kdump
+
+    args = _large_call()
+    before = [t.clone() for t in args]
+
+    def kernel(*xs: torch.Tensor) -> None:
+        xs[1].add_(1)  # one output changes; the others are written once, shared with inputs
+
+    path = tmp_path / "big.kdump"
+    kdump.dump_call(path, kernel, *args)
+    _check_round_trip(path, args, before, args)
+    assert _temporaries(tmp_path) == []
+    m = load_bundle(path).manifest
+    # a, b before, b after, the twins once, the tiny tensor: nothing stored twice.
+    assert len(m.blobs) == 5
+    payload = sum(b.nbytes for b in m.blobs.values())
+    assert path.stat().st_size < payload + (512 << 10)
+
+
+def test_a_call_that_raises_keeps_its_spooled_inputs(tmp_path: Path) -> None:
+    import kdump
+
+    args = _large_call()
+    before = [t.clone() for t in args]
+
+    def kernel(*xs: torch.Tensor) -> None:
+        xs[0].zero_()
+        raise RuntimeError("kernel failed")
+
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        kdump.dump_call(tmp_path / "e.kdump", kernel, *args)
+    call = load_bundle(tmp_path / "e.kdump").calls[0]
+    assert "kernel failed" in call.meta["exception"]
+    assert torch.equal(call.materialize("cpu").tensors[0], before[0])
+    assert _temporaries(tmp_path) == []
+
+
+@pytest.mark.parametrize("in_kernel", [True, False])
+def test_a_header_that_outgrows_its_reserved_space_moves_the_data(
+    tmp_path, monkeypatch, in_kernel
+) -> None:
+    import os
+
+    from kdump.bundle import attach_outputs, input_tensors, spool
+    from kdump.bundle.writer import open_spool
+
+    if not in_kernel:  # a sandbox without copy_file_range: moved through a buffer
+
+        def unsupported(*args: object) -> int:
+            raise OSError(38, "Function not implemented")
+
+        monkeypatch.setattr(os, "copy_file_range", unsupported)
+    monkeypatch.setattr(spool, "RESERVE_MIN", 0)
+    monkeypatch.setattr(spool, "RESERVE_PER_RECORD", 0)
+    args = _large_call()
+    before = [t.clone() for t in args]
+    path = tmp_path / "moved.kdump"
+    sink = open_spool(path)
+    call = capture_call("m:f", args, sink=sink, meta={"note": "x" * 5000})
+    assert sink.active and sink.data_start == 0
+    args[2].mul_(3)
+    attach_outputs(call, input_tensors(call, args, {}), range(len(args)), sink=sink)
+    save_calls(path, [call], spool=sink)
+    _check_round_trip(path, args, before, args)
+    assert load_bundle(path).data_start % ALIGN_MOD == 0
+    assert _temporaries(tmp_path) == []
+
+
+def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch) -> None:
+    from kdump.bundle import writer
+
+    args = _large_call()
+    path = tmp_path / "f.kdump"
+    sink = writer.open_spool(path)
+    call = capture_call("m:f", args, sink=sink)
+    assert _temporaries(tmp_path)  # the snapshot is in the bundle's temporary already
+
+    def broken(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(writer, "_header_json", broken)
+    with pytest.raises(OSError, match="disk full"):
+        save_calls(path, [call], spool=sink)
+    assert not path.exists() and _temporaries(tmp_path) == []
+    # The snapshot's bytes stay readable after the file is gone (private views of it).
+    assert torch.equal(call.inputs.data[0].view(torch.float32), args[0])
+
+
+def test_a_killed_writer_leaves_a_temporary_that_the_next_recording_removes(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from kdump.record.capture_dir import remove_stale_temporaries
+
+    code = (
+        "import os, sys, torch\n"
+        "from kdump.bundle.writer import capture_call, open_spool\n"
+        "sink = open_spool(sys.argv[1])\n"
+        "capture_call('m:f', [torch.zeros(3 << 20)], sink=sink)\n"
+        "os._exit(0)\n"  # killed before the header: no rename, no clean-up
+    )
+    path = tmp_path / "k.kdump"
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert not path.exists()
+    left = _temporaries(tmp_path)
+    assert len(left) == 1
+    assert [p.name for p in remove_stale_temporaries(tmp_path)] == left
+    assert _temporaries(tmp_path) == []
+
+
+def test_save_calls_reuses_the_capture_digests(tmp_path, monkeypatch) -> None:
+    """A spooled capture written elsewhere (another path, a store) is not hashed again."""
+    from kdump.bundle import BlobStore, store, writer
+
+    args = _large_call()
+    sink = writer.open_spool(tmp_path / "first.kdump")
+    call = capture_call("m:f", args, sink=sink)
+    sink.abort()
+    calls = []
+    real = store.blob_digests
+    monkeypatch.setattr(writer, "blob_digests", lambda v: calls.append(len(v)) or real(v))
+    path = save_calls(tmp_path / "cap" / "s.kdump", [call], store=BlobStore(tmp_path / "cap"))
+    assert calls == []
+    got = load_bundle(path).calls[0].materialize("cpu").tensors
+    assert all(torch.equal(g, w) for g, w in zip(got[:2], args[:2]))
+
+
+def test_sync_recording_keeps_small_blobs_inline_and_large_ones_in_the_store(tmp_path) -> None:
+    import sys
+    import types
+
+    import kdump
+    from kdump.bundle.format import Where
+
+    mod = types.ModuleType("kdump_io_target")
+
+    def step(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(x * 2)
+
+    step.__module__, step.__qualname__ = mod.__name__, "step"
+    mod.step = step  # type: ignore[attr-defined]
+    sys.modules[mod.__name__] = mod
+    weight = torch.randn(64 << 10, generator=GEN)  # 256 KiB, the same in every call
+    try:
+        with kdump.recording(f"{mod.__name__}:step", out=tmp_path) as rec:
+            for i in range(3):
+                mod.step(weight, torch.full((16,), float(i)), torch.empty(16))
+    finally:
+        del sys.modules[mod.__name__]
+    assert len(rec.written) == 3
+    stored = [p for p in (tmp_path / "blobs").rglob("*") if p.is_file()]
+    assert len(stored) == 1 and stored[0].stat().st_size == weight.numel() * 4
+    for i, path in enumerate(rec.written):
+        bundle = load_bundle(path)
+        bundle.verify()
+        wheres = {b.where for b in bundle.manifest.blobs.values()}
+        assert wheres == {Where.INLINE, Where.STORE}
+        call = bundle.calls[0]
+        assert torch.equal(call.args[1], torch.full((16,), float(i)))
+        assert torch.equal(call.materialize_outputs("cpu")[2], torch.full((16,), 2.0 * i))
+    folder = rec.written[0].parent
+    assert _temporaries(folder) == [] and _temporaries(tmp_path / "blobs") == []
+    assert all(p.stat().st_size > 0 for p in folder.glob("*.kdump"))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: device spans staged through pinned buffers
+
+
+@pytest.mark.gpu
+def test_gpu_dump_call_stages_spans_in_chunks(tmp_path, monkeypatch) -> None:
+    import kdump
+    from kdump.bundle import spool
+
+    monkeypatch.setattr(spool, "STAGE_CHUNK", (1 << 20) + 4096)  # many chunks, a ragged last one
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # produced on a side stream, not synchronised: the capture
+        args = _large_call("cuda")  # must order its copies after this work
+        args[0].mul_(-1)
+        before = [t.cpu() for t in args]
+
+        def kernel(*xs: torch.Tensor) -> None:
+            xs[1].add_(1)
+
+        path = tmp_path / "gpu.kdump"
+        kdump.dump_call(path, kernel, *args)
+        after = [t.cpu() for t in args]
+    _check_round_trip(path, args, before, after)
+    m = load_bundle(path).manifest
+    assert len(m.blobs) == 5  # unchanged outputs compared on arrival, not written again
+    assert path.stat().st_size < sum(b.nbytes for b in m.blobs.values()) + (512 << 10)
+    assert _temporaries(tmp_path) == []
+
+
+@pytest.mark.gpu
+def test_gpu_unchanged_output_compare_finds_a_late_difference(tmp_path, monkeypatch) -> None:
+    from kdump.bundle import attach_outputs, input_tensors, spool
+    from kdump.bundle.writer import open_spool
+
+    monkeypatch.setattr(spool, "STAGE_CHUNK", 1 << 20)
+    x = torch.randn(3 << 20, device="cuda")  # 12 MiB: twelve chunks
+    before = x.cpu()
+    path = tmp_path / "late.kdump"
+    sink = open_spool(path)
+    call = capture_call("m:f", [x], sink=sink)
+    x[-1] += 1  # only the last chunk differs
+    attach_outputs(call, input_tensors(call, [x], {}), [0], sink=sink)
+    save_calls(path, [call], spool=sink)
+    loaded = load_bundle(path).calls[0]
+    assert torch.equal(loaded.materialize("cpu").tensors[0], before)
+    assert torch.equal(loaded.materialize_outputs("cpu")[0], x.cpu())
+
+
+@pytest.mark.gpu
+def test_gpu_sync_recording_stages_large_spans_into_the_store(tmp_path) -> None:
+    import sys
+    import types
+
+    import kdump
+
+    mod = types.ModuleType("kdump_io_gpu_target")
+
+    def step(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
+        torch.matmul(x, w, out=out)
+
+    step.__module__, step.__qualname__ = mod.__name__, "step"
+    mod.step = step  # type: ignore[attr-defined]
+    sys.modules[mod.__name__] = mod
+    w = torch.randn(2048, 2048, device="cuda")  # 16 MiB, the same in every call
+    befores = []
+    try:
+        with kdump.recording(f"{mod.__name__}:step", out=tmp_path) as rec:
+            for i in range(2):
+                x = torch.full((64, 2048), float(i + 1), device="cuda")
+                out = torch.zeros(64, 2048, device="cuda")
+                befores.append((x.cpu(), out.cpu()))
+                mod.step(w, x, out)
+                befores[-1] += (out.cpu(),)
+    finally:
+        del sys.modules[mod.__name__]
+    assert len(rec.written) == 2
+    stored = [p for p in (tmp_path / "blobs").rglob("*") if p.is_file()]
+    assert sum(p.stat().st_size == w.numel() * 4 for p in stored) == 1  # the weight once
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
+    for path, (x0, out0, out1) in zip(rec.written, befores):
+        call = load_bundle(path).calls[0]
+        assert torch.equal(call.args[0], w.cpu()) and torch.equal(call.args[1], x0)
+        assert torch.equal(call.args[2], out0)
+        assert torch.equal(call.materialize_outputs("cpu")[2], out1)

@@ -108,6 +108,8 @@ def test_index_bytes_per_call_do_not_grow(tmp_path, monkeypatch):
     assert max(per_call) < 300
     index_file = rec.written[0].parent / INDEX_NAME
     assert index_file.stat().st_size == sum(counting.writes)  # appended, never rewritten
+    sizes = [p.stat().st_size for p in rec.written]  # the bundles' bytes do not grow either
+    assert max(sizes[-100:]) - min(sizes[:100]) <= 16
     index = read_index(rec.written[0].parent)
     assert [e.call_index for e in index.bundles] == list(range(n))
     assert index.status["bundles"] == n and index.header["pid"] == os.getpid()
@@ -223,3 +225,57 @@ def test_child_environment_is_a_copy(monkeypatch, tmp_path):
     env = build_env(config.environ(), ("m:f",), {"calls": "1-2"})
     assert env["KDUMP_CALLS"] == "1-2" and env["KDUMP_OUT"] == str(tmp_path / "o")
     assert "KDUMP_CALLS" not in os.environ and os.environ.get("KDUMP_RECORD") != "1"
+
+
+def _large_calls(n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`n` axpy calls over 12 MiB of arguments: the same x each time, y changing."""
+    import plainmod
+
+    g = torch.Generator(device="cpu").manual_seed(11)
+    x = torch.randn(2 << 20, generator=g)
+    ys = []
+    for _ in range(n):
+        y = torch.randn(1 << 20, generator=g)
+        ys.append(y.clone())
+        plainmod.axpy(0.5, x[: 1 << 20], y)
+    return x, ys
+
+
+def test_large_sync_calls_go_straight_into_the_store(tmp_path, monkeypatch):
+    from kdump.bundle import store
+
+    copied = []  # blobs written from a snapshot in memory (the path large calls avoid)
+    real_put = store.BlobStore.put
+    monkeypatch.setattr(
+        store.BlobStore,
+        "put",
+        lambda self, sha, data: copied.append(sha) or real_put(self, sha, data),
+    )
+    with kdump.recording("plainmod:axpy", out=tmp_path, mode="sync") as rec:
+        x, ys = _large_calls(3)
+    assert copied == []
+    blobs = sorted(p for p in (tmp_path / "blobs").rglob("*") if p.is_file())
+    # x once; each y before and after; the returned x * 2 once (the same every call).
+    assert len(blobs) == 1 + 2 * 3 + 1
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
+    index = read_index(rec.written[0].parent)
+    for i, (entry, y0) in enumerate(zip(index.bundles, ys)):
+        call = load_bundle(entry.path).calls[0]
+        assert torch.equal(call.args[1], x[: 1 << 20]) and torch.equal(call.args[2], y0)
+        assert call.args[1].storage_offset() == 0
+        assert torch.equal(call.materialize_outputs("cpu")[1], y0 + 0.5 * x[: 1 << 20])
+        new = 16 << 20 if i == 0 else 8 << 20  # blobs this bundle added to the store
+        assert new <= entry.nbytes < new + (64 << 10)
+
+
+def test_evicting_a_large_sync_bundle_frees_its_store_blobs(tmp_path):
+    with kdump.recording(
+        "plainmod:axpy", out=tmp_path, mode="sync", max_bundles=1, keep="newest"
+    ) as rec:
+        _large_calls(3)
+    folder = rec.written[0].parent
+    kept = sorted(p.name for p in (folder / "blobs").rglob("*") if p.is_file())
+    call = load_bundle(rec.written[0]).calls[0]
+    used = {st.blob for st in (*call.storages, *call.output_storages)}
+    assert set(kept) == used  # the evicted bundles' own blobs are gone, the shared x is kept
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]

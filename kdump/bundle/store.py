@@ -6,8 +6,8 @@ import contextlib
 import hashlib
 import os
 import re
+import secrets
 import socket
-import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,14 +23,6 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
 
-
-def _current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _current_umask()
 
 TEMP_SUFFIX = ".tmp"
 # `.<name>.<pid>@<host>.<random>.tmp`: who owns a temporary, so a later process can tell one
@@ -57,24 +49,58 @@ def atomic_write(
 ) -> Path:
     """Write `content` (bytes, or a function that writes to the open file) to a temporary file in
     the same folder, then rename it over `path`: readers see the old file or the whole new one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    prefix = f".{path.name}.{os.getpid()}@{_host_tag()}."
-    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=TEMP_SUFFIX, dir=path.parent)
+    path = path if isinstance(path, Path) else Path(path)
+    fd, tmp = open_temp(path)
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; these are ordinary files
-        with os.fdopen(fd, "wb") as f:
-            if callable(content):
+        if not callable(content):
+            try:  # one write for a small file; no buffered file object
+                view = memoryview(content).cast("B")
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+        else:
+            with os.fdopen(fd, "wb") as f:
                 content(f)
-            else:
-                f.write(content)
-            f.flush()
+                f.flush()
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
     return path
+
+
+def open_temp(path: Path) -> tuple[int, str]:
+    """A new temporary file (read-write descriptor, ordinary permissions) in `path`'s folder,
+    named so that `temp_owner` tells who wrote it; the caller renames it over `path` or removes
+    it."""
+    owner = _PID_HOST[0] if _PID_HOST[1] == os.getpid() else _pid_host()
+    folder = os.fspath(path.parent)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    made = False
+    for _ in range(100):
+        tmp = f"{folder}/.{path.name}.{owner}.{secrets.token_hex(6)}{TEMP_SUFFIX}"
+        try:
+            # Mode 0666 under the umask: an ordinary file (mkstemp would make it 0600).
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+        except FileNotFoundError:
+            if made:
+                raise
+            path.parent.mkdir(parents=True, exist_ok=True)  # the folder, on first need
+            made = True
+    raise FileExistsError(f"no free temporary name beside {path}")
+
+
+def _pid_host() -> str:
+    global _PID_HOST
+    _PID_HOST = (f"{os.getpid()}@{_host_tag()}", os.getpid())
+    return _PID_HOST[0]
+
+
+_PID_HOST: tuple[str, int] = ("", -1)  # the temporaries' owner tag, made once per process
 
 
 def sha256_hex(data: memoryview | bytes) -> str:
@@ -136,3 +162,15 @@ class BlobStore:
     def put(self, sha: str, data: memoryview) -> None:
         if not self.has(sha, len(data)):
             atomic_write(self.path(sha), data)
+
+    def adopt(self, sha: str, tmp: str, nbytes: int) -> bool:
+        """Move a blob file already written (temporary `tmp`, in this store's folder) to its
+        name; when the store holds the blob already, `tmp` is removed instead. True when it
+        was added."""
+        if self.has(sha, nbytes):
+            os.unlink(tmp)
+            return False
+        dest = self.path(sha)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, dest)
+        return True

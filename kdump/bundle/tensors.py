@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -53,14 +54,16 @@ class Captured:
     storages: list[StorageRecord]
     tensors: list[TensorRecord]
     data: list[torch.Tensor]  # one contiguous CPU uint8 tensor per storage
+    # (SHA-256, fast check) of each storage's bytes where the capture already hashed them (a
+    # capture written straight into its bundle file); empty or None where not yet known.
+    digests: list[tuple[str, str] | None] = field(default_factory=list)
+
+    def digest(self, idx: int) -> tuple[str, str] | None:
+        return self.digests[idx] if idx < len(self.digests) else None
 
     @property
     def nbytes(self) -> int:
         return sum(s.span_nbytes for s in self.storages)
-
-
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return (str(t.device), t.untyped_storage().data_ptr())
 
 
 def _byte_view(t: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
@@ -74,57 +77,50 @@ def group_storages(
     tensors: Sequence[torch.Tensor],
 ) -> tuple[list[StorageRecord], list[TensorRecord]]:
     """Group tensors by storage and compute each storage's covered span. Reads no data."""
-    for t in tensors:
-        if t.is_sparse or t.layout != torch.strided:
-            raise BundleError(f"tensor layout {t.layout} is not supported (strided tensors only)")
-        if any(s < 0 for s in t.stride()):
-            raise BundleError("tensors with negative strides are not supported")
+    strided = torch.strided
     order: dict[tuple[str, int], int] = {}
     spans: list[list[int]] = []
-    first: list[torch.Tensor] = []
-    owner: list[int] = []
+    bases: list[tuple[str, int, int]] = []  # (device, data pointer, nbytes) of each storage
+    records: list[TensorRecord] = []
     for t in tensors:
-        key = _storage_key(t)
-        lo, hi = view_byte_extent(t.shape, t.stride(), t.storage_offset(), t.element_size())
-        if key not in order:
-            order[key] = len(spans)
+        if t.layout != strided:
+            raise BundleError(f"tensor layout {t.layout} is not supported (strided tensors only)")
+        shape = tuple(t.shape)
+        stride = tuple(t.stride())
+        if any(s < 0 for s in stride):
+            raise BundleError("tensors with negative strides are not supported")
+        storage = t.untyped_storage()
+        device = str(t.device)
+        key = (device, storage.data_ptr())
+        offset = t.storage_offset()
+        lo, hi = view_byte_extent(shape, stride, offset, t.element_size())
+        idx = order.get(key)
+        if idx is None:
+            idx = order[key] = len(spans)
             spans.append([lo, hi])
-            first.append(t)
-        else:
-            span = spans[order[key]]
-            # An empty view adds nothing to the span.
-            if hi > lo:
-                if span[1] <= span[0]:
-                    span[0], span[1] = lo, hi
-                else:
-                    span[0], span[1] = min(span[0], lo), max(span[1], hi)
-        owner.append(order[key])
-    storages = []
-    for (lo, hi), t in zip(spans, first):
-        if hi <= lo:
-            lo = hi = min(lo, t.untyped_storage().nbytes())
-        st = t.untyped_storage()
-        storages.append(
-            StorageRecord(
-                device=str(t.device),
-                base_ptr=st.data_ptr(),
-                storage_nbytes=st.nbytes(),
-                span_start=lo,
-                span_nbytes=hi - lo,
+            bases.append((device, key[1], storage.nbytes()))
+        elif hi > lo:  # an empty view adds nothing to the span
+            span = spans[idx]
+            if span[1] <= span[0]:
+                span[0], span[1] = lo, hi
+            else:
+                span[0], span[1] = min(span[0], lo), max(span[1], hi)
+        records.append(
+            TensorRecord(
+                storage=idx,
+                dtype=dtype_name(t.dtype),
+                shape=shape,
+                stride=stride,
+                storage_offset=offset,
+                requires_grad=bool(t.requires_grad),
+                data_ptr=t.data_ptr(),
             )
         )
-    records = [
-        TensorRecord(
-            storage=idx,
-            dtype=dtype_name(t.dtype),
-            shape=tuple(t.shape),
-            stride=tuple(t.stride()),
-            storage_offset=t.storage_offset(),
-            requires_grad=bool(t.requires_grad),
-            data_ptr=t.data_ptr(),
-        )
-        for t, idx in zip(tensors, owner)
-    ]
+    storages = []
+    for (lo, hi), (device, ptr, nbytes) in zip(spans, bases):
+        if hi <= lo:
+            lo = hi = min(lo, nbytes)
+        storages.append(StorageRecord(device, ptr, nbytes, lo, hi - lo))
     return storages, records
 
 
@@ -133,41 +129,79 @@ _memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
 _memcmp.restype = ctypes.c_int
 
 
+def _same_at(a: torch.Tensor, ptr: int, n: int) -> bool:
+    """Whether a contiguous CPU uint8 tensor holds the `n` bytes at address `ptr`."""
+    return a.numel() == n and (n == 0 or _memcmp(a.data_ptr(), ptr, n) == 0)
+
+
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two contiguous CPU uint8 tensors hold the same bytes."""
     n = a.numel()
     return n == b.numel() and (n == 0 or _memcmp(a.data_ptr(), b.data_ptr(), n) == 0)
 
 
-def capture(tensors: Sequence[torch.Tensor], unchanged_from: Captured | None = None) -> Captured:
+class Sink(Protocol):
+    """Where a capture can write storage spans as it reads them (kdump.bundle.spool.Spool)."""
+
+    @property
+    def active(self) -> bool: ...
+
+    def put(
+        self, sources: Sequence[torch.Tensor], aligns: Sequence[int], records: int = 0
+    ) -> list[tuple[torch.Tensor, tuple[str, str]]]: ...
+
+
+SINK_MIN = 8 << 20  # a capture of fewer bytes stays in memory unless its sink is already in use
+
+
+def capture(
+    tensors: Sequence[torch.Tensor],
+    unchanged_from: Captured | None = None,
+    sink: Sink | None = None,
+) -> Captured:
     """Snapshot the storage spans that `tensors` cover, as CPU bytes.
 
     Device tensors are copied to pinned host memory in one batch and synchronised once. A CPU
     span that `unchanged_from` (an earlier snapshot) holds with the same bytes shares its snapshot
     (comparing is cheaper than copying into fresh memory: outputs a call left unchanged).
+    With `sink` (and at least SINK_MIN bytes, or a sink already written to), the spans go straight
+    from the tensors' memory into the sink's file, hashed on the way, and the snapshot's bytes
+    are views of that file.
     """
     storages, records = group_storages(tensors)
     firsts: dict[int, torch.Tensor] = {}
     for t, rec in zip(tensors, records):
         firsts.setdefault(rec.storage, t)
-    earlier: dict[tuple[str, int, int, int], torch.Tensor] = {}
+    earlier: dict[tuple[str, int, int, int], int] = {}
     if unchanged_from is not None:
-        for old, old_data in zip(unchanged_from.storages, unchanged_from.data):
+        for i, old in enumerate(unchanged_from.storages):
             key = (old.device, old.base_ptr, old.span_start, old.span_nbytes)
-            earlier.setdefault(key, old_data)
+            earlier.setdefault(key, i)
+    total = sum(st.span_nbytes for st in storages)
+    if sink is not None and (sink.active or total >= SINK_MIN):
+        return _capture_into(sink, storages, records, firsts, unchanged_from, earlier)
     data: list[torch.Tensor] = []
+    digests: list[tuple[str, str] | None] = []
     pending_sync: set[torch.device] = set()
     lazy: list[int] = []  # storages seen through a lazy conj / neg view: resolved after the copy
     for idx, st in enumerate(storages):
-        src = _byte_view(firsts[idx], st.span_start, st.span_nbytes)
+        digests.append(None)
         if _has_lazy_bits(firsts[idx]):
             lazy.append(idx)
-        if src.device.type == "cpu" and idx in lazy:
-            data.append(src.clone())
-        elif src.device.type == "cpu":
-            same = earlier.get((st.device, st.base_ptr, st.span_start, st.span_nbytes))
-            data.append(same if same is not None and _same_bytes(same, src) else src.clone())
+        if st.device == "cpu":  # read at the span's address: no view to build
+            n = st.span_nbytes
+            j = earlier.get((st.device, st.base_ptr, st.span_start, n))
+            same = unchanged_from.data[j] if j is not None and unchanged_from else None
+            if idx not in lazy and same is not None and _same_at(same, st.span_ptr, n):
+                data.append(same)
+                digests[-1] = unchanged_from.digest(j) if unchanged_from else None
+            else:
+                copy = torch.empty(n, dtype=torch.uint8)
+                if n:
+                    ctypes.memmove(copy.data_ptr(), st.span_ptr, n)
+                data.append(copy)
         else:
+            src = _byte_view(firsts[idx], st.span_start, st.span_nbytes)
             host = torch.empty(st.span_nbytes, dtype=torch.uint8, pin_memory=True)
             host.copy_(src, non_blocking=True)
             pending_sync.add(src.device)
@@ -176,7 +210,70 @@ def capture(tensors: Sequence[torch.Tensor], unchanged_from: Captured | None = N
         torch.cuda.current_stream(dev).synchronize()
     for idx in lazy:
         _resolve_lazy_bits(data[idx], firsts[idx])
-    return Captured(storages=storages, tensors=records, data=data)
+    return Captured(storages=storages, tensors=records, data=data, digests=digests)
+
+
+def _capture_into(
+    sink: Sink,
+    storages: list[StorageRecord],
+    records: list[TensorRecord],
+    firsts: dict[int, torch.Tensor],
+    unchanged_from: Captured | None,
+    earlier: dict[tuple[str, int, int, int], int],
+) -> Captured:
+    data: list[torch.Tensor | None] = []
+    digests: list[tuple[str, str] | None] = []
+    todo: list[int] = []
+    sources: list[torch.Tensor] = []
+    views = [_byte_view(firsts[i], st.span_start, st.span_nbytes) for i, st in enumerate(storages)]
+    matches: dict[int, int] = {}  # storage -> the earlier snapshot of the same span
+    if unchanged_from is not None:
+        for idx, st in enumerate(storages):
+            j = earlier.get((st.device, st.base_ptr, st.span_start, st.span_nbytes))
+            if j is not None and not _has_lazy_bits(firsts[idx]):
+                matches[idx] = j
+    unchanged = _unchanged(views, matches, unchanged_from)
+    for idx in range(len(storages)):
+        t = firsts[idx]
+        src = views[idx]
+        if idx in unchanged and unchanged_from is not None:  # the bytes already in the file
+            j = matches[idx]
+            data.append(unchanged_from.data[j])
+            digests.append(unchanged_from.digest(j))
+            continue
+        if _has_lazy_bits(t):  # the values the kernel saw, resolved on a private copy
+            src = src.clone() if src.device.type == "cpu" else src.cpu()
+            _resolve_lazy_bits(src, t)
+        data.append(None)
+        digests.append(None)
+        todo.append(idx)
+        sources.append(src)
+    if sources:
+        aligns = [storages[i].alignment for i in todo]
+        for idx, (view, dig) in zip(todo, sink.put(sources, aligns, len(storages) + len(records))):
+            data[idx], digests[idx] = view, dig
+    return Captured(storages=storages, tensors=records, data=data, digests=digests)  # type: ignore[arg-type]
+
+
+def _unchanged(
+    views: Sequence[torch.Tensor], matches: dict[int, int], earlier: Captured | None
+) -> set[int]:
+    """The storages in `matches` whose bytes equal their earlier snapshot (device spans are
+    compared through staging buffers as they arrive, without writing them again)."""
+    if earlier is None or not matches:
+        return set()
+    same = {
+        i
+        for i, j in matches.items()
+        if views[i].device.type == "cpu" and _same_bytes(earlier.data[j], views[i])
+    }
+    device = [i for i in matches if views[i].device.type != "cpu"]
+    if device:
+        from kdump.bundle.spool import same_on_device
+
+        pairs = [(views[i], earlier.data[matches[i]]) for i in device]
+        same.update(i for i, ok in zip(device, same_on_device(pairs)) if ok)
+    return same
 
 
 def _has_lazy_bits(t: torch.Tensor) -> bool:

@@ -32,6 +32,7 @@ from kdump.bundle.format import (
     Where,
     manifest_json,
 )
+from kdump.bundle.spool import Spool, StoreSpool, cpu_view
 from kdump.bundle.store import BlobStore, atomic_write, blob_digests, fast_checksum, pool
 from kdump.bundle.tensors import Captured, capture
 from kdump.errors import BundleError, UsageError
@@ -81,8 +82,10 @@ def capture_call(
     called_as: str | None = None,
     names: Sequence[str] | None = None,
     meta: dict[str, Any] | None = None,
+    sink: Spool | StoreSpool | None = None,
 ) -> CallRecord:
-    """Snapshot a call's arguments (before the call runs)."""
+    """Snapshot a call's arguments (before the call runs). With `sink` (a `Spool` for the bundle
+    `save_calls` will write), a large snapshot is written straight into that bundle's file."""
     kwargs = kwargs or {}
     tensors: list[torch.Tensor] = []
     # One node budget for all of a call's arguments: the reader checks them together.
@@ -95,7 +98,7 @@ def capture_call(
         args=args_tree,
         kwargs=kwargs_tree,
         names=list(names) if names is not None else None,
-        inputs=capture(tensors),
+        inputs=capture(tensors, sink=sink),
         meta=dict(meta or {}),
     )
 
@@ -108,35 +111,67 @@ def input_tensors(
 
 
 def attach_outputs(
-    call: CallRecord, live: Sequence[torch.Tensor], indices: Iterable[int], returned: Any = None
+    call: CallRecord,
+    live: Sequence[torch.Tensor],
+    indices: Iterable[int],
+    returned: Any = None,
+    sink: Spool | StoreSpool | None = None,
 ) -> None:
     """Snapshot tensors `indices` of the call's tensor table after the call (in-place outputs),
-    and tensors in the return value."""
+    and tensors in the return value (into `sink`'s file when the inputs went there)."""
     idx = sorted(set(indices))
     extra: list[torch.Tensor] = [live[i] for i in idx]
     ret_tree = argtree.encode(returned, extra) if returned is not None else None
-    call.outputs = capture(extra, unchanged_from=call.inputs)
+    call.outputs = capture(extra, unchanged_from=call.inputs, sink=sink)
     call.inplace = [(i, k) for k, i in enumerate(idx)]
     call.returned = ret_tree
 
 
-def _blob_view(t: torch.Tensor) -> memoryview:
-    """Zero-copy bytes of a contiguous CPU uint8 tensor."""
-    n = t.numel()
-    if n == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+_blob_view = cpu_view  # zero-copy bytes of a contiguous CPU uint8 tensor
 
+
+def open_spool(path: str | os.PathLike[str]) -> Spool:
+    """A spool for the bundle to be written at `path`: pass it to `capture_call` and
+    `attach_outputs` as `sink`, then to `save_calls` as `spool` (or `abort()` it)."""
+    return Spool(path, ALIGNED_BLOB_MIN)
+
+
+# A bundle whose data section is at most this is assembled in memory and written in one write.
+ONE_WRITE_MAX = 1 << 20
+# What a recorder keeps inline in a store bundle (`inline_below`): a blob smaller than this costs
+# more as a file of its own in the store (a temporary, a rename, an inode) than its bytes in each
+# bundle that uses it.
+STORE_MIN = 16 << 10
 
 # Below this many bytes hashing on the calling thread beats handing blobs to the pool, and
 # hashing before writing beats the pipelined writer (which builds the manifest twice).
 INLINE_HASH_MAX = 8 << 20
 
 
-def _hash_all(views: Sequence[memoryview]) -> list[Digests]:
-    if len(views) <= 1 or sum(len(v) for v in views) < INLINE_HASH_MAX:
-        return [blob_digests(v) for v in views]
-    return [f.result() for f in _submit_once(views)]
+def _hash_all(
+    views: Sequence[memoryview], known: Sequence[Digests | None] | None = None
+) -> list[Digests]:
+    """Digests of `views`; those in `known` (a capture that hashed them already) are not hashed
+    again, nor views of the same bytes (an unchanged output sharing its input's snapshot)."""
+    known = known if known is not None else [None] * len(views)
+    todo = [v for v, k in zip(views, known) if k is None]
+    if len(todo) <= 1 or sum(len(v) for v in todo) < INLINE_HASH_MAX:
+        done: dict[tuple[int, int], Digests] = {}
+        out = []
+        for v in todo:
+            key = (_address(v), len(v))
+            dig = done.get(key)
+            if dig is None:
+                dig = done[key] = blob_digests(v)
+            out.append(dig)
+        fresh = iter(out)
+    else:
+        fresh = iter([f.result() for f in _submit_once(todo)])
+    return [k if k is not None else next(fresh) for k in known]
+
+
+def _address(v: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(v)) if len(v) else 0
 
 
 def _submit_once(views: Sequence[memoryview]) -> list[Future[Digests]]:
@@ -145,7 +180,7 @@ def _submit_once(views: Sequence[memoryview]) -> list[Future[Digests]]:
     jobs: dict[tuple[int, int], Future[Digests]] = {}
     out = []
     for v in views:
-        key = (ctypes.addressof(ctypes.c_char.from_buffer(v)) if len(v) else 0, len(v))
+        key = (_address(v), len(v))
         if key not in jobs:
             jobs[key] = pool().submit(blob_digests, v)
         out.append(jobs[key])
@@ -163,8 +198,21 @@ def _entries(calls: Sequence[CallRecord], shas: Sequence[str]) -> tuple[CallEntr
     it = iter(shas)
 
     def named(cap: Captured) -> tuple[StorageRecord, ...]:
+        # The constructor, not dataclasses.replace: this runs for every storage of every bundle.
         return tuple(
-            replace(st, blob=next(it)) if st.source is Source.BLOB else st for st in cap.storages
+            StorageRecord(
+                st.device,
+                st.base_ptr,
+                st.storage_nbytes,
+                st.span_start,
+                st.span_nbytes,
+                next(it),
+                st.source,
+                st.stats,
+            )
+            if st.source is Source.BLOB
+            else st
+            for st in cap.storages
         )
 
     out = []
@@ -198,6 +246,11 @@ def _entries(calls: Sequence[CallRecord], shas: Sequence[str]) -> tuple[CallEntr
 def _bounded(meta: dict[str, Any]) -> dict[str, Any]:
     """`meta` with strings cut to the reader's string limit (an exception text may be huge)."""
     limit = argtree.LIMITS.max_string
+    try:  # no string is longer than the whole JSON text: nothing to cut (the common case)
+        if len(json.dumps(meta)) <= limit:
+            return meta
+    except (TypeError, ValueError):
+        pass
 
     def cut(v: Any) -> Any:
         if isinstance(v, str) and len(v) > limit:
@@ -218,27 +271,87 @@ def save_calls(
     env: dict[str, Any] | None = None,
     store: BlobStore | None = None,
     info: dict[str, Any] | None = None,
+    spool: Spool | StoreSpool | None = None,
+    inline_below: int = 0,
 ) -> Path:
     """Write `calls` as one bundle, atomically. Identical storages are stored once.
 
     With `store`, blobs go to the shared store (each written once per capture directory) and the
-    bundle holds only the manifest.
+    bundle holds only the manifest, except blobs smaller than `inline_below` bytes (a recorder
+    passes STORE_MIN), which stay inline. With `spool` (the sink the calls were captured into,
+    opened for `path`), the blobs already in its file stay there and the header completes it; a
+    `StoreSpool`'s blobs are in the store already (and not written again).
     """
     path = Path(path)
     caps = [cap for call in calls for cap in (call.inputs, call.outputs) if cap is not None]
     held = [  # storages of other kinds hold no bytes
-        (st, d) for cap in caps for st, d in zip(cap.storages, cap.data) if st.source is Source.BLOB
+        (st, d, cap.digest(i))
+        for cap in caps
+        for i, (st, d) in enumerate(zip(cap.storages, cap.data))
+        if st.source is Source.BLOB
     ]
-    views = [_blob_view(d) for _, d in held]
-    aligns = [st.alignment for st, _ in held]
-    where = Where.STORE if store is not None else Where.INLINE
-    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    views = [_blob_view(d) for _, d, _ in held]
+    aligns = [st.alignment for st, _, _ in held]
+    known = [dig for _, _, dig in held]
+    sizes = [len(v) for v in views]
+    wheres = [
+        Where.STORE if store is not None and n >= inline_below else Where.INLINE for n in sizes
+    ]
+    make_manifest = _manifest_maker(calls, sizes, wheres, env, info)
+    if isinstance(spool, Spool) and spool.active:
+        if store is None:
+            return _finish_spool(spool, path, held, known, make_manifest)
+        spool.abort()  # the blobs go to the store: its file was only the snapshot's memory
+    small = sum(len(v) for v in views) < INLINE_HASH_MAX
+    if (
+        store is None
+        and not small
+        and not all(known)
+        and _write_pipelined(path, views, aligns, make_manifest)
+    ):
+        return path
+    digests = _hash_all(views, known)
+    inline: dict[str, tuple[memoryview, int]] = {}
+    stored: dict[str, memoryview] = {}
+    for (sha, _), view, align, where in zip(digests, views, aligns, wheres):
+        if where is Where.STORE:
+            stored.setdefault(sha, view)
+        else:
+            inline.setdefault(sha, (view, align))
+    if store is not None:
+        for sha, view in stored.items():
+            store.put(sha, view)
+    _write_safetensors(path, make_manifest(digests), inline)
+    return path
+
+
+_stamp: tuple[int, str] = (-1, "")
+
+
+def _utc_now() -> str:
+    """The manifest's `created` time (formatted once per second: bundles come faster)."""
+    global _stamp
+    now = int(time.time())
+    if _stamp[0] != now:
+        _stamp = (now, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)))
+    return _stamp[1]
+
+
+def _manifest_maker(
+    calls: Sequence[CallRecord],
+    sizes: Sequence[int],
+    wheres: Sequence[Where],
+    env: dict[str, Any] | None,
+    info: dict[str, Any] | None,
+) -> Callable[[Sequence[Digests]], dict[str, Any]]:
+    """The manifest of `calls` given the digests of their blob storages (in capture order)."""
+    created = _utc_now()
     algo = fast_checksum()
 
     def make_manifest(digests: Sequence[Digests]) -> dict[str, Any]:
         blobs: dict[str, BlobRecord] = {}
-        for (sha, fast), view in zip(digests, views):
-            blobs.setdefault(sha, BlobRecord(len(view), where, algo, fast))
+        for (sha, fast), n, where in zip(digests, sizes, wheres):
+            blobs.setdefault(sha, BlobRecord(n, where, algo, fast))
         return manifest_json(
             Manifest(
                 version=FORMAT_VERSION,
@@ -251,20 +364,34 @@ def save_calls(
             )
         )
 
-    small = sum(len(v) for v in views) < INLINE_HASH_MAX
-    if store is None and not small and _write_pipelined(path, views, aligns, make_manifest):
-        return path
-    digests = _hash_all(views)
-    blobs: dict[str, tuple[memoryview, int]] = {}
-    for (sha, _), view, align in zip(digests, views, aligns):
-        blobs.setdefault(sha, (view, align))
-    if store is not None:
-        for sha, (view, _) in blobs.items():
-            store.put(sha, view)
-        _write_safetensors(path, make_manifest(digests), {})
-    else:
-        _write_safetensors(path, make_manifest(digests), blobs)
-    return path
+    return make_manifest
+
+
+def _finish_spool(
+    spool: Spool,
+    path: Path,
+    held: Sequence[tuple[StorageRecord, torch.Tensor, Digests | None]],
+    known: Sequence[Digests | None],
+    make_manifest: Callable[[Sequence[Digests]], dict[str, Any]],
+) -> Path:
+    """Complete a spooled bundle: blobs captured in memory (small parts) join the file, then the
+    header names them all."""
+    if spool.path != path:
+        raise UsageError(f"the spool was opened for {spool.path}, not {path}")
+    try:
+        missing = [i for i, dig in enumerate(known) if dig is None]
+        digests: list[Digests | None] = list(known)
+        if missing:
+            put = spool.put([held[i][1] for i in missing], [held[i][0].alignment for i in missing])
+            for i, (_, dig) in zip(missing, put):
+                digests[i] = dig
+        final = [d for d in digests if d is not None]
+        layout, pads, _ = spool.layout({sha for sha, _ in final})
+        raw = _header_json(make_manifest(final), layout, pads)
+    except BaseException:
+        spool.abort()  # nothing of a bundle that could not be completed stays behind
+        raise
+    return spool.finish(raw)
 
 
 def pack(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
@@ -342,12 +469,17 @@ def pack_destination(
 def _header_json(
     manifest: dict[str, Any], layout: dict[str, tuple[int, int]], pads: Sequence[tuple[int, int]]
 ) -> bytes:
+    """The safetensors header: one U8 entry per inline blob and padding span, and the manifest
+    as a JSON string in `__metadata__`. Entry names are hex digests and `kdump.pad.<i>` (nothing
+    to escape), so the entries are formatted directly and only the manifest goes through json."""
     entries = [*layout.items(), *((f"{PAD_PREFIX}{i}", span) for i, span in enumerate(pads))]
-    header: dict[str, Any] = {
-        name: {"dtype": "U8", "shape": [e - b], "data_offsets": [b, e]} for name, (b, e) in entries
-    }
-    header["__metadata__"] = {MANIFEST_KEY: json.dumps(manifest, separators=(",", ":"))}
-    return json.dumps(header, separators=(",", ":")).encode()
+    parts = [
+        f'"{name}":{{"dtype":"U8","shape":[{e - b}],"data_offsets":[{b},{e}]}}'
+        for name, (b, e) in entries
+    ]
+    text = json.dumps(json.dumps(manifest, separators=(",", ":")))
+    parts.append(f'"__metadata__":{{{json.dumps(MANIFEST_KEY)}:{text}}}')
+    return ("{" + ",".join(parts) + "}").encode()
 
 
 def _padded_size(raw_len: int, sizes: Iterable[int]) -> int:
@@ -439,6 +571,18 @@ def _write_safetensors(
             "write fewer calls per bundle",
             K.LIMIT,
         )
+
+    if offset <= ONE_WRITE_MAX:  # a small bundle: assembled here, written by one write
+        parts: list[bytes | memoryview] = [struct.pack("<Q", len(raw)), raw]
+        pos = 0
+        for sha, (view, _) in blobs.items():
+            start = layout[sha][0]
+            if start > pos:
+                parts.append(bytes(start - pos))
+            parts.append(view)
+            pos = start + len(view)
+        atomic_write(path, b"".join(parts))
+        return
 
     def write(f: BinaryIO) -> None:
         f.write(struct.pack("<Q", len(raw)))

@@ -206,7 +206,11 @@ def _dead_owner(folder: Path, host: str, pid_alive: Callable[[int], bool]) -> bo
 
 
 class CountingStore:
-    """A BlobStore that remembers which blobs the current bundle used and which it created."""
+    """A BlobStore that remembers which blobs the current bundle used and which it created.
+
+    Blobs this process wrote or found in the store are remembered, so a blob that every call
+    passes (a weight) costs no file-system look-up after the first: blobs are only ever removed
+    by their owner's eviction (`forget`), never from a shared store."""
 
     def __init__(self, root: Path) -> None:
         from kdump.bundle import BlobStore
@@ -216,16 +220,31 @@ class CountingStore:
         class Store(BlobStore):
             def put(self, sha: str, data: memoryview) -> None:
                 outer.used.append(sha)
+                if sha in outer.present:
+                    return
                 if not self.has(sha, len(data)):
                     BlobStore.put(self, sha, data)
                     outer.created[sha] = len(data)
+                outer.present.add(sha)
+
+            def adopt(self, sha: str, tmp: str, nbytes: int) -> bool:
+                if sha in outer.present:
+                    os.unlink(tmp)
+                    return False
+                added = BlobStore.adopt(self, sha, tmp, nbytes)
+                outer.present.add(sha)
+                return added
 
         self.store = Store(root)
         self.used: list[str] = []
         self.created: dict[str, int] = {}
+        self.present: set[str] = set()
 
     def begin(self) -> None:
         self.used, self.created = [], {}
+
+    def forget(self, sha: str) -> None:
+        self.present.discard(sha)
 
 
 class CaptureDir:
@@ -253,6 +272,9 @@ class CaptureDir:
         self._blob_refs: dict[str, int] = {}
         self._blob_owned: dict[str, int] = {}  # blobs this process created (private store)
         self._torn = False  # an index write failed part-way: the next line starts afresh
+        self._names: set[str] = set()  # bundle names handed out in the folder
+        self._index_fd: int | None = None  # kept open: one write per line
+        self._index_pid = 0
 
     # -- the folder ------------------------------------------------------------------------------
     def folder(self) -> Path:
@@ -297,21 +319,21 @@ class CaptureDir:
         return self._store
 
     def new_bundle_path(self, stem: str) -> Path:
-        """A bundle name nobody has used, created (empty) exclusively so it is ours."""
+        """A bundle name nobody has used. The folder was created exclusively for this process and
+        only this object names files in it, so the names it handed out are all there is to avoid
+        (no file is made until the bundle is written, by one rename)."""
         folder = self.folder()
         for k in range(_NAME_ATTEMPTS):
-            path = folder / (f"{stem}{BUNDLE_SUFFIX}" if k == 0 else f"{stem}.{k}{BUNDLE_SUFFIX}")
-            try:
-                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
-                return path
-            except FileExistsError:
-                continue
+            name = f"{stem}{BUNDLE_SUFFIX}" if k == 0 else f"{stem}.{k}{BUNDLE_SUFFIX}"
+            if name not in self._names:
+                self._names.add(name)
+                return folder / name
         raise FileExistsError(f"no free bundle name for {stem} in {folder}")
 
     def abandon(self, path: Path) -> None:
-        """Remove a reserved name whose bundle could not be written."""
-        with contextlib.suppress(OSError):
-            path.unlink()
+        """Give back a name whose bundle could not be written (nothing of it is on disk: the
+        writer removes its temporary)."""
+        self._names.discard(path.name)
 
     # -- bookkeeping -----------------------------------------------------------------------------
     def admit(self) -> bool:
@@ -321,24 +343,25 @@ class CaptureDir:
         """Account for the bundle just written at `path` (with the store's last blobs), evict
         what the limits say, and append its index line."""
         store = self.store()
-        added = path.stat().st_size + sum(store.created.values())
+        key = str(path)
+        added = os.stat(key).st_size + sum(store.created.values())
         used = list(dict.fromkeys(store.used))
-        self._bundle_blobs[str(path)] = used
+        self._bundle_blobs[key] = used
         for sha in used:
             self._blob_refs[sha] = self._blob_refs.get(sha, 0) + 1
         if self.private_store:
             self._blob_owned.update(store.created)
-        self.limits.add(Written(str(path), target, index, added, exception))
+        self.limits.add(Written(key, target, index, added, exception))
         victims = []
         while (victim := self.limits.victim()) is not None:
             freed = self._delete(victim)
             self.limits.freed(freed)
             victims.append((victim, freed))
         for victim, freed in victims:
-            if victim.path == str(path):  # never kept: it gets no index line
+            if victim.path == key:  # never kept: it gets no index line
                 continue
             self._append({"kind": "evicted", "path": Path(victim.path).name, "freed": freed})
-        if all(v.path != str(path) for v, _ in victims):
+        if all(v.path != key for v, _ in victims):
             self._append(
                 {
                     "kind": "bundle",
@@ -364,6 +387,7 @@ class CaptureDir:
                 self._blob_refs.pop(sha, None)
                 size = self._blob_owned.pop(sha, None)
                 if size is not None:
+                    self.store().forget(sha)
                     with contextlib.suppress(FileNotFoundError):
                         self.store().store.path(sha).unlink()
                         freed += size
@@ -390,15 +414,26 @@ class CaptureDir:
         data = (json.dumps(line, separators=(",", ":")) + "\n").encode()
         if self._torn:
             data = b"\n" + data
-        fd = os.open(self._folder / INDEX_NAME, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        if self._index_fd is None or self._index_pid != os.getpid():
+            path = self._folder / INDEX_NAME
+            self._index_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+            self._index_pid = os.getpid()
         try:
             self._torn = True
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view) :]
+                view = view[os.write(self._index_fd, view) :]
             self._torn = False
-        finally:
-            os.close(fd)
+        except OSError:
+            self.close()  # reopened for the next line
+            raise
+
+    def close(self) -> None:
+        """Close the index (a later line opens it again)."""
+        fd, self._index_fd = self._index_fd, None
+        if fd is not None and self._index_pid == os.getpid():
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     @property
     def written(self) -> list[Path]:

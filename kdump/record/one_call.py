@@ -8,13 +8,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kdump import envinfo
 from kdump.errors import UsageError
 from kdump.log import log
 from kdump.record.hooks import HookState, TargetSpec, busy
 from kdump.record.sync import cuda_state, output_indices, own_tensor_work
+
+if TYPE_CHECKING:
+    from kdump.bundle.spool import Spool
 
 
 def dump_call(
@@ -24,7 +27,8 @@ def dump_call(
     before, in-place outputs after (DeepGEMM: `d`; otherwise every tensor argument) and the
     return value. If fn raises, the bundle holds the pre-call inputs and the exception, and the
     exception is re-raised. A failure inside kdump is logged and fn's result returned anyway."""
-    from kdump.bundle import attach_outputs, capture_call, input_tensors, save_calls
+    from kdump.bundle import attach_outputs, capture_call, input_tensors
+    from kdump.bundle.writer import open_spool
 
     st = getattr(fn, "__kdump_state__", None)
     spec: TargetSpec | None = st.spec if isinstance(st, HookState) else None
@@ -34,6 +38,7 @@ def dump_call(
     target = spec.id if spec else _callable_text(real)
     names = _names_for(real, spec)
     call = None
+    spool = open_spool(path)  # a large snapshot goes straight into the bundle file
     try:
         pos = list(names[: len(args)]) if names and len(names) >= len(args) else None
         meta = {
@@ -55,10 +60,13 @@ def dump_call(
             if capturing:
                 raise UsageError("dump_call cannot read tensors during CUDA-graph capture")
             meta.update(capturing=False, stream=stream)
-            call = capture_call(target, args, kwargs, called_as=target, names=pos, meta=meta)
+            call = capture_call(
+                target, args, kwargs, called_as=target, names=pos, meta=meta, sink=spool
+            )
     except Exception as exc:
         log(f"dump_call: cannot capture {target} ({type(exc).__name__}: {exc}); calling it anyway")
     if call is None:
+        spool.abort()
         return fn(*args, **kwargs)
     prev = busy.flag
     busy.flag = True
@@ -66,7 +74,7 @@ def dump_call(
         result = fn(*args, **kwargs)
     except Exception as exc:
         call.meta["exception"] = f"{type(exc).__name__}: {exc}"[:2000]
-        _save_one(path, call, save_calls, cuda=call.meta.get("stream") is not None)
+        _save_one(path, call, spool, cuda=call.meta.get("stream") is not None)
         raise
     finally:
         busy.flag = prev
@@ -74,20 +82,23 @@ def dump_call(
         with own_tensor_work():
             live = input_tensors(call, args, kwargs)
             idx = output_indices("default", spec, names, live, args, kwargs)
-            attach_outputs(call, live, idx, returned=result)
+            attach_outputs(call, live, idx, returned=result, sink=spool)
     except Exception as exc:
         log(f"dump_call: cannot snapshot the outputs of {target} ({type(exc).__name__}: {exc})")
         call.outputs = None
-    _save_one(path, call, save_calls, cuda=call.meta.get("stream") is not None)
+    _save_one(path, call, spool, cuda=call.meta.get("stream") is not None)
     return result
 
 
-def _save_one(path: Any, call: Any, save_calls: Callable[..., Any], *, cuda: bool) -> None:
+def _save_one(path: Any, call: Any, spool: Spool, *, cuda: bool) -> None:
+    from kdump.bundle import save_calls
+
     try:
         env = envinfo.collect(cuda=cuda)  # GPU facts only when CUDA is in use: no CUDA init
         with own_tensor_work():
-            save_calls(Path(path), [call], env=env, info={"recorder": "dump_call"})
+            save_calls(Path(path), [call], env=env, info={"recorder": "dump_call"}, spool=spool)
     except Exception as exc:
+        spool.abort()
         log(f"dump_call: cannot write {path} ({type(exc).__name__}: {exc})")
 
 

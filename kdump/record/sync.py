@@ -28,6 +28,7 @@ from kdump.record.triggers import Limits, rank_allowed
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from kdump.bundle.spool import StoreSpool
     from kdump.record.session import Recording
 
 CAPTURE_NOTE = (
@@ -76,7 +77,7 @@ class _Process:
             self._rank, self._rank_final = r, True
         return r, r is not None
 
-    def env(self, cuda: bool) -> dict[str, Any]:
+    def env(self, cuda: bool, libraries: dict[str, Any] | None = None) -> dict[str, Any]:
         """The environment manifest: collected once per process, GPU facts once CUDA is in use
         (never initialising CUDA for a CPU call), library state fresh for every bundle."""
         if self._env is None:
@@ -86,7 +87,9 @@ class _Process:
             gpu = envinfo.gpu_info(cuda=cuda)
             if "cuda_available" in gpu:  # asked once: the facts do not change
                 self._gpu = gpu
-        return {**self._env, **gpu, "libraries": envinfo.library_state()}
+        if libraries is None:
+            libraries = envinfo.library_state()
+        return {**self._env, **gpu, "libraries": libraries}
 
 
 class SyncRecorder:
@@ -143,11 +146,17 @@ class SyncRecorder:
         try:
             snap = None
             plan = None
+            sink = None
             try:
                 with own_tensor_work():
                     plan = self._plan(st, index, args, kwargs)
+                    if plan == "dump":  # a large snapshot goes straight into the blob store
+                        from kdump.bundle.spool import StoreSpool
+                        from kdump.bundle.writer import STORE_MIN
+
+                        sink = StoreSpool(self._blob_store, STORE_MIN)
                     if plan is not None:
-                        snap = self._snapshot(st, index, called_as, args, kwargs, plan)
+                        snap = self._snapshot(st, index, called_as, args, kwargs, plan, sink)
             except Exception as exc:
                 self.session.fail(st, "capturing the arguments", exc)
             if snap is None:
@@ -158,7 +167,7 @@ class SyncRecorder:
                 try:  # the snapshot taken BEFORE the call; nothing is read after it raised
                     snap.meta["exception"] = f"{type(exc).__name__}: {exc}"[:2000]
                     with own_tensor_work():
-                        self._write(st, snap, index)
+                        self._write(st, snap, index, sink)
                 except Exception as exc2:
                     self.session.fail(st, "writing the bundle", exc2)
                 raise
@@ -166,8 +175,8 @@ class SyncRecorder:
                 try:
                     with own_tensor_work():
                         if not snap.meta.get("capturing"):
-                            self._attach_outputs(st, snap, args, kwargs, result)
-                        self._write(st, snap, index)
+                            self._attach_outputs(st, snap, args, kwargs, result, sink)
+                        self._write(st, snap, index, sink)
                 except Exception as exc:
                     self.session.fail(st, "writing the bundle", exc)
             return result
@@ -204,8 +213,10 @@ class SyncRecorder:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         plan: str,
+        sink: StoreSpool | None = None,
     ) -> Any:
-        from kdump.bundle import argtree, capture_call
+        from kdump.bundle import argtree
+        from kdump.bundle.writer import capture_call
 
         tensors = argtree.tensors_in(*args, *kwargs.values())
         capturing, stream = cuda_state(tensors)
@@ -227,7 +238,7 @@ class SyncRecorder:
         }
         if not capturing:
             return capture_call(
-                st.id, args, kwargs, called_as=called_as, names=pos_names, meta=meta
+                st.id, args, kwargs, called_as=called_as, names=pos_names, meta=meta, sink=sink
             )
         # Graph capture: no data can be read. Keep the layout of every tensor in the meta.
         from kdump.bundle.tensors import group_storages
@@ -252,17 +263,27 @@ class SyncRecorder:
         )
 
     def _attach_outputs(
-        self, st: HookState, call: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any
+        self,
+        st: HookState,
+        call: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        result: Any,
+        sink: StoreSpool | None = None,
     ) -> None:
-        from kdump.bundle import attach_outputs, input_tensors
+        from kdump.bundle.writer import attach_outputs, input_tensors
 
         live = input_tensors(call, args, kwargs)
         idx = output_indices(self.cfg.outputs, st.spec, st.names(), live, args, kwargs)
         if idx or result is not None:
-            attach_outputs(call, live, idx, returned=result)
+            attach_outputs(call, live, idx, returned=result, sink=sink)
 
-    def _write(self, st: HookState, call: Any, index: int) -> None:
-        from kdump.bundle import save_calls
+    def _blob_store(self) -> Any:
+        with self.lock:  # the process folder is made once, by one thread
+            return self.dest.store().store
+
+    def _write(self, st: HookState, call: Any, index: int, sink: StoreSpool | None = None) -> None:
+        from kdump.bundle.writer import STORE_MIN, save_calls
 
         with self.lock:
             if not self.dest.admit():
@@ -270,10 +291,21 @@ class SyncRecorder:
             path = self.dest.new_bundle_path(f"{self.short_name(st.id)}-{index:06d}")
             store = self.dest.store()
             store.begin()
+            if sink is not None:  # blobs the snapshot added to the store count for this bundle
+                store.created.update(sink.created)
             info = {"recorder": "sync", "session": self.session.started_ns}
             cuda = call.meta.get("stream") is not None  # set only when a CUDA tensor is involved
             try:
-                save_calls(path, [call], env=self.proc.env(cuda), store=store.store, info=info)
+                save_calls(
+                    path,
+                    [call],
+                    # The library state read at the call (it is the same a moment later).
+                    env=self.proc.env(cuda, call.meta.get("library_state")),
+                    store=store.store,
+                    info=info,
+                    inline_below=STORE_MIN,
+                    spool=sink,
+                )
             except BaseException:
                 self.dest.abandon(path)
                 raise
@@ -291,6 +323,8 @@ class SyncRecorder:
 
     def close(self) -> None:
         self.flush()
+        with self.lock:
+            self.dest.close()
 
     @property
     def written(self) -> list[Path]:

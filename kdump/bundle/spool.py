@@ -1,0 +1,539 @@
+"""A bundle written while its call is captured: every storage span goes straight from the
+argument's memory into the bundle's temporary file, hashed on the way, with no snapshot copy in
+between. Device memory goes through pinned staging buffers in chunks, the copy of the next chunk
+overlapping the hashing and writing of the current one.
+
+The header comes first in the file but is known only when the call is complete, so space is
+reserved for it at the front (and the data moved back in the kernel, once, in the rare case it
+outgrows that space). The data section starts at a multiple of ALIGN_MOD and each large span at
+an offset congruent to its recorded address, as `save_calls` lays them out. The temporary has the
+name of an `atomic_write` temporary, so one left by a killed writer is found and removed as those
+are, and the bundle appears by one rename.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import mmap
+import os
+import struct
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kdump.bundle.format import ALIGN_MOD, STORE_DIRNAME
+from kdump.bundle.store import (
+    HASH_THREADS,
+    BlobStore,
+    blob_digests,
+    fast_checksum,
+    hasher,
+    open_temp,
+    pool,
+)
+from kdump.errors import BundleError
+from kdump.errors import BundleErrorKind as K
+
+Digests = tuple[str, str]  # (SHA-256 name, fast check digest or "")
+
+# A call holding fewer bytes than this is snapshot in memory and written in one go (a temporary
+# file and a mapping per call cost more than copying a few MiB).
+SPOOL_MIN = 8 << 20
+WRITE_CHUNK = 16 << 20  # one write job: big enough to amortise the call, small enough to share
+HASH_CHUNK = 1 << 20  # the SHA-256 and the fast check read the same chunk while it is in cache
+STAGE_CHUNK = 16 << 20  # pinned staging buffer per device copy (two per span being copied)
+RESERVE_MIN = 128 << 10  # header space reserved up front
+RESERVE_PER_RECORD = 1 << 10  # and per tensor or storage record of the capture
+
+
+def round_up(n: int, unit: int) -> int:
+    return n + (-n) % unit
+
+
+def aligned(pos: int, nbytes: int, align: int, min_aligned: int) -> int:
+    """Where a blob of `nbytes` goes: the first offset at or after `pos` congruent to `align`
+    modulo ALIGN_MOD (blobs of `min_aligned` bytes or more), or `pos`."""
+    return pos + (align - pos) % ALIGN_MOD if nbytes >= min_aligned else pos
+
+
+_io_pool: ThreadPoolExecutor | None = None
+_io_pid = 0
+_io_lock = threading.Lock()
+
+
+def io_pool() -> ThreadPoolExecutor:
+    """The process's file-write pool (os.pwrite releases the GIL). Separate from the hashing pool
+    so that a hashing job may wait on writes without ever waiting on itself."""
+    global _io_pool, _io_pid
+    with _io_lock:
+        if _io_pool is None or _io_pid != os.getpid():
+            _io_pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="kdump-write")
+            _io_pid = os.getpid()
+        return _io_pool
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) if len(view) else 0
+
+
+def cpu_view(t: torch.Tensor) -> memoryview:
+    """Zero-copy bytes of a contiguous CPU uint8 tensor."""
+    n = t.numel()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        done = os.pwrite(fd, view, offset)
+        view, offset = view[done:], offset + done
+
+
+def _hash_cpu(view: memoryview) -> Digests:
+    algo = fast_checksum()
+    sha = hashlib.sha256()
+    fast = hasher(algo) if algo.value != "sha256" else None
+    for lo in range(0, len(view), HASH_CHUNK):
+        piece = view[lo : lo + HASH_CHUNK]
+        sha.update(piece)
+        if fast is not None:
+            fast.update(piece)
+    return sha.hexdigest(), fast.hexdigest() if fast is not None else ""
+
+
+class _Region:
+    """One span written (or being written) into the file, relative to the data section."""
+
+    __slots__ = ("alias", "digests", "nbytes", "start")
+
+    def __init__(self, start: int, nbytes: int) -> None:
+        self.start = start
+        self.nbytes = nbytes
+        self.digests: Digests | None = None
+        self.alias: _Region | None = None  # the earlier region with the same bytes (not kept)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.nbytes
+
+
+class Spool:
+    """A bundle's temporary file, filled span by span; `finish` writes the header and renames it
+    to `path`, `abort` removes it. The file is made on the first `put`."""
+
+    def __init__(self, path: str | os.PathLike[str], min_aligned: int) -> None:
+        self.path = Path(path)
+        self.min_aligned = min_aligned
+        self._fd: int | None = None
+        self._tmp: str | None = None
+        self._reserved = 0  # header bytes, length prefix included; a multiple of ALIGN_MOD
+        self._pos = 0  # end of the data written, relative to the data section
+        self._regions: list[_Region] = []
+        self._length = 0  # data bytes the header covers (set by `layout`)
+        self._done = False
+
+    @property
+    def active(self) -> bool:
+        return self._fd is not None
+
+    @property
+    def data_start(self) -> int:
+        return self._reserved
+
+    def _open(self, records: int) -> int:
+        if self._done:
+            raise BundleError(f"{self.path}: the bundle was already finished or abandoned")
+        if self._fd is None:
+            fd, tmp = open_temp(self.path)
+            self._fd, self._tmp = fd, tmp
+            self._reserved = round_up(RESERVE_MIN + RESERVE_PER_RECORD * records, ALIGN_MOD)
+        return self._fd
+
+    # -- spans ------------------------------------------------------------------------------------
+    def put(
+        self, sources: Sequence[torch.Tensor], aligns: Sequence[int], records: int = 0
+    ) -> list[tuple[torch.Tensor, Digests]]:
+        """Write each source span (a contiguous uint8 tensor, CPU or CUDA) into the file; for each,
+        a CPU uint8 tensor of the bytes as written (a private view of the file) and the digests.
+        Sources with the same bytes are written once. Returns when every byte is in the file."""
+        fd = self._open(records)
+        regions: list[_Region] = []
+        jobs: list[_CpuJob | Future[Digests] | None] = []
+        # CPU sources written, by size and edge bytes: equal bytes have equal names, so a source
+        # is compared with the earlier ones that could be equal instead of being written twice.
+        firsts: dict[tuple[int, bytes], list[tuple[torch.Tensor, _Region]]] = {}
+        streams = _caller_streams(sources)
+        for src, align in zip(sources, aligns):
+            n = src.numel()
+            twin = None
+            if src.device.type == "cpu":
+                key = _edge_key(src)
+                twin = next((r for s, r in firsts.get(key, ()) if _same(s, src)), None)
+            if twin is not None:
+                region = _Region(twin.start, n)
+                region.alias = twin
+                regions.append(region)
+                jobs.append(None)
+                continue
+            start = aligned(self._pos, n, align, self.min_aligned)
+            region = _Region(start, n)
+            self._pos = start + n
+            regions.append(region)
+            at = self._reserved + start
+            if src.device.type == "cpu":
+                firsts.setdefault(key, []).append((src, region))
+                jobs.append(_CpuJob(fd, src, at))
+            else:
+                jobs.append(pool().submit(_write_device, fd, src, at, streams[src.device]))
+        errors: list[BaseException] = []
+        for region, job in zip(regions, jobs):
+            if job is None:
+                continue
+            try:
+                region.digests = job.result()
+            except BaseException as exc:  # wait for every job before reporting: they share fd
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        self._dedup(regions)
+        return self._views(regions)
+
+    def _dedup(self, regions: list[_Region]) -> None:
+        """Regions whose bytes turned out to equal an earlier region's (device spans: compared
+        by name after hashing) point to it; trailing ones are given back to the file."""
+        known: dict[str, _Region] = {
+            r.digests[0]: r for r in self._regions if r.alias is None and r.digests
+        }
+        for r in regions:
+            if r.alias is not None:
+                r.digests = r.alias.digests
+                continue
+            assert r.digests is not None
+            first = known.get(r.digests[0])
+            if first is not None and first.nbytes == r.nbytes:
+                r.alias = first
+            else:
+                known[r.digests[0]] = r
+        self._regions.extend(regions)
+        live_end = max((r.end for r in self._regions if r.alias is None), default=0)
+        self._pos = live_end
+
+    def _views(self, regions: Sequence[_Region]) -> list[tuple[torch.Tensor, Digests]]:
+        assert self._fd is not None
+        total = self._reserved + self._pos
+        mm = mmap.mmap(self._fd, total, access=mmap.ACCESS_COPY) if self._pos else None
+        out = []
+        for r in regions:
+            kept = r.alias or r
+            assert r.digests is not None
+            if r.nbytes == 0 or mm is None:
+                out.append((torch.empty(0, dtype=torch.uint8), r.digests))
+                continue
+            t = torch.frombuffer(
+                mm, dtype=torch.uint8, count=kept.nbytes, offset=self._reserved + kept.start
+            )
+            out.append((t, r.digests))
+        return out
+
+    # -- the end ----------------------------------------------------------------------------------
+    def layout(
+        self, keep: set[str] | None = None
+    ) -> tuple[dict[str, tuple[int, int]], list[tuple[int, int]], int]:
+        """(sha → [begin, end) in the data section, gaps to cover with padding, data length).
+        Regions whose blob is not in `keep` (snapshots the bundle does not use) are gaps."""
+        live = sorted((r for r in self._regions if r.alias is None), key=lambda r: r.start)
+        layout: dict[str, tuple[int, int]] = {}
+        pads: list[tuple[int, int]] = []
+        pos = 0
+        for r in live:
+            assert r.digests is not None
+            if keep is not None and r.digests[0] not in keep:
+                continue
+            if r.start > pos:
+                pads.append((pos, r.start))
+            layout.setdefault(r.digests[0], (r.start, r.end))
+            pos = r.end
+        self._length = pos
+        return layout, pads, pos
+
+    def finish(self, raw: bytes) -> Path:
+        """Write the header `raw` (the JSON naming `layout()`'s entries; padded here with spaces)
+        and rename the file to `path`."""
+        fd = self._open(0)
+        length = self._length
+        need = 8 + len(raw)
+        try:
+            if need > self._reserved:
+                fd = self._relocate(round_up(need, ALIGN_MOD), length)
+            os.ftruncate(fd, self._reserved + length)
+            body = raw + b" " * (self._reserved - need)
+            pwrite_all(fd, memoryview(struct.pack("<Q", len(body)) + body), 0)
+            os.close(fd)
+            self._fd = None
+            assert self._tmp is not None
+            os.replace(self._tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        self._done = True
+        return self.path
+
+    def _relocate(self, reserved: int, length: int) -> int:
+        """Move the data section of the file to start at `reserved` (a new temporary: the
+        mappings handed out keep seeing the old one)."""
+        assert self._fd is not None and self._tmp is not None
+        fd, tmp = open_temp(self.path)
+        try:
+            _copy_range(self._fd, fd, self._reserved, reserved, length)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(self._fd)
+        with contextlib.suppress(OSError):
+            os.unlink(self._tmp)
+        self._fd, self._tmp, self._reserved = fd, tmp, reserved
+        return fd
+
+    def abort(self) -> None:
+        """Remove the temporary (nothing reaches `path`)."""
+        self._done = True
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+        if self._tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._tmp)
+            self._tmp = None
+
+    def __del__(self) -> None:  # an abandoned spool leaves no temporary behind
+        with contextlib.suppress(Exception):
+            if not self._done:
+                self.abort()
+
+
+class StoreSpool:
+    """The sink of a recorder that writes to a capture directory's blob store: each large span
+    goes straight from the tensor's memory into a temporary in the store's folder, hashed on the
+    way, and is then renamed to its name (or dropped, when the store already holds it). Spans
+    smaller than `min_blob` stay in memory (they go inline into the bundle). `created` holds the
+    blobs it added (name → bytes)."""
+
+    def __init__(self, store: Callable[[], BlobStore], min_blob: int) -> None:
+        self._store = store
+        self.min_blob = min_blob
+        self.created: dict[str, int] = {}
+        self._active = False
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def put(
+        self, sources: Sequence[torch.Tensor], aligns: Sequence[int], records: int = 0
+    ) -> list[tuple[torch.Tensor, Digests]]:
+        store = self._store()
+        self._active = True
+        out: list[tuple[torch.Tensor, Digests] | None] = [None] * len(sources)
+        streams = _caller_streams(sources)
+        jobs: list[tuple[int, int, str, _CpuJob | Future[Digests]]] = []
+        try:
+            for i, src in enumerate(sources):
+                if src.numel() < max(self.min_blob, 1):
+                    host = src.clone() if src.device.type == "cpu" else src.cpu()
+                    out[i] = (host, blob_digests(cpu_view(host)))
+                    continue
+                fd, tmp = open_temp(store.root / STORE_DIRNAME / "spool")
+                try:
+                    if src.device.type == "cpu":
+                        job: _CpuJob | Future[Digests] = _CpuJob(fd, src, 0)
+                    else:
+                        job = pool().submit(_write_device, fd, src, 0, streams[src.device])
+                except BaseException:
+                    os.close(fd)
+                    os.unlink(tmp)
+                    raise
+                jobs.append((i, fd, tmp, job))
+        finally:  # every job started is waited for, and every file closed
+            errors: list[BaseException] = []
+            for i, fd, tmp, job in jobs:
+                n = sources[i].numel()
+                try:
+                    digests = job.result()
+                    mapped = mmap.mmap(fd, n, access=mmap.ACCESS_COPY)
+                    view = torch.frombuffer(mapped, dtype=torch.uint8, count=n)
+                except BaseException as exc:
+                    errors.append(exc)
+                    os.close(fd)
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+                    continue
+                os.close(fd)
+                try:
+                    if store.adopt(digests[0], tmp, n):
+                        self.created[digests[0]] = n
+                    out[i] = (view, digests)
+                except BaseException as exc:
+                    errors.append(exc)
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+            if errors:
+                raise errors[0]
+        return out  # type: ignore[return-value]
+
+    def abort(self) -> None:
+        """Nothing to undo: what it added to the store are whole blobs under their names."""
+
+
+_memcmp = ctypes.CDLL(None).memcmp  # releases the GIL
+_memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+_memcmp.restype = ctypes.c_int
+
+
+def _copy_range(src_fd: int, dst_fd: int, src: int, dst: int, length: int) -> None:
+    """Copy `length` bytes between files, in the kernel where it can (else through a buffer:
+    some sandboxes have no copy_file_range)."""
+    left = length
+    try:
+        while left:
+            n = os.copy_file_range(src_fd, dst_fd, left, src, dst)
+            if n <= 0:
+                break
+            src, dst, left = src + n, dst + n, left - n
+    except OSError:
+        pass
+    while left:
+        piece = os.pread(src_fd, min(left, WRITE_CHUNK), src)
+        if not piece:
+            raise BundleError("the bundle's temporary ended while its data was moved", K.LIMIT)
+        pwrite_all(dst_fd, memoryview(piece), dst)
+        src, dst, left = src + len(piece), dst + len(piece), left - len(piece)
+
+
+EDGE = 64  # bytes from each end of a span that key the search for an equal earlier span
+
+
+def _edge_key(t: torch.Tensor) -> tuple[int, bytes]:
+    """A CPU span's size and its first and last EDGE bytes: spans with different keys differ."""
+    n = t.numel()
+    if n <= 2 * EDGE:
+        return n, ctypes.string_at(t.data_ptr(), n) if n else b""
+    ptr = t.data_ptr()
+    return n, ctypes.string_at(ptr, EDGE) + ctypes.string_at(ptr + n - EDGE, EDGE)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    n = a.numel()
+    return n == b.numel() and (n == 0 or _memcmp(a.data_ptr(), b.data_ptr(), n) == 0)
+
+
+class _CpuJob:
+    """A CPU span written at file offset `at` in chunks on the write pool while the hashing pool
+    hashes it: both read the argument's memory; nothing is copied in user space."""
+
+    def __init__(self, fd: int, src: torch.Tensor, at: int) -> None:
+        view = cpu_view(src)
+        self.writes = [
+            io_pool().submit(pwrite_all, fd, view[lo : lo + WRITE_CHUNK], at + lo)
+            for lo in range(0, len(view), WRITE_CHUNK)
+        ]
+        self.digests = pool().submit(_hash_cpu, view)
+
+    def result(self) -> Digests:
+        for w in self.writes:
+            w.exception()  # wait for all before raising: they share the descriptor
+        for w in self.writes:
+            w.result()
+        return self.digests.result()
+
+
+def _caller_streams(sources: Sequence[torch.Tensor]) -> dict[torch.device, Any]:
+    """The caller's current stream of each device involved: the staging copies wait for the
+    work queued on it (the producers of the bytes)."""
+    out: dict[torch.device, Any] = {}
+    for s in sources:
+        if s.device.type == "cuda" and s.device not in out:
+            out[s.device] = torch.cuda.current_stream(s.device)
+    return out
+
+
+def _staged(src: torch.Tensor, after: Any) -> Iterator[tuple[int, memoryview]]:
+    """(offset, host bytes) of a device span, chunk by chunk, through two pinned staging
+    buffers: chunk k+1 is being copied on a side stream (after the work queued on `after`) while
+    the caller uses chunk k. A chunk's bytes are valid until the next one is asked for."""
+    n = src.numel()
+    if n == 0:
+        return
+    with torch.cuda.device(src.device):
+        side = torch.cuda.Stream(src.device)
+        side.wait_stream(after)
+        chunk = min(STAGE_CHUNK, n)
+        bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        views = [cpu_view(b) for b in bufs]
+        events = [torch.cuda.Event(), torch.cuda.Event()]
+
+        def issue(k: int) -> None:
+            lo = k * chunk
+            part = src[lo : lo + chunk]
+            with torch.cuda.stream(side):
+                bufs[k % 2][: part.numel()].copy_(part, non_blocking=True)
+                events[k % 2].record(side)
+
+        count = -(-n // chunk)
+        issue(0)
+        try:
+            for k in range(count):
+                events[k % 2].synchronize()
+                if k + 1 < count:
+                    issue(k + 1)  # into the buffer the caller finished with
+                lo = k * chunk
+                yield lo, views[k % 2][: min(n, lo + chunk) - lo]
+        finally:
+            side.synchronize()  # no copy may still target the buffers once they are released
+
+
+def _write_device(fd: int, src: torch.Tensor, at: int, after: Any) -> Digests:
+    """Copy a device span to the file at offset `at`: each staged chunk is written on the write
+    pool while it is hashed here."""
+    algo = fast_checksum()
+    sha = hashlib.sha256()
+    fast = hasher(algo) if algo.value != "sha256" else None
+    for lo, piece in _staged(src, after):
+        write = io_pool().submit(pwrite_all, fd, piece, at + lo)
+        try:
+            for j in range(0, len(piece), HASH_CHUNK):
+                part = piece[j : j + HASH_CHUNK]
+                sha.update(part)
+                if fast is not None:
+                    fast.update(part)
+        finally:
+            write.result()  # before the buffer is reused
+    return sha.hexdigest(), fast.hexdigest() if fast is not None else ""
+
+
+def _same_device(src: torch.Tensor, snapshot: torch.Tensor, after: Any) -> bool:
+    """Whether a device span holds the bytes of a host snapshot, compared chunk by chunk as
+    they arrive (stops at the first chunk that differs)."""
+    if src.numel() != snapshot.numel():
+        return False
+    base = snapshot.data_ptr()
+    for lo, piece in _staged(src, after):
+        if _memcmp(_address(piece), base + lo, len(piece)) != 0:
+            return False
+    return True
+
+
+def same_on_device(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
+    """For each (device span, host snapshot) pair: whether they hold the same bytes (the spans
+    compared in parallel, after the work queued on the caller's streams)."""
+    streams = _caller_streams([src for src, _ in pairs])
+    jobs = [pool().submit(_same_device, src, snap, streams[src.device]) for src, snap in pairs]
+    return [j.result() for j in jobs]
