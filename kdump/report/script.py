@@ -1,8 +1,9 @@
 """`kdump report --script`: a standalone repro script (torch and the kernel library only).
 
-The script is the template `repro.py.tmpl` with four values filled in, none of them from the
+The script is the template `repro.py.tmpl` with five values filled in, none of them from the
 bundle: the bundle path and the allow list the user gave, the kernel entry points of kdump's
-plug-ins (their preset tables), and the exit codes (kdump.errors). Everything else the script
+plug-ins (their preset tables), the exit codes (kdump.errors), and the source of kdump's
+synthetic-data generator (kdump.bundle.synthetic, for slimmed bundles). Everything else the script
 reads from the bundle as data when it runs, so a bundle string can never become code.
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path
 from kdump.errors import ExitCode, UntrustedTargetError
 
 TEMPLATE = "repro.py.tmpl"
-_SLOTS = ('"@BUNDLE@"', '"@ALLOWED@"', '"@KNOWN_TARGETS@"', '"@EXIT_CODES@"')
+_SLOTS = ('"@BUNDLE@"', '"@ALLOWED@"', '"@KNOWN_TARGETS@"', '"@EXIT_CODES@"', '"@GENERATOR@"')
 
 
 def known_targets() -> dict[str, tuple[tuple[str, str], ...]]:
@@ -34,6 +35,12 @@ def known_targets() -> dict[str, tuple[tuple[str, str], ...]]:
                 where = table.setdefault(ts.id, [])
                 if (ts.module, ts.qualname) not in where:
                     where.append((ts.module, ts.qualname))
+        # Calls recorded under an alias name (m_grouped_fp8_fp4_... for m_grouped_fp8_...) are
+        # the same entry point.
+        for spec in p.specs():
+            for alias in spec.aliases:
+                if spec.id in table:
+                    table.setdefault(f"{p.name}:{alias}", table[spec.id])
     return {k: tuple(v) for k, v in sorted(table.items())}
 
 
@@ -56,6 +63,8 @@ def render_script(bundle_path: str, allowed: Sequence[str] = ()) -> str:
         "(" + "".join(f"{str(a)!a}, " for a in allowed) + ")",
         _literal_table(known_targets()),
         ", ".join(str(int(c)) for c in codes),
+        # kdump's own generator module (never bundle data): the bytes of synthetic storages
+        ascii(resources.files("kdump.bundle").joinpath("synthetic.py").read_text(encoding="utf-8")),
     )
     for slot, value in zip(_SLOTS, values):
         if text.count(slot) != 1:
