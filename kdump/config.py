@@ -74,6 +74,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("KDUMP_RING_SLOTS", "journal slots: the last calls kept per process", "64"),
     EnvVar("KDUMP_SLOT_BYTES", "bytes per journal slot (suffixes K, M, G)", "1M"),
     EnvVar(
+        "KDUMP_DEVICE_BYTES",
+        "device memory of the flight recorder per GPU: the journal's twin and the ring of "
+        "gathered rows (suffixes K, M, G; 0 turns the device tier off)",
+        "1G",
+    ),
+    EnvVar(
         "KDUMP_JOURNAL_DIR",
         "folder of the journals (shared memory); `kdump record` sets one per run",
         "/dev/shm",

@@ -22,8 +22,13 @@ class RingConfig:
     slots: int = 64  # 64 x 1 MiB of pinned shared memory: small next to a serving GPU's host
     slot_bytes: int = 1 << 20
     journal_dir: Path = Path("/dev/shm")
+    # Device memory of the recorder per GPU (the journal's twin, the ring of gathered rows):
+    # small next to a serving GPU's memory; 0 turns the device tier off.
+    device_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
+        if self.device_bytes < 0:
+            raise UsageError(f"--device-bytes {self.device_bytes}: use 0 (off) or a size")
         if self.slots < 2:
             raise UsageError(f"--ring-slots {self.slots}: the ring needs at least 2 slots")
         if self.slot_bytes < 4096:
@@ -46,6 +51,7 @@ class RingConfig:
             slots=slots,
             slot_bytes=parse_bytes(get("KDUMP_SLOT_BYTES")),
             journal_dir=Path(get("KDUMP_JOURNAL_DIR")),
+            device_bytes=parse_bytes(get("KDUMP_DEVICE_BYTES")),
         )
 
 

@@ -90,7 +90,7 @@ from typing import Any
 from kdump.errors import ExitCode, KdumpError
 
 JOURNAL_MAGIC = b"KDJRNL\x00\x01"
-JOURNAL_VERSION = 2  # 2: 64-byte trailer with the pre/post/done markers
+JOURNAL_VERSION = 3  # 2: 64-byte trailer with the pre/post/done markers; 3: call record
 DEFAULT_DIR = Path("/dev/shm")
 FILE_PREFIX = "kdump-journal-"
 DEFAULT_SLOTS = 64
@@ -116,6 +116,7 @@ FLAG_MISSING = 2
 TRAILER_FLAG_PAYLOAD_CRC = 1
 TRAILER_FLAG_DEVICE = 2
 MIN_SLOT_BYTES = 1024
+CALL_RECORD_BYTES = 64  # before the trailer: the device snapshot's call record (devring)
 
 log = logging.getLogger("kdump.record.journal")
 
@@ -201,6 +202,9 @@ class SlotRecord:
     reason: str = ""  # why a slot is torn or in flight
     finished: bool = False  # complete slots: the kernel ran to its end
     token: int = 0  # the markers' token: 1 for eager calls, the replay number for graph slots
+    spans: tuple[tuple[int, int] | None, ...] = ()  # per storage: (offset, length) when present
+    markers: tuple[int, int, int] = (0, 0, 0)  # pre, post, done as read
+    call_record: bytes = b""  # the device snapshot's call record (zeros for host-copied slots)
 
 
 @dataclass(frozen=True)
@@ -294,6 +298,16 @@ class Slot:
     @property
     def payload_count(self) -> int:
         return len(self._spans)
+
+    @property
+    def spans(self) -> list[tuple[int, int] | None]:
+        """Per storage: (offset in the slot, length), or None when its payload is missing."""
+        return list(self._spans)
+
+    @property
+    def offset(self) -> int:
+        """Where the slot starts in the journal file (and its mapping)."""
+        return self._base
 
     def has_payload(self, i: int) -> bool:
         return self._spans[i] is not None
@@ -457,7 +471,7 @@ class Journal:
         if self._fd < 0:
             raise JournalError("the journal is closed")
         k = len(meta.storages)
-        limit = self.slot_bytes - _TRAILER.size
+        limit = self.slot_bytes - _TRAILER.size - CALL_RECORD_BYTES
         doc = _meta_json(meta)
         # A payload dropped below turns its index into null (at most 3 more characters).
         head_end = _SLOT_HEAD + 16 * k + len(doc) + 3 * k
@@ -682,12 +696,13 @@ def _read_slot(raw: bytes, base: int, slot_bytes: int, index: int) -> SlotRecord
             k,
             (stream, capture, graph, replay),
         )
-        _check_spans(spans, present, meta, body_end, slot_bytes - _TRAILER.size)
+        _check_spans(spans, present, meta, body_end, slot_bytes - _TRAILER.size - CALL_RECORD_BYTES)
+        placed = tuple((int(o), int(n)) if ok else None for (o, n), ok in zip(spans, present))
     except _Torn as exc:
         return SlotRecord(index, SlotState.TORN, seq=seq, reason=str(exc))
     if tmagic == REFILL_MAGIC:
         if tseq == seq and tflags == 0 and tcrc == 0 and not (pre or post or done):
-            return SlotRecord(index, SlotState.IN_FLIGHT, seq=seq, meta=meta)
+            return SlotRecord(index, SlotState.IN_FLIGHT, seq=seq, meta=meta, spans=placed)
         return SlotRecord(index, SlotState.TORN, seq=seq, reason="refill began over this call")
     if tmagic != TRAILER_MAGIC:
         return SlotRecord(index, SlotState.TORN, seq=seq, reason="trailer is damaged")
@@ -706,7 +721,17 @@ def _read_slot(raw: bytes, base: int, slot_bytes: int, index: int) -> SlotRecord
         return SlotRecord(index, SlotState.TORN, seq=seq, reason="slot checksum mismatch")
     if post == 0 or pre != post:
         why = "payloads not copied yet" if post == 0 else "payloads were being rewritten"
-        return SlotRecord(index, SlotState.IN_FLIGHT, seq=seq, meta=meta, reason=why, token=post)
+        return SlotRecord(
+            index,
+            SlotState.IN_FLIGHT,
+            seq=seq,
+            meta=meta,
+            reason=why,
+            token=post,
+            spans=placed,
+            markers=(pre, post, done),
+            call_record=raw[t - CALL_RECORD_BYTES : t],
+        )
     if done > post:
         return SlotRecord(index, SlotState.TORN, seq=seq, reason="done marker is ahead of post")
     payloads = tuple(
@@ -720,6 +745,9 @@ def _read_slot(raw: bytes, base: int, slot_bytes: int, index: int) -> SlotRecord
         payloads=payloads,
         finished=done == post,
         token=post,
+        spans=placed,
+        markers=(pre, post, done),
+        call_record=raw[t - CALL_RECORD_BYTES : t],
     )
 
 

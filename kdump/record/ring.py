@@ -43,12 +43,15 @@ from typing import TYPE_CHECKING, Any
 from kdump import config
 from kdump.log import log_once
 from kdump.record.hooks import HookState, busy
-from kdump.record.journal import Journal, JournalError, Slot, SlotMeta
+from kdump.record.journal import Journal, Slot, SlotMeta
 from kdump.record.salvage import CRASH_SUFFIX
 
 if TYPE_CHECKING:
     from kdump.record.config import RecordConfig
+    from kdump.record.devcopy import DeviceCopies
     from kdump.record.session import Recording
+
+_ACTIVE: RingRecorder | None = None  # the recorder whose captures torch's patched graph reports
 
 SMALL_BYTES = 64 << 10  # inputs up to this size are copied whatever their role
 SLOT_SHARE = 0.9  # of a slot, what payloads may take (the rest: header and argument JSON)
@@ -115,7 +118,8 @@ class RingRecorder:
         self._last_eager: dict[str, tuple[int, int, tuple[int, ...]]] = {}
         self._target_ids: dict[str, int] = {}
         self._calls = itertools.count()
-        self._cuda: _CudaSide | None = None
+        self._cuda: DeviceCopies | None = None
+        self._plans: dict[Any, tuple[Any, Any]] = {}
         self._hooks_installed = False
 
     def after_fork(self) -> None:
@@ -135,7 +139,11 @@ class RingRecorder:
             )
             self._install_last_words()
         if cuda_device is not None and self._cuda is None:
-            self._cuda = _CudaSide(self.journal, cuda_device)
+            from kdump.record.devcopy import DeviceCopies
+
+            self._cuda = DeviceCopies(self.journal, cuda_device, self.cfg.ring.device_bytes)
+            global _ACTIVE
+            _ACTIVE = self
             self._patch_graph_capture()
         return self.journal
 
@@ -169,21 +177,30 @@ class RingRecorder:
         os.replace(tmp, j.path.with_name(j.path.name + CRASH_SUFFIX))
 
     def _patch_graph_capture(self) -> None:
-        """New capture ids exactly where torch begins a capture."""
+        """New capture ids exactly where torch begins a capture; the side branch of the host
+        copies joined back into the capture before it ends."""
         import torch
 
         cls = torch.cuda.CUDAGraph
         if getattr(cls, "_kdump_patched", False):
             return
         begin, end = cls.capture_begin, cls.capture_end
-        tracker = self.captures
 
         def capture_begin(graph: Any, *a: Any, **k: Any) -> Any:
-            tracker.begin()
+            rec = _ACTIVE
+            if rec is not None:
+                rec.captures.begin()
             return begin(graph, *a, **k)
 
         def capture_end(graph: Any, *a: Any, **k: Any) -> Any:
-            tracker.end()
+            rec = _ACTIVE
+            if rec is not None:
+                rec.captures.end()
+                if rec._cuda is not None:
+                    try:
+                        rec._cuda.join_capture()
+                    except Exception as exc:
+                        log_once("ringjoin", f"flight recorder: joining its copy branch: {exc}")
             return end(graph, *a, **k)
 
         cls.capture_begin, cls.capture_end = capture_begin, capture_end
@@ -256,6 +273,18 @@ class RingRecorder:
                     "capturing": capturing,
                     "tiers": ["host"],  # bulky arguments beyond the slot keep their layouts only
                 }
+                plan = rule = None
+                if cuda and self._cuda is not None:
+                    plan, rule = self._plan(st, args, kwargs, args_tree, kwargs_tree, tensors)
+                    if plan is not None:
+                        plan, rule = self._fit_plan(plan, rule, records, storages)
+                    if plan is not None:
+                        for i in plan.storages:
+                            want[i] = False  # their touched rows go to the device ring
+                    extra["tiers"] = self._cuda.tiers(plan is not None)
+                    extra["device"] = self._cuda.facts()
+                    if plan is not None:
+                        extra["device"]["plan"] = plan.to_json()
                 site = None
                 pin_index = None
                 if site_key is not None:
@@ -268,6 +297,8 @@ class RingRecorder:
                     if site.slot is None:
                         extra["site_over_budget"] = True
                         want = [False] * len(storages)
+                        plan = None
+                        extra.get("device", {}).pop("plan", None)
                     pin_index = site.slot
                 meta = SlotMeta(
                     call_index=index,
@@ -298,7 +329,8 @@ class RingRecorder:
                     slot.finish()
                     return None
                 assert self._cuda is not None
-                return self._cuda.copy(slot, views, site)
+                counter = site.counter if site is not None else None
+                return self._cuda.copy(slot, views, counter, plan, rule, index, capturing)
 
     @staticmethod
     def _is_capturing(cuda: list[Any]) -> bool:
@@ -349,6 +381,58 @@ class RingRecorder:
                 room -= n
         return want
 
+    def _plan(
+        self,
+        st: HookState,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        args_tree: list[Any],
+        kwargs_tree: dict[str, Any],
+        tensors: list[Any],
+    ) -> tuple[Any, Any]:
+        """The row-gather plan of this call and its rule tensor (None, None: nothing gathered),
+        cached per target and argument layout (shapes, strides, dtypes, addresses)."""
+        assert self._cuda is not None
+        if not self._cuda.gathers:
+            return None, None
+        key = (
+            st.id,
+            tuple(
+                (tuple(t.shape), t.stride(), t.dtype, t.data_ptr(), t.storage_offset())
+                for t in tensors
+            ),
+            repr((args_tree, kwargs_tree)),
+        )
+        hit = self._plans.get(key)
+        if hit is not None:
+            return hit
+        found: tuple[Any, Any] = (None, None)
+        try:
+            found = _plan_for(st, args, kwargs, tensors)
+        except Exception as exc:  # a spec that cannot bind: no gather, the call still records
+            log_once(f"ringplan:{st.id}", f"flight recorder: no row gather for {st.id}: {exc}")
+        if len(self._plans) > 256:
+            self._plans.clear()
+        self._plans[key] = found
+        return found
+
+    def _fit_plan(
+        self, plan: Any, rule: Any, records: list[Any], storages: list[Any]
+    ) -> tuple[Any, Any]:
+        assert self._cuda is not None and self._cuda.tier is not None
+        if plan.worst > self._cuda.tier.layout.ring_bytes:
+            log_once(
+                "ringfit",
+                f"flight recorder: a call's rows ({plan.worst} bytes) exceed the device ring "
+                f"({self._cuda.tier.layout.ring_bytes} bytes): raise KDUMP_DEVICE_BYTES",
+            )
+            return None, None
+        gathered = {g.tensor for g in plan.gathers}
+        for i, r in enumerate(records):  # a gathered storage holds only gathered tensors
+            if r.storage in plan.storages and i not in gathered:
+                return None, None
+        return plan, rule
+
     def _site(self, key: tuple[int, int], target: str, tensors: list[Any]) -> Site:
         site = self.sites.get(key)
         if site is not None:
@@ -396,64 +480,6 @@ class RingRecorder:
                     self._cuda.release()
                 self.journal.unlink()
                 self.journal = None
-
-
-class _CudaSide:
-    """The journal as pinned memory for one device, plus the device-side markers' sources."""
-
-    def __init__(self, journal: Journal, device: Any) -> None:
-        import ctypes
-
-        import torch
-
-        self.device = device
-        self.journal = journal
-        self.max_sites = max(1, journal.slot_count // 2)
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(journal._map))
-        self._addr = addr
-        size = len(journal._map)
-        err = torch.cuda.cudart().cudaHostRegister(addr, size, 0)
-        self.registered = int(err) == 0
-        if not self.registered:
-            raise JournalError(f"cudaHostRegister of the journal failed (error {int(err)})")
-        with torch.cuda.device(device):
-            self.one = torch.ones(1, dtype=torch.int64, device=device)
-            self.counters = torch.zeros(self.max_sites, dtype=torch.int64, device=device)
-
-    def copy(self, slot: Slot, views: list[Any], site: Site | None) -> Callable[[], None]:
-        import torch
-
-        slot.commit(device=True)
-
-        def marker(name: str) -> Any:
-            return torch.frombuffer(slot.marker(name), dtype=torch.int64)
-
-        if site is not None and site.slot is not None:
-            token = self.counters[site.counter : site.counter + 1]
-            token.add_(1)  # captured: every replay counts itself
-        else:
-            token = self.one
-        marker("pre").copy_(token, non_blocking=True)
-        for i, src in enumerate(views):
-            if slot.has_payload(i) and src.numel():
-                dst = torch.frombuffer(slot.payload(i), dtype=torch.uint8)
-                dst.copy_(src.reshape(-1), non_blocking=True)
-        marker("post").copy_(token, non_blocking=True)
-        done = marker("done")
-
-        def after() -> None:
-            done.copy_(token, non_blocking=True)
-
-        return after
-
-    def release(self) -> None:
-        import torch
-
-        try:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.cudart().cudaHostUnregister(self._addr)
-        except Exception:
-            pass
 
 
 def _storage_dict(s: Any) -> dict[str, Any]:
@@ -508,6 +534,45 @@ def _tensor_roles(
         for t in argtree.tensors_in(value):
             by_id.setdefault(id(t), roles.get(name))
     return [by_id.get(id(t)) for t in tensors]
+
+
+def _plan_for(
+    st: HookState, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[Any]
+) -> tuple[Any, Any]:
+    """The spec's touch declaration turned into a gather plan (kdump.record.gather)."""
+    from kdump.bundle import argtree
+    from kdump.bundle.tensors import group_storages
+    from kdump.kernels import registry
+    from kdump.record import gather
+
+    spec = registry.spec_for(st.id, st.names())
+    bound = spec.bind(args, kwargs)
+    touches = spec.touches(bound)
+    if not touches:
+        return None, None
+    t = touches[0]  # one row rule per snapshot
+    by_id = {id(x): i for i, x in enumerate(tensors)}
+    idx = [by_id[id(x)] for x in argtree.tensors_in(bound.get(t.param)) if id(x) in by_id]
+    rule_t = bound.get(t.by) if t.by else None
+    if t.rule != "all":
+        import torch
+
+        if not isinstance(rule_t, torch.Tensor) or rule_t.dtype != torch.int32:
+            return None, None
+        if not rule_t.is_contiguous() or rule_t.device != tensors[idx[0]].device:
+            return None, None
+    storages, records = group_storages(tensors)
+    plan = gather.make_plan(
+        tensors,
+        records,
+        storages,
+        idx,
+        t.rule,
+        by_id.get(id(rule_t)) if rule_t is not None else None,
+        t.row_dims,
+        t.alignment,
+    )
+    return (plan, rule_t) if plan is not None else (None, None)
 
 
 def process_block() -> dict[str, Any]:
