@@ -95,6 +95,13 @@ struct Record {
   u64 head_after;
 };
 
+// The host mirrors (kdump/record/gather.py) rely on these sizes.
+static_assert(sizeof(Copy) == 24, "Copy layout");
+static_assert(sizeof(Gather) == 48, "Gather layout");
+static_assert(sizeof(Params) == 696, "Params layout");
+static_assert(sizeof(SlotHead) == 64, "SlotHead layout");
+static_assert(sizeof(Record) == 64, "Record layout");
+
 __device__ __forceinline__ u64 slot_pos(const Params& p, u64 head) {
   // A slot never wraps around the end: skip to the next lap instead.
   u64 phys = head % p.ring_bytes;
@@ -197,8 +204,6 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
     }
     __syncthreads();
     if (tid == 0) s_base = s_count ? atomicAdd(&rec->row_counter, s_count) : 0;
-    if (tid < s_count) s_rank[tid] = tid;
-    __syncthreads();
     // Records in row order inside a block: rank = rows of this block below it.
     if (tid < s_count) {
       u32 mine = s_rows[tid], below = 0;
