@@ -101,7 +101,7 @@ def test_masked_plan_uses_two_row_dims():
     storages, records = group_storages(tensors)
     plan = gather.make_plan(tensors, records, storages, [0], "masked", 1, 2)
     assert plan is not None and (plan.rows, plan.inner) == (g * max_m, max_m)
-    idx, recs = gather.reference_gather(plan, [_span(a, storages[0])], masked_m)
+    _, recs = gather.reference_gather(plan, [_span(a, storages[0])], masked_m)
     assert recs.shape[0] == 45
     back = {0: torch.zeros(storages[0].span_nbytes, dtype=torch.uint8)}
     gather.place_back(plan, recs, back)
@@ -218,7 +218,7 @@ def _fake_call(
     slot.commit(device=True)
     for name in ("pre", "post", "done") if host_copied else ("pre",):
         slot.marker(name)[:] = struct.pack("<Q", 1)
-    idx, recs = gather.reference_gather(
+    _, recs = gather.reference_gather(
         plan, [_span(a, storages[0]), _span(sfa, storages[1])], labels
     )
     n = recs.shape[0]
