@@ -28,13 +28,18 @@ from typing import Any
 from kdump.log import log_once
 from kdump.record import gather
 from kdump.record.devring import DeviceTier, DeviceTierError
-from kdump.record.journal import CALL_RECORD_BYTES, Journal, JournalError, Slot
+from kdump.record.journal import (
+    CALL_RECORD_BYTES,
+    MARKER_AT,
+    TRAILER_BYTES,
+    Journal,
+    JournalError,
+    Slot,
+)
 
 RECORD_COMPLETE_AT = 40  # the call record's `complete` word: the token, once the snapshot ran
-_TRAILER_BYTES = 64
-_PRE_AT = 24  # marker offsets inside the trailer (kdump.record.journal)
-_POST_AT = 32
-_DONE_AT = 40
+_TRAILER_BYTES = TRAILER_BYTES
+_PRE_AT, _POST_AT, _DONE_AT = MARKER_AT["pre"], MARKER_AT["post"], MARKER_AT["done"]
 
 
 def _drv() -> Any:
@@ -94,6 +99,8 @@ class DeviceCopies:
         self._streams: dict[int, Any] = {}
         self._slot_events: dict[int, Any] = {}
         self._event_pool: list[Any] = []
+        with torch.cuda.device(self.device):  # made now: creating one inside a capture is not
+            self._event_pool = [self._event() for _ in range(2)]
         self.forked_in_capture = False
         self._params = gather.SnapParams()
 
@@ -119,8 +126,12 @@ class DeviceCopies:
         return out
 
     def facts(self) -> dict[str, Any]:
+        if self.tier is None:
+            snapshot = "none (one D2H copy per payload and marker)"
+        else:
+            snapshot = "kernel" if self.kernel is not None else "torch"
         d: dict[str, Any] = {
-            "snapshot": "kernel" if self.kernel is not None else "torch",
+            "snapshot": snapshot,
             "host_copy": "side stream" if self.held else "before the call",
         }
         if self.tier is not None:
@@ -186,7 +197,7 @@ class DeviceCopies:
         import torch
 
         if self.tier is None:
-            return self._direct(slot, views, token_index)
+            return self.direct(slot, views, token_index)
         tier = self.tier
         j = self.journal
         sb = j.slot_bytes
@@ -260,9 +271,11 @@ class DeviceCopies:
             for src, dst, n in copies[gather.MAX_COPIES :]:
                 _ok(_drv().cuMemcpyDtoDAsync(dst, src, n, self._stream(stream)), "cuMemcpyDtoD")
             copies = copies[: gather.MAX_COPIES]
+        chunks = 0
         for k, (src, dst, n) in enumerate(copies):
             c = p.copies[k]
             c.src, c.dst, c.nbytes = src, dst, n
+            chunks += -(-n // gather.COPY_CHUNK)
         p.n_copies = len(copies)
         if plan is not None:
             for k, g in enumerate(plan.gathers):
@@ -297,8 +310,9 @@ class DeviceCopies:
         p.seq = slot.seq
         p.call_index = call_index
         p.slot_index = slot.index
+        grid = max(1, int(p.gather_blocks) + min(chunks, gather.MAX_COPY_BLOCKS))
         with torch.cuda.device(self.device):
-            gather.launch(self.kernel, p, stream)
+            gather.launch(self.kernel, p, stream, grid)
 
     def _torch_snapshot(
         self,
@@ -324,7 +338,7 @@ class DeviceCopies:
         _ok(drv.cuMemcpyDtoDAsync(record + 16, int(token.data_ptr()), 8, main), "token")
         _ok(drv.cuMemcpyDtoDAsync(record + RECORD_COMPLETE_AT, int(token.data_ptr()), 8, main), "")
 
-    def _direct(self, slot: Slot, views: list[Any], token_index: int | None) -> Callable[[], None]:
+    def direct(self, slot: Slot, views: list[Any], token_index: int | None) -> Callable[[], None]:
         """No device tier: every payload and marker is its own D2H copy on the call's stream."""
         import torch
 
@@ -334,7 +348,7 @@ class DeviceCopies:
             return torch.frombuffer(slot.marker(name), dtype=torch.int64)
 
         if token_index is not None:
-            token = self.counters[token_index : token_index + 1]
+            token = self._own_counters[token_index : token_index + 1]
             token.add_(1)  # captured: every replay counts itself
         else:
             token = self.one

@@ -454,12 +454,19 @@ def get_kernel(device_index: int) -> Any:
         return _functions[device_index]
 
 
+COPY_CHUNK = 65536  # KD_CHUNK in snapshot.cu
+MAX_COPY_BLOCKS = 1024
+
+
 def grid_for(params: SnapParams) -> int:
-    copy_blocks = min(int(params.n_copies), 8) if params.n_copies else 0
-    return max(1, int(params.gather_blocks) + copy_blocks)
+    """Gather blocks (ROWS_PER_BLOCK rows each), then blocks for the plain copies' chunks."""
+    chunks = sum(
+        -(-int(params.copies[c].nbytes) // COPY_CHUNK) for c in range(int(params.n_copies))
+    )
+    return max(1, int(params.gather_blocks) + min(chunks, MAX_COPY_BLOCKS))
 
 
-def launch(fn: Any, params: SnapParams, stream: int) -> None:
+def launch(fn: Any, params: SnapParams, stream: int, grid: int | None = None) -> None:
     """Enqueue the snapshot on `stream` (no sync, no allocation: capturable)."""
     from kdump.kernels.sm120.launch import _check, _driver
 
@@ -468,7 +475,7 @@ def launch(fn: Any, params: SnapParams, stream: int) -> None:
     _check(
         driver.cuLaunchKernel(
             fn,
-            grid_for(params),
+            grid if grid is not None else grid_for(params),
             1,
             1,
             THREADS,

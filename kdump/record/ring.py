@@ -119,7 +119,8 @@ class RingRecorder:
         self._target_ids: dict[str, int] = {}
         self._calls = itertools.count()
         self._cuda: DeviceCopies | None = None
-        self._plans: dict[Any, tuple[Any, Any]] = {}
+        self._plans: dict[Any, Any] = {}
+        self._layouts: dict[Any, _Layout] = {}
         self._hooks_installed = False
 
     def after_fork(self) -> None:
@@ -260,8 +261,23 @@ class RingRecorder:
                 j = self._open(cuda[0].device if cuda and not capturing else None)
                 if cuda and self._cuda is None:
                     return None  # the journal was made by CPU calls; CUDA side needs no capture
-                storages, records = group_storages(tensors)
-                want = self._wanted(st, args, kwargs, tensors, records, storages)
+                key = _signature(st.id, tensors, args_tree, kwargs_tree)
+                cached = self._layouts.get(key)
+                if cached is None:
+                    storages, records = group_storages(tensors)
+                    want = self._wanted(st, args, kwargs, tensors, records, storages)
+                    cached = _Layout(
+                        storages,
+                        records,
+                        tuple(want),
+                        [_storage_dict(s) for s in storages],
+                        [_tensor_dict(r) for r in records],
+                    )
+                    if len(self._layouts) > 256:
+                        self._layouts.clear()
+                    self._layouts[key] = cached
+                storages, records = cached.storages, cached.records
+                want = list(cached.want)
                 site_key = self.captures.next_site(capturing)
                 stream = int(torch.cuda.current_stream().cuda_stream) if cuda else 0
                 names = st.names()
@@ -274,8 +290,13 @@ class RingRecorder:
                     "tiers": ["host"],  # bulky arguments beyond the slot keep their layouts only
                 }
                 plan = rule = None
-                if cuda and self._cuda is not None:
-                    plan, rule = self._plan(st, args, kwargs, args_tree, kwargs_tree, tensors)
+                # One device tier per process, on the device of its first call; a call on another
+                # device takes the plain per-payload copies.
+                direct = (
+                    bool(cuda) and self._cuda is not None and cuda[0].device != self._cuda.device
+                )
+                if cuda and self._cuda is not None and not direct:
+                    plan, rule = self._plan(st, args, kwargs, key, tensors)
                     if plan is not None:
                         plan, rule = self._fit_plan(plan, rule, records, storages)
                     if plan is not None:
@@ -285,6 +306,9 @@ class RingRecorder:
                     extra["device"] = self._cuda.facts()
                     if plan is not None:
                         extra["device"]["plan"] = plan.to_json()
+                        # the device ring's depth for this call: worst case, every row touched
+                        ring_bytes = extra["device"]["ring_bytes"]
+                        extra["device"]["ring_slots_worst_case"] = ring_bytes // plan.worst
                 site = None
                 pin_index = None
                 if site_key is not None:
@@ -308,8 +332,8 @@ class RingRecorder:
                     names=list(names[: len(args)]) if names and len(names) >= len(args) else None,
                     args=args_tree,
                     kwargs=kwargs_tree,
-                    storages=[_storage_dict(s) for s in storages],
-                    tensors=[_tensor_dict(r) for r in records],
+                    storages=cached.storage_dicts,
+                    tensors=cached.tensor_dicts,
                     stream=stream,
                     capture_id=site.capture_id if site else 0,
                     graph_id=site.capture_id if site else 0,
@@ -330,6 +354,8 @@ class RingRecorder:
                     return None
                 assert self._cuda is not None
                 counter = site.counter if site is not None else None
+                if direct:
+                    return self._cuda.direct(slot, views, counter)
                 return self._cuda.copy(slot, views, counter, plan, rule, index, capturing)
 
     @staticmethod
@@ -386,35 +412,29 @@ class RingRecorder:
         st: HookState,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        args_tree: list[Any],
-        kwargs_tree: dict[str, Any],
+        key: Any,
         tensors: list[Any],
     ) -> tuple[Any, Any]:
         """The row-gather plan of this call and its rule tensor (None, None: nothing gathered),
-        cached per target and argument layout (shapes, strides, dtypes, addresses)."""
+        cached per call signature (`_signature`)."""
         assert self._cuda is not None
         if not self._cuda.gathers:
             return None, None
-        key = (
-            st.id,
-            tuple(
-                (tuple(t.shape), t.stride(), t.dtype, t.data_ptr(), t.storage_offset())
-                for t in tensors
-            ),
-            repr((args_tree, kwargs_tree)),
-        )
-        hit = self._plans.get(key)
-        if hit is not None:
-            return hit
-        found: tuple[Any, Any] = (None, None)
-        try:
-            found = _plan_for(st, args, kwargs, tensors)
-        except Exception as exc:  # a spec that cannot bind: no gather, the call still records
-            log_once(f"ringplan:{st.id}", f"flight recorder: no row gather for {st.id}: {exc}")
-        if len(self._plans) > 256:
-            self._plans.clear()
-        self._plans[key] = found
-        return found
+        if key in self._plans:
+            plan = self._plans[key]
+        else:
+            plan = None
+            try:
+                plan = _plan_for(st, args, kwargs, tensors)[0]
+            except Exception as exc:  # a spec that cannot bind: no gather, the call still records
+                log_once(f"ringplan:{st.id}", f"flight recorder: no row gather for {st.id}: {exc}")
+            if len(self._plans) > 256:
+                self._plans.clear()
+            self._plans[key] = plan
+        if plan is None:
+            return None, None
+        # the rule's values are this call's tensor (the cache keeps no tensor alive)
+        return plan, tensors[plan.rule_tensor] if plan.rule_tensor is not None else None
 
     def _fit_plan(
         self, plan: Any, rule: Any, records: list[Any], storages: list[Any]
@@ -463,23 +483,87 @@ class RingRecorder:
 
             # The folder and names the launcher's salvage uses: flushing twice writes the same.
             out = Path(self.cfg.out) / f"flight.{socket.gethostname()}"
-            res = salvage_journal(j.path, out, {"flushed": True}, remove=False)
+            dumps, temporary = self._dump_device_tier(j.path)
+            try:
+                res = salvage_journal(
+                    j.path, out, {"flushed": True}, remove=False, device_dumps=dumps
+                )
+            finally:
+                for p in temporary:
+                    p.unlink(missing_ok=True)
             self.written = res.bundles
         except Exception as exc:
             log_once(f"ringflush:{self.pid}", f"flight recorder flush failed: {exc}")
+
+    def _dump_device_tier(self, journal: Path) -> tuple[dict[int, Path] | None, list[Path]]:
+        """A live process reads its own device tier: to `<journal>.cuda<N>` when no salvage
+        process holds it (the launcher's salvage after exit finds it there), else to a temporary
+        file for this flush only (the salvage process writes the final one)."""
+        from kdump.record.devring import dump_path
+
+        cuda = self._cuda
+        if cuda is None or cuda.tier is None:
+            return None, []
+        tier = cuda.tier
+        final = dump_path(journal, tier.index)
+        target = final.with_name(final.name + ".flush") if tier.held else final
+        try:
+            tier.dump(target)
+        except Exception as exc:  # e.g. the context died of an illegal address
+            log_once(f"ringdump:{self.pid}", f"flight recorder: device tier not readable: {exc}")
+            return None, []
+        return {tier.index: target}, [target] if tier.held else []
 
     def close(self) -> None:
         """End of a session in a live process: write the bundles, then remove the journal
         (under `kdump record` the launcher salvages instead, after the process is gone)."""
         if self.journal is None:
             return
+        global _ACTIVE
+        if _ACTIVE is self:
+            _ACTIVE = None
         if not config.get_flag("KDUMP_RECORD"):
             self.flush()
             with self.lock:
                 if self._cuda is not None:
                     self._cuda.release()
+                    if self._cuda.tier is not None:
+                        from kdump.record.devring import dump_path
+
+                        dump_path(self.journal.path, self._cuda.tier.index).unlink(missing_ok=True)
                 self.journal.unlink()
                 self.journal = None
+
+
+def _signature(target: str, tensors: list[Any], args_tree: Any, kwargs_tree: Any) -> Any:
+    """What a call's recorded layout depends on: its target, each tensor's shape, strides,
+    dtype, address and offset, and the encoded argument trees (scalars, flags)."""
+    return (
+        target,
+        tuple(
+            (tuple(t.shape), t.stride(), t.dtype, t.data_ptr(), t.storage_offset()) for t in tensors
+        ),
+        repr((args_tree, kwargs_tree)),
+    )
+
+
+class _Layout:
+    """What stays the same between calls of one signature: storages and tensor records, the
+    copy choice and their JSON (no tensor references: the cache must not keep memory alive)."""
+
+    def __init__(
+        self,
+        storages: list[Any],
+        records: list[Any],
+        want: tuple[bool, ...],
+        storage_dicts: list[dict[str, Any]],
+        tensor_dicts: list[dict[str, Any]],
+    ) -> None:
+        self.storages = storages
+        self.records = records
+        self.want = want
+        self.storage_dicts = storage_dicts
+        self.tensor_dicts = tensor_dicts
 
 
 def _storage_dict(s: Any) -> dict[str, Any]:
@@ -554,6 +638,8 @@ def _plan_for(
     by_id = {id(x): i for i, x in enumerate(tensors)}
     idx = [by_id[id(x)] for x in argtree.tensors_in(bound.get(t.param)) if id(x) in by_id]
     rule_t = bound.get(t.by) if t.by else None
+    if not idx or (t.rule != "all" and id(rule_t) not in by_id):
+        return None, None
     if t.rule != "all":
         import torch
 

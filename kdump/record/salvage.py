@@ -23,6 +23,7 @@ from kdump.record import devring, gather
 from kdump.record.journal import (
     CALL_RECORD_BYTES,
     FILE_PREFIX,
+    TRAILER_BYTES,
     JournalContents,
     JournalError,
     SlotRecord,
@@ -368,7 +369,7 @@ def _from_twin(
         twin = dump.twin_slot(rec.index)
     except devring.DeviceTierError:
         return None
-    at = slot_bytes - 64 - CALL_RECORD_BYTES
+    at = slot_bytes - TRAILER_BYTES - CALL_RECORD_BYTES
     record = twin[at : at + CALL_RECORD_BYTES]
     magic, _, seq, token, _, _, _, complete, _, _ = _RECORD.unpack(record)
     pre = rec.markers[0]

@@ -17,6 +17,7 @@ typedef unsigned int u32;
 #define KD_MAX_GATHERS 4
 #define KD_ROWS_PER_BLOCK 128
 #define KD_THREADS 256
+#define KD_CHUNK 65536ull  // bytes of a plain copy per block step
 
 #define RULE_ALL 0
 #define RULE_LABELS 1
@@ -224,9 +225,20 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
       for (u32 gi = 0; gi < p.n_gathers; ++gi) copy_row(p.gathers[gi], r, p.inner, out, lane);
     }
   } else {
-    for (u32 c = blockIdx.x - p.gather_blocks; c < p.n_copies; c += gridDim.x - p.gather_blocks) {
-      copy_bytes((char*)p.copies[c].dst, (const char*)p.copies[c].src, p.copies[c].nbytes, tid,
-                 KD_THREADS);
+    // Copy blocks take KD_CHUNK-byte chunks of the plain copies, round robin.
+    const u32 copy_blocks = gridDim.x - p.gather_blocks;
+    u64 q = blockIdx.x - p.gather_blocks;
+    u64 first = 0;  // first chunk of copy c
+    for (u32 c = 0; c < p.n_copies; ++c) {
+      const u64 n = p.copies[c].nbytes;
+      const u64 chunks = (n + KD_CHUNK - 1) / KD_CHUNK;
+      for (; q < first + chunks; q += copy_blocks) {
+        const u64 at = (q - first) * KD_CHUNK;
+        const u64 len = n - at < KD_CHUNK ? n - at : KD_CHUNK;
+        copy_bytes((char*)p.copies[c].dst + at, (const char*)p.copies[c].src + at, len, tid,
+                   KD_THREADS);
+      }
+      first += chunks;
     }
   }
   // The last block to finish publishes the call.
