@@ -183,7 +183,7 @@ def main() -> None:
             rows = G * tokens
             row_bytes = k + (k // 128) * 4 + 16
             mb = rows * row_bytes / 1e6
-            bound = rows * row_bytes / (d2d * 1e9) * 1e3 * 2  # read + write
+            bound = rows * row_bytes / (d2d * 1e9) * 1e3  # those bytes at the plain D2D rate
             added = res["ii", True][0] - plain
             cells = [
                 f"{plain:.3f}",

@@ -174,6 +174,7 @@ def _fake_call(
     seq_off: int = 0,
     complete: bool = True,
     host_copied: bool = True,
+    whole: bool = False,
 ):
     """A journal with one device-path slot and its `.cuda0` dump, as the recorder and the salvage
     process would leave them."""
@@ -212,18 +213,26 @@ def _fake_call(
         ],
         extra={"device": {"device_index": 0, "held": True, "plan": plan.to_json()}},
     )
+    spans = [_span(a, storages[0]), _span(sfa, storages[1])]
+    layout = []
+    if whole:  # the torch fallback: both storages copied whole after the slot header
+        at0 = gather.SLOT_HEAD
+        at1 = -(-(at0 + spans[0].numel()) // 16) * 16
+        layout = [[0, at0, spans[0].numel()], [1, at1, spans[1].numel()]]
+        meta.extra["device"]["whole"] = layout
     j = Journal.create(tmp_path / "shm", slots=4, slot_bytes=64 << 10)
     slot = j.reserve(meta, want=[False, False, True])
     slot.payload(2)[:] = labels.numpy().tobytes() if hasattr(labels, "numpy") else bytes(labels)
     slot.commit(device=True)
     for name in ("pre", "post", "done") if host_copied else ("pre",):
         slot.marker(name)[:] = struct.pack("<Q", 1)
-    _, recs = gather.reference_gather(
-        plan, [_span(a, storages[0]), _span(sfa, storages[1])], labels
-    )
+    _, recs = gather.reference_gather(plan, spans, labels)
     n = recs.shape[0]
+    if whole:
+        n, recs = 0, torch.zeros(0, dtype=torch.uint8)
+    rec_bytes = 0 if whole else plan.rec_bytes
     pos = 4096
-    used = -(-(gather.SLOT_HEAD + n * plan.rec_bytes) // 256) * 256
+    used = -(-(gather.SLOT_HEAD + n * rec_bytes) // 256) * 256
     rec = _RECORD.pack(gather.RECORD_MAGIC, n, slot.seq, 1, pos, 0, 0, 1 if complete else 0, 7, 0)
     at = slot.offset + j.slot_bytes - 64 - CALL_RECORD_BYTES
     j._view[at : at + CALL_RECORD_BYTES] = rec
@@ -245,7 +254,7 @@ def _fake_call(
         1,
         pos,
         n,
-        plan.rec_bytes,
+        rec_bytes,
         used,
         7,
         1,
@@ -255,6 +264,8 @@ def _fake_call(
     base = lay.ring_at + pos
     raw[base : base + 64] = head
     raw[base + 64 : base + 64 + recs.numel()] = bytes(recs.reshape(-1).tolist())
+    for storage, off, size in layout:
+        raw[base + off : base + off + size] = bytes(spans[storage].tolist())
     devring.dump_path(j.path, 0).write_bytes(bytes(raw))
     j.close()
     return j.path, (a, sfa, labels)
@@ -291,6 +302,17 @@ def test_salvage_refuses_a_device_slot_that_is_not_this_call(tmp_path, change, r
         call = b.calls[0]
         assert reason in call.meta["journal"]["device"]["missing"]
         assert {0, 1} <= set(call.meta["journal"]["missing_tensors"])
+
+
+def test_salvage_of_the_torch_fallback_takes_whole_storages(tmp_path):
+    path, (a, sfa, labels) = _fake_call(tmp_path, whole=True)
+    (bundle,) = salvage_journal(path, tmp_path / "out").bundles
+    with load_bundle(bundle) as b:
+        call = b.calls[0]
+        (a2, s2), lab = call.args[0], call.args[1]
+        assert torch.equal(a2.view(torch.uint8), a.view(torch.uint8))  # every row, padding too
+        assert torch.equal(s2, sfa) and torch.equal(lab, labels)
+        assert "whole" in call.meta["journal"]["device"]["copied"]
 
 
 def test_slot_in_flight_at_the_crash_is_completed_from_the_twin(tmp_path):

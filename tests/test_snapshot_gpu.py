@@ -68,10 +68,14 @@ def _reserve(j, dc, a, sfa, labels, index=None, use_plan=True):
         tensors=[_tensor_dict(r) for r in records],
         extra={"device": dev},
     )
+    whole = None
+    if plan is not None and dc.kernel is None:
+        whole = dc.whole_layout(plan, storages)
+        dev["whole"] = whole
     gathered = plan.storages if plan is not None else frozenset()
     want = [i not in gathered for i in range(len(storages))]
     slot = j.reserve(meta, index=index, want=want)
-    return slot, _span_views(tensors, records, storages), plan
+    return slot, _span_views(tensors, records, storages), plan, whole
 
 
 def _salvaged(j, dc, tmp_path: Path, name: str):
@@ -99,7 +103,7 @@ def test_eager_snapshot_is_bitwise_the_reference(tmp_path, held):
     assert dc.kernel is not None, dc.notes
     dc.tier.held = held  # held: host copy on the side stream
     a, sfa, labels = _operands([3, 0, 128, 17])
-    slot, views, plan = _reserve(j, dc, a, sfa, labels)
+    slot, views, plan, _ = _reserve(j, dc, a, sfa, labels)
     after = dc.copy(slot, views, None, plan, labels, 0, False)
     after()
     res = _salvaged(j, dc, tmp_path, "eager")
@@ -123,7 +127,7 @@ def test_graph_replays_rotate_device_slots_and_keep_each_replays_rows(tmp_path):
     a, sfa, labels = _operands([5, 9, 0, 64])
     d = torch.zeros(a.shape[0], 8, device="cuda")
     index = j.pin_next()
-    slot, views, plan = _reserve(j, dc, a, sfa, labels, index=index)
+    slot, views, plan, _ = _reserve(j, dc, a, sfa, labels, index=index)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
@@ -158,7 +162,7 @@ def test_overwritten_device_slot_is_marked_missing(tmp_path):
     assert dc.tier.layout.ring_bytes == 8 << 20
     a, sfa, labels = _operands([128] * 16)  # ~1.1 MiB of rows per call in an ~8 MiB ring
     for i in range(12):
-        slot, views, plan = _reserve(j, dc, a, sfa, labels)
+        slot, views, plan, _ = _reserve(j, dc, a, sfa, labels)
         dc.copy(slot, views, None, plan, labels, i, False)()
     res = _salvaged(j, dc, tmp_path, "wrap")
     by_seq = {}
@@ -172,22 +176,50 @@ def test_overwritten_device_slot_is_marked_missing(tmp_path):
     assert all("rows_kept" in by_seq[s]["device"] for s in range(6, 13))
 
 
-def test_torch_fallback_fills_the_twin(tmp_path):
+def test_torch_fallback_fills_the_twin_and_copies_bulky_storages_whole(tmp_path):
     j, dc = _devcopies(tmp_path)
     dc.kernel = None  # as without NVRTC
-    a, sfa, labels = _operands([2, 2])
-    slot, views, _ = _reserve(j, dc, a, sfa, labels, use_plan=False)
+    assert "torch" in dc.facts()["snapshot"]
+    a, sfa, labels = _operands([2, 0, 7])
     for held in (False, True):
         dc.tier.held = held
-        slot, views, _ = _reserve(j, dc, a, sfa, labels, use_plan=False)
-        dc.copy(slot, views, None, None, labels, 0, False)()
+        slot, views, plan, whole = _reserve(j, dc, a, sfa, labels)
+        assert whole is not None
+        dc.copy(slot, views, None, plan, labels, 0, False, whole)()
+    res = _salvaged(j, dc, tmp_path, "fallback")
+    assert len(res.bundles) == 2
+    for p in res.bundles:
+        with load_bundle(p) as b:
+            call = b.calls[0]
+            assert "whole" in call.meta["journal"]["device"]["copied"]
+            (a2, s2), lab = call.args[0], call.args[1]
+            assert torch.equal(a2.view(torch.uint8), a.view(torch.uint8).cpu())  # every row
+            assert torch.equal(s2, sfa.cpu()) and torch.equal(lab, labels.cpu())
+
+
+def test_torch_fallback_inside_a_graph_keeps_each_replay(tmp_path):
+    j, dc = _devcopies(tmp_path)
+    dc.kernel = None
+    dc.tier.held = True
+    a, sfa, labels = _operands([3, 3])
+    slot, views, plan, whole = _reserve(j, dc, a, sfa, labels, index=j.pin_next())
     torch.cuda.synchronize()
-    done = read_journal(j.path).having(SlotState.COMPLETE)
-    assert len(done) == 3 and all(s.finished for s in done)
-    for s in done:
-        got = torch.frombuffer(bytearray(s.payloads[2]), dtype=torch.int32)
-        assert torch.equal(got, labels.cpu())
-    assert "torch" in dc.facts()["snapshot"]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        after = dc.copy(slot, views, 0, plan, labels, 0, True, whole)
+        after()
+        dc.join_capture()
+    for replay in (1, 2, 3):
+        na, ns, nl = _operands([replay, 5 - replay], seed=replay)
+        a.copy_(na)
+        sfa.copy_(ns)
+        labels.copy_(nl)
+        graph.replay()
+        (bundle,) = _salvaged(j, dc, tmp_path, f"g{replay}").bundles
+        with load_bundle(bundle) as b:
+            call = b.calls[-1]
+            assert call.meta["journal"]["replay"] == replay
+            assert torch.equal(call.args[0][0].view(torch.uint8), a.view(torch.uint8).cpu())
 
 
 def test_recorder_end_to_end_on_the_packaged_gemm(tmp_path):

@@ -103,6 +103,7 @@ class DeviceCopies:
             self._event_pool = [self._event() for _ in range(2)]
         self.forked_in_capture = False
         self._params = gather.SnapParams()
+        self._fb_slot = 0  # the torch fallback's fixed device ring slot size
 
     # -- facts ------------------------------------------------------------------------------------
     @property
@@ -111,7 +112,24 @@ class DeviceCopies:
 
     @property
     def gathers(self) -> bool:
-        return self.kernel is not None
+        """Whether bulky operands go to the device ring: touched rows with the kernel, whole
+        spans with the torch fallback."""
+        return self.tier is not None
+
+    def whole_layout(self, plan: gather.Plan, storages: list[Any]) -> list[list[int]] | None:
+        """The torch fallback's slot layout for `plan`'s storages: [storage, offset, bytes] each,
+        after the 64-byte slot header; None when it does not fit the fallback's fixed slot
+        (sized by the first call that uses it)."""
+        assert self.tier is not None
+        out, at = [], gather.SLOT_HEAD
+        for i in sorted(plan.storages):
+            n = int(storages[i].span_nbytes)
+            out.append([i, at, n])
+            at = -(-(at + n) // 16) * 16
+        need = -(-at // gather.SLOT_ALIGN) * gather.SLOT_ALIGN
+        if self._fb_slot == 0 and need <= self.tier.layout.ring_bytes:
+            self._fb_slot = need
+        return out if 0 < need <= self._fb_slot else None
 
     @property
     def counters(self) -> Any:
@@ -191,9 +209,11 @@ class DeviceCopies:
         rule: Any,
         call_index: int,
         capturing: bool,
+        whole: list[list[int]] | None = None,
     ) -> Callable[[], None]:
         """Enqueue the slot's copies on the current stream; returns what marks it done after the
-        call. `token_index`: the capture site's replay counter (None: an eager call)."""
+        call. `token_index`: the capture site's replay counter (None: an eager call); `whole`:
+        the torch fallback's layout of the plan's storages (`whole_layout`)."""
         import torch
 
         if self.tier is None:
@@ -218,7 +238,7 @@ class DeviceCopies:
         if self.kernel is not None:
             self._launch(slot, views, copies, token_index, plan, rule, call_index, record, main_h)
         else:
-            self._torch_snapshot(slot, copies, token_index, record)
+            self._torch_snapshot(slot, views, copies, token_index, record, whole, call_index)
         present = [sp[0] for sp in spans if sp is not None]
         p0 = min(present) if present else sb - _TRAILER_BYTES - CALL_RECORD_BYTES
         base = slot.offset
@@ -317,13 +337,20 @@ class DeviceCopies:
     def _torch_snapshot(
         self,
         slot: Slot,
+        views: list[Any],
         copies: list[tuple[int, int, int]],
         token_index: int | None,
         record: int,
+        whole: list[list[int]] | None,
+        call_index: int,
     ) -> None:
-        """The fallback: the same twin and call record, by torch/driver copies."""
+        """The fallback without the kernel: the same twin, call record and device ring slot
+        header, by torch and driver copies (capturable). Bulky storages are copied whole into a
+        fixed-size device ring slot picked on the device (index_copy_ with a device index)."""
         import torch
 
+        assert self.tier is not None
+        tier = self.tier
         drv = _drv()
         main = self._stream(int(torch.cuda.current_stream(self.device).cuda_stream))
         if token_index is not None:
@@ -335,8 +362,41 @@ class DeviceCopies:
         self._d2h(trailer + _PRE_AT, int(token.data_ptr()), 8, main)
         for src, dst, n in copies:
             _ok(drv.cuMemcpyDtoDAsync(dst, src, n, main), "cuMemcpyDtoDAsync")
-        _ok(drv.cuMemcpyDtoDAsync(record + 16, int(token.data_ptr()), 8, main), "token")
-        _ok(drv.cuMemcpyDtoDAsync(record + RECORD_COMPLETE_AT, int(token.data_ptr()), 8, main), "")
+        mem = tier.mem
+        at = record - tier.base
+        rec = mem[at : at + CALL_RECORD_BYTES].view(torch.int64)
+        ctrl = mem[0:16].view(torch.int64)
+        ring_bytes = tier.layout.ring_bytes
+        if whole:
+            size = self._fb_slot
+            count = ring_bytes // size
+            ring = mem[tier.layout.ring_at : tier.layout.ring_at + count * size].view(count, size)
+            head = ctrl[0:1]
+            phys = head % ring_bytes
+            pos = torch.where(phys + size > ring_bytes, head - phys + ring_bytes, head)
+            k = (pos % ring_bytes) // size
+            ctrl[1:2].copy_(pos + size)  # what this call overwrites, before it does
+            for storage, off, n in whole:
+                ring[:, off : off + n].index_copy_(0, k, views[storage].reshape(1, n))
+            hdr = torch.zeros(1, 8, dtype=torch.int64, device=self.device)
+            hdr[:, 0] = gather.SLOT_MAGIC | (slot.index << 32)
+            hdr[:, 1] = slot.seq
+            hdr[:, 2:3] = token.view(1, 1)
+            hdr[:, 3:4] = pos.view(1, 1)
+            hdr[:, 5] = size
+            hdr[:, 6] = call_index
+            hdr[:, 7:8] = token.view(1, 1)
+            ring[:, 0:64].view(torch.int64).index_copy_(0, k, hdr)
+            ctrl[0:1].copy_(pos + size)
+            rec[3:4].copy_(pos)
+        else:
+            rec[3] = -1  # no device ring slot
+        rec[0] = gather.RECORD_MAGIC
+        rec[1] = slot.seq
+        rec[2:3].copy_(token)
+        rec[4] = 0
+        rec[6] = call_index
+        rec[5:6].copy_(token)  # complete, last
 
     def direct(self, slot: Slot, views: list[Any], token_index: int | None) -> Callable[[], None]:
         """No device tier: every payload and marker is its own D2H copy on the call's stream."""

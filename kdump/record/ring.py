@@ -289,7 +289,7 @@ class RingRecorder:
                     "capturing": capturing,
                     "tiers": ["host"],  # bulky arguments beyond the slot keep their layouts only
                 }
-                plan = rule = None
+                plan = rule = whole = None
                 # One device tier per process, on the device of its first call; a call on another
                 # device takes the plain per-payload copies.
                 direct = (
@@ -299,11 +299,18 @@ class RingRecorder:
                     plan, rule = self._plan(st, args, kwargs, key, tensors)
                     if plan is not None:
                         plan, rule = self._fit_plan(plan, rule, records, storages)
+                    whole = None
+                    if plan is not None and self._cuda.kernel is None:
+                        whole = self._cuda.whole_layout(plan, storages)
+                        if whole is None:
+                            plan = rule = None
                     if plan is not None:
                         for i in plan.storages:
                             want[i] = False  # their touched rows go to the device ring
                     extra["tiers"] = self._cuda.tiers(plan is not None)
                     extra["device"] = self._cuda.facts()
+                    if whole is not None:
+                        extra["device"]["whole"] = whole  # copied whole: no row rule applied
                     if plan is not None:
                         extra["device"]["plan"] = plan.to_json()
                         # the device ring's depth for this call: worst case, every row touched
@@ -323,6 +330,7 @@ class RingRecorder:
                         want = [False] * len(storages)
                         plan = None
                         extra.get("device", {}).pop("plan", None)
+                        extra.get("device", {}).pop("whole", None)
                     pin_index = site.slot
                 meta = SlotMeta(
                     call_index=index,
@@ -356,7 +364,9 @@ class RingRecorder:
                 counter = site.counter if site is not None else None
                 if direct:
                     return self._cuda.direct(slot, views, counter)
-                return self._cuda.copy(slot, views, counter, plan, rule, index, capturing)
+                return self._cuda.copy(
+                    slot, views, counter, plan, rule, index, capturing, whole if plan else None
+                )
 
     @staticmethod
     def _is_capturing(cuda: list[Any]) -> bool:

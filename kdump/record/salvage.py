@@ -291,7 +291,10 @@ def _device_rows(
         )
         facts["missing"] = why or "no device-tier dump next to the journal"
         return {}, facts
+    whole = dev.get("whole")
     try:
+        if whole is not None:
+            return _whole_spans(rec, plan, whole, dump, facts)
         rows, pos, n = _check_device_slot(rec, plan, dump)
     except ValueError as exc:
         facts["missing"] = str(exc)
@@ -310,10 +313,37 @@ def _device_rows(
     return {i: bytes(b) for i, b in buffers.items()}, facts
 
 
+def _whole_spans(
+    rec: SlotRecord,
+    plan: gather.Plan,
+    whole: Any,
+    dump: devring.Dump,
+    facts: dict[str, Any],
+) -> tuple[dict[int, bytes], dict[str, Any]]:
+    """The torch fallback's slot: the plan's storages copied whole (ValueError: why not)."""
+    if not isinstance(whole, list) or not all(
+        isinstance(w, list) and len(w) == 3 and all(type(x) is int and x >= 0 for x in w)
+        for w in whole
+    ):
+        raise ValueError("the slot's whole-copy layout is damaged")
+    _, pos, _ = _check_device_slot(rec, plan, dump, rec_bytes=0)
+    out: dict[int, bytes] = {}
+    for storage, off, n in whole:
+        if storage not in plan.storages or n != int(rec.meta.storages[storage]["span_nbytes"]):
+            raise ValueError("the slot's whole-copy layout names other storages")
+        try:
+            out[storage] = dump.ring(pos + off, n)
+        except devring.DeviceTierError as exc:
+            raise ValueError(str(exc))
+    facts.update(copied="whole (torch fallback: no row rule applied)", device_slot=pos)
+    return out, facts
+
+
 def _check_device_slot(
-    rec: SlotRecord, plan: gather.Plan, dump: devring.Dump
+    rec: SlotRecord, plan: gather.Plan, dump: devring.Dump, rec_bytes: int | None = None
 ) -> tuple[bytes, int, int]:
-    """The slot's rows in the device ring, verified to be this call's (ValueError: why not)."""
+    """The slot's rows in the device ring, verified to be this call's (ValueError: why not).
+    `rec_bytes`: the record size the slot header must repeat (default: the plan's)."""
     if len(rec.call_record) != _RECORD.size:
         raise ValueError("the slot has no snapshot call record")
     magic, rows, seq, token, pos, _, _, complete, _, _ = _RECORD.unpack(rec.call_record)
@@ -338,7 +368,7 @@ def _check_device_slot(
         token,
         pos,
         rows,
-        plan.rec_bytes,
+        plan.rec_bytes if rec_bytes is None else rec_bytes,
         token,
     ):
         raise ValueError("its device ring slot holds another call (overwritten)")

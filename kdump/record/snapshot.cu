@@ -105,6 +105,7 @@ static_assert(sizeof(Record) == 64, "Record layout");
 
 __device__ __forceinline__ u64 slot_pos(const Params& p, u64 head) {
   // A slot never wraps around the end: skip to the next lap instead.
+  if (p.ring_bytes == 0) return head;  // no device ring: nothing is gathered
   u64 phys = head % p.ring_bytes;
   return phys + p.worst > p.ring_bytes ? head - phys + p.ring_bytes : head;
 }
@@ -143,6 +144,7 @@ __device__ void copy_bytes(char* dst, const char* src, u64 n, u32 lane, u32 lane
   if ((((u64)dst | (u64)src | n) & 15) == 0) {
     const uint4* s = (const uint4*)src;
     uint4* d = (uint4*)dst;
+#pragma unroll 4
     for (u64 i = lane; i < n / 16; i += lanes) d[i] = s[i];
   } else if ((((u64)dst | (u64)src | n) & 3) == 0) {
     const u32* s = (const u32*)src;
