@@ -381,6 +381,7 @@ class Journal:
         self._seq = 0
         self._next = 0  # next index of the round robin
         self._pinned: set[int] = set()  # slots kept out of the rotation (capture sites)
+        self._prefix: dict[Any, tuple[tuple[Any, ...], bytes]] = {}
 
     @classmethod
     def create(
@@ -474,7 +475,10 @@ class Journal:
             raise JournalError("the journal is closed")
         k = len(meta.storages)
         limit = self.slot_bytes - _TRAILER.size - CALL_RECORD_BYTES
-        doc = _meta_json(meta)
+        guess: list[tuple[int, int] | None] | None = None
+        if want is not None:
+            guess = [(0, 0) if w else None for w in want]
+        doc = self._json(meta, guess)
         # A payload dropped below turns its index into null (at most 3 more characters).
         head_end = _SLOT_HEAD + 16 * k + len(doc) + 3 * k
         if head_end > limit:
@@ -483,8 +487,8 @@ class Journal:
                 "journal slot: raise slot_bytes"
             )
         spans = _place(meta.storages, head_end, limit, want)
-        if any(s is None for s in spans):
-            doc = _meta_json(meta, spans)
+        if [s is None for s in spans] != [g is None for g in guess or [(0, 0)] * k]:
+            doc = self._json(meta, spans)
         with self._lock:
             seq = self._seq + 1
             if index is None:
@@ -519,6 +523,28 @@ class Journal:
             self._seq = seq
             return Slot(self, index, seq, spans)
 
+    def _json(self, meta: SlotMeta, spans: Sequence[tuple[int, int] | None] | None) -> bytes:
+        """The slot JSON. The part before `extra` is memoised per call signature: the recorder
+        passes the same argument trees and storage/tensor lists for repeated calls, so only
+        `extra` (call index, time, site) is encoded again."""
+        present = (
+            tuple(True for _ in meta.storages)
+            if spans is None
+            else tuple(x is not None for x in spans)
+        )
+        refs = (meta.args, meta.kwargs, meta.storages, meta.tensors, meta.names)
+        key = (*(id(r) for r in refs), meta.target, meta.called_as, present)
+        hit = self._prefix.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], refs)):
+            prefix = hit[1]
+        else:
+            prefix = _meta_prefix(meta, present)
+            if len(self._prefix) > 256:
+                self._prefix.clear()
+            self._prefix[key] = (refs, prefix)  # the refs keep the ids from being reused
+        extra = json.dumps(meta.extra, separators=(",", ":"), default=str).encode()
+        return prefix + extra + b"}"
+
     def record(self, meta: SlotMeta, payloads: Sequence[bytes | memoryview]) -> Slot:
         """Reserve, copy `payloads` (one per storage) and commit: the plain host-copy path."""
         slot = self.reserve(meta)
@@ -550,7 +576,16 @@ class Journal:
         self.close()
 
 
-def _meta_json(meta: SlotMeta, spans: list[tuple[int, int] | None] | None = None) -> bytes:
+def _meta_prefix(meta: SlotMeta, present: Sequence[bool]) -> bytes:
+    """The slot JSON up to and including `"extra":` (what `_meta_json` writes before it)."""
+    spans = [(0, 0) if p else None for p in present]
+    full = _meta_json(meta, spans, extra=False)
+    return full[:-1] + b',"extra":'
+
+
+def _meta_json(
+    meta: SlotMeta, spans: Sequence[tuple[int, int] | None] | None = None, extra: bool = True
+) -> bytes:
     storages = []
     for i, s in enumerate(meta.storages):
         d = dict(s)
@@ -565,8 +600,9 @@ def _meta_json(meta: SlotMeta, spans: list[tuple[int, int] | None] | None = None
         "kwargs": meta.kwargs,
         "storages": storages,
         "tensors": meta.tensors,
-        "extra": meta.extra,
     }
+    if extra:
+        doc["extra"] = meta.extra  # last: `_meta_prefix` relies on it
     return json.dumps(doc, separators=(",", ":"), default=str).encode()
 
 

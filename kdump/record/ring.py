@@ -266,21 +266,25 @@ class RingRecorder:
                 if cached is None:
                     storages, records = group_storages(tensors)
                     want = self._wanted(st, args, kwargs, tensors, records, storages)
+                    names = st.names()
                     cached = _Layout(
                         storages,
                         records,
                         tuple(want),
                         [_storage_dict(s) for s in storages],
                         [_tensor_dict(r) for r in records],
+                        (args_tree, kwargs_tree),
+                        list(names[: len(args)]) if names and len(names) >= len(args) else None,
                     )
                     if len(self._layouts) > 256:
                         self._layouts.clear()
                     self._layouts[key] = cached
                 storages, records = cached.storages, cached.records
                 want = list(cached.want)
+                # equal by the key; the cached objects let the journal reuse their JSON
+                args_tree, kwargs_tree = cached.trees
                 site_key = self.captures.next_site(capturing)
                 stream = int(torch.cuda.current_stream().cuda_stream) if cuda else 0
-                names = st.names()
                 extra: dict[str, Any] = {
                     "call_index": index,
                     "pid": self.pid,
@@ -337,7 +341,7 @@ class RingRecorder:
                     target=st.id,
                     target_id=self._target_ids.setdefault(st.id, len(self._target_ids) + 1),
                     called_as=called_as,
-                    names=list(names[: len(args)]) if names and len(names) >= len(args) else None,
+                    names=cached.names,
                     args=args_tree,
                     kwargs=kwargs_tree,
                     storages=cached.storage_dicts,
@@ -568,12 +572,16 @@ class _Layout:
         want: tuple[bool, ...],
         storage_dicts: list[dict[str, Any]],
         tensor_dicts: list[dict[str, Any]],
+        trees: tuple[list[Any], dict[str, Any]],
+        names: list[str] | None,
     ) -> None:
         self.storages = storages
         self.records = records
         self.want = want
         self.storage_dicts = storage_dicts
         self.tensor_dicts = tensor_dicts
+        self.trees = trees
+        self.names = names
 
 
 def _storage_dict(s: Any) -> dict[str, Any]:
