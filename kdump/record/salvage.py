@@ -104,7 +104,7 @@ def salvage_journal(
         bundles.append(path)
     in_flight = kept_in_flight
     report = out / f"journal-{head.pid}{REPORT_SUFFIX}"
-    _write_report(report, contents, bundles, in_flight, torn, crash_context)
+    _write_report(report, contents, bundles, in_flight, torn, crash_context, dumps)
     if remove:
         contents.path.unlink(missing_ok=True)
         last_words.unlink(missing_ok=True)
@@ -430,6 +430,7 @@ def _write_report(
     in_flight: list[SlotRecord],
     torn: list[SlotRecord],
     crash_context: dict[str, Any] | None,
+    dumps: dict[int, devring.Dump | str] | None = None,
 ) -> None:
     def flight(rec: SlotRecord) -> dict[str, Any]:
         d = _slot_facts(rec)
@@ -448,6 +449,14 @@ def _write_report(
         "bundles": [str(p) for p in bundles],
         "in_flight": [flight(r) for r in in_flight],
         "torn": [{**_slot_facts(r), "reason": r.reason} for r in torn],
+        "device_tiers": {
+            str(i): (
+                {"ring_bytes": d.layout.ring_bytes, "head": d.head}
+                if isinstance(d, devring.Dump)
+                else {"error": d}
+            )
+            for i, d in (dumps or {}).items()
+        },
     }
     path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
 
