@@ -92,7 +92,7 @@ class DeviceCopies:
             except Exception as exc:
                 self.kernel_note = (
                     f"no snapshot kernel ({type(exc).__name__}: {str(exc)[:300]}): torch "
-                    "copies fill the twin, bulky arguments keep their layouts only"
+                    "copies fill the twin and copy bulky operands whole (no row rule)"
                 )
                 self.notes.append(self.kernel_note)
         self._host_dev = self._mapped_base()
@@ -176,7 +176,8 @@ class DeviceCopies:
         if self._event_pool:
             return self._event_pool.pop()
         drv = _drv()
-        return _ok(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        flags = int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        return _ok(drv.cuEventCreate(flags), "cuEventCreate")
 
     def _fork(self, main: Any, side: Any) -> None:
         drv = _drv()
