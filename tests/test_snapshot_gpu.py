@@ -5,7 +5,9 @@ recorder end to end on the packaged GEMM."""
 
 from __future__ import annotations
 
+import shutil
 import struct
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -42,10 +44,19 @@ def _operands(sizes: list[int], k: int = 512, seed: int = 0):
     return a.cuda(), sfa.cuda(), labels_t.cuda()
 
 
-def _devcopies(tmp_path: Path, budget: int = 64 << 20):
+@pytest.fixture
+def shm():
+    """A folder in shared memory for the journal: cudaHostRegister refuses the page-cache pages
+    of a file on a disk filesystem (the recorder's journals live in /dev/shm too)."""
+    d = Path(tempfile.mkdtemp(prefix="kdump-test-", dir="/dev/shm"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _devcopies(shm: Path, budget: int = 64 << 20):
     from kdump.record.devcopy import DeviceCopies
 
-    j = Journal.create(tmp_path, slots=8, slot_bytes=256 << 10)
+    j = Journal.create(shm, slots=8, slot_bytes=256 << 10)
     return j, DeviceCopies(j, torch.device("cuda", torch.cuda.current_device()), budget)
 
 
@@ -98,8 +109,8 @@ def _check_rows(bundle: Path, a, sfa, labels) -> dict:
 
 
 @pytest.mark.parametrize("held", [False, True])
-def test_eager_snapshot_is_bitwise_the_reference(tmp_path, held):
-    j, dc = _devcopies(tmp_path)
+def test_eager_snapshot_is_bitwise_the_reference(tmp_path, shm, held):
+    j, dc = _devcopies(shm)
     assert dc.kernel is not None, dc.notes
     dc.tier.held = held  # held: host copy on the side stream
     a, sfa, labels = _operands([3, 0, 128, 17])
@@ -121,8 +132,8 @@ def test_eager_snapshot_is_bitwise_the_reference(tmp_path, held):
     assert torch.equal(gather.sort_records(got), want)
 
 
-def test_graph_replays_rotate_device_slots_and_keep_each_replays_rows(tmp_path):
-    j, dc = _devcopies(tmp_path)
+def test_graph_replays_rotate_device_slots_and_keep_each_replays_rows(tmp_path, shm):
+    j, dc = _devcopies(shm)
     dc.tier.held = True
     a, sfa, labels = _operands([5, 9, 0, 64])
     d = torch.zeros(a.shape[0], 8, device="cuda")
@@ -156,9 +167,9 @@ def test_graph_replays_rotate_device_slots_and_keep_each_replays_rows(tmp_path):
     assert len(set(positions)) == 4  # each replay its own device slot, picked on the device
 
 
-def test_overwritten_device_slot_is_marked_missing(tmp_path):
+def test_overwritten_device_slot_is_marked_missing(tmp_path, shm):
     twin = 8 * (256 << 10)
-    j, dc = _devcopies(tmp_path, budget=devring.TWIN_AT + twin + (8 << 20))
+    j, dc = _devcopies(shm, budget=devring.TWIN_AT + twin + (8 << 20))
     assert dc.tier.layout.ring_bytes == 8 << 20
     a, sfa, labels = _operands([128] * 16)  # ~1.1 MiB of rows per call in an ~8 MiB ring
     for i in range(12):
@@ -176,8 +187,8 @@ def test_overwritten_device_slot_is_marked_missing(tmp_path):
     assert all("rows_kept" in by_seq[s]["device"] for s in range(6, 13))
 
 
-def test_torch_fallback_fills_the_twin_and_copies_bulky_storages_whole(tmp_path):
-    j, dc = _devcopies(tmp_path)
+def test_torch_fallback_fills_the_twin_and_copies_bulky_storages_whole(tmp_path, shm):
+    j, dc = _devcopies(shm)
     dc.kernel = None  # as without NVRTC
     assert "torch" in dc.facts()["snapshot"]
     a, sfa, labels = _operands([2, 0, 7])
@@ -197,8 +208,8 @@ def test_torch_fallback_fills_the_twin_and_copies_bulky_storages_whole(tmp_path)
             assert torch.equal(s2, sfa.cpu()) and torch.equal(lab, labels.cpu())
 
 
-def test_torch_fallback_inside_a_graph_keeps_each_replay(tmp_path):
-    j, dc = _devcopies(tmp_path)
+def test_torch_fallback_inside_a_graph_keeps_each_replay(tmp_path, shm):
+    j, dc = _devcopies(shm)
     dc.kernel = None
     dc.tier.held = True
     a, sfa, labels = _operands([3, 3])
@@ -222,7 +233,7 @@ def test_torch_fallback_inside_a_graph_keeps_each_replay(tmp_path):
             assert torch.equal(call.args[0][0].view(torch.uint8), a.view(torch.uint8).cpu())
 
 
-def test_recorder_end_to_end_on_the_packaged_gemm(tmp_path):
+def test_recorder_end_to_end_on_the_packaged_gemm(tmp_path, shm):
     import kdump
     from kdump.kernels import registry
     from kdump.kernels.sm120 import api
@@ -232,7 +243,7 @@ def test_recorder_end_to_end_on_the_packaged_gemm(tmp_path):
     args, kwargs = spec.generate(
         seed=1, device="cuda", scale_format="fp32", num_groups=8, n=256, k=512, expected_m=20
     )
-    ring = RingConfig(slots=8, slot_bytes=1 << 20, journal_dir=tmp_path / "shm")
+    ring = RingConfig(slots=8, slot_bytes=1 << 20, journal_dir=shm)
     target = "kdump.kernels.sm120.api:m_grouped_fp8_gemm_nt_contiguous"
     with kdump.recording(target, out=tmp_path / "out", mode="ring", ring=ring) as rec:
         for _ in range(3):

@@ -40,6 +40,7 @@ from kdump.record.journal import (
 RECORD_COMPLETE_AT = 40  # the call record's `complete` word: the token, once the snapshot ran
 _TRAILER_BYTES = TRAILER_BYTES
 _PRE_AT, _POST_AT, _DONE_AT = MARKER_AT["pre"], MARKER_AT["post"], MARKER_AT["done"]
+_ONE_COPY_GAP = 4096  # bytes between the payloads and the call record still copied as one
 
 
 def _drv() -> Any:
@@ -252,7 +253,7 @@ class DeviceCopies:
             out = side
         else:
             out = main
-        self._d2h(base + p0, tier.twin_addr(slot.index, p0), sb - _TRAILER_BYTES - p0, out)
+        self._host_copy(slot, spans, p0, out)
         self._d2h(trailer + _POST_AT, record + RECORD_COMPLETE_AT, 8, out)
 
         def after() -> None:
@@ -270,6 +271,21 @@ class DeviceCopies:
                 self._d2h(trailer + _DONE_AT, record + RECORD_COMPLETE_AT, 8, cur)
 
         return after
+
+    def _host_copy(self, slot: Slot, spans: list[Any], p0: int, stream: Any) -> None:
+        """The twin to the host slot: the payloads' extent and the call record, as one copy when
+        they are close, else two (a slot is mostly empty: copying all of it costs PCIe time)."""
+        assert self.tier is not None
+        sb = self.journal.slot_bytes
+        record_at = sb - _TRAILER_BYTES - CALL_RECORD_BYTES
+        end = max((sp[0] + sp[1] for sp in spans if sp is not None), default=p0)
+        twin = self.tier.twin_addr(slot.index)
+        if record_at - end <= _ONE_COPY_GAP:
+            self._d2h(slot.offset + p0, twin + p0, record_at + CALL_RECORD_BYTES - p0, stream)
+            return
+        if end > p0:
+            self._d2h(slot.offset + p0, twin + p0, end - p0, stream)
+        self._d2h(slot.offset + record_at, twin + record_at, CALL_RECORD_BYTES, stream)
 
     def _launch(
         self,
@@ -380,23 +396,24 @@ class DeviceCopies:
             for storage, off, n in whole:
                 ring[:, off : off + n].index_copy_(0, k, views[storage].reshape(1, n))
             hdr = torch.zeros(1, 8, dtype=torch.int64, device=self.device)
-            hdr[:, 0] = gather.SLOT_MAGIC | (slot.index << 32)
-            hdr[:, 1] = slot.seq
+            hdr[:, 0].fill_(gather.SLOT_MAGIC | (slot.index << 32))
+            hdr[:, 1].fill_(slot.seq)
             hdr[:, 2:3] = token.view(1, 1)
             hdr[:, 3:4] = pos.view(1, 1)
-            hdr[:, 5] = size
-            hdr[:, 6] = call_index
+            hdr[:, 5].fill_(size)
+            hdr[:, 6].fill_(call_index)
             hdr[:, 7:8] = token.view(1, 1)
             ring[:, 0:64].view(torch.int64).index_copy_(0, k, hdr)
             ctrl[0:1].copy_(pos + size)
             rec[3:4].copy_(pos)
         else:
-            rec[3] = -1  # no device ring slot
-        rec[0] = gather.RECORD_MAGIC
-        rec[1] = slot.seq
+            rec[3:4].fill_(-1)  # no device ring slot
+        # fill_ with Python numbers: captured as constants (an indexed store copies from the host)
+        rec[0:1].fill_(gather.RECORD_MAGIC)
+        rec[1:2].fill_(slot.seq)
         rec[2:3].copy_(token)
-        rec[4] = 0
-        rec[6] = call_index
+        rec[4:5].fill_(0)
+        rec[6:7].fill_(call_index)
         rec[5:6].copy_(token)  # complete, last
 
     def direct(self, slot: Slot, views: list[Any], token_index: int | None) -> Callable[[], None]:

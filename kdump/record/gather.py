@@ -31,7 +31,7 @@ KERNEL = "kd_snapshot"
 MAX_COPIES = 16
 MAX_GATHERS = 4
 ROWS_PER_BLOCK = 128
-THREADS = 256
+THREADS = 256  # KD_THREADS in snapshot.cu
 RULES = {"all": 0, "labels": 1, "masked": 2, "psum": 3}
 RECORD_HEAD = 16  # u32 row index, 12 zero bytes
 SLOT_HEAD = 64  # SlotHead in snapshot.cu
@@ -289,7 +289,7 @@ def reference_gather(plan: Plan, spans: Sequence[Any], rule_values: Any) -> tupl
     recs[:, 0:4] = idx.to(torch.int32).view(-1, 1).view(torch.uint8).reshape(-1, 4)
     for g in plan.gathers:
         rows = _row_view(g, spans[g.storage].cpu(), plan.rows, plan.inner)
-        recs[:, g.rec_off : g.rec_off + g.row_bytes] = rows[idx].reshape(idx.numel(), -1)
+        recs[:, g.rec_off : g.rec_off + g.row_bytes] = rows[idx].reshape(idx.numel(), g.row_bytes)
     return idx, recs
 
 

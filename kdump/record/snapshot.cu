@@ -17,6 +17,7 @@ typedef unsigned int u32;
 #define KD_MAX_GATHERS 4
 #define KD_ROWS_PER_BLOCK 128
 #define KD_THREADS 256
+#define KD_PIECE 512u  // bytes of a contiguous row one warp copies per work item (32 x 16)
 #define KD_CHUNK 65536ull  // bytes of a plain copy per block step
 
 #define RULE_ALL 0
@@ -144,7 +145,7 @@ __device__ void copy_bytes(char* dst, const char* src, u64 n, u32 lane, u32 lane
   if ((((u64)dst | (u64)src | n) & 15) == 0) {
     const uint4* s = (const uint4*)src;
     uint4* d = (uint4*)dst;
-#pragma unroll 4
+#pragma unroll 8
     for (u64 i = lane; i < n / 16; i += lanes) d[i] = s[i];
   } else if ((((u64)dst | (u64)src | n) & 3) == 0) {
     const u32* s = (const u32*)src;
@@ -153,6 +154,10 @@ __device__ void copy_bytes(char* dst, const char* src, u64 n, u32 lane, u32 lane
   } else {
     for (u64 i = lane; i < n; i += lanes) dst[i] = src[i];
   }
+}
+
+__device__ __forceinline__ bool contiguous(const Gather& g) {
+  return g.cols == 1 || g.col_stride == (i64)g.elem;
 }
 
 __device__ void copy_row(const Gather& g, u32 r, u32 inner, char* rec, u32 lane) {
@@ -180,12 +185,20 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
   __shared__ u32 s_rank[KD_ROWS_PER_BLOCK];
   __shared__ u32 s_rows[KD_ROWS_PER_BLOCK];
   __shared__ bool s_last;
+  __shared__ u64 s_token, s_head;
   Record* rec = (Record*)p.record;
   volatile u64* ctrl = (volatile u64*)p.ctrl;
-  const u64 token = p.token_ptr ? *(volatile u64*)p.token_ptr + 1 : 1;
-  const u64 head = ctrl[0];
-  const u64 pos = slot_pos(p, head);
   const u32 tid = threadIdx.x;
+  // One thread per block reads the shared words: every thread reading them would queue
+  // thousands of requests on one L2 line.
+  if (tid == 0) {
+    s_token = p.token_ptr ? *(volatile u64*)p.token_ptr + 1 : 1;
+    s_head = ctrl[0];
+  }
+  __syncthreads();
+  const u64 token = s_token;
+  const u64 head = s_head;
+  const u64 pos = slot_pos(p, head);
 
   if (blockIdx.x == 0 && tid == 0 && p.host_pre) {
     *(volatile u64*)p.host_pre = token;  // the host slot now reads in flight until `post`
@@ -216,15 +229,41 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
     __syncthreads();
     char* slot = (char*)p.ring + (pos % p.ring_bytes);
     const u32 warp = tid / 32, lane = tid % 32;
-    for (u32 j = warp; j < s_count; j += KD_THREADS / 32) {
-      u32 r = s_rows[j];
+    // Work items per row: KD_PIECE-byte pieces of each contiguous row, then one item for the
+    // record head and the strided rows. Warps take items round robin, so even a block with one
+    // touched row spreads its bytes over all its warps.
+    u32 pieces = 0;
+    for (u32 gi = 0; gi < p.n_gathers; ++gi) pieces += contiguous(p.gathers[gi])
+        ? (p.gathers[gi].cols * p.gathers[gi].elem + KD_PIECE - 1) / KD_PIECE : 0;
+    const u32 per_row = pieces + 1;
+    for (u32 it = warp; it < s_count * per_row; it += KD_THREADS / 32) {
+      const u32 j = it / per_row, q = it % per_row;
+      const u32 r = s_rows[j];
       char* out = slot + sizeof(SlotHead) + (u64)(s_base + s_rank[j]) * p.rec_bytes;
-      if (lane == 0) {
-        ((u32*)out)[0] = r;
-        ((u32*)out)[1] = 0;
-        ((u64*)out)[1] = 0;
+      if (q == pieces) {
+        if (lane == 0) {
+          ((u32*)out)[0] = r;
+          ((u32*)out)[1] = 0;
+          ((u64*)out)[1] = 0;
+        }
+        for (u32 gi = 0; gi < p.n_gathers; ++gi)
+          if (!contiguous(p.gathers[gi])) copy_row(p.gathers[gi], r, p.inner, out, lane);
+        continue;
       }
-      for (u32 gi = 0; gi < p.n_gathers; ++gi) copy_row(p.gathers[gi], r, p.inner, out, lane);
+      u32 c = q;  // the piece: find its gather
+      for (u32 gi = 0; gi < p.n_gathers; ++gi) {
+        const Gather& g = p.gathers[gi];
+        if (!contiguous(g)) continue;
+        const u32 n = g.cols * g.elem, k = (n + KD_PIECE - 1) / KD_PIECE;
+        if (c < k) {
+          const char* row = (const char*)g.src + (i64)(r / p.inner) * g.outer_stride +
+                            (i64)(r % p.inner) * g.inner_stride;
+          const u32 at = c * KD_PIECE, len = n - at < KD_PIECE ? n - at : KD_PIECE;
+          copy_bytes(out + g.rec_off + at, row + at, len, lane, 32);
+          break;
+        }
+        c -= k;
+      }
     }
   } else {
     // Copy blocks take KD_CHUNK-byte chunks of the plain copies, round robin.
