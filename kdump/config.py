@@ -79,6 +79,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "1G",
     ),
     EnvVar(
+        "KDUMP_DEVICE_BYTES",
+        "device memory of the flight recorder per GPU: the journal's twin and the ring of "
+        "gathered rows (suffixes K, M, G; 0 turns the device tier off)",
+        "1G",
+    ),
+    EnvVar(
         "KDUMP_JOURNAL_DIR",
         "folder of the journals (shared memory); `kdump record` sets one per run",
         "/dev/shm",

@@ -471,3 +471,22 @@ def test_cli_salvages_the_journal_of_a_dead_process(tmp_path: Path) -> None:
     res = CliRunner().invoke(cli, ["salvage", str(junk), "-o", str(tmp_path / "o3")])
     assert isinstance(res.exception, JournalError) and res.exception.exit_code == 2
     live.unlink()
+
+
+def test_repeated_signature_reuses_its_json_and_reads_back_exactly(tmp_path: Path) -> None:
+    """The JSON before `extra` is memoised per argument objects: repeated calls differ only in
+    `extra` and in which payloads are present, and each reads back as written."""
+    _, call = make_call(5)
+    base = meta_from_call(call, call_index=0)
+    j = Journal.create(tmp_path, slots=4, slot_bytes=64 << 10)
+    metas = []
+    for i, want in enumerate(([True, True], [False, True], [True, True])):
+        m = SlotMeta(**{**base.__dict__, "call_index": i, "extra": {"i": i, "t": "x" * i}})
+        metas.append(m)
+        j.reserve(m, want=want).commit()
+    got = {s.meta.call_index: s for s in read_journal(j.path).having(SlotState.COMPLETE)}
+    for i, m in enumerate(metas):
+        assert got[i].meta.extra == m.extra and got[i].meta.args == m.args
+        assert got[i].meta.storages == m.storages and got[i].meta.tensors == m.tensors
+    assert got[1].payloads[0] is None and got[0].payloads[0] is not None
+    j.close()

@@ -351,3 +351,28 @@ def test_capture_site_bundle_pairs_the_eager_call_before_capture(tmp_path, monke
         assert b.info["graph_replay"]["capture_call"] == 0
         assert site.meta["journal"]["graph"] == 1 and site.meta["journal"]["site"] == 0
         assert torch.equal(first.args[0], warm[0]) and torch.equal(first.args[1], warm[1])
+
+
+def test_signature_cache_keeps_each_calls_values_and_scalars(tmp_path):
+    """Repeated calls on the same buffers reuse the cached layout; each slot still holds its own
+    bytes and scalars."""
+    a = torch.zeros(16, 8)
+    layout = torch.zeros(16)
+    out = torch.empty(16, 8)
+    scales = [2.0, 0.5, 0.5, 2.0, 3.0]
+    with kdump.recording(
+        f"{T}:gemm_like", out=tmp_path / "out", mode="ring", ring=_ring(tmp_path)
+    ) as rec:
+        for i, s in enumerate(scales):
+            a.fill_(float(i))
+            gemm_like(a, layout, out, scale=s)
+        assert len(rec.recorder._layouts) == 3  # one layout per distinct scalar
+        rec.flush()
+        written = list(rec.written)
+    seen = {}
+    for p in written:
+        with load_bundle(p) as b:
+            call = b.calls[0]
+            i = call.meta["call_index"]
+            seen[i] = (float(call.args[0][0, 0]), call.kwargs["scale"])
+    assert seen == {i: (float(i), s) for i, s in enumerate(scales)}

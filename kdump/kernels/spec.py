@@ -40,6 +40,22 @@ class Param:
 
 
 @dataclass(frozen=True)
+class Touch:
+    """Which rows of a parameter's tensors a call can read (the flight recorder snapshots only
+    those). `rule`: "all" (every row), "labels" (rows whose int32 label in `by` is >= 0),
+    "masked" (rows m < by[g] of batch g; the first two dimensions index rows), "psum" (rows
+    [align(by[g-1]), by[g]) with the spec's alignment). Every tensor of `param` (a tensor or a
+    tuple such as FP8 data and its scales) shares the row numbering of its first
+    `row_dims` dimensions."""
+
+    param: str
+    rule: str = "all"
+    by: str | None = None
+    row_dims: int = 1
+    alignment: int = 1
+
+
+@dataclass(frozen=True)
 class Tolerance:
     """When results count as equal to the reference."""
 
@@ -107,6 +123,11 @@ class KernelSpec:
 
     def output_names(self, bound: Mapping[str, Any]) -> list[str]:
         return self.names_with_role(Role.OUTPUT)
+
+    def touches(self, bound: Mapping[str, Any]) -> tuple[Touch, ...]:
+        """Inputs of which a call reads only some rows, and the rule that says which; inputs
+        not listed count as read whole."""
+        return ()
 
     # --- contract ------------------------------------------------------------------------------
     def validate(self, bound: Mapping[str, Any]) -> list[Violation]:

@@ -23,8 +23,13 @@ class RingConfig:
     slot_bytes: int = 1 << 20
     journal_dir: Path = Path("/dev/shm")
     static_bytes: int = 1 << 30  # static operands, copied once per (storage, version); 0: off
+    # Device memory of the recorder per GPU (the journal's twin, the ring of gathered rows):
+    # small next to a serving GPU's memory; 0 turns the device tier off.
+    device_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
+        if self.device_bytes < 0:
+            raise UsageError(f"--device-bytes {self.device_bytes}: use 0 (off) or a size")
         if self.slots < 2:
             raise UsageError(f"--ring-slots {self.slots}: the ring needs at least 2 slots")
         if self.slot_bytes < 4096:
@@ -50,6 +55,7 @@ class RingConfig:
             slot_bytes=parse_bytes(get("KDUMP_SLOT_BYTES")),
             journal_dir=Path(get("KDUMP_JOURNAL_DIR")),
             static_bytes=parse_bytes(get("KDUMP_STATIC_BYTES")),
+            device_bytes=parse_bytes(get("KDUMP_DEVICE_BYTES")),
         )
 
 

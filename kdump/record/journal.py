@@ -90,7 +90,7 @@ from typing import Any
 from kdump.errors import ExitCode, KdumpError
 
 JOURNAL_MAGIC = b"KDJRNL\x00\x01"
-JOURNAL_VERSION = 2  # 2: 64-byte trailer with the pre/post/done markers
+JOURNAL_VERSION = 3  # 2: 64-byte trailer with the pre/post/done markers; 3: call record
 DEFAULT_DIR = Path("/dev/shm")
 FILE_PREFIX = "kdump-journal-"
 DEFAULT_SLOTS = 64
@@ -108,6 +108,8 @@ _SLOT_HEAD = _SLOT_FIXED.size + _SLOT_CRC.size  # 72: where the payload table st
 _TABLE_ENTRY = struct.Struct("<QQ")
 _TRAILER = struct.Struct("<4sIQI4xQQQ16x")
 _MARKER_AT = {"pre": 24, "post": 32, "done": 40}  # offsets inside the trailer
+TRAILER_BYTES = _TRAILER.size
+MARKER_AT = dict(_MARKER_AT)
 SLOT_MAGIC = b"KDSL"
 TRAILER_MAGIC = b"KDTR"
 REFILL_MAGIC = b"KDTX"  # the trailer of a slot being refilled: names the seq being written
@@ -116,6 +118,7 @@ FLAG_MISSING = 2
 TRAILER_FLAG_PAYLOAD_CRC = 1
 TRAILER_FLAG_DEVICE = 2
 MIN_SLOT_BYTES = 1024
+CALL_RECORD_BYTES = 64  # before the trailer: the device snapshot's call record (devring)
 
 log = logging.getLogger("kdump.record.journal")
 
@@ -201,6 +204,9 @@ class SlotRecord:
     reason: str = ""  # why a slot is torn or in flight
     finished: bool = False  # complete slots: the kernel ran to its end
     token: int = 0  # the markers' token: 1 for eager calls, the replay number for graph slots
+    spans: tuple[tuple[int, int] | None, ...] = ()  # per storage: (offset, length) when present
+    markers: tuple[int, int, int] = (0, 0, 0)  # pre, post, done as read
+    call_record: bytes = b""  # the device snapshot's call record (zeros for host-copied slots)
 
 
 @dataclass(frozen=True)
@@ -295,6 +301,16 @@ class Slot:
     def payload_count(self) -> int:
         return len(self._spans)
 
+    @property
+    def spans(self) -> list[tuple[int, int] | None]:
+        """Per storage: (offset in the slot, length), or None when its payload is missing."""
+        return list(self._spans)
+
+    @property
+    def offset(self) -> int:
+        """Where the slot starts in the journal file (and its mapping)."""
+        return self._base
+
     def has_payload(self, i: int) -> bool:
         return self._spans[i] is not None
 
@@ -365,6 +381,7 @@ class Journal:
         self._seq = 0
         self._next = 0  # next index of the round robin
         self._pinned: set[int] = set()  # slots kept out of the rotation (capture sites)
+        self._prefix: dict[Any, tuple[tuple[Any, ...], bytes]] = {}
 
     @classmethod
     def create(
@@ -457,8 +474,11 @@ class Journal:
         if self._fd < 0:
             raise JournalError("the journal is closed")
         k = len(meta.storages)
-        limit = self.slot_bytes - _TRAILER.size
-        doc = _meta_json(meta)
+        limit = self.slot_bytes - _TRAILER.size - CALL_RECORD_BYTES
+        guess: list[tuple[int, int] | None] | None = None
+        if want is not None:
+            guess = [(0, 0) if w else None for w in want]
+        doc = self._json(meta, guess)
         # A payload dropped below turns its index into null (at most 3 more characters).
         head_end = _SLOT_HEAD + 16 * k + len(doc) + 3 * k
         if head_end > limit:
@@ -467,8 +487,8 @@ class Journal:
                 "journal slot: raise slot_bytes"
             )
         spans = _place(meta.storages, head_end, limit, want)
-        if any(s is None for s in spans):
-            doc = _meta_json(meta, spans)
+        if [s is None for s in spans] != [g is None for g in guess or [(0, 0)] * k]:
+            doc = self._json(meta, spans)
         with self._lock:
             seq = self._seq + 1
             if index is None:
@@ -503,6 +523,28 @@ class Journal:
             self._seq = seq
             return Slot(self, index, seq, spans)
 
+    def _json(self, meta: SlotMeta, spans: Sequence[tuple[int, int] | None] | None) -> bytes:
+        """The slot JSON. The part before `extra` is memoised per call signature: the recorder
+        passes the same argument trees and storage/tensor lists for repeated calls, so only
+        `extra` (call index, time, site) is encoded again."""
+        present = (
+            tuple(True for _ in meta.storages)
+            if spans is None
+            else tuple(x is not None for x in spans)
+        )
+        refs = (meta.args, meta.kwargs, meta.storages, meta.tensors, meta.names)
+        key = (*(id(r) for r in refs), meta.target, meta.called_as, present)
+        hit = self._prefix.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], refs)):
+            prefix = hit[1]
+        else:
+            prefix = _meta_prefix(meta, present)
+            if len(self._prefix) > 256:
+                self._prefix.clear()
+            self._prefix[key] = (refs, prefix)  # the refs keep the ids from being reused
+        extra = json.dumps(meta.extra, separators=(",", ":"), default=str).encode()
+        return prefix + extra + b"}"
+
     def record(self, meta: SlotMeta, payloads: Sequence[bytes | memoryview]) -> Slot:
         """Reserve, copy `payloads` (one per storage) and commit: the plain host-copy path."""
         slot = self.reserve(meta)
@@ -534,7 +576,16 @@ class Journal:
         self.close()
 
 
-def _meta_json(meta: SlotMeta, spans: list[tuple[int, int] | None] | None = None) -> bytes:
+def _meta_prefix(meta: SlotMeta, present: Sequence[bool]) -> bytes:
+    """The slot JSON up to and including `"extra":` (what `_meta_json` writes before it)."""
+    spans = [(0, 0) if p else None for p in present]
+    full = _meta_json(meta, spans, extra=False)
+    return full[:-1] + b',"extra":'
+
+
+def _meta_json(
+    meta: SlotMeta, spans: Sequence[tuple[int, int] | None] | None = None, extra: bool = True
+) -> bytes:
     storages = []
     for i, s in enumerate(meta.storages):
         d = dict(s)
@@ -549,8 +600,9 @@ def _meta_json(meta: SlotMeta, spans: list[tuple[int, int] | None] | None = None
         "kwargs": meta.kwargs,
         "storages": storages,
         "tensors": meta.tensors,
-        "extra": meta.extra,
     }
+    if extra:
+        doc["extra"] = meta.extra  # last: `_meta_prefix` relies on it
     return json.dumps(doc, separators=(",", ":"), default=str).encode()
 
 
@@ -682,12 +734,13 @@ def _read_slot(raw: bytes, base: int, slot_bytes: int, index: int) -> SlotRecord
             k,
             (stream, capture, graph, replay),
         )
-        _check_spans(spans, present, meta, body_end, slot_bytes - _TRAILER.size)
+        _check_spans(spans, present, meta, body_end, slot_bytes - _TRAILER.size - CALL_RECORD_BYTES)
+        placed = tuple((int(o), int(n)) if ok else None for (o, n), ok in zip(spans, present))
     except _Torn as exc:
         return SlotRecord(index, SlotState.TORN, seq=seq, reason=str(exc))
     if tmagic == REFILL_MAGIC:
         if tseq == seq and tflags == 0 and tcrc == 0 and not (pre or post or done):
-            return SlotRecord(index, SlotState.IN_FLIGHT, seq=seq, meta=meta)
+            return SlotRecord(index, SlotState.IN_FLIGHT, seq=seq, meta=meta, spans=placed)
         return SlotRecord(index, SlotState.TORN, seq=seq, reason="refill began over this call")
     if tmagic != TRAILER_MAGIC:
         return SlotRecord(index, SlotState.TORN, seq=seq, reason="trailer is damaged")
@@ -706,7 +759,17 @@ def _read_slot(raw: bytes, base: int, slot_bytes: int, index: int) -> SlotRecord
         return SlotRecord(index, SlotState.TORN, seq=seq, reason="slot checksum mismatch")
     if post == 0 or pre != post:
         why = "payloads not copied yet" if post == 0 else "payloads were being rewritten"
-        return SlotRecord(index, SlotState.IN_FLIGHT, seq=seq, meta=meta, reason=why, token=post)
+        return SlotRecord(
+            index,
+            SlotState.IN_FLIGHT,
+            seq=seq,
+            meta=meta,
+            reason=why,
+            token=post,
+            spans=placed,
+            markers=(pre, post, done),
+            call_record=raw[t - CALL_RECORD_BYTES : t],
+        )
     if done > post:
         return SlotRecord(index, SlotState.TORN, seq=seq, reason="done marker is ahead of post")
     payloads = tuple(
@@ -720,6 +783,9 @@ def _read_slot(raw: bytes, base: int, slot_bytes: int, index: int) -> SlotRecord
         payloads=payloads,
         finished=done == post,
         token=post,
+        spans=placed,
+        markers=(pre, post, done),
+        call_record=raw[t - CALL_RECORD_BYTES : t],
     )
 
 

@@ -43,13 +43,16 @@ from typing import TYPE_CHECKING, Any
 from kdump import config
 from kdump.log import log_once
 from kdump.record.hooks import HookState, busy
-from kdump.record.journal import Journal, JournalError, Slot, SlotMeta
+from kdump.record.journal import Journal, Slot, SlotMeta
 from kdump.record.salvage import CRASH_SUFFIX
-from kdump.record.statics import Statics, storage_meta
+from kdump.record.statics import Statics, lazy_bits, storage_meta
 
 if TYPE_CHECKING:
     from kdump.record.config import RecordConfig
+    from kdump.record.devcopy import DeviceCopies
     from kdump.record.session import Recording
+
+_ACTIVE: RingRecorder | None = None  # the recorder whose captures torch's patched graph reports
 
 SMALL_BYTES = 64 << 10  # inputs up to this size are copied whatever their role
 SLOT_SHARE = 0.9  # of a slot, what payloads may take (the rest: header and argument JSON)
@@ -116,7 +119,10 @@ class RingRecorder:
         self._last_eager: dict[str, tuple[int, int, tuple[int, ...]]] = {}
         self._target_ids: dict[str, int] = {}
         self._calls = itertools.count()
-        self._cuda: _CudaSide | None = None
+        self._cuda: DeviceCopies | None = None
+        self._plans: dict[Any, Any] = {}
+        self._layouts: dict[Any, _Layout] = {}
+        self._roles: dict[Any, list[str | None]] = {}  # spec role per tensor, per signature
         self._hooks_installed = False
         self.statics: Statics | None = None  # made with the journal (kdump.record.statics)
 
@@ -137,7 +143,11 @@ class RingRecorder:
             )
             self._install_last_words()
         if cuda_device is not None and self._cuda is None:
-            self._cuda = _CudaSide(self.journal, cuda_device)
+            from kdump.record.devcopy import DeviceCopies
+
+            self._cuda = DeviceCopies(self.journal, cuda_device, self.cfg.ring.device_bytes)
+            global _ACTIVE
+            _ACTIVE = self
             self._patch_graph_capture()
         return self.journal
 
@@ -171,21 +181,30 @@ class RingRecorder:
         os.replace(tmp, j.path.with_name(j.path.name + CRASH_SUFFIX))
 
     def _patch_graph_capture(self) -> None:
-        """New capture ids exactly where torch begins a capture."""
+        """New capture ids exactly where torch begins a capture; the side branch of the host
+        copies joined back into the capture before it ends."""
         import torch
 
         cls = torch.cuda.CUDAGraph
         if getattr(cls, "_kdump_patched", False):
             return
         begin, end = cls.capture_begin, cls.capture_end
-        tracker = self.captures
 
         def capture_begin(graph: Any, *a: Any, **k: Any) -> Any:
-            tracker.begin()
+            rec = _ACTIVE
+            if rec is not None:
+                rec.captures.begin()
             return begin(graph, *a, **k)
 
         def capture_end(graph: Any, *a: Any, **k: Any) -> Any:
-            tracker.end()
+            rec = _ACTIVE
+            if rec is not None:
+                rec.captures.end()
+                if rec._cuda is not None:
+                    try:
+                        rec._cuda.join_capture()
+                    except Exception as exc:
+                        log_once("ringjoin", f"flight recorder: joining its copy branch: {exc}")
             return end(graph, *a, **k)
 
         cls.capture_begin, cls.capture_end = capture_begin, capture_end
@@ -245,13 +264,46 @@ class RingRecorder:
                 j = self._open(cuda[0].device if cuda and not capturing else None)
                 if cuda and self._cuda is None:
                     return None  # the journal was made by CPU calls; CUDA side needs no capture
-                storages, records = group_storages(tensors)
-                roles = _tensor_roles(st, args, kwargs, tensors)
+                key = _signature(st.id, tensors, args_tree, kwargs_tree)
+                cached = self._layouts.get(key)
+                if cached is None:
+                    storages, records = group_storages(tensors)
+                    roles = _tensor_roles(st, args, kwargs, tensors)
+                    want = self._wanted(st, args, kwargs, tensors, records, storages, roles)
+                    self._roles[key] = roles
+                    names = st.names()
+                    cached = _Layout(
+                        storages,
+                        records,
+                        tuple(want),
+                        [_storage_dict(s) for s in storages],
+                        [_tensor_dict(r) for r in records],
+                        (args_tree, kwargs_tree),
+                        list(names[: len(args)]) if names and len(names) >= len(args) else None,
+                    )
+                    if len(self._layouts) > 256:
+                        self._layouts.clear()
+                        self._roles.clear()
+                        self._roles[key] = roles
+                    self._layouts[key] = cached
+                storages, records = cached.storages, cached.records
+                want = list(cached.want)
+                # Static operands (weights): copied once per (storage, version) into the static
+                # region, or recorded by reference; never into the slot. Per call: versions move.
+                roles = self._roles.get(key) or _tensor_roles(st, args, kwargs, tensors)
                 refs = self._static_refs(tensors, records, storages, roles, capturing)
-                want = self._wanted(st, args, kwargs, tensors, records, storages, roles, refs)
+                for i, ref in enumerate(refs):
+                    if ref is not None:
+                        want[i] = False
+                storage_dicts = cached.storage_dicts
+                if any(r is not None for r in refs) or any(lazy_bits(tensors, records, len(refs))):
+                    storage_dicts = storage_meta(
+                        [dict(d) for d in cached.storage_dicts], tensors, records, refs
+                    )
+                # equal by the key; the cached objects let the journal reuse their JSON
+                args_tree, kwargs_tree = cached.trees
                 site_key = self.captures.next_site(capturing)
                 stream = int(torch.cuda.current_stream().cuda_stream) if cuda else 0
-                names = st.names()
                 extra: dict[str, Any] = {
                     "call_index": index,
                     "pid": self.pid,
@@ -260,6 +312,33 @@ class RingRecorder:
                     "capturing": capturing,
                     "tiers": ["host"],  # bulky arguments beyond the slot keep their layouts only
                 }
+                plan = rule = whole = None
+                # One device tier per process, on the device of its first call; a call on another
+                # device takes the plain per-payload copies.
+                direct = (
+                    bool(cuda) and self._cuda is not None and cuda[0].device != self._cuda.device
+                )
+                if cuda and self._cuda is not None and not direct:
+                    plan, rule = self._plan(st, args, kwargs, key, tensors)
+                    if plan is not None:
+                        plan, rule = self._fit_plan(plan, rule, records, storages)
+                    whole = None
+                    if plan is not None and self._cuda.kernel is None:
+                        whole = self._cuda.whole_layout(plan, storages)
+                        if whole is None:
+                            plan = rule = None
+                    if plan is not None:
+                        for i in plan.storages:
+                            want[i] = False  # their touched rows go to the device ring
+                    extra["tiers"] = self._cuda.tiers(plan is not None)
+                    extra["device"] = self._cuda.facts()
+                    if whole is not None:
+                        extra["device"]["whole"] = whole  # copied whole: no row rule applied
+                    if plan is not None:
+                        extra["device"]["plan"] = plan.to_json()
+                        # the device ring's depth for this call: worst case, every row touched
+                        ring_bytes = extra["device"]["ring_bytes"]
+                        extra["device"]["ring_slots_worst_case"] = ring_bytes // plan.worst
                 site = None
                 pin_index = None
                 if site_key is not None:
@@ -272,19 +351,20 @@ class RingRecorder:
                     if site.slot is None:
                         extra["site_over_budget"] = True
                         want = [False] * len(storages)
+                        plan = None
+                        extra.get("device", {}).pop("plan", None)
+                        extra.get("device", {}).pop("whole", None)
                     pin_index = site.slot
                 meta = SlotMeta(
                     call_index=index,
                     target=st.id,
                     target_id=self._target_ids.setdefault(st.id, len(self._target_ids) + 1),
                     called_as=called_as,
-                    names=list(names[: len(args)]) if names and len(names) >= len(args) else None,
+                    names=cached.names,
                     args=args_tree,
                     kwargs=kwargs_tree,
-                    storages=storage_meta(
-                        [_storage_dict(s) for s in storages], tensors, records, refs
-                    ),
-                    tensors=[_tensor_dict(r) for r in records],
+                    storages=storage_dicts,
+                    tensors=cached.tensor_dicts,
                     stream=stream,
                     capture_id=site.capture_id if site else 0,
                     graph_id=site.capture_id if site else 0,
@@ -304,7 +384,12 @@ class RingRecorder:
                     slot.finish()
                     return None
                 assert self._cuda is not None
-                return self._cuda.copy(slot, views, site)
+                counter = site.counter if site is not None else None
+                if direct:
+                    return self._cuda.direct(slot, views, counter)
+                return self._cuda.copy(
+                    slot, views, counter, plan, rule, index, capturing, whole if plan else None
+                )
 
     @staticmethod
     def _is_capturing(cuda: list[Any]) -> bool:
@@ -332,12 +417,10 @@ class RingRecorder:
         records: list[Any],
         storages: list[Any],
         roles: list[str | None] | None = None,
-        static: list[dict | None] | None = None,
     ) -> list[bool]:
         """Per storage: copy its bytes? In priority order while the slot has room: routing /
         scalar / hint parameters and small inputs, then the other inputs, smallest first.
-        Outputs never (the kernel writes them), nor static operands (the static region holds
-        them, or they are recorded by reference)."""
+        Outputs never (the kernel writes them); static operands are taken out per call."""
         if roles is None:
             roles = _tensor_roles(st, args, kwargs, tensors)
         rank = [2] * len(storages)  # 0: first, 1: small, 2: other inputs, 3: never
@@ -349,9 +432,6 @@ class RingRecorder:
                 rank[r.storage] = min(rank[r.storage], 0)
             elif role == "output":
                 rank[r.storage] = 3
-        for i, ref in enumerate(static or ()):
-            if ref is not None:
-                rank[i] = 3
         assert self.journal is not None
         room = int(self.journal.slot_bytes * SLOT_SHARE)
         want = [False] * len(storages)
@@ -361,6 +441,52 @@ class RingRecorder:
                 want[i] = True
                 room -= n
         return want
+
+    def _plan(
+        self,
+        st: HookState,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        key: Any,
+        tensors: list[Any],
+    ) -> tuple[Any, Any]:
+        """The row-gather plan of this call and its rule tensor (None, None: nothing gathered),
+        cached per call signature (`_signature`)."""
+        assert self._cuda is not None
+        if not self._cuda.gathers:
+            return None, None
+        if key in self._plans:
+            plan = self._plans[key]
+        else:
+            plan = None
+            try:
+                plan = _plan_for(st, args, kwargs, tensors)[0]
+            except Exception as exc:  # a spec that cannot bind: no gather, the call still records
+                log_once(f"ringplan:{st.id}", f"flight recorder: no row gather for {st.id}: {exc}")
+            if len(self._plans) > 256:
+                self._plans.clear()
+            self._plans[key] = plan
+        if plan is None:
+            return None, None
+        # the rule's values are this call's tensor (the cache keeps no tensor alive)
+        return plan, tensors[plan.rule_tensor] if plan.rule_tensor is not None else None
+
+    def _fit_plan(
+        self, plan: Any, rule: Any, records: list[Any], storages: list[Any]
+    ) -> tuple[Any, Any]:
+        assert self._cuda is not None and self._cuda.tier is not None
+        if plan.worst > self._cuda.tier.layout.ring_bytes:
+            log_once(
+                "ringfit",
+                f"flight recorder: a call's rows ({plan.worst} bytes) exceed the device ring "
+                f"({self._cuda.tier.layout.ring_bytes} bytes): raise KDUMP_DEVICE_BYTES",
+            )
+            return None, None
+        gathered = {g.tensor for g in plan.gathers}
+        for i, r in enumerate(records):  # a gathered storage holds only gathered tensors
+            if r.storage in plan.storages and i not in gathered:
+                return None, None
+        return plan, rule
 
     def _static_refs(
         self,
@@ -408,21 +534,54 @@ class RingRecorder:
 
             # The folder and names the launcher's salvage uses: flushing twice writes the same.
             out = Path(self.cfg.out) / f"flight.{socket.gethostname()}"
-            res = salvage_journal(j.path, out, {"flushed": True}, remove=False)
+            dumps, temporary = self._dump_device_tier(j.path)
+            try:
+                res = salvage_journal(
+                    j.path, out, {"flushed": True}, remove=False, device_dumps=dumps
+                )
+            finally:
+                for p in temporary:
+                    p.unlink(missing_ok=True)
             self.written = res.bundles
         except Exception as exc:
             log_once(f"ringflush:{self.pid}", f"flight recorder flush failed: {exc}")
+
+    def _dump_device_tier(self, journal: Path) -> tuple[dict[int, Path] | None, list[Path]]:
+        """A live process reads its own device tier: to `<journal>.cuda<N>` when no salvage
+        process holds it (the launcher's salvage after exit finds it there), else to a temporary
+        file for this flush only (the salvage process writes the final one)."""
+        from kdump.record.devring import dump_path
+
+        cuda = self._cuda
+        if cuda is None or cuda.tier is None:
+            return None, []
+        tier = cuda.tier
+        final = dump_path(journal, tier.index)
+        target = final.with_name(final.name + ".flush") if tier.held else final
+        try:
+            tier.dump(target)
+        except Exception as exc:  # e.g. the context died of an illegal address
+            log_once(f"ringdump:{self.pid}", f"flight recorder: device tier not readable: {exc}")
+            return None, []
+        return {tier.index: target}, [target] if tier.held else []
 
     def close(self) -> None:
         """End of a session in a live process: write the bundles, then remove the journal
         (under `kdump record` the launcher salvages instead, after the process is gone)."""
         if self.journal is None:
             return
+        global _ACTIVE
+        if _ACTIVE is self:
+            _ACTIVE = None
         if not config.get_flag("KDUMP_RECORD"):
             self.flush()
             with self.lock:
                 if self._cuda is not None:
                     self._cuda.release()
+                    if self._cuda.tier is not None:
+                        from kdump.record.devring import dump_path
+
+                        dump_path(self.journal.path, self._cuda.tier.index).unlink(missing_ok=True)
                 if self.statics is not None:
                     self.statics.close(unlink=True)
                     self.statics = None
@@ -430,62 +589,39 @@ class RingRecorder:
                 self.journal = None
 
 
-class _CudaSide:
-    """The journal as pinned memory for one device, plus the device-side markers' sources."""
+def _signature(target: str, tensors: list[Any], args_tree: Any, kwargs_tree: Any) -> Any:
+    """What a call's recorded layout depends on: its target, each tensor's shape, strides,
+    dtype, address and offset, and the encoded argument trees (scalars, flags)."""
+    return (
+        target,
+        tuple(
+            (tuple(t.shape), t.stride(), t.dtype, t.data_ptr(), t.storage_offset()) for t in tensors
+        ),
+        repr((args_tree, kwargs_tree)),
+    )
 
-    def __init__(self, journal: Journal, device: Any) -> None:
-        import ctypes
 
-        import torch
+class _Layout:
+    """What stays the same between calls of one signature: storages and tensor records, the
+    copy choice and their JSON (no tensor references: the cache must not keep memory alive)."""
 
-        self.device = device
-        self.journal = journal
-        self.max_sites = max(1, journal.slot_count // 2)
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(journal._map))
-        self._addr = addr
-        size = len(journal._map)
-        err = torch.cuda.cudart().cudaHostRegister(addr, size, 0)
-        self.registered = int(err) == 0
-        if not self.registered:
-            raise JournalError(f"cudaHostRegister of the journal failed (error {int(err)})")
-        with torch.cuda.device(device):
-            self.one = torch.ones(1, dtype=torch.int64, device=device)
-            self.counters = torch.zeros(self.max_sites, dtype=torch.int64, device=device)
-
-    def copy(self, slot: Slot, views: list[Any], site: Site | None) -> Callable[[], None]:
-        import torch
-
-        slot.commit(device=True)
-
-        def marker(name: str) -> Any:
-            return torch.frombuffer(slot.marker(name), dtype=torch.int64)
-
-        if site is not None and site.slot is not None:
-            token = self.counters[site.counter : site.counter + 1]
-            token.add_(1)  # captured: every replay counts itself
-        else:
-            token = self.one
-        marker("pre").copy_(token, non_blocking=True)
-        for i, src in enumerate(views):
-            if slot.has_payload(i) and src.numel():
-                dst = torch.frombuffer(slot.payload(i), dtype=torch.uint8)
-                dst.copy_(src.reshape(-1), non_blocking=True)
-        marker("post").copy_(token, non_blocking=True)
-        done = marker("done")
-
-        def after() -> None:
-            done.copy_(token, non_blocking=True)
-
-        return after
-
-    def release(self) -> None:
-        import torch
-
-        try:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.cudart().cudaHostUnregister(self._addr)
-        except Exception:
-            pass
+    def __init__(
+        self,
+        storages: list[Any],
+        records: list[Any],
+        want: tuple[bool, ...],
+        storage_dicts: list[dict[str, Any]],
+        tensor_dicts: list[dict[str, Any]],
+        trees: tuple[list[Any], dict[str, Any]],
+        names: list[str] | None,
+    ) -> None:
+        self.storages = storages
+        self.records = records
+        self.want = want
+        self.storage_dicts = storage_dicts
+        self.tensor_dicts = tensor_dicts
+        self.trees = trees
+        self.names = names
 
 
 def _storage_dict(s: Any) -> dict[str, Any]:
@@ -540,6 +676,47 @@ def _tensor_roles(
         for t in argtree.tensors_in(value):
             by_id.setdefault(id(t), roles.get(name))
     return [by_id.get(id(t)) for t in tensors]
+
+
+def _plan_for(
+    st: HookState, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[Any]
+) -> tuple[Any, Any]:
+    """The spec's touch declaration turned into a gather plan (kdump.record.gather)."""
+    from kdump.bundle import argtree
+    from kdump.bundle.tensors import group_storages
+    from kdump.kernels import registry
+    from kdump.record import gather
+
+    spec = registry.spec_for(st.id, st.names())
+    bound = spec.bind(args, kwargs)
+    touches = spec.touches(bound)
+    if not touches:
+        return None, None
+    t = touches[0]  # one row rule per snapshot
+    by_id = {id(x): i for i, x in enumerate(tensors)}
+    idx = [by_id[id(x)] for x in argtree.tensors_in(bound.get(t.param)) if id(x) in by_id]
+    rule_t = bound.get(t.by) if t.by else None
+    if not idx or (t.rule != "all" and id(rule_t) not in by_id):
+        return None, None
+    if t.rule != "all":
+        import torch
+
+        if not isinstance(rule_t, torch.Tensor) or rule_t.dtype != torch.int32:
+            return None, None
+        if not rule_t.is_contiguous() or rule_t.device != tensors[idx[0]].device:
+            return None, None
+    storages, records = group_storages(tensors)
+    plan = gather.make_plan(
+        tensors,
+        records,
+        storages,
+        idx,
+        t.rule,
+        by_id.get(id(rule_t)) if rule_t is not None else None,
+        t.row_dims,
+        t.alignment,
+    )
+    return (plan, rule_t) if plan is not None else (None, None)
 
 
 def process_block() -> dict[str, Any]:

@@ -8,21 +8,26 @@ storage source `missing` (docs/FORMAT.md); their tensors are listed under
 `journal.missing_tensors` in the call's meta. Static operands (kdump.record.statics) come from the
 static region next to the journal: complete copies become blobs of the folder's shared store (one
 copy for every bundle), the others `by-reference` with their statistics
-(`journal.by_reference_tensors`; `journal.statics` says which and why).
+(`journal.by_reference_tensors`; `journal.statics` says which and why). Rows the device tier
+gathered come from the `<journal>.cuda<N>` dumps (kdump.record.devring).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from kdump.errors import BundleError
+from kdump.record import devring, gather
 from kdump.record.journal import (
+    CALL_RECORD_BYTES,
     FILE_PREFIX,
+    TRAILER_BYTES,
     JournalContents,
     JournalError,
     SlotRecord,
@@ -61,8 +66,13 @@ def salvage_journal(
     crash_context: dict[str, Any] | None = None,
     *,
     remove: bool = True,
+    device_dumps: dict[int, Path] | None = None,
 ) -> SalvageResult:
+    """`device_dumps`: the device tiers by device index (default: the `<journal>.cuda<N>` files
+    next to the journal, written by the salvage process)."""
     contents = read_journal(journal_path)
+    dump_files = devring.dump_paths(contents.path) if device_dumps is None else device_dumps
+    dumps = _read_dumps(dump_files)
     last_words = contents.path.with_name(contents.path.name + CRASH_SUFFIX)
     try:  # what the recorded process wrote when an exception ended it
         said = json.loads(last_words.read_text())
@@ -76,6 +86,14 @@ def salvage_journal(
     torn = contents.having(SlotState.TORN)
     bundles: list[Path] = []
     complete = contents.having(SlotState.COMPLETE)
+    kept_in_flight = []
+    for rec in contents.having(SlotState.IN_FLIGHT):
+        recovered = _from_twin(rec, dumps, contents.header.slot_bytes)
+        if recovered is not None:
+            complete.append(recovered)
+        else:
+            kept_in_flight.append(rec)
+    complete.sort(key=lambda r: -r.seq)
     by_seq = {r.seq: r for r in complete}
     region = read_region(contents.path)  # static operands copied once (kdump.record.statics)
     for rec in complete:
@@ -83,7 +101,7 @@ def salvage_journal(
         site = rec.meta.extra.get("site") if rec.meta.capture_id else None
         before = by_seq.get(site.get("eager_seq", -1)) if isinstance(site, dict) else None
         try:
-            _write_bundle(path, rec, contents, crash_context, before, region)
+            _write_bundle(path, rec, contents, crash_context, before, dumps, region)
         except (BundleError, ValueError, TypeError, KeyError, OverflowError, RuntimeError) as exc:
             # Checksums held but the content is unusable: report it, never keep the file.
             path.unlink(missing_ok=True)
@@ -92,13 +110,15 @@ def salvage_journal(
         bundles.append(path)
     if region is not None:
         region.close()
-    in_flight = contents.having(SlotState.IN_FLIGHT)
+    in_flight = kept_in_flight
     report = out / f"journal-{head.pid}{REPORT_SUFFIX}"
-    _write_report(report, contents, bundles, in_flight, torn, crash_context)
+    _write_report(report, contents, bundles, in_flight, torn, crash_context, dumps)
     if remove:
         contents.path.unlink(missing_ok=True)
         last_words.unlink(missing_ok=True)
         region_path(contents.path).unlink(missing_ok=True)
+        for p in dump_files.values():
+            Path(p).unlink(missing_ok=True)
     return SalvageResult(contents.path, bundles, in_flight, torn, report)
 
 
@@ -121,6 +141,8 @@ def _slot_facts(rec: SlotRecord) -> dict[str, Any]:
     if rec.state is SlotState.COMPLETE:
         facts["finished"] = rec.finished
         facts["in_flight"] = not rec.finished  # the kernel had not finished when it died
+        if rec.reason:
+            facts["note"] = rec.reason
     elif rec.reason:
         facts["reason"] = rec.reason
     return facts
@@ -132,6 +154,7 @@ def _write_bundle(
     contents: JournalContents,
     crash_context: dict[str, Any] | None,
     before: SlotRecord | None = None,
+    dumps: dict[int, devring.Dump | str] | None = None,
     region: Region | None = None,
 ) -> None:
     """One bundle of slot `rec`. A graph replay's slot whose site kept the eager call made on
@@ -141,9 +164,9 @@ def _write_bundle(
     from kdump.bundle import load_bundle, save_calls
     from kdump.bundle.store import BlobStore
 
-    calls = [_call_record(rec, contents, crash_context, region)]
+    calls = [_call_record(rec, contents, crash_context, dumps, region)]
     if before is not None:
-        first = _call_record(before, contents, crash_context, region)
+        first = _call_record(before, contents, crash_context, dumps, region)
         first.meta["journal"]["role"] = "before capture (the graph's buffers then)"
         calls.insert(0, first)
     info = {
@@ -171,6 +194,7 @@ def _call_record(
     rec: SlotRecord,
     contents: JournalContents,
     crash_context: dict[str, Any] | None,
+    dumps: dict[int, devring.Dump | str] | None = None,
     region: Region | None = None,
 ) -> Any:
     import torch
@@ -185,8 +209,10 @@ def _call_record(
 
     meta = rec.meta
     assert meta is not None  # complete slots always carry their metadata
+    rows, device_facts = _device_rows(rec, dumps or {})
+    payloads = [rows[i] if p is None and i in rows else p for i, p in enumerate(rec.payloads)]
     storages, data, statics = [], [], []
-    for j, (s, payload) in enumerate(zip(meta.storages, rec.payloads)):
+    for j, (s, payload) in enumerate(zip(meta.storages, payloads)):
         got = salvaged_storage(s, payload, region)
         storages.append(
             StorageRecord(
@@ -228,6 +254,8 @@ def _call_record(
     if statics:  # which storages the static region gave, or why it could not
         journal_meta["statics"] = statics
         journal_meta["static_blobs"] = sum(s["source"] == "blob" for s in statics)
+    if device_facts is not None:
+        journal_meta["device"] = device_facts
     call_meta = dict(meta.extra)
     call_meta["journal"] = journal_meta
     call_meta["process"] = {"pid": contents.header.pid, "host": contents.header.host}
@@ -245,6 +273,178 @@ def _call_record(
     return call
 
 
+def _read_dumps(files: dict[int, Path]) -> dict[int, devring.Dump | str]:
+    """Each device tier read back, or why it cannot be used."""
+    out: dict[int, devring.Dump | str] = {}
+    for index, p in files.items():
+        try:
+            out[index] = devring.read_dump(Path(p))
+        except devring.DeviceTierError as exc:
+            out[index] = str(exc)
+    return out
+
+
+_RECORD = struct.Struct("<IIQQQIIQQQ")  # the snapshot's call record (snapshot.cu, Record)
+_SLOT_HEAD = struct.Struct("<IIQQQIIQQQ")  # a device ring slot's header (snapshot.cu, SlotHead)
+
+
+def _device_rows(
+    rec: SlotRecord, dumps: dict[int, devring.Dump | str]
+) -> tuple[dict[int, bytes], dict[str, Any] | None]:
+    """The gathered storages of a slot rebuilt from the device tier: touched rows placed back,
+    the others zero-filled. (storage -> bytes, what the bundle says about it)."""
+    assert rec.meta is not None
+    dev = rec.meta.extra.get("device")
+    if not isinstance(dev, dict) or "plan" not in dev:
+        return {}, None
+    try:
+        plan = gather.Plan.from_json(dev["plan"])
+    except ValueError as exc:
+        return {}, {"missing": f"the slot's gather plan is damaged ({exc})"}
+    facts: dict[str, Any] = {
+        "storages": sorted(plan.storages),
+        "rule": plan.rule,
+        "rows": plan.rows,
+    }
+    dump = dumps.get(dev.get("device_index", -1))
+    if not isinstance(dump, devring.Dump):
+        why = dump or (
+            dev.get("reason") and f"no salvage process held the device tier ({dev['reason']})"
+        )
+        facts["missing"] = why or "no device-tier dump next to the journal"
+        return {}, facts
+    whole = dev.get("whole")
+    try:
+        if whole is not None:
+            return _whole_spans(rec, plan, whole, dump, facts)
+        rows, pos, n = _check_device_slot(rec, plan, dump)
+    except ValueError as exc:
+        facts["missing"] = str(exc)
+        return {}, facts
+    import torch
+
+    buffers = {i: bytearray(int(rec.meta.storages[i]["span_nbytes"])) for i in plan.storages}
+    spans = {i: torch.frombuffer(b, dtype=torch.uint8) for i, b in buffers.items() if len(b)}
+    recs = torch.frombuffer(bytearray(rows), dtype=torch.uint8).reshape(n, plan.rec_bytes)
+    gather.place_back(plan, recs, spans)
+    facts.update(
+        rows_kept=n,
+        untouched_rows="zero-filled (the call cannot read them)",
+        device_slot=pos,
+    )
+    return {i: bytes(b) for i, b in buffers.items()}, facts
+
+
+def _whole_spans(
+    rec: SlotRecord,
+    plan: gather.Plan,
+    whole: Any,
+    dump: devring.Dump,
+    facts: dict[str, Any],
+) -> tuple[dict[int, bytes], dict[str, Any]]:
+    """The torch fallback's slot: the plan's storages copied whole (ValueError: why not)."""
+    if not isinstance(whole, list) or not all(
+        isinstance(w, list) and len(w) == 3 and all(type(x) is int and x >= 0 for x in w)
+        for w in whole
+    ):
+        raise ValueError("the slot's whole-copy layout is damaged")
+    _, pos, _ = _check_device_slot(rec, plan, dump, rec_bytes=0)
+    out: dict[int, bytes] = {}
+    for storage, off, n in whole:
+        if storage not in plan.storages or n != int(rec.meta.storages[storage]["span_nbytes"]):
+            raise ValueError("the slot's whole-copy layout names other storages")
+        try:
+            out[storage] = dump.ring(pos + off, n)
+        except devring.DeviceTierError as exc:
+            raise ValueError(str(exc))
+    facts.update(copied="whole (torch fallback: no row rule applied)", device_slot=pos)
+    return out, facts
+
+
+def _check_device_slot(
+    rec: SlotRecord, plan: gather.Plan, dump: devring.Dump, rec_bytes: int | None = None
+) -> tuple[bytes, int, int]:
+    """The slot's rows in the device ring, verified to be this call's (ValueError: why not).
+    `rec_bytes`: the record size the slot header must repeat (default: the plan's)."""
+    if len(rec.call_record) != _RECORD.size:
+        raise ValueError("the slot has no snapshot call record")
+    magic, rows, seq, token, pos, _, _, complete, _, _ = _RECORD.unpack(rec.call_record)
+    if magic != gather.RECORD_MAGIC or seq != rec.seq or complete != token or token == 0:
+        raise ValueError("the snapshot of this call did not complete")
+    if rec.token and token != rec.token:
+        raise ValueError(f"the call record holds replay {token}, the slot replay {rec.token}")
+    if pos == (1 << 64) - 1:
+        raise ValueError("the snapshot gathered no rows")
+    ring = dump.layout.ring_bytes
+    newest = max(dump.head, dump.reserved_to)
+    if newest > pos + ring:
+        raise ValueError("its device ring slot was overwritten by later calls")
+    try:
+        head = dump.ring(pos, _SLOT_HEAD.size)
+        hmagic, _, hseq, htoken, hpos, hrows, hrec, _, _, hcomplete = _SLOT_HEAD.unpack(head)
+    except devring.DeviceTierError as exc:
+        raise ValueError(str(exc))
+    if (hmagic, hseq, htoken, hpos, hrows, hrec, hcomplete) != (
+        gather.SLOT_MAGIC,
+        seq,
+        token,
+        pos,
+        rows,
+        plan.rec_bytes if rec_bytes is None else rec_bytes,
+        token,
+    ):
+        raise ValueError("its device ring slot holds another call (overwritten)")
+    if rows > plan.rows:
+        raise ValueError("its device ring slot claims more rows than the tensor has")
+    try:
+        data = dump.ring(pos + gather.SLOT_HEAD, rows * plan.rec_bytes)
+    except devring.DeviceTierError as exc:
+        raise ValueError(str(exc))
+    return data, pos, rows
+
+
+def _from_twin(
+    rec: SlotRecord, dumps: dict[int, devring.Dump | str], slot_bytes: int
+) -> SlotRecord | None:
+    """A slot in flight whose host copy had not run yet, completed from the device twin when
+    the snapshot there finished (a crash right after it); None otherwise."""
+    m = rec.meta
+    if m is None or not rec.spans:
+        return None
+    dev = m.extra.get("device")
+    if not isinstance(dev, dict):
+        return None
+    dump = dumps.get(dev.get("device_index", -1))
+    if not isinstance(dump, devring.Dump):
+        return None
+    try:
+        twin = dump.twin_slot(rec.index)
+    except devring.DeviceTierError:
+        return None
+    at = slot_bytes - TRAILER_BYTES - CALL_RECORD_BYTES
+    record = twin[at : at + CALL_RECORD_BYTES]
+    magic, _, seq, token, _, _, _, complete, _, _ = _RECORD.unpack(record)
+    pre = rec.markers[0]
+    if magic != gather.RECORD_MAGIC or seq != rec.seq or complete != token or token == 0:
+        return None
+    if pre and token != pre:
+        return None
+    payloads = tuple(None if sp is None else twin[sp[0] : sp[0] + sp[1]] for sp in rec.spans)
+    return SlotRecord(
+        rec.index,
+        SlotState.COMPLETE,
+        seq=rec.seq,
+        meta=m,
+        payloads=payloads,
+        reason="the host copy had not run: payloads from the device twin",
+        finished=False,
+        token=token,
+        spans=rec.spans,
+        markers=rec.markers,
+        call_record=record,
+    )
+
+
 def _write_report(
     path: Path,
     contents: JournalContents,
@@ -252,6 +452,7 @@ def _write_report(
     in_flight: list[SlotRecord],
     torn: list[SlotRecord],
     crash_context: dict[str, Any] | None,
+    dumps: dict[int, devring.Dump | str] | None = None,
 ) -> None:
     def flight(rec: SlotRecord) -> dict[str, Any]:
         d = _slot_facts(rec)
@@ -270,6 +471,14 @@ def _write_report(
         "bundles": [str(p) for p in bundles],
         "in_flight": [flight(r) for r in in_flight],
         "torn": [{**_slot_facts(r), "reason": r.reason} for r in torn],
+        "device_tiers": {
+            str(i): (
+                {"ring_bytes": d.layout.ring_bytes, "head": d.head}
+                if isinstance(d, devring.Dump)
+                else {"error": d}
+            )
+            for i, d in (dumps or {}).items()
+        },
     }
     path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
 

@@ -52,7 +52,15 @@ from kdump.kernels.deepgemm.scales import (
 # DeepGEMM's global settings in the environment manifest (the plug-in's state provider),
 # re-exported as `library_state`.
 from kdump.kernels.deepgemm.state import state as library_state  # noqa: F401
-from kdump.kernels.spec import KernelSpec, Mutation, Param, Role, Tolerance, Violation
+from kdump.kernels.spec import (
+    KernelSpec,
+    Mutation,
+    Param,
+    Role,
+    Tolerance,
+    Touch,
+    Violation,
+)
 
 DEFAULT_MK_ALIGNMENT = 128
 FP8_BLOCK_K = 128  # DeepGEMM's FP8 kernels step K by 128 with one scale per block
@@ -159,6 +167,15 @@ class _MGroupedSpec(KernelSpec):
 
     def has_reference(self) -> bool:
         return True
+
+    def touches(self, bound: Mapping[str, Any]) -> tuple[Touch, ...]:
+        """A's rows (and its scales' rows) that the routing names: padding rows (label -1),
+        rows at or past masked_m[g], psum gaps are never read."""
+        if self.masked:
+            return (Touch("a", "masked", "masked_m", row_dims=2),)
+        if bound.get("use_psum_layout") is True:
+            return (Touch("a", "psum", "grouped_layout", alignment=self.mk_alignment),)
+        return (Touch("a", "labels", "grouped_layout"),)
 
     # --- structure -----------------------------------------------------------------------------
     def _operand(

@@ -1,0 +1,453 @@
+"""Per-call device-side copies of the flight recorder: the snapshot, the host copy, the markers.
+
+With the snapshot kernel (kdump.record.gather), a recorded CUDA call costs on its stream one
+kernel launch before the call: small arguments go D2D into the journal slot's twin
+(kdump.record.devring), touched rows of bulky ones into a device ring slot, the slot's `pre`
+marker is stored through the journal's mapped address. The twin then reaches the pinned host
+slot as ONE D2H copy, followed by an 8-byte copy of the call's token into `post`:
+
+* a salvage process holds the device tier: both copies run on a side stream that waits for the
+  snapshot (inside a capture, a parallel branch joined back before the capture ends), so the
+  kernel does not wait for PCIe. A crash before they ran still leaves the twin in the dump.
+* no salvage process holds it: both run on the call's stream before the call; the host tier is
+  then the only thing that survives a crash.
+
+`done` is the token copied after the call (on the side stream when held). Without the kernel
+(no NVRTC, or it failed) the same layout is filled by torch copies: small arguments D2D into the
+twin, the token into the call record, the same host copies; bulky arguments keep their layouts
+only, and the slot says so (`tiers`, `notes`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kdump.log import log_once
+from kdump.record import gather
+from kdump.record.devring import DeviceTier, DeviceTierError
+from kdump.record.journal import (
+    CALL_RECORD_BYTES,
+    MARKER_AT,
+    TRAILER_BYTES,
+    Journal,
+    JournalError,
+    Slot,
+)
+
+RECORD_COMPLETE_AT = 40  # the call record's `complete` word: the token, once the snapshot ran
+_TRAILER_BYTES = TRAILER_BYTES
+_PRE_AT, _POST_AT, _DONE_AT = MARKER_AT["pre"], MARKER_AT["post"], MARKER_AT["done"]
+_ONE_COPY_GAP = 4096  # bytes between the payloads and the call record still copied as one
+
+
+def _drv() -> Any:
+    from kdump.kernels.sm120.launch import _driver
+
+    return _driver()
+
+
+def _ok(result: Any, what: str) -> Any:
+    from kdump.kernels.sm120.launch import _check
+
+    return _check(result, what)
+
+
+class DeviceCopies:
+    """The device side of one journal on one device (see the module docstring)."""
+
+    def __init__(self, journal: Journal, device: Any, device_bytes: int) -> None:
+        import torch
+
+        self.journal = journal
+        self.device = torch.device(device)
+        self.lock = threading.Lock()
+        self._addr = ctypes.addressof(ctypes.c_char.from_buffer(journal._map))
+        size = len(journal._map)
+        # Mapped: the snapshot kernel stores the `pre` marker through the device address.
+        err = torch.cuda.cudart().cudaHostRegister(self._addr, size, 3)
+        if int(err) != 0:
+            raise JournalError(f"cudaHostRegister of the journal failed (error {int(err)})")
+        self.notes: list[str] = []
+        self.tier: DeviceTier | None = None
+        try:
+            self.tier = DeviceTier(journal, self.device, device_bytes)
+        except (DeviceTierError, RuntimeError) as exc:
+            self.notes.append(f"no device tier: {exc}")
+        self.max_sites = max(1, journal.slot_count // 2)
+        if self.tier is not None:
+            from kdump.record.devring import MAX_SITES
+
+            self.max_sites = min(self.max_sites, MAX_SITES)
+        with torch.cuda.device(self.device):
+            self.one = torch.ones(1, dtype=torch.int64, device=self.device)
+            self._own_counters = torch.zeros(self.max_sites, dtype=torch.int64, device=self.device)
+            self.side = torch.cuda.Stream(self.device)
+        self.kernel: Any = None
+        self.kernel_note = ""
+        if self.tier is not None:
+            try:
+                self.kernel = gather.get_kernel(self.tier.index)[0]
+            except Exception as exc:
+                self.kernel_note = (
+                    f"no snapshot kernel ({type(exc).__name__}: {str(exc)[:300]}): torch "
+                    "copies fill the twin and copy bulky operands whole (no row rule)"
+                )
+                self.notes.append(self.kernel_note)
+        self._host_dev = self._mapped_base()
+        self._streams: dict[int, Any] = {}
+        self._slot_events: dict[int, Any] = {}
+        self._event_pool: list[Any] = []
+        with torch.cuda.device(self.device):  # made now: creating one inside a capture is not
+            self._event_pool = [self._event() for _ in range(2)]
+        self.forked_in_capture = False
+        self._params = gather.SnapParams()
+        self._fb_slot = 0  # the torch fallback's fixed device ring slot size
+
+    # -- facts ------------------------------------------------------------------------------------
+    @property
+    def held(self) -> bool:
+        return self.tier is not None and self.tier.held
+
+    @property
+    def gathers(self) -> bool:
+        """Whether bulky operands go to the device ring: touched rows with the kernel, whole
+        spans with the torch fallback."""
+        return self.tier is not None
+
+    def whole_layout(self, plan: gather.Plan, storages: list[Any]) -> list[list[int]] | None:
+        """The torch fallback's slot layout for `plan`'s storages: [storage, offset, bytes] each,
+        after the 64-byte slot header; None when it does not fit the fallback's fixed slot
+        (sized by the first call that uses it)."""
+        assert self.tier is not None
+        out, at = [], gather.SLOT_HEAD
+        for i in sorted(plan.storages):
+            n = int(storages[i].span_nbytes)
+            out.append([i, at, n])
+            at = -(-(at + n) // 16) * 16
+        need = -(-at // gather.SLOT_ALIGN) * gather.SLOT_ALIGN
+        if self._fb_slot == 0 and need <= self.tier.layout.ring_bytes:
+            self._fb_slot = need
+        return out if 0 < need <= self._fb_slot else None
+
+    @property
+    def counters(self) -> Any:
+        return self.tier.counters if self.tier is not None else self._own_counters
+
+    def tiers(self, gathered: bool) -> list[str]:
+        out = ["host"]
+        if self.tier is not None:
+            out.append("device-twin")
+            if gathered:
+                out.append("device-ring")
+        return out
+
+    def facts(self) -> dict[str, Any]:
+        if self.tier is None:
+            snapshot = "none (one D2H copy per payload and marker)"
+        else:
+            snapshot = "kernel" if self.kernel is not None else "torch"
+        d: dict[str, Any] = {
+            "snapshot": snapshot,
+            "host_copy": "side stream" if self.held else "before the call",
+        }
+        if self.tier is not None:
+            d.update(self.tier.facts())
+        if self.notes:
+            d["notes"] = list(self.notes)
+        return d
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _mapped_base(self) -> int:
+        try:
+            drv = _drv()
+            return int(_ok(drv.cuMemHostGetDevicePointer(self._addr, 0), "host device pointer"))
+        except Exception:
+            return self._addr  # unified addressing: the host address is the device address
+
+    def _stream(self, handle: int) -> Any:
+        s = self._streams.get(handle)
+        if s is None:
+            s = self._streams[handle] = _drv().CUstream(handle)
+        return s
+
+    def _event(self) -> Any:
+        if self._event_pool:
+            return self._event_pool.pop()
+        drv = _drv()
+        flags = int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        return _ok(drv.cuEventCreate(flags), "cuEventCreate")
+
+    def _fork(self, main: Any, side: Any) -> None:
+        drv = _drv()
+        ev = self._event()
+        _ok(drv.cuEventRecord(ev, main), "cuEventRecord")
+        _ok(drv.cuStreamWaitEvent(side, ev, 0), "cuStreamWaitEvent")
+        self._event_pool.append(ev)  # reusable at once: the wait took the record it needs
+
+    def join_capture(self) -> None:
+        """Before a capture ends: its stream waits for the side branch forked in it."""
+        import torch
+
+        if not self.forked_in_capture:
+            return
+        self.forked_in_capture = False
+        main = self._stream(int(torch.cuda.current_stream(self.device).cuda_stream))
+        self._fork(self._stream(int(self.side.cuda_stream)), main)
+
+    def _d2h(self, host_off: int, dev: int, n: int, stream: Any) -> None:
+        drv = _drv()
+        _ok(drv.cuMemcpyDtoHAsync(self._addr + host_off, dev, n, stream), "cuMemcpyDtoHAsync")
+
+    # -- the call ---------------------------------------------------------------------------------
+    def copy(
+        self,
+        slot: Slot,
+        views: list[Any],
+        token_index: int | None,
+        plan: gather.Plan | None,
+        rule: Any,
+        call_index: int,
+        capturing: bool,
+        whole: list[list[int]] | None = None,
+    ) -> Callable[[], None]:
+        """Enqueue the slot's copies on the current stream; returns what marks it done after the
+        call. `token_index`: the capture site's replay counter (None: an eager call); `whole`:
+        the torch fallback's layout of the plan's storages (`whole_layout`)."""
+        import torch
+
+        if self.tier is None:
+            return self.direct(slot, views, token_index)
+        tier = self.tier
+        j = self.journal
+        sb = j.slot_bytes
+        slot.commit(device=True)
+        main_h = int(torch.cuda.current_stream(self.device).cuda_stream)
+        main = self._stream(main_h)
+        record = tier.twin_addr(slot.index, sb - _TRAILER_BYTES - CALL_RECORD_BYTES)
+        if not capturing:
+            ev = self._slot_events.get(slot.index)
+            if ev is not None:  # the side copy of this slot's previous call has read the twin
+                _ok(_drv().cuStreamWaitEvent(main, ev, 0), "cuStreamWaitEvent")
+        spans = slot.spans
+        copies = [
+            (int(views[i].data_ptr()), tier.twin_addr(slot.index, sp[0]), sp[1])
+            for i, sp in enumerate(spans)
+            if sp is not None and sp[1]
+        ]
+        if self.kernel is not None:
+            self._launch(slot, views, copies, token_index, plan, rule, call_index, record, main_h)
+        else:
+            self._torch_snapshot(slot, views, copies, token_index, record, whole, call_index)
+        present = [sp[0] for sp in spans if sp is not None]
+        p0 = min(present) if present else sb - _TRAILER_BYTES - CALL_RECORD_BYTES
+        base = slot.offset
+        trailer = base + sb - _TRAILER_BYTES
+        if self.held:
+            side = self._stream(int(self.side.cuda_stream))
+            self._fork(main, side)
+            if capturing:
+                self.forked_in_capture = True
+            out = side
+        else:
+            out = main
+        self._host_copy(slot, spans, p0, out)
+        self._d2h(trailer + _POST_AT, record + RECORD_COMPLETE_AT, 8, out)
+
+        def after() -> None:
+            cur = self._stream(int(torch.cuda.current_stream(self.device).cuda_stream))
+            if self.held:
+                side = self._stream(int(self.side.cuda_stream))
+                self._fork(cur, side)
+                self._d2h(trailer + _DONE_AT, record + RECORD_COMPLETE_AT, 8, side)
+                if not capturing:
+                    ev = self._slot_events.get(slot.index)
+                    if ev is None:
+                        ev = self._slot_events[slot.index] = self._event()
+                    _ok(_drv().cuEventRecord(ev, side), "cuEventRecord")
+            else:
+                self._d2h(trailer + _DONE_AT, record + RECORD_COMPLETE_AT, 8, cur)
+
+        return after
+
+    def _host_copy(self, slot: Slot, spans: list[Any], p0: int, stream: Any) -> None:
+        """The twin to the host slot: the payloads' extent and the call record, as one copy when
+        they are close, else two (a slot is mostly empty: copying all of it costs PCIe time)."""
+        assert self.tier is not None
+        sb = self.journal.slot_bytes
+        record_at = sb - _TRAILER_BYTES - CALL_RECORD_BYTES
+        end = max((sp[0] + sp[1] for sp in spans if sp is not None), default=p0)
+        twin = self.tier.twin_addr(slot.index)
+        if record_at - end <= _ONE_COPY_GAP:
+            self._d2h(slot.offset + p0, twin + p0, record_at + CALL_RECORD_BYTES - p0, stream)
+            return
+        if end > p0:
+            self._d2h(slot.offset + p0, twin + p0, end - p0, stream)
+        self._d2h(slot.offset + record_at, twin + record_at, CALL_RECORD_BYTES, stream)
+
+    def _launch(
+        self,
+        slot: Slot,
+        views: list[Any],
+        copies: list[tuple[int, int, int]],
+        token_index: int | None,
+        plan: gather.Plan | None,
+        rule: Any,
+        call_index: int,
+        record: int,
+        stream: int,
+    ) -> None:
+        import torch
+
+        assert self.tier is not None
+        tier = self.tier
+        p = self._params
+        if len(copies) > gather.MAX_COPIES:  # rare: the surplus as plain async copies first
+            for src, dst, n in copies[gather.MAX_COPIES :]:
+                _ok(_drv().cuMemcpyDtoDAsync(dst, src, n, self._stream(stream)), "cuMemcpyDtoD")
+            copies = copies[: gather.MAX_COPIES]
+        chunks = 0
+        for k, (src, dst, n) in enumerate(copies):
+            c = p.copies[k]
+            c.src, c.dst, c.nbytes = src, dst, n
+            chunks += -(-n // gather.COPY_CHUNK)
+        p.n_copies = len(copies)
+        if plan is not None:
+            for k, g in enumerate(plan.gathers):
+                d = p.gathers[k]
+                d.src = int(views[g.storage].data_ptr()) + g.src_offset
+                d.outer_stride, d.inner_stride, d.col_stride = (
+                    g.outer_stride,
+                    g.inner_stride,
+                    g.col_stride,
+                )
+                d.cols, d.elem, d.rec_off = g.cols, g.elem, g.rec_off
+            p.n_gathers = len(plan.gathers)
+            rt = rule
+            p.rule = int(rt.data_ptr()) if rt is not None else 0
+            p.rule_n = int(rt.numel()) if rt is not None else 0
+            p.rule_kind = gather.RULES[plan.rule]
+            p.rows, p.inner, p.alignment = plan.rows, plan.inner, plan.alignment
+            p.rec_bytes = plan.rec_bytes
+            p.worst = plan.worst
+            p.gather_blocks = -(-plan.rows // gather.ROWS_PER_BLOCK)
+        else:
+            p.n_gathers = p.rule = p.rule_n = p.rule_kind = p.rows = p.gather_blocks = 0
+            p.inner = p.alignment = 1
+            p.rec_bytes = p.worst = 0
+        p.ctrl = tier.ctrl_addr
+        p.ring = tier.ring_addr
+        p.ring_bytes = tier.layout.ring_bytes
+        p.token_ptr = tier.counter_addr(token_index) if token_index is not None else 0
+        p.record = record
+        p.host_pre = self._host_dev + slot.offset + self.journal.slot_bytes - _TRAILER_BYTES
+        p.host_pre += _PRE_AT
+        p.seq = slot.seq
+        p.call_index = call_index
+        p.slot_index = slot.index
+        grid = max(1, int(p.gather_blocks) + min(chunks, gather.MAX_COPY_BLOCKS))
+        with torch.cuda.device(self.device):
+            gather.launch(self.kernel, p, stream, grid)
+
+    def _torch_snapshot(
+        self,
+        slot: Slot,
+        views: list[Any],
+        copies: list[tuple[int, int, int]],
+        token_index: int | None,
+        record: int,
+        whole: list[list[int]] | None,
+        call_index: int,
+    ) -> None:
+        """The fallback without the kernel: the same twin, call record and device ring slot
+        header, by torch and driver copies (capturable). Bulky storages are copied whole into a
+        fixed-size device ring slot picked on the device (index_copy_ with a device index)."""
+        import torch
+
+        assert self.tier is not None
+        tier = self.tier
+        drv = _drv()
+        main = self._stream(int(torch.cuda.current_stream(self.device).cuda_stream))
+        if token_index is not None:
+            token = self.counters[token_index : token_index + 1]
+            token.add_(1)  # captured: every replay counts itself
+        else:
+            token = self.one
+        trailer = slot.offset + self.journal.slot_bytes - _TRAILER_BYTES
+        self._d2h(trailer + _PRE_AT, int(token.data_ptr()), 8, main)
+        for src, dst, n in copies:
+            _ok(drv.cuMemcpyDtoDAsync(dst, src, n, main), "cuMemcpyDtoDAsync")
+        mem = tier.mem
+        at = record - tier.base
+        rec = mem[at : at + CALL_RECORD_BYTES].view(torch.int64)
+        ctrl = mem[0:16].view(torch.int64)
+        ring_bytes = tier.layout.ring_bytes
+        if whole:
+            size = self._fb_slot
+            count = ring_bytes // size
+            ring = mem[tier.layout.ring_at : tier.layout.ring_at + count * size].view(count, size)
+            head = ctrl[0:1]
+            phys = head % ring_bytes
+            pos = torch.where(phys + size > ring_bytes, head - phys + ring_bytes, head)
+            k = (pos % ring_bytes) // size
+            ctrl[1:2].copy_(pos + size)  # what this call overwrites, before it does
+            for storage, off, n in whole:
+                ring[:, off : off + n].index_copy_(0, k, views[storage].reshape(1, n))
+            hdr = torch.zeros(1, 8, dtype=torch.int64, device=self.device)
+            hdr[:, 0].fill_(gather.SLOT_MAGIC | (slot.index << 32))
+            hdr[:, 1].fill_(slot.seq)
+            hdr[:, 2:3] = token.view(1, 1)
+            hdr[:, 3:4] = pos.view(1, 1)
+            hdr[:, 5].fill_(size)
+            hdr[:, 6].fill_(call_index)
+            hdr[:, 7:8] = token.view(1, 1)
+            ring[:, 0:64].view(torch.int64).index_copy_(0, k, hdr)
+            ctrl[0:1].copy_(pos + size)
+            rec[3:4].copy_(pos)
+        else:
+            rec[3:4].fill_(-1)  # no device ring slot
+        # fill_ with Python numbers: captured as constants (an indexed store copies from the host)
+        rec[0:1].fill_(gather.RECORD_MAGIC)
+        rec[1:2].fill_(slot.seq)
+        rec[2:3].copy_(token)
+        rec[4:5].fill_(0)
+        rec[6:7].fill_(call_index)
+        rec[5:6].copy_(token)  # complete, last
+
+    def direct(self, slot: Slot, views: list[Any], token_index: int | None) -> Callable[[], None]:
+        """No device tier: every payload and marker is its own D2H copy on the call's stream."""
+        import torch
+
+        slot.commit(device=True)
+
+        def marker(name: str) -> Any:
+            return torch.frombuffer(slot.marker(name), dtype=torch.int64)
+
+        if token_index is not None:
+            token = self._own_counters[token_index : token_index + 1]
+            token.add_(1)  # captured: every replay counts itself
+        else:
+            token = self.one
+        marker("pre").copy_(token, non_blocking=True)
+        for i, src in enumerate(views):
+            if slot.has_payload(i) and src.numel():
+                dst = torch.frombuffer(slot.payload(i), dtype=torch.uint8)
+                dst.copy_(src.reshape(-1), non_blocking=True)
+        marker("post").copy_(token, non_blocking=True)
+        done = marker("done")
+
+        def after() -> None:
+            done.copy_(token, non_blocking=True)
+
+        return after
+
+    def release(self) -> None:
+        import torch
+
+        try:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.cudart().cudaHostUnregister(self._addr)
+        except Exception as exc:
+            log_once("devcopy-release", f"releasing the journal's pinned mapping failed: {exc}")

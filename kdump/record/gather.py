@@ -1,0 +1,490 @@
+"""Row gathers of the flight recorder's device tier: plans, their semantics, and the fused kernel.
+
+A plan says, for one call signature, which tensors are gathered by rows (A and its scales), the
+row rule (kdump.kernels.spec.Touch) and the record layout in a device ring slot: one record per
+touched row, `[u32 row, 12 zero bytes]` then each gathered tensor's bytes of that row at a
+16-byte aligned offset. `reference_gather` is the plain-torch meaning of the kernel (tests compare
+the two bit for bit) and `place_back` its inverse, used by salvage.
+
+The kernel (snapshot.cu) is compiled with NVRTC for the device's arch and cached on disk like the
+packaged GEMM (kdump.kernels.sm120.build); it is launched with cuLaunchKernel on the current torch
+stream with its descriptor table passed by value, so a capture freezes it into the graph node.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.resources
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kdump import config
+from kdump.errors import InternalError
+
+SOURCE_NAME = "snapshot.cu"
+KERNEL = "kd_snapshot"
+MAX_COPIES = 16
+MAX_GATHERS = 4
+ROWS_PER_BLOCK = 128
+THREADS = 256  # KD_THREADS in snapshot.cu
+RULES = {"all": 0, "labels": 1, "masked": 2, "psum": 3}
+RECORD_HEAD = 16  # u32 row index, 12 zero bytes
+SLOT_HEAD = 64  # SlotHead in snapshot.cu
+CALL_RECORD = 64  # Record in snapshot.cu
+SLOT_MAGIC = 0x5352444B
+RECORD_MAGIC = 0x5244444B
+SLOT_ALIGN = 256
+
+
+class SnapshotSourceError(InternalError):
+    """kdump's snapshot kernel does not compile: a bug in kdump, not in this machine."""
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+@dataclass(frozen=True)
+class RowGather:
+    """One tensor gathered by rows. Byte strides; `src_offset` is the byte offset of its element
+    [0, 0, ...] from its storage's span start."""
+
+    tensor: int  # index in the call's tensor table
+    storage: int
+    src_offset: int
+    outer_stride: int
+    inner_stride: int
+    col_stride: int
+    cols: int
+    elem: int
+    rec_off: int
+
+    @property
+    def row_bytes(self) -> int:
+        return self.cols * self.elem
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The gathers of one call signature (shapes, strides, dtypes)."""
+
+    rule: str
+    rule_tensor: int | None  # tensor index of the rule's int32 values
+    rows: int
+    inner: int
+    alignment: int
+    gathers: tuple[RowGather, ...]
+    rec_bytes: int
+
+    @property
+    def worst(self) -> int:
+        """Bytes of a slot when every row is touched."""
+        return _round_up(SLOT_HEAD + self.rows * self.rec_bytes, SLOT_ALIGN)
+
+    @property
+    def storages(self) -> frozenset[int]:
+        return frozenset(g.storage for g in self.gathers)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rule": self.rule,
+            "rule_tensor": self.rule_tensor,
+            "rows": self.rows,
+            "inner": self.inner,
+            "alignment": self.alignment,
+            "rec_bytes": self.rec_bytes,
+            "gathers": [
+                {
+                    "tensor": g.tensor,
+                    "storage": g.storage,
+                    "src_offset": g.src_offset,
+                    "outer_stride": g.outer_stride,
+                    "inner_stride": g.inner_stride,
+                    "col_stride": g.col_stride,
+                    "cols": g.cols,
+                    "elem": g.elem,
+                    "rec_off": g.rec_off,
+                }
+                for g in self.gathers
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, d: Any) -> Plan:
+        """Strict: a damaged description raises ValueError (salvage then marks it missing)."""
+        if not isinstance(d, dict) or d.get("rule") not in RULES:
+            raise ValueError("device gather plan is malformed")
+
+        def num(x: Any, lo: int = 0) -> int:
+            if not isinstance(x, int) or isinstance(x, bool) or x < lo:
+                raise ValueError("device gather plan holds a bad number")
+            return x
+
+        gathers = d.get("gathers")
+        if not isinstance(gathers, list) or not 0 < len(gathers) <= MAX_GATHERS:
+            raise ValueError("device gather plan has no gathers")
+        rt = d.get("rule_tensor")
+        plan = cls(
+            rule=d["rule"],
+            rule_tensor=None if rt is None else num(rt),
+            rows=num(d.get("rows")),
+            inner=num(d.get("inner"), 1),
+            alignment=num(d.get("alignment"), 1),
+            rec_bytes=num(d.get("rec_bytes"), RECORD_HEAD),
+            gathers=tuple(
+                RowGather(
+                    **{
+                        k: num(g.get(k))
+                        for k in (
+                            "tensor",
+                            "storage",
+                            "src_offset",
+                            "outer_stride",
+                            "inner_stride",
+                            "col_stride",
+                            "cols",
+                            "elem",
+                            "rec_off",
+                        )
+                    }
+                )
+                if isinstance(g, dict)
+                else _bad()
+                for g in gathers
+            ),
+        )
+        for g in plan.gathers:
+            if g.rec_off < RECORD_HEAD or g.rec_off + g.row_bytes > plan.rec_bytes:
+                raise ValueError("device gather plan: a row lies outside its record")
+        return plan
+
+
+def _bad() -> Any:
+    raise ValueError("device gather plan: a gather is not an object")
+
+
+def make_plan(
+    tensors: Sequence[Any],
+    records: Sequence[Any],
+    storages: Sequence[Any],
+    gathered: Sequence[int],
+    rule: str,
+    rule_tensor: int | None,
+    row_dims: int,
+    alignment: int = 1,
+) -> Plan | None:
+    """The plan gathering tensors `gathered` (indices into `tensors`, which share their first
+    `row_dims` dimensions) by `rule`; None when their layouts do not allow it (then they are
+    copied whole or left out)."""
+    if rule not in RULES or not gathered or len(gathered) > MAX_GATHERS or row_dims not in (1, 2):
+        return None
+    lead = tuple(tensors[gathered[0]].shape[:row_dims])
+    if len(lead) != row_dims:
+        return None
+    rows = 1
+    for n in lead:
+        rows *= int(n)
+    inner = int(lead[-1])
+    if rows == 0 or inner == 0 or rows >= 1 << 31:
+        return None
+    out: list[RowGather] = []
+    off = RECORD_HEAD
+    for ti in gathered:
+        t = tensors[ti]
+        if tuple(t.shape[:row_dims]) != lead or t.dim() < row_dims:
+            return None
+        isz = t.element_size()
+        st = [int(s) * isz for s in t.stride()]
+        rest = [(int(n), s) for n, s in zip(t.shape[row_dims:], st[row_dims:]) if int(n) != 1]
+        if not rest:
+            cols, col_stride, elem = 1, isz, isz
+        elif len(rest) == 1:
+            cols, col_stride = rest[0]
+            elem = isz
+            if col_stride == isz:  # a contiguous row: one element of the whole row
+                cols, elem = 1, cols * isz
+        else:
+            return None
+        r = records[ti]
+        s = storages[r.storage]
+        outer_stride = st[0] if row_dims == 2 else 0
+        inner_stride = st[row_dims - 1]
+        out.append(
+            RowGather(
+                tensor=ti,
+                storage=r.storage,
+                src_offset=r.storage_offset * isz - s.span_start,
+                outer_stride=outer_stride,
+                inner_stride=inner_stride,
+                col_stride=col_stride,
+                cols=cols,
+                elem=elem,
+                rec_off=off,
+            )
+        )
+        off = _round_up(off + cols * elem, 16)
+    return Plan(rule, rule_tensor, rows, inner, max(1, alignment), tuple(out), off)
+
+
+# ---------------------------------------------------------------------------------------------
+# The semantics in plain torch (CPU or GPU).
+
+
+def touched_rows(rule: str, values: Any, rows: int, inner: int, alignment: int = 1) -> Any:
+    """Bool [rows]: the rows a call can read under `rule` (values: the rule's int32 tensor)."""
+    import torch
+
+    if rule == "all":
+        return torch.ones(rows, dtype=torch.bool)
+    v = values.reshape(-1).to("cpu", torch.int64)
+    r = torch.arange(rows, dtype=torch.int64)
+    if rule == "labels":
+        ok = torch.zeros(rows, dtype=torch.bool)
+        n = min(rows, v.numel())
+        ok[:n] = v[:n] >= 0
+        return ok
+    if rule == "masked":
+        g = r // inner
+        inside = g < v.numel()
+        counts = torch.zeros(rows, dtype=torch.int64)
+        counts[inside] = v[g[inside]]
+        return inside & ((r % inner) < counts)
+    if rule == "psum":
+        ends = v
+        grp = torch.searchsorted(ends, r, right=True)
+        inside = grp < ends.numel()
+        prev = torch.zeros(rows, dtype=torch.int64)
+        has_prev = inside & (grp > 0)
+        prev[has_prev] = ends[grp[has_prev] - 1]
+        a = max(1, alignment)
+        start = torch.where(grp > 0, (prev + a - 1) // a * a, torch.zeros_like(prev))
+        return inside & (r >= start)
+    raise ValueError(f"unknown row rule {rule!r}")
+
+
+def _row_view(g: RowGather, span: Any, rows: int, inner: int) -> Any:
+    """uint8 [rows, cols, elem] over a storage span's bytes."""
+    outer = rows // inner
+    return span.as_strided(
+        (outer, inner, g.cols, g.elem),
+        (g.outer_stride, g.inner_stride, g.col_stride, 1),
+        g.src_offset,
+    ).reshape(rows, g.cols, g.elem)
+
+
+def reference_gather(plan: Plan, spans: Sequence[Any], rule_values: Any) -> tuple[Any, Any]:
+    """(row indices int64 [n], records uint8 [n, rec_bytes]) in row order: what the kernel
+    writes after its slot header (the kernel may order blocks differently; records are matched
+    by their row index)."""
+    import torch
+
+    ok = touched_rows(plan.rule, rule_values, plan.rows, plan.inner, plan.alignment)
+    idx = torch.nonzero(ok).reshape(-1)
+    recs = torch.zeros(idx.numel(), plan.rec_bytes, dtype=torch.uint8)
+    recs[:, 0:4] = idx.to(torch.int32).view(-1, 1).view(torch.uint8).reshape(-1, 4)
+    for g in plan.gathers:
+        rows = _row_view(g, spans[g.storage].cpu(), plan.rows, plan.inner)
+        recs[:, g.rec_off : g.rec_off + g.row_bytes] = rows[idx].reshape(idx.numel(), g.row_bytes)
+    return idx, recs
+
+
+def place_back(plan: Plan, records: Any, spans: dict[int, Any]) -> Any:
+    """Scatter records (uint8 [n, rec_bytes]) into zero-filled storage spans (uint8 tensors,
+    written in place); returns the row indices placed. Raises ValueError on rows out of range."""
+    import torch
+
+    if records.numel() == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    idx = records[:, 0:4].contiguous().view(torch.int32).reshape(-1).to(torch.int64)
+    if int(idx.min()) < 0 or int(idx.max()) >= plan.rows:
+        raise ValueError("a device ring record names a row outside the tensor")
+    for g in plan.gathers:
+        rows = _row_view(g, spans[g.storage], plan.rows, plan.inner)
+        rows[idx] = records[:, g.rec_off : g.rec_off + g.row_bytes].reshape(-1, g.cols, g.elem)
+    return idx
+
+
+def sort_records(records: Any) -> Any:
+    """Records in row order (the kernel's blocks finish in any order)."""
+    import torch
+
+    if records.numel() == 0:
+        return records
+    idx = records[:, 0:4].contiguous().view(torch.int32).reshape(-1)
+    return records[torch.argsort(idx.to(torch.int64))]
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel: build, load, launch.
+
+
+class _Copy(ctypes.Structure):
+    _fields_ = [("src", ctypes.c_uint64), ("dst", ctypes.c_uint64), ("nbytes", ctypes.c_uint64)]
+
+
+class _Gather(ctypes.Structure):
+    _fields_ = [
+        ("src", ctypes.c_uint64),
+        ("outer_stride", ctypes.c_int64),
+        ("inner_stride", ctypes.c_int64),
+        ("col_stride", ctypes.c_int64),
+        ("cols", ctypes.c_uint32),
+        ("elem", ctypes.c_uint32),
+        ("rec_off", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+    ]
+
+
+class SnapParams(ctypes.Structure):
+    """Mirror of Params in snapshot.cu (same order, same types)."""
+
+    _fields_ = [
+        ("copies", _Copy * MAX_COPIES),
+        ("gathers", _Gather * MAX_GATHERS),
+        ("rule", ctypes.c_uint64),
+        ("ctrl", ctypes.c_uint64),
+        ("ring", ctypes.c_uint64),
+        ("ring_bytes", ctypes.c_uint64),
+        ("worst", ctypes.c_uint64),
+        ("token_ptr", ctypes.c_uint64),
+        ("record", ctypes.c_uint64),
+        ("host_pre", ctypes.c_uint64),
+        ("seq", ctypes.c_uint64),
+        ("call_index", ctypes.c_uint64),
+        ("n_copies", ctypes.c_uint32),
+        ("n_gathers", ctypes.c_uint32),
+        ("rule_kind", ctypes.c_uint32),
+        ("rule_n", ctypes.c_uint32),
+        ("rows", ctypes.c_uint32),
+        ("inner", ctypes.c_uint32),
+        ("alignment", ctypes.c_uint32),
+        ("rec_bytes", ctypes.c_uint32),
+        ("slot_index", ctypes.c_uint32),
+        ("gather_blocks", ctypes.c_uint32),
+    ]
+
+
+def kernel_source() -> str:
+    return importlib.resources.files(__package__).joinpath(SOURCE_NAME).read_text(encoding="utf-8")
+
+
+def cache_path(arch: str) -> Path:
+    from kdump.kernels.sm120.build import nvrtc_version
+
+    root = config.get("KDUMP_CACHE_DIR") or str(Path.home() / ".cache" / "kdump")
+    h = hashlib.sha256(kernel_source().encode())
+    h.update(repr((arch, nvrtc_version())).encode())
+    return Path(root).expanduser() / "snapshot" / f"snapshot-{arch}-{h.hexdigest()[:32]}.cubin"
+
+
+def build_cubin(arch: str, use_cache: bool = True) -> bytes:
+    """Compile (or fetch from the cache) the snapshot kernel for `arch` (e.g. sm_90a)."""
+    from kdump.kernels.sm120.build import PackagedKernelError
+
+    try:
+        from cuda.core import Program, ProgramOptions
+    except ImportError as exc:
+        raise PackagedKernelError(
+            f"cuda-core is not installed ({exc}): pip install cuda-core"
+        ) from exc
+    path = cache_path(arch)
+    if use_cache and path.is_file():
+        return path.read_bytes()
+    opts = ProgramOptions(name=SOURCE_NAME, arch=arch, std="c++17", lineinfo=True)
+    try:
+        obj = Program(kernel_source(), "c++", opts).compile("cubin", logs=None)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()
+        raise SnapshotSourceError(
+            f"NVRTC failed to compile kdump's {SOURCE_NAME} for {arch}: "
+            f"{' | '.join(first[:6]) if first else type(exc).__name__}"
+        ) from exc
+    cubin = bytes(obj.code)
+    if use_cache:
+        from kdump.bundle.store import atomic_write
+
+        try:
+            atomic_write(path, cubin)
+        except OSError:  # a read-only cache only costs a recompile next time
+            pass
+    return cubin
+
+
+_functions: dict[int, Any] = {}
+_lock = threading.Lock()
+
+
+def arch_of(cc: tuple[int, int]) -> str:
+    """The NVRTC arch of a compute capability (the `a` variants where they exist)."""
+    major, minor = cc
+    return f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
+
+
+def get_kernel(device_index: int) -> Any:
+    """The loaded kernel for a device, built and loaded once per process."""
+    import torch
+
+    from kdump.kernels.sm120.build import check_nvrtc_vs_driver
+    from kdump.kernels.sm120.launch import _check, _driver
+
+    with _lock:
+        fn = _functions.get(device_index)
+        if fn is not None:
+            return fn
+        check_nvrtc_vs_driver()
+        t0 = time.perf_counter()
+        cubin = build_cubin(arch_of(torch.cuda.get_device_capability(device_index)))
+        driver = _driver()
+        _check(driver.cuInit(0), "cuInit")
+        with torch.cuda.device(device_index):
+            torch.cuda.current_stream()  # torch's primary context is current from here
+            ctx = _check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+            if not int(ctx):
+                dev = _check(driver.cuDeviceGet(device_index), "cuDeviceGet")
+                ctx = _check(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+                _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+            module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+            fn = _check(driver.cuModuleGetFunction(module, KERNEL.encode()), f"get {KERNEL}")
+        _functions[device_index] = (fn, module, time.perf_counter() - t0)
+        return _functions[device_index]
+
+
+COPY_CHUNK = 65536  # KD_CHUNK in snapshot.cu
+MAX_COPY_BLOCKS = 1024
+
+
+def grid_for(params: SnapParams) -> int:
+    """Gather blocks (ROWS_PER_BLOCK rows each), then blocks for the plain copies' chunks."""
+    chunks = sum(
+        -(-int(params.copies[c].nbytes) // COPY_CHUNK) for c in range(int(params.n_copies))
+    )
+    return max(1, int(params.gather_blocks) + min(chunks, MAX_COPY_BLOCKS))
+
+
+def launch(fn: Any, params: SnapParams, stream: int, grid: int | None = None) -> None:
+    """Enqueue the snapshot on `stream` (no sync, no allocation: capturable)."""
+    from kdump.kernels.sm120.launch import _check, _driver
+
+    driver = _driver()
+    args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+    _check(
+        driver.cuLaunchKernel(
+            fn,
+            grid if grid is not None else grid_for(params),
+            1,
+            1,
+            THREADS,
+            1,
+            1,
+            0,
+            driver.CUstream(stream),
+            ctypes.addressof(args),
+            0,
+        ),
+        f"cuLaunchKernel({KERNEL})",
+    )
