@@ -159,7 +159,8 @@ class SlotMeta:
 
 def meta_from_call(call: Any, call_index: int, **fields: Any) -> SlotMeta:
     """A SlotMeta from a `kdump.bundle.CallRecord` (its inputs' layouts; bytes go to payloads)."""
-    storages = [{k: v for k, v in asdict(s).items() if k != "blob"} for s in call.inputs.storages]
+    layout = ("device", "base_ptr", "storage_nbytes", "span_start", "span_nbytes")
+    storages = [{k: getattr(s, k) for k in layout} for s in call.inputs.storages]
     tensors = []
     for t in call.inputs.tensors:
         d = asdict(t)
