@@ -48,10 +48,11 @@ from typing import Any
 
 from kdump import config
 from kdump.errors import UsageError
+from kdump.record.devring import DUMP_SUFFIX
 from kdump.record.journal import FILE_PREFIX
 
 ENV = "KDUMP_SALVAGER"
-DEVICE_SUFFIX = ".cuda"
+DEVICE_SUFFIX = DUMP_SUFFIX  # <journal>.cuda<N>: named by the recorder (kdump.record.devring)
 MAX_FRAME = 64 << 10  # a description is well under 2 KiB; replies list paths
 IO_TIMEOUT = 5.0  # one request's reads and writes on the server side
 ANNOUNCE_TIMEOUT = 5.0  # all of announce(), CUDA start-up of the salvage process included
