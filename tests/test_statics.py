@@ -468,7 +468,17 @@ def test_moe_decode_weights_held_once_and_replay_clean_on_reference(tmp_path):
                 replays.append(p)
     assert replays
     rep = subprocess.run(
-        [sys.executable, "-m", "kdump", "replay", str(replays[0]), "--backend", "reference"],
+        [
+            sys.executable,
+            "-m",
+            "kdump",
+            "replay",
+            str(replays[0]),
+            "--backend",
+            "reference",
+            "--mode",
+            "eager",
+        ],
         capture_output=True,
         text=True,
         timeout=500,

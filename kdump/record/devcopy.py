@@ -26,14 +26,13 @@ from collections.abc import Callable
 from typing import Any
 
 from kdump.log import log_once
-from kdump.record import gather
+from kdump.record import gather, pinned
 from kdump.record.devring import DeviceTier, DeviceTierError
 from kdump.record.journal import (
     CALL_RECORD_BYTES,
     MARKER_AT,
     TRAILER_BYTES,
     Journal,
-    JournalError,
     Slot,
 )
 
@@ -67,9 +66,9 @@ class DeviceCopies:
         self._addr = ctypes.addressof(ctypes.c_char.from_buffer(journal._map))
         size = len(journal._map)
         # Mapped: the snapshot kernel stores the `pre` marker through the device address.
-        err = torch.cuda.cudart().cudaHostRegister(self._addr, size, 3)
-        if int(err) != 0:
-            raise JournalError(f"cudaHostRegister of the journal failed (error {int(err)})")
+        pinned.register(self._addr, size, pinned.PORTABLE | pinned.MAPPED, "the journal", device)
+        self._registered = True
+        journal.before_unmap.append(self._unregister)  # whoever closes the journal
         self.notes: list[str] = []
         self.tier: DeviceTier | None = None
         try:
@@ -448,6 +447,11 @@ class DeviceCopies:
 
         try:
             torch.cuda.synchronize(self.device)
-            torch.cuda.cudart().cudaHostUnregister(self._addr)
         except Exception as exc:
             log_once("devcopy-release", f"releasing the journal's pinned mapping failed: {exc}")
+        self._unregister()
+
+    def _unregister(self) -> None:
+        if self._registered:
+            self._registered = False
+            pinned.unregister(self._addr)

@@ -82,7 +82,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -378,6 +378,7 @@ class Journal:
         self._fd = fd
         self._map = mmap.mmap(fd, header_bytes + slots * slot_bytes)
         self._view = memoryview(self._map)
+        self.before_unmap: list[Callable[[], None]] = []  # run by close(), before unmapping
         self._lock = threading.Lock()
         self._seq = 0
         self._next = 0  # next index of the round robin
@@ -558,6 +559,9 @@ class Journal:
     def close(self) -> None:
         if self._fd < 0:
             return
+        for release in self.before_unmap:  # e.g. the pinned registration of the mapping
+            release()
+        self.before_unmap.clear()
         self._view.release()
         try:
             self._map.close()

@@ -72,6 +72,7 @@ from typing import Any
 
 from kdump.bundle.format import DTYPE_SIZES, Source, Stats
 from kdump.log import log_once
+from kdump.record import pinned
 from kdump.record.journal import PAGE, SHM_SHARE, JournalError
 
 STATIC_SUFFIX = ".static"
@@ -297,13 +298,10 @@ class Statics:
         """Pin the region for the device's asynchronous copies (once)."""
         if self._registered:
             return True
-        import torch
 
         assert self._map is not None
         addr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
-        err = torch.cuda.cudart().cudaHostRegister(addr, len(self._map), 0)
-        if int(err) != 0:
-            raise JournalError(f"cudaHostRegister of the static region failed (error {int(err)})")
+        pinned.register(addr, len(self._map), 0, "the static region")
         self._addr = addr
         self._registered = True
         return True
@@ -315,7 +313,7 @@ class Statics:
                     import torch
 
                     torch.cuda.synchronize()
-                    torch.cuda.cudart().cudaHostUnregister(self._addr)
+                    pinned.unregister(self._addr)
                 except Exception:
                     pass
                 self._registered = False

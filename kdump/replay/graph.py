@@ -177,6 +177,13 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
         text = (
             f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
         )
+        if s.backend.name == "reference":
+            # The torch reference synchronises with the host (data-dependent shapes): it was
+            # never meant to run inside a graph. Not a finding about the kernel.
+            raise CannotRunError(
+                "the torch reference backend cannot be captured in a CUDA graph; replay with "
+                "--mode eager, or choose a kernel backend for graph mode"
+            )
         s.step("graph/capture", "error", text, time.perf_counter() - t0)
         s.finding("kernel_error", "graph/capture", f"capture failed: {text}")
         return s.verdict
