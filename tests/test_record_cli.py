@@ -117,6 +117,12 @@ def test_build_env():
     assert env["KDUMP_CALLS"] == "0-3" and env["KDUMP_ON_EXCEPTION"] == "1"
     assert env["PYTHONPATH"].split(os.pathsep) == [str(STARTUP_DIR), "/x"]
     assert Path(env["KDUMP_OUT"]).is_absolute()
+    budgets = build_env({}, ("deep_gemm",), {"device_bytes": "0", "static_bytes": "256M"})
+    assert budgets["KDUMP_DEVICE_BYTES"] == "0" and budgets["KDUMP_STATIC_BYTES"] == "256M"
+    from kdump.record.config import RingConfig
+
+    ring = RingConfig.from_env(budgets)
+    assert ring.device_bytes == 0 and ring.static_bytes == 256 << 20
 
 
 def test_help_lists_every_variable():

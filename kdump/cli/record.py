@@ -41,6 +41,16 @@ EPILOG = (
 )
 @click.option("--ring-slots", type=int, help="Calls the ring keeps per process [KDUMP_RING_SLOTS].")
 @click.option("--slot-bytes", help="Bytes per ring slot, e.g. 1M [KDUMP_SLOT_BYTES].")
+@click.option(
+    "--device-bytes",
+    help="GPU memory of the flight recorder per GPU (the journal's twin and the ring of gathered "
+    "rows), e.g. 1G; 0 turns the device tier off [KDUMP_DEVICE_BYTES].",
+)
+@click.option(
+    "--static-bytes",
+    help="Host memory for weights copied once per version, e.g. 1G; 0 records them by "
+    "reference [KDUMP_STATIC_BYTES].",
+)
 @click.option("--calls", help="Call index ranges, e.g. '0-9,100,200-' [KDUMP_CALLS].")
 @click.option("--every", type=int, help="Every N-th call [KDUMP_EVERY].")
 @click.option(

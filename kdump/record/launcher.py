@@ -40,6 +40,8 @@ OPTION_VARS = {
     "log_file": "KDUMP_LOG",
     "ring_slots": "KDUMP_RING_SLOTS",
     "slot_bytes": "KDUMP_SLOT_BYTES",
+    "device_bytes": "KDUMP_DEVICE_BYTES",
+    "static_bytes": "KDUMP_STATIC_BYTES",
 }
 DEFAULT_MODE = "ring"  # `kdump record` runs the flight recorder unless told otherwise
 STDERR_TAIL = 8192
