@@ -269,13 +269,15 @@ def test_missing_cuda_headers_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_nvrtc_newer_than_driver_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(build, "driver_version", lambda: (12, 8))
-    monkeypatch.setattr(build, "nvrtc_version", lambda: (13, 0))
+    from kdump import nvrtc  # the toolchain check every kdump kernel shares
+
+    monkeypatch.setattr(nvrtc, "driver_version", lambda: (12, 8))
+    monkeypatch.setattr(nvrtc, "nvrtc_version", lambda: (13, 0))
     with pytest.raises(PackagedKernelError, match=r"NVRTC 13\.0 is newer than the driver"):
         build.check_nvrtc_vs_driver()
-    monkeypatch.setattr(build, "driver_version", lambda: (13, 0))
+    monkeypatch.setattr(nvrtc, "driver_version", lambda: (13, 0))
     build.check_nvrtc_vs_driver()
-    monkeypatch.setattr(build, "driver_version", lambda: None)  # no GPU: compiling is fine
+    monkeypatch.setattr(nvrtc, "driver_version", lambda: None)  # no GPU: compiling is fine
     build.check_nvrtc_vs_driver()
 
 

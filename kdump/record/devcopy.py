@@ -43,13 +43,13 @@ _ONE_COPY_GAP = 4096  # bytes between the payloads and the call record still cop
 
 
 def _drv() -> Any:
-    from kdump.kernels.sm120.launch import _driver
+    from kdump.nvrtc import driver as _driver
 
     return _driver()
 
 
 def _ok(result: Any, what: str) -> Any:
-    from kdump.kernels.sm120.launch import _check
+    from kdump.nvrtc import check as _check
 
     return _check(result, what)
 

@@ -7,8 +7,9 @@ touched row, `[u32 row, 12 zero bytes]` then each gathered tensor's bytes of tha
 the two bit for bit) and `place_back` its inverse, used by salvage.
 
 The kernel (snapshot.cu) is compiled with NVRTC for the device's arch and cached on disk like the
-packaged GEMM (kdump.kernels.sm120.build); it is launched with cuLaunchKernel on the current torch
-stream with its descriptor table passed by value, so a capture freezes it into the graph node.
+packaged GEMM (the toolchain in kdump.nvrtc); it is launched with cuLaunchKernel on the current
+torch stream with its descriptor table passed by value, so a capture freezes it into the graph
+node.
 """
 
 from __future__ import annotations
@@ -374,7 +375,7 @@ def kernel_source() -> str:
 
 
 def cache_path(arch: str) -> Path:
-    from kdump.kernels.sm120.build import nvrtc_version
+    from kdump.nvrtc import nvrtc_version
 
     root = config.get("KDUMP_CACHE_DIR") or str(Path.home() / ".cache" / "kdump")
     h = hashlib.sha256(kernel_source().encode())
@@ -384,7 +385,7 @@ def cache_path(arch: str) -> Path:
 
 def build_cubin(arch: str, use_cache: bool = True) -> bytes:
     """Compile (or fetch from the cache) the snapshot kernel for `arch` (e.g. sm_90a)."""
-    from kdump.kernels.sm120.build import PackagedKernelError
+    from kdump.nvrtc import ToolchainError as PackagedKernelError
 
     try:
         from cuda.core import Program, ProgramOptions
@@ -429,8 +430,9 @@ def get_kernel(device_index: int) -> Any:
     """The loaded kernel for a device, built and loaded once per process."""
     import torch
 
-    from kdump.kernels.sm120.build import check_nvrtc_vs_driver
-    from kdump.kernels.sm120.launch import _check, _driver
+    from kdump.nvrtc import check as _check
+    from kdump.nvrtc import check_nvrtc_vs_driver
+    from kdump.nvrtc import driver as _driver
 
     with _lock:
         fn = _functions.get(device_index)
@@ -468,7 +470,8 @@ def grid_for(params: SnapParams) -> int:
 
 def launch(fn: Any, params: SnapParams, stream: int, grid: int | None = None) -> None:
     """Enqueue the snapshot on `stream` (no sync, no allocation: capturable)."""
-    from kdump.kernels.sm120.launch import _check, _driver
+    from kdump.nvrtc import check as _check
+    from kdump.nvrtc import driver as _driver
 
     driver = _driver()
     args = (ctypes.c_void_p * 1)(ctypes.addressof(params))

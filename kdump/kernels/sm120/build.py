@@ -16,7 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kdump import config
-from kdump.errors import CannotRunError, InternalError
+from kdump.errors import InternalError
+from kdump.nvrtc import ToolchainError, nvrtc_version
+
+# re-exported: part of the packaged kernel's build API
+from kdump.nvrtc import check_nvrtc_vs_driver as check_nvrtc_vs_driver
+from kdump.nvrtc import driver_version as driver_version
 
 from .configs import TileConfig
 
@@ -37,9 +42,8 @@ KERNEL_NAMES: tuple[str, ...] = (
 )
 
 
-class PackagedKernelError(CannotRunError):
-    """The packaged kernel cannot be built or launched here (NVRTC, headers or driver missing or
-    too old); the message says what to do."""
+# The packaged kernel's prerequisites fail like every kdump kernel's (kdump.nvrtc).
+PackagedKernelError = ToolchainError
 
 
 class PackagedSourceError(InternalError):
@@ -94,49 +98,6 @@ def cuda_include_dir() -> Path:
         "CUDA headers not found (need cuda_bf16.h and cccl/): install nvidia-cuda-runtime and "
         "nvidia-cuda-cccl (pip) or set CUDA_HOME to a CUDA 12.8+ toolkit"
     )
-
-
-def nvrtc_version() -> tuple[int, int]:
-    try:
-        from cuda.bindings import nvrtc
-    except ImportError as exc:
-        raise PackagedKernelError(f"cuda-bindings is not installed ({exc})") from exc
-    try:
-        err, major, minor = nvrtc.nvrtcVersion()
-    except Exception as exc:  # the shared library itself can be missing
-        raise PackagedKernelError(
-            f"NVRTC is not loadable ({exc}): pip install nvidia-cuda-nvrtc"
-        ) from exc
-    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        raise PackagedKernelError(f"nvrtcVersion failed: {err}")
-    return int(major), int(minor)
-
-
-def driver_version() -> tuple[int, int] | None:
-    """CUDA version the installed driver supports, e.g. (13, 0); None without a driver."""
-    try:
-        from cuda.bindings import driver
-
-        err, ver = driver.cuDriverGetVersion()
-    except Exception:
-        return None
-    if err != driver.CUresult.CUDA_SUCCESS:
-        return None
-    return int(ver) // 1000, (int(ver) % 1000) // 10
-
-
-def check_nvrtc_vs_driver() -> None:
-    """A cubin from a newer NVRTC than the driver supports fails to load with an obscure error;
-    refuse early with a clear one."""
-    drv = driver_version()
-    if drv is None:
-        return  # compiling without a GPU (CI) is fine
-    rtc = nvrtc_version()
-    if rtc > drv:
-        raise PackagedKernelError(
-            f"NVRTC {rtc[0]}.{rtc[1]} is newer than the driver's CUDA {drv[0]}.{drv[1]}: install "
-            f"nvidia-cuda-nvrtc=={drv[0]}.{drv[1]}.* or upgrade the NVIDIA driver"
-        )
 
 
 @dataclass(frozen=True)

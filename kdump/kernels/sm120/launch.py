@@ -15,10 +15,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from kdump.nvrtc import LaunchError, check, driver
+
 from .build import (
     KERNEL_NAMES,
     BuildRequest,
-    PackagedKernelError,
     build_cubin,
     check_nvrtc_vs_driver,
 )
@@ -56,29 +57,9 @@ class KdParams(ctypes.Structure):
     ]
 
 
-def _driver():
-    try:
-        from cuda.bindings import driver
-    except ImportError as exc:
-        raise PackagedKernelError(f"cuda-bindings is not installed ({exc})") from exc
-    return driver
-
-
-class PackagedLaunchError(RuntimeError):
-    """A CUDA driver call of the packaged kernel failed (a kernel error, e.g. an illegal address
-    left sticky by an earlier launch), not a missing prerequisite."""
-
-
-def _check(result: Any, what: str) -> Any:
-    """cuda.bindings returns (CUresult, *values); raise on error, return the values."""
-    driver = _driver()
-    err, *rest = result if isinstance(result, tuple) else (result,)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        _, name = driver.cuGetErrorName(err)
-        raise PackagedLaunchError(f"{what} failed: {name.decode() if name else err}")
-    if not rest:
-        return None
-    return rest[0] if len(rest) == 1 else tuple(rest)
+_driver = driver
+_check = check
+PackagedLaunchError = LaunchError
 
 
 @dataclass
