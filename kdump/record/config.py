@@ -35,7 +35,7 @@ class RingConfig:
         if self.slot_bytes < 4096:
             raise UsageError(f"--slot-bytes {self.slot_bytes}: use at least 4K per slot")
         if self.static_bytes < 0:
-            raise UsageError(f"KDUMP_STATIC_BYTES {self.static_bytes}: give 0 (off) or more")
+            raise UsageError(f"--static-bytes {self.static_bytes}: use 0 (off) or a size")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RingConfig:

@@ -41,7 +41,9 @@ Slot (slot i starts at header_bytes + i * slot_bytes):
     72+16K  J     compact JSON: target, called_as, names, args, kwargs (argument trees),
                   storages (with "payload": table index or null when missing), tensors (dtype,
                   shape, stride, storage_offset, nbytes, data_ptr), extra meta
-    ...           payloads, each at a 64-byte aligned offset, before the trailer
+    ...           payloads, each at a 64-byte aligned offset, before the call record
+    S-128   64    call record: what the device snapshot wrote for this call (device slot, rows,
+                  token; kdump.record.devring), zero without a device tier
     S-64    64    trailer: magic b"KDTR" (b"KDTX" while refilling), flags (bit 0: the
                   checksum covers the payloads; bit 1: device copies write the payloads after
                   the trailer), seq (u64), CRC-32 of the slot header bytes [0, 72 + 16K + J)

@@ -163,7 +163,7 @@ def crash_context(
 def salvage_run(
     journals: Path, out: Path, context: dict[str, Any], echo: Callable[[str], None] = _stderr
 ) -> list[Path]:
-    """Turn every journal the run's processes left into bundles (under out/flight.HOST.PID),
+    """Turn every journal the run's processes left into bundles (under out/flight.HOST),
     then remove the run's shared-memory folder (the salvage process' device-tier files with
     it)."""
     from kdump.record.journal import read_pid
