@@ -73,10 +73,48 @@ def _byte_view(t: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
     return out
 
 
+# Results of group_storages by the layout facts of the tensors they came from (addresses
+# included): a recorder calling a target again with the same tensors builds no records.
+_LAYOUT_MEMO: dict[tuple[object, ...], tuple[list[StorageRecord], list[TensorRecord]]] = {}
+_LAYOUT_MEMO_MAX = 256
+
+
+def _layout_facts(t: torch.Tensor) -> tuple[object, ...]:
+    """Everything group_storages reads of `t` (so equal facts give equal records)."""
+    storage = t.untyped_storage()
+    return (
+        t.device,
+        storage.data_ptr(),
+        storage.nbytes(),
+        t.data_ptr(),
+        t.dtype,
+        t.layout,
+        t.shape,
+        t.stride(),
+        t.storage_offset(),
+        t.requires_grad,
+    )
+
+
 def group_storages(
     tensors: Sequence[torch.Tensor],
 ) -> tuple[list[StorageRecord], list[TensorRecord]]:
-    """Group tensors by storage and compute each storage's covered span. Reads no data."""
+    """Group tensors by storage and compute each storage's covered span. Reads no data.
+
+    The records are frozen and the lists returned are new, so a remembered result is shared."""
+    key = tuple(_layout_facts(t) for t in tensors)
+    hit = _LAYOUT_MEMO.get(key)
+    if hit is None:
+        hit = _group_storages(tensors)
+        if len(_LAYOUT_MEMO) >= _LAYOUT_MEMO_MAX:
+            _LAYOUT_MEMO.pop(next(iter(_LAYOUT_MEMO)))  # the oldest entry
+        _LAYOUT_MEMO[key] = hit
+    return list(hit[0]), list(hit[1])
+
+
+def _group_storages(
+    tensors: Sequence[torch.Tensor],
+) -> tuple[list[StorageRecord], list[TensorRecord]]:
     strided = torch.strided
     order: dict[tuple[str, int], int] = {}
     spans: list[list[int]] = []

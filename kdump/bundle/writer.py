@@ -32,6 +32,7 @@ from kdump.bundle.format import (
     Where,
     manifest_json,
 )
+from kdump.bundle.header_cache import HeaderCache
 from kdump.bundle.spool import Spool, StoreSpool, cpu_view
 from kdump.bundle.store import BlobStore, atomic_write, blob_digests, fast_checksum, pool
 from kdump.bundle.tensors import Captured, capture
@@ -273,6 +274,7 @@ def save_calls(
     info: dict[str, Any] | None = None,
     spool: Spool | StoreSpool | None = None,
     inline_below: int = 0,
+    headers: HeaderCache | None = None,
 ) -> Path:
     """Write `calls` as one bundle, atomically. Identical storages are stored once.
 
@@ -280,7 +282,9 @@ def save_calls(
     bundle holds only the manifest, except blobs smaller than `inline_below` bytes (a recorder
     passes STORE_MIN), which stay inline. With `spool` (the sink the calls were captured into,
     opened for `path`), the blobs already in its file stay there and the header completes it; a
-    `StoreSpool`'s blobs are in the store already (and not written again).
+    `StoreSpool`'s blobs are in the store already (and not written again). With `headers` (a
+    recorder's `HeaderCache`), a small bundle's header is filled into the template of its call
+    signature instead of being built and encoded record by record.
     """
     path = Path(path)
     caps = [cap for call in calls for cap in (call.inputs, call.outputs) if cap is not None]
@@ -297,7 +301,8 @@ def save_calls(
     wheres = [
         Where.STORE if store is not None and n >= inline_below else Where.INLINE for n in sizes
     ]
-    make_manifest = _manifest_maker(calls, sizes, wheres, env, info)
+    created = _utc_now()
+    make_manifest = _manifest_maker(calls, sizes, wheres, env, info, created=created)
     if isinstance(spool, Spool) and spool.active:
         if store is None:
             return _finish_spool(spool, path, held, known, make_manifest)
@@ -321,8 +326,27 @@ def save_calls(
     if store is not None:
         for sha, view in stored.items():
             store.put(sha, view)
+    if headers is not None and _small(inline):
+        raw = headers.header(
+            calls, digests, wheres, inline, env or {}, info or {}, created, make_manifest
+        )
+        if raw is not None:
+            parts = [struct.pack("<Q", len(raw)), raw, *(v for v, _ in inline.values())]
+            atomic_write(path, b"".join(parts))
+            return path
     _write_safetensors(path, make_manifest(digests), inline)
     return path
+
+
+def _small(inline: dict[str, tuple[memoryview, int]]) -> bool:
+    """Whether a bundle's inline blobs are laid out back to back (no alignment padding) and
+    written in one write: the bundles a header template is made for."""
+    total = 0
+    for view, _ in inline.values():
+        if len(view) >= ALIGNED_BLOB_MIN:
+            return False
+        total += len(view)
+    return total <= ONE_WRITE_MAX
 
 
 _stamp: tuple[int, str] = (-1, "")
@@ -343,9 +367,10 @@ def _manifest_maker(
     wheres: Sequence[Where],
     env: dict[str, Any] | None,
     info: dict[str, Any] | None,
+    created: str | None = None,
 ) -> Callable[[Sequence[Digests]], dict[str, Any]]:
     """The manifest of `calls` given the digests of their blob storages (in capture order)."""
-    created = _utc_now()
+    created = created if created is not None else _utc_now()
     algo = fast_checksum()
 
     def make_manifest(digests: Sequence[Digests]) -> dict[str, Any]:
@@ -554,23 +579,7 @@ def _write_safetensors(
     path: Path, manifest: dict[str, Any], blobs: dict[str, tuple[memoryview, int]]
 ) -> None:
     """Write a bundle whose blobs (sha → (bytes, recorded alignment)) are all known."""
-    layout: dict[str, tuple[int, int]] = {}
-    pads: list[tuple[int, int]] = []
-    offset = 0
-    for sha, (view, align) in blobs.items():
-        start = _aligned(offset, len(view), align)
-        if start > offset:
-            pads.append((offset, start))
-        layout[sha] = (start, start + len(view))
-        offset = start + len(view)
-    raw = _header_json(manifest, layout, pads)
-    raw += b" " * (_padded_size(len(raw), (len(v) for v, _ in blobs.values())) - len(raw))
-    if len(raw) > MAX_HEADER:
-        raise BundleError(
-            f"bundle manifest is {len(raw)} bytes, over the {MAX_HEADER}-byte header limit: "
-            "write fewer calls per bundle",
-            K.LIMIT,
-        )
+    raw, layout, offset = _header_for(manifest, blobs)
 
     if offset <= ONE_WRITE_MAX:  # a small bundle: assembled here, written by one write
         parts: list[bytes | memoryview] = [struct.pack("<Q", len(raw)), raw]
@@ -594,6 +603,30 @@ def _write_safetensors(
         f.truncate(data_start + offset)
 
     atomic_write(path, write)
+
+
+def _header_for(
+    manifest: dict[str, Any], blobs: dict[str, tuple[memoryview, int]]
+) -> tuple[bytes, dict[str, tuple[int, int]], int]:
+    """(padded header, data offsets of the blobs, data section length) of a bundle."""
+    layout: dict[str, tuple[int, int]] = {}
+    pads: list[tuple[int, int]] = []
+    offset = 0
+    for sha, (view, align) in blobs.items():
+        start = _aligned(offset, len(view), align)
+        if start > offset:
+            pads.append((offset, start))
+        layout[sha] = (start, start + len(view))
+        offset = start + len(view)
+    raw = _header_json(manifest, layout, pads)
+    raw += b" " * (_padded_size(len(raw), (len(v) for v, _ in blobs.values())) - len(raw))
+    if len(raw) > MAX_HEADER:
+        raise BundleError(
+            f"bundle manifest is {len(raw)} bytes, over the {MAX_HEADER}-byte header limit: "
+            "write fewer calls per bundle",
+            K.LIMIT,
+        )
+    return raw, layout, offset
 
 
 def save_entries(

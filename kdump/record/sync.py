@@ -117,6 +117,9 @@ class SyncRecorder:
         )
         self._shorts: dict[str, str] = {}
         self.errors = 0
+        from kdump.bundle.header_cache import HeaderCache
+
+        self.headers = HeaderCache()  # repeated call signatures: headers from a template
 
     def after_fork(self) -> None:
         self._init_process()
@@ -305,6 +308,7 @@ class SyncRecorder:
                     info=info,
                     inline_below=STORE_MIN,
                     spool=sink,
+                    headers=self.headers,
                 )
             except BaseException:
                 self.dest.abandon(path)

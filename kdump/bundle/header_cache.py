@@ -1,0 +1,286 @@
+"""Header templates for small bundles of a repeated call signature.
+
+A recorder writes one bundle per call, and calls of one target with arguments of one layout give
+headers that differ only in a few values: addresses, blob names, the call's meta, its argument
+values, the time. The first bundle of a signature is built the ordinary way (records, manifest,
+JSON); its header is also built once more with a unique token in place of every such value and
+split at the tokens into constant text. Later bundles of the signature only encode what changed
+and fill it in. A template is kept only if filling it with the first bundle's values gives that
+bundle's header byte for byte, so a template never writes what the ordinary path would not.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from kdump.bundle.format import MAX_HEADER, Source, Where
+from kdump.bundle.store import fast_checksum
+from kdump.bundle.tensors import Captured
+
+if TYPE_CHECKING:
+    from kdump.bundle.writer import CallRecord
+
+Digests = tuple[str, str]
+_COMPACT = (",", ":")  # the manifest's separators
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class _Template:
+    consts: tuple[str, ...]  # constant text around the holes
+    slots: tuple[tuple[int, bool], ...]  # (hole, inside the manifest string) between consts
+
+
+class HeaderCache:
+    """Templates by call signature (bounded: the oldest goes first)."""
+
+    def __init__(self, max_entries: int = 64) -> None:
+        self.max_entries = max_entries
+        self._templates: dict[tuple[Any, ...], _Template | None] = {}
+        self._texts: dict[str, tuple[Any, str]] = {}  # env / info: the last value and its text
+        self._nonce = secrets.token_hex(8)
+        self.hits = 0
+
+    def header(
+        self,
+        calls: Sequence[CallRecord],
+        digests: Sequence[Digests],
+        wheres: Sequence[Where],
+        inline: dict[str, tuple[memoryview, int]],
+        env: dict[str, Any],
+        info: dict[str, Any],
+        created: str,
+        make_manifest: Callable[[Sequence[Digests]], dict[str, Any]],
+    ) -> bytes | None:
+        """The padded header of the bundle, or None where the ordinary path must build it."""
+        order: dict[str, int] = {}
+        pattern = tuple(order.setdefault(sha, len(order)) for sha, _ in digests)
+        key = _signature(calls, pattern, wheres, inline)
+        if key is None:
+            return None
+        quoted, raw = self._values(calls, digests, order, env, info, created)
+        tpl = self._templates.get(key, _MISSING)
+        if tpl is _MISSING:
+            from kdump.bundle.writer import _header_for
+
+            real = _header_for(make_manifest(digests), inline)[0]
+            made = self._build(calls, pattern, order, wheres, inline)
+            made = made if made is not None and _render(made, quoted, raw) == real else None
+            if len(self._templates) >= self.max_entries:
+                self._templates.pop(next(iter(self._templates)))
+            self._templates[key] = made
+            return real
+        if tpl is None:
+            return None
+        out = _render(tpl, quoted, raw)  # type: ignore[arg-type]
+        if len(out) > MAX_HEADER:
+            return None  # the ordinary path says why
+        self.hits += 1
+        return out
+
+    # -- per bundle -------------------------------------------------------------------------------
+    def _text(self, name: str, value: Any) -> str:
+        last = self._texts.get(name)
+        if last is not None and last[0] == value:
+            return last[1]
+        text = _escaped(json.dumps(value, separators=_COMPACT))
+        self._texts[name] = (_frozen_copy(value), text)
+        return text
+
+    def _values(
+        self,
+        calls: Sequence[CallRecord],
+        digests: Sequence[Digests],
+        order: dict[str, int],
+        env: dict[str, Any],
+        info: dict[str, Any],
+        created: str,
+    ) -> tuple[list[str], list[str]]:
+        """Each hole's text inside the manifest string (escaped) and outside it (blob names in
+        the safetensors entries), in hole order."""
+        from kdump.bundle.writer import _bounded
+
+        firsts: dict[str, str] = {}
+        for sha, fast in digests:
+            firsts.setdefault(sha, fast)
+        quoted = [_q(created), self._text("env", env), self._text("info", info)]
+        raw = ["", "", ""]
+        for sha in order:
+            quoted += (_q(sha), _q(firsts[sha]))
+            raw += (sha, "")
+        for call in calls:
+            meta = json.dumps(call.meta, separators=_COMPACT)
+            if len(meta) > _max_string():
+                meta = json.dumps(_bounded(call.meta), separators=_COMPACT)
+            returned = call.returned if call.outputs is not None else None
+            quoted += (
+                _escaped(json.dumps(call.args, separators=_COMPACT)),
+                _escaped(json.dumps(call.kwargs, separators=_COMPACT)),
+                _escaped(meta),
+                _escaped(json.dumps(returned, separators=_COMPACT)),
+            )
+            raw += ("", "", "", "")
+            for cap in (call.inputs, call.outputs):
+                if cap is None:
+                    continue
+                quoted += [str(st.base_ptr) for st in cap.storages]
+                quoted += [str(t.data_ptr) for t in cap.tensors]
+                raw += [""] * (len(cap.storages) + len(cap.tensors))
+        return quoted, raw
+
+    # -- per signature ----------------------------------------------------------------------------
+    def _token(self, k: int) -> str:
+        return f"KDUMPHOLE{self._nonce}x{k}y"
+
+    def _build(
+        self,
+        calls: Sequence[CallRecord],
+        pattern: tuple[int, ...],
+        order: dict[str, int],
+        wheres: Sequence[Where],
+        inline: dict[str, tuple[memoryview, int]],
+    ) -> _Template | None:
+        """The header of these calls with a token for every hole, split at the tokens (holes are
+        numbered as `_values` lists them)."""
+        from kdump.bundle.writer import CallRecord, _header_for, _manifest_maker
+
+        tok = self._token
+        k = 3 + 2 * len(order)
+        shas = [tok(3 + 2 * u) for u in range(len(order))]
+        fasts = [tok(4 + 2 * u) for u in range(len(order))]
+        held: list[Captured] = []
+        marked = []
+        for call in calls:
+            holes = [tok(k + j) for j in range(4)]
+            k += 4
+            caps: list[Captured | None] = []
+            for cap in (call.inputs, call.outputs):
+                if cap is None:
+                    caps.append(None)
+                    continue
+                storages = [replace(st, base_ptr=tok(k + i)) for i, st in enumerate(cap.storages)]
+                k += len(storages)
+                tensors = [replace(t, data_ptr=tok(k + i)) for i, t in enumerate(cap.tensors)]
+                k += len(tensors)
+                caps.append(Captured(storages, tensors, list(cap.data)))
+                held.append(cap)
+            marked.append(
+                CallRecord(
+                    target=call.target,
+                    called_as=call.called_as,
+                    args=holes[0],  # type: ignore[arg-type]
+                    kwargs=holes[1],  # type: ignore[arg-type]
+                    names=call.names,
+                    inputs=caps[0],  # type: ignore[arg-type]
+                    outputs=caps[1],
+                    inplace=call.inplace,
+                    returned=holes[3],
+                    meta=holes[2],  # type: ignore[arg-type]
+                )
+            )
+        sizes = [st.span_nbytes for cap in held for st in cap.storages]
+        maker = _manifest_maker(
+            marked,
+            sizes,
+            wheres,
+            tok(1),  # type: ignore[arg-type]
+            tok(2),  # type: ignore[arg-type]
+            created=tok(0),
+        )
+        marked_digests = [(shas[u], fasts[u]) for u in pattern]
+        marked_inline = {shas[order[sha]]: v for sha, v in inline.items()}
+        try:
+            raw = _header_for(maker(marked_digests), marked_inline)[0]
+        except Exception:  # too large for a header: the ordinary path says so
+            return None
+        text = raw.rstrip(b" ").decode("ascii")
+        one = rf"KDUMPHOLE{self._nonce}x(\d+)y"
+        consts: list[str] = []
+        slots: list[tuple[int, bool]] = []
+        pos = 0
+        for m in re.finditer(rf'\\"{one}\\"|{one}', text):
+            consts.append(text[pos : m.start()])
+            inside = m.group(1) is not None
+            slots.append((int(m.group(1) if inside else m.group(2)), inside))
+            pos = m.end()
+        consts.append(text[pos:])
+        return _Template(tuple(consts), tuple(slots))
+
+
+def _signature(
+    calls: Sequence[CallRecord],
+    pattern: tuple[int, ...],
+    wheres: Sequence[Where],
+    inline: dict[str, tuple[memoryview, int]],
+) -> tuple[Any, ...] | None:
+    """Everything of the bundle's header that is not a hole; None for a bundle with storages of
+    other sources (the ordinary path writes those)."""
+    parts: list[Any] = [
+        fast_checksum(),
+        pattern,
+        tuple(wheres),
+        tuple(len(v) for v, _ in inline.values()),
+    ]
+    for call in calls:
+        caps = []
+        for cap in (call.inputs, call.outputs):
+            if cap is None:
+                caps.append(None)
+                continue
+            st_key = []
+            for st in cap.storages:
+                if st.source is not Source.BLOB or st.stats is not None or st.ranges:
+                    return None
+                if st.generator is not None:
+                    return None
+                st_key.append((st.device, st.storage_nbytes, st.span_start, st.span_nbytes))
+            caps.append(
+                (
+                    tuple(st_key),
+                    tuple(
+                        (t.storage, t.dtype, t.shape, t.stride, t.storage_offset, t.requires_grad)
+                        for t in cap.tensors
+                    ),
+                )
+            )
+        names = tuple(call.names) if call.names is not None else None
+        inplace = tuple(call.inplace) if call.outputs is not None else None
+        parts.append((call.target, call.called_as, names, caps[0], caps[1], inplace))
+    return tuple(parts)
+
+
+def _render(tpl: _Template, quoted: Sequence[str], raw: Sequence[str]) -> bytes:
+    consts = tpl.consts
+    parts = [consts[0]]
+    for (k, inside), c in zip(tpl.slots, consts[1:]):
+        parts.append(quoted[k] if inside else raw[k])
+        parts.append(c)
+    out = "".join(parts).encode("ascii")
+    return out + b" " * (-(8 + len(out)) % 8)
+
+
+def _q(s: str) -> str:
+    """A JSON string of hex digits or a time, as it appears inside the manifest string."""
+    return f'\\"{s}\\"'
+
+
+def _escaped(text: str) -> str:
+    """JSON text as it appears inside the manifest string (JSON escapes one character at a
+    time, so the pieces of a string escape to the pieces of its escape)."""
+    return json.dumps(text)[1:-1]
+
+
+def _frozen_copy(value: Any) -> Any:
+    """A copy that later changes to the caller's dict cannot reach (compared by value)."""
+    return json.loads(json.dumps(value))
+
+
+def _max_string() -> int:
+    from kdump.bundle import argtree
+
+    return argtree.LIMITS.max_string
