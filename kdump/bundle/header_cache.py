@@ -42,7 +42,6 @@ class HeaderCache:
     def __init__(self, max_entries: int = 64) -> None:
         self.max_entries = max_entries
         self._templates: dict[tuple[Any, ...], _Template | None] = {}
-        self._texts: dict[str, tuple[Any, str]] = {}  # env / info: the last value and its text
         self._nonce = secrets.token_hex(8)
         self.hits = 0
 
@@ -84,14 +83,6 @@ class HeaderCache:
         return out
 
     # -- per bundle -------------------------------------------------------------------------------
-    def _text(self, name: str, value: Any) -> str:
-        last = self._texts.get(name)
-        if last is not None and last[0] == value:
-            return last[1]
-        text = _escaped(json.dumps(value, separators=_COMPACT))
-        self._texts[name] = (_frozen_copy(value), text)
-        return text
-
     def _values(
         self,
         calls: Sequence[CallRecord],
@@ -108,7 +99,11 @@ class HeaderCache:
         firsts: dict[str, str] = {}
         for sha, fast in digests:
             firsts.setdefault(sha, fast)
-        quoted = [_q(created), self._text("env", env), self._text("info", info)]
+        quoted = [
+            _q(created),
+            _escaped(json.dumps(env, separators=_COMPACT)),
+            _escaped(json.dumps(info, separators=_COMPACT)),
+        ]
         raw = ["", "", ""]
         for sha in order:
             quoted += (_q(sha), _q(firsts[sha]))
@@ -273,11 +268,6 @@ def _escaped(text: str) -> str:
     """JSON text as it appears inside the manifest string (JSON escapes one character at a
     time, so the pieces of a string escape to the pieces of its escape)."""
     return json.dumps(text)[1:-1]
-
-
-def _frozen_copy(value: Any) -> Any:
-    """A copy that later changes to the caller's dict cannot reach (compared by value)."""
-    return json.loads(json.dumps(value))
 
 
 def _max_string() -> int:
