@@ -26,7 +26,9 @@ if TYPE_CHECKING:
     from kdump.bundle.writer import CallRecord
 
 Digests = tuple[str, str]
-_COMPACT = (",", ":")  # the manifest's separators
+# What json.dumps(value, separators=(",", ":")) does (the manifest's encoding), made once:
+# json.dumps builds an encoder per call when given options.
+_encode = json.JSONEncoder(separators=(",", ":")).encode
 _MISSING = object()
 
 
@@ -101,23 +103,23 @@ class HeaderCache:
             firsts.setdefault(sha, fast)
         quoted = [
             _q(created),
-            _escaped(json.dumps(env, separators=_COMPACT)),
-            _escaped(json.dumps(info, separators=_COMPACT)),
+            _escaped(_encode(env)),
+            _escaped(_encode(info)),
         ]
         raw = ["", "", ""]
         for sha in order:
             quoted += (_q(sha), _q(firsts[sha]))
             raw += (sha, "")
         for call in calls:
-            meta = json.dumps(call.meta, separators=_COMPACT)
+            meta = _encode(call.meta)
             if len(meta) > _max_string():
-                meta = json.dumps(_bounded(call.meta), separators=_COMPACT)
+                meta = _encode(_bounded(call.meta))
             returned = call.returned if call.outputs is not None else None
             quoted += (
-                _escaped(json.dumps(call.args, separators=_COMPACT)),
-                _escaped(json.dumps(call.kwargs, separators=_COMPACT)),
+                _escaped(_encode(call.args)),
+                _escaped(_encode(call.kwargs)),
                 _escaped(meta),
-                _escaped(json.dumps(returned, separators=_COMPACT)),
+                _escaped(_encode(returned)),
             )
             raw += ("", "", "", "")
             for cap in (call.inputs, call.outputs):
@@ -265,9 +267,11 @@ def _q(s: str) -> str:
 
 
 def _escaped(text: str) -> str:
-    """JSON text as it appears inside the manifest string (JSON escapes one character at a
-    time, so the pieces of a string escape to the pieces of its escape)."""
-    return json.dumps(text)[1:-1]
+    """JSON text as it appears inside the manifest string: what json.dumps(text)[1:-1] gives.
+    JSON escapes one character at a time, so the pieces of a string escape to the pieces of its
+    escape; and text from the encoder is ASCII without control characters (it escapes those),
+    so a backslash and a quote are all there is to escape."""
+    return text.replace("\\", "\\\\").replace('"', '\\"')
 
 
 def _max_string() -> int:

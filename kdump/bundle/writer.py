@@ -84,13 +84,19 @@ def capture_call(
     names: Sequence[str] | None = None,
     meta: dict[str, Any] | None = None,
     sink: Spool | StoreSpool | None = None,
+    encoded: tuple[list[Any], list[torch.Tensor]] | None = None,
 ) -> CallRecord:
     """Snapshot a call's arguments (before the call runs). With `sink` (a `Spool` for the bundle
-    `save_calls` will write), a large snapshot is written straight into that bundle's file."""
+    `save_calls` will write), a large snapshot is written straight into that bundle's file.
+    `encoded` is what `argtree.encode_all([*args, *kwargs.values()], tensors)` gave, where the
+    caller has walked the arguments already."""
     kwargs = kwargs or {}
-    tensors: list[torch.Tensor] = []
-    # One node budget for all of a call's arguments: the reader checks them together.
-    trees = argtree.encode_all([*args, *kwargs.values()], tensors)
+    if encoded is None:
+        tensors: list[torch.Tensor] = []
+        # One node budget for all of a call's arguments: the reader checks them together.
+        trees = argtree.encode_all([*args, *kwargs.values()], tensors)
+    else:
+        trees, tensors = encoded
     args_tree = trees[: len(args)]
     kwargs_tree = {str(k): v for k, v in zip(kwargs, trees[len(args) :])}
     return CallRecord(
