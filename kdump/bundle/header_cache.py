@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from kdump.bundle.argtree import LIMITS as _LIMITS
 from kdump.bundle.format import MAX_HEADER, Source, Where
 from kdump.bundle.store import fast_checksum
 from kdump.bundle.tensors import Captured
@@ -26,9 +27,28 @@ if TYPE_CHECKING:
     from kdump.bundle.writer import CallRecord
 
 Digests = tuple[str, str]
-# What json.dumps(value, separators=(",", ":")) does (the manifest's encoding), made once:
-# json.dumps builds an encoder per call when given options.
-_encode = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _encoder() -> Callable[[Any], str]:
+    """What json.dumps(value, separators=(",", ":")) gives (the manifest's encoding), with the
+    encoder made once: json.dumps makes one per call when given options, which costs more than
+    encoding a call's meta. The values are the writer's own trees (acyclic), so the encoder keeps
+    no table of open containers (one it shared between threads would see false cycles)."""
+    base = json.JSONEncoder(separators=(",", ":"), check_circular=False)
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # no C accelerator: the pure-Python encoder, made once all the same
+        return base.encode
+    one = make(
+        None, base.default, json.encoder.encode_basestring_ascii, None, ":", ",", False, False, True
+    )
+
+    def encode(value: Any) -> str:
+        return "".join(one(value, 0))
+
+    return encode
+
+
+_encode = _encoder()
 _MISSING = object()
 
 
@@ -64,21 +84,21 @@ class HeaderCache:
         key = _signature(calls, pattern, wheres, inline)
         if key is None:
             return None
-        quoted, raw = self._values(calls, digests, order, env, info, created)
+        fills = self._values(calls, digests, order, env, info, created)
         tpl = self._templates.get(key, _MISSING)
         if tpl is _MISSING:
             from kdump.bundle.writer import _header_for
 
             real = _header_for(make_manifest(digests), inline)[0]
             made = self._build(calls, pattern, order, wheres, inline)
-            made = made if made is not None and _render(made, quoted, raw) == real else None
+            made = made if made is not None and _render(made, fills) == real else None
             if len(self._templates) >= self.max_entries:
                 self._templates.pop(next(iter(self._templates)))
             self._templates[key] = made
             return real
         if tpl is None:
             return None
-        out = _render(tpl, quoted, raw)  # type: ignore[arg-type]
+        out = _render(tpl, fills)  # type: ignore[arg-type]
         if len(out) > MAX_HEADER:
             return None  # the ordinary path says why
         self.hits += 1
@@ -93,42 +113,34 @@ class HeaderCache:
         env: dict[str, Any],
         info: dict[str, Any],
         created: str,
-    ) -> tuple[list[str], list[str]]:
-        """Each hole's text inside the manifest string (escaped) and outside it (blob names in
-        the safetensors entries), in hole order."""
-        from kdump.bundle.writer import _bounded
-
-        firsts: dict[str, str] = {}
+    ) -> list[str]:
+        """Each hole's text as it appears inside the manifest string (escaped), in hole order.
+        Outside it (blob names in the safetensors entries) a hole's text is the same without its
+        escaped quotes."""
+        fasts: dict[str, str] = {}
         for sha, fast in digests:
-            firsts.setdefault(sha, fast)
-        quoted = [
-            _q(created),
-            _escaped(_encode(env)),
-            _escaped(_encode(info)),
-        ]
-        raw = ["", "", ""]
+            fasts.setdefault(sha, fast)
+        out = [f'\\"{created}\\"', _escaped(_encode(env)), _escaped(_encode(info))]
         for sha in order:
-            quoted += (_q(sha), _q(firsts[sha]))
-            raw += (sha, "")
+            out.append(f'\\"{sha}\\"')
+            out.append(f'\\"{fasts[sha]}\\"')
+        limit = _LIMITS.max_string
         for call in calls:
             meta = _encode(call.meta)
-            if len(meta) > _max_string():
+            if len(meta) > limit:  # a string to cut (an exception's text): as the writer does
+                from kdump.bundle.writer import _bounded
+
                 meta = _encode(_bounded(call.meta))
             returned = call.returned if call.outputs is not None else None
-            quoted += (
-                _escaped(_encode(call.args)),
-                _escaped(_encode(call.kwargs)),
-                _escaped(meta),
-                _escaped(_encode(returned)),
-            )
-            raw += ("", "", "", "")
+            out.append(_escaped(_encode(call.args)))
+            out.append(_escaped(_encode(call.kwargs)))
+            out.append(_escaped(meta))
+            out.append(_escaped(_encode(returned)))
             for cap in (call.inputs, call.outputs):
-                if cap is None:
-                    continue
-                quoted += [str(st.base_ptr) for st in cap.storages]
-                quoted += [str(t.data_ptr) for t in cap.tensors]
-                raw += [""] * (len(cap.storages) + len(cap.tensors))
-        return quoted, raw
+                if cap is not None:
+                    out += [str(st.base_ptr) for st in cap.storages]
+                    out += [str(t.data_ptr) for t in cap.tensors]
+        return out
 
     # -- per signature ----------------------------------------------------------------------------
     def _token(self, k: int) -> str:
@@ -251,19 +263,14 @@ def _signature(
     return tuple(parts)
 
 
-def _render(tpl: _Template, quoted: Sequence[str], raw: Sequence[str]) -> bytes:
+def _render(tpl: _Template, fills: Sequence[str]) -> bytes:
     consts = tpl.consts
     parts = [consts[0]]
     for (k, inside), c in zip(tpl.slots, consts[1:]):
-        parts.append(quoted[k] if inside else raw[k])
+        parts.append(fills[k] if inside else fills[k][2:-2])  # outside: no escaped quotes
         parts.append(c)
     out = "".join(parts).encode("ascii")
     return out + b" " * (-(8 + len(out)) % 8)
-
-
-def _q(s: str) -> str:
-    """A JSON string of hex digits or a time, as it appears inside the manifest string."""
-    return f'\\"{s}\\"'
 
 
 def _escaped(text: str) -> str:
@@ -272,9 +279,3 @@ def _escaped(text: str) -> str:
     escape; and text from the encoder is ASCII without control characters (it escapes those),
     so a backslash and a quote are all there is to escape."""
     return text.replace("\\", "\\\\").replace('"', '\\"')
-
-
-def _max_string() -> int:
-    from kdump.bundle import argtree
-
-    return argtree.LIMITS.max_string
