@@ -162,7 +162,7 @@ def test_recorded_small_calls_use_templates_and_stay_exact(tmp_path) -> None:
 def test_a_template_that_does_not_reproduce_its_header_is_not_kept(tmp_path, monkeypatch) -> None:
     from kdump.bundle import header_cache
 
-    wrong = header_cache._Template(("{}",), ())
+    wrong = header_cache._Template("{{}}", ())
     monkeypatch.setattr(header_cache.HeaderCache, "_build", lambda self, *a: wrong)
     cache = header_cache.HeaderCache()
     for i, call in enumerate(_calls_of_one_signature()[:3]):

@@ -54,8 +54,12 @@ _MISSING = object()
 
 @dataclass(frozen=True)
 class _Template:
-    consts: tuple[str, ...]  # constant text around the holes
-    slots: tuple[tuple[int, bool], ...]  # (hole, inside the manifest string) between consts
+    """The header as a format string: field k < holes is hole k's fill (inside the manifest
+    string); the fields after those are the holes of `outside`, in order (blob names in the
+    safetensors entries: the fill without its escaped quotes)."""
+
+    form: str
+    outside: tuple[int, ...]
 
 
 class HeaderCache:
@@ -209,16 +213,19 @@ class HeaderCache:
             return None
         text = raw.rstrip(b" ").decode("ascii")
         one = rf"KDUMPHOLE{self._nonce}x(\d+)y"
-        consts: list[str] = []
-        slots: list[tuple[int, bool]] = []
+        parts: list[str] = []
+        outside: list[int] = []
         pos = 0
         for m in re.finditer(rf'\\"{one}\\"|{one}', text):
-            consts.append(text[pos : m.start()])
-            inside = m.group(1) is not None
-            slots.append((int(m.group(1) if inside else m.group(2)), inside))
+            parts.append(text[pos : m.start()].replace("{", "{{").replace("}", "}}"))
+            if m.group(1) is not None:
+                parts.append(f"{{{m.group(1)}}}")
+            else:
+                parts.append(f"{{{k + len(outside)}}}")  # after every hole's own field
+                outside.append(int(m.group(2)))
             pos = m.end()
-        consts.append(text[pos:])
-        return _Template(tuple(consts), tuple(slots))
+        parts.append(text[pos:].replace("{", "{{").replace("}", "}}"))
+        return _Template("".join(parts), tuple(outside))
 
 
 def _signature(
@@ -264,12 +271,7 @@ def _signature(
 
 
 def _render(tpl: _Template, fills: Sequence[str]) -> bytes:
-    consts = tpl.consts
-    parts = [consts[0]]
-    for (k, inside), c in zip(tpl.slots, consts[1:]):
-        parts.append(fills[k] if inside else fills[k][2:-2])  # outside: no escaped quotes
-        parts.append(c)
-    out = "".join(parts).encode("ascii")
+    out = tpl.form.format(*fills, *(fills[k][2:-2] for k in tpl.outside)).encode("ascii")
     return out + b" " * (-(8 + len(out)) % 8)
 
 

@@ -156,24 +156,28 @@ INLINE_HASH_MAX = 8 << 20
 
 
 def _hash_all(
-    views: Sequence[memoryview], known: Sequence[Digests | None] | None = None
+    views: Sequence[memoryview],
+    known: Sequence[Digests | None] | None = None,
+    addresses: Sequence[int] | None = None,
 ) -> list[Digests]:
     """Digests of `views`; those in `known` (a capture that hashed them already) are not hashed
-    again, nor views of the same bytes (an unchanged output sharing its input's snapshot)."""
+    again, nor views of the same bytes (an unchanged output sharing its input's snapshot).
+    `addresses`: where each view's bytes start, where the caller knows (else they are asked)."""
     known = known if known is not None else [None] * len(views)
-    todo = [v for v, k in zip(views, known) if k is None]
-    if len(todo) <= 1 or sum(len(v) for v in todo) < INLINE_HASH_MAX:
+    todo = [i for i, k in enumerate(known) if k is None]
+    if len(todo) <= 1 or sum(len(views[i]) for i in todo) < INLINE_HASH_MAX:
         done: dict[tuple[int, int], Digests] = {}
         out = []
-        for v in todo:
-            key = (_address(v), len(v))
+        for i in todo:
+            v = views[i]
+            key = (addresses[i] if addresses is not None else _address(v), len(v))
             dig = done.get(key)
             if dig is None:
                 dig = done[key] = blob_digests(v)
             out.append(dig)
         fresh = iter(out)
     else:
-        fresh = iter([f.result() for f in _submit_once(todo)])
+        fresh = iter([f.result() for f in _submit_once([views[i] for i in todo])])
     return [k if k is not None else next(fresh) for k in known]
 
 
@@ -292,7 +296,7 @@ def save_calls(
     recorder's `HeaderCache`), a small bundle's header is filled into the template of its call
     signature instead of being built and encoded record by record.
     """
-    path = Path(path)
+    path = path if isinstance(path, Path) else Path(path)
     caps = [cap for call in calls for cap in (call.inputs, call.outputs) if cap is not None]
     held = [  # storages of other kinds hold no bytes
         (st, d, cap.digest(i))
@@ -321,7 +325,9 @@ def save_calls(
         and _write_pipelined(path, views, aligns, make_manifest)
     ):
         return path
-    digests = _hash_all(views, known)
+    digests = _hash_all(
+        views, known, [d.data_ptr() if len(v) else 0 for (_, d, _), v in zip(held, views)]
+    )
     inline: dict[str, tuple[memoryview, int]] = {}
     stored: dict[str, memoryview] = {}
     for (sha, _), view, align, where in zip(digests, views, aligns, wheres):
