@@ -81,6 +81,8 @@ _LAYOUT_MEMO_MAX = 256
 
 def _layout_facts(t: torch.Tensor) -> tuple[object, ...]:
     """Everything group_storages reads of `t` (so equal facts give equal records)."""
+    if t.layout != torch.strided:  # no storage to ask for
+        raise _layout_error(t)
     storage = t.untyped_storage()
     return (
         t.device,
@@ -94,6 +96,10 @@ def _layout_facts(t: torch.Tensor) -> tuple[object, ...]:
         t.storage_offset(),
         t.requires_grad,
     )
+
+
+def _layout_error(t: torch.Tensor) -> BundleError:
+    return BundleError(f"tensor layout {t.layout} is not supported (strided tensors only)")
 
 
 def group_storages(
@@ -122,7 +128,7 @@ def _group_storages(
     records: list[TensorRecord] = []
     for t in tensors:
         if t.layout != strided:
-            raise BundleError(f"tensor layout {t.layout} is not supported (strided tensors only)")
+            raise _layout_error(t)
         shape = tuple(t.shape)
         stride = tuple(t.stride())
         if any(s < 0 for s in stride):
