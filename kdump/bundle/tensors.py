@@ -8,6 +8,7 @@ base) survives the round trip. Absolute addresses are kept so fault addresses ma
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -113,7 +114,9 @@ def group_storages(
     if hit is None:
         hit = _group_storages(tensors)
         if len(_LAYOUT_MEMO) >= _LAYOUT_MEMO_MAX:
-            _LAYOUT_MEMO.pop(next(iter(_LAYOUT_MEMO)))  # the oldest entry
+            # The oldest entry; another thread may be trimming at the same moment.
+            with contextlib.suppress(KeyError, RuntimeError, StopIteration):
+                _LAYOUT_MEMO.pop(next(iter(_LAYOUT_MEMO)))
         _LAYOUT_MEMO[key] = hit
     return list(hit[0]), list(hit[1])
 
