@@ -232,7 +232,7 @@ def test_failures_never_change_results_and_log_once(tmp_path, monkeypatch, capfd
         def disk_full(*a, **k):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(bundle, "_write_safetensors", disk_full)
+        monkeypatch.setattr(bundle, "atomic_write", disk_full)  # every bundle write
     elif failure == "readonly":
         out.mkdir()
         out.chmod(0o500)

@@ -8,6 +8,7 @@ base) survives the round trip. Absolute addresses are kept so fault addresses ma
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -73,10 +74,56 @@ def _byte_view(t: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
     return out
 
 
+# Results of group_storages by the layout facts of the tensors they came from (addresses
+# included): a recorder calling a target again with the same tensors builds no records.
+_LAYOUT_MEMO: dict[tuple[object, ...], tuple[list[StorageRecord], list[TensorRecord]]] = {}
+_LAYOUT_MEMO_MAX = 256
+
+
+def _layout_facts(t: torch.Tensor) -> tuple[object, ...]:
+    """Everything group_storages reads of `t` (so equal facts give equal records)."""
+    if t.layout != torch.strided:  # no storage to ask for
+        raise _layout_error(t)
+    storage = t.untyped_storage()
+    return (
+        t.device,
+        storage.data_ptr(),
+        storage.nbytes(),
+        t.data_ptr(),
+        t.dtype,
+        t.layout,
+        t.shape,
+        t.stride(),
+        t.storage_offset(),
+        t.requires_grad,
+    )
+
+
+def _layout_error(t: torch.Tensor) -> BundleError:
+    return BundleError(f"tensor layout {t.layout} is not supported (strided tensors only)")
+
+
 def group_storages(
     tensors: Sequence[torch.Tensor],
 ) -> tuple[list[StorageRecord], list[TensorRecord]]:
-    """Group tensors by storage and compute each storage's covered span. Reads no data."""
+    """Group tensors by storage and compute each storage's covered span. Reads no data.
+
+    The records are frozen and the lists returned are new, so a remembered result is shared."""
+    key = tuple(_layout_facts(t) for t in tensors)
+    hit = _LAYOUT_MEMO.get(key)
+    if hit is None:
+        hit = _group_storages(tensors)
+        if len(_LAYOUT_MEMO) >= _LAYOUT_MEMO_MAX:
+            # The oldest entry; another thread may be trimming at the same moment.
+            with contextlib.suppress(KeyError, RuntimeError, StopIteration):
+                _LAYOUT_MEMO.pop(next(iter(_LAYOUT_MEMO)))
+        _LAYOUT_MEMO[key] = hit
+    return list(hit[0]), list(hit[1])
+
+
+def _group_storages(
+    tensors: Sequence[torch.Tensor],
+) -> tuple[list[StorageRecord], list[TensorRecord]]:
     strided = torch.strided
     order: dict[tuple[str, int], int] = {}
     spans: list[list[int]] = []
@@ -84,7 +131,7 @@ def group_storages(
     records: list[TensorRecord] = []
     for t in tensors:
         if t.layout != strided:
-            raise BundleError(f"tensor layout {t.layout} is not supported (strided tensors only)")
+            raise _layout_error(t)
         shape = tuple(t.shape)
         stride = tuple(t.stride())
         if any(s < 0 for s in stride):

@@ -32,6 +32,7 @@ from kdump.bundle.format import (
     Where,
     manifest_json,
 )
+from kdump.bundle.header_cache import HeaderCache
 from kdump.bundle.spool import Spool, StoreSpool, cpu_view
 from kdump.bundle.store import BlobStore, atomic_write, blob_digests, fast_checksum, pool
 from kdump.bundle.tensors import Captured, capture
@@ -83,13 +84,19 @@ def capture_call(
     names: Sequence[str] | None = None,
     meta: dict[str, Any] | None = None,
     sink: Spool | StoreSpool | None = None,
+    encoded: tuple[list[Any], list[torch.Tensor]] | None = None,
 ) -> CallRecord:
     """Snapshot a call's arguments (before the call runs). With `sink` (a `Spool` for the bundle
-    `save_calls` will write), a large snapshot is written straight into that bundle's file."""
+    `save_calls` will write), a large snapshot is written straight into that bundle's file.
+    `encoded` is what `argtree.encode_all([*args, *kwargs.values()], tensors)` gave, where the
+    caller has walked the arguments already."""
     kwargs = kwargs or {}
-    tensors: list[torch.Tensor] = []
-    # One node budget for all of a call's arguments: the reader checks them together.
-    trees = argtree.encode_all([*args, *kwargs.values()], tensors)
+    if encoded is None:
+        tensors: list[torch.Tensor] = []
+        # One node budget for all of a call's arguments: the reader checks them together.
+        trees = argtree.encode_all([*args, *kwargs.values()], tensors)
+    else:
+        trees, tensors = encoded
     args_tree = trees[: len(args)]
     kwargs_tree = {str(k): v for k, v in zip(kwargs, trees[len(args) :])}
     return CallRecord(
@@ -149,24 +156,28 @@ INLINE_HASH_MAX = 8 << 20
 
 
 def _hash_all(
-    views: Sequence[memoryview], known: Sequence[Digests | None] | None = None
+    views: Sequence[memoryview],
+    known: Sequence[Digests | None] | None = None,
+    addresses: Sequence[int] | None = None,
 ) -> list[Digests]:
     """Digests of `views`; those in `known` (a capture that hashed them already) are not hashed
-    again, nor views of the same bytes (an unchanged output sharing its input's snapshot)."""
+    again, nor views of the same bytes (an unchanged output sharing its input's snapshot).
+    `addresses`: where each view's bytes start, where the caller knows (else they are asked)."""
     known = known if known is not None else [None] * len(views)
-    todo = [v for v, k in zip(views, known) if k is None]
-    if len(todo) <= 1 or sum(len(v) for v in todo) < INLINE_HASH_MAX:
+    todo = [i for i, k in enumerate(known) if k is None]
+    if len(todo) <= 1 or sum(len(views[i]) for i in todo) < INLINE_HASH_MAX:
         done: dict[tuple[int, int], Digests] = {}
         out = []
-        for v in todo:
-            key = (_address(v), len(v))
+        for i in todo:
+            v = views[i]
+            key = (addresses[i] if addresses is not None else _address(v), len(v))
             dig = done.get(key)
             if dig is None:
                 dig = done[key] = blob_digests(v)
             out.append(dig)
         fresh = iter(out)
     else:
-        fresh = iter([f.result() for f in _submit_once(todo)])
+        fresh = iter([f.result() for f in _submit_once([views[i] for i in todo])])
     return [k if k is not None else next(fresh) for k in known]
 
 
@@ -273,6 +284,7 @@ def save_calls(
     info: dict[str, Any] | None = None,
     spool: Spool | StoreSpool | None = None,
     inline_below: int = 0,
+    headers: HeaderCache | None = None,
 ) -> Path:
     """Write `calls` as one bundle, atomically. Identical storages are stored once.
 
@@ -280,9 +292,11 @@ def save_calls(
     bundle holds only the manifest, except blobs smaller than `inline_below` bytes (a recorder
     passes STORE_MIN), which stay inline. With `spool` (the sink the calls were captured into,
     opened for `path`), the blobs already in its file stay there and the header completes it; a
-    `StoreSpool`'s blobs are in the store already (and not written again).
+    `StoreSpool`'s blobs are in the store already (and not written again). With `headers` (a
+    recorder's `HeaderCache`), a small bundle's header is filled into the template of its call
+    signature instead of being built and encoded record by record.
     """
-    path = Path(path)
+    path = path if isinstance(path, Path) else Path(path)
     caps = [cap for call in calls for cap in (call.inputs, call.outputs) if cap is not None]
     held = [  # storages of other kinds hold no bytes
         (st, d, cap.digest(i))
@@ -297,7 +311,8 @@ def save_calls(
     wheres = [
         Where.STORE if store is not None and n >= inline_below else Where.INLINE for n in sizes
     ]
-    make_manifest = _manifest_maker(calls, sizes, wheres, env, info)
+    created = _utc_now()
+    make_manifest = _manifest_maker(calls, sizes, wheres, env, info, created=created)
     if isinstance(spool, Spool) and spool.active:
         if store is None:
             return _finish_spool(spool, path, held, known, make_manifest)
@@ -310,7 +325,9 @@ def save_calls(
         and _write_pipelined(path, views, aligns, make_manifest)
     ):
         return path
-    digests = _hash_all(views, known)
+    digests = _hash_all(
+        views, known, [d.data_ptr() if len(v) else 0 for (_, d, _), v in zip(held, views)]
+    )
     inline: dict[str, tuple[memoryview, int]] = {}
     stored: dict[str, memoryview] = {}
     for (sha, _), view, align, where in zip(digests, views, aligns, wheres):
@@ -321,8 +338,27 @@ def save_calls(
     if store is not None:
         for sha, view in stored.items():
             store.put(sha, view)
+    if headers is not None and _small(inline):
+        raw = headers.header(
+            calls, digests, wheres, inline, env or {}, info or {}, created, make_manifest
+        )
+        if raw is not None:
+            parts = [struct.pack("<Q", len(raw)), raw, *(v for v, _ in inline.values())]
+            atomic_write(path, b"".join(parts))
+            return path
     _write_safetensors(path, make_manifest(digests), inline)
     return path
+
+
+def _small(inline: dict[str, tuple[memoryview, int]]) -> bool:
+    """Whether a bundle's inline blobs are laid out back to back (no alignment padding) and
+    written in one write: the bundles a header template is made for."""
+    total = 0
+    for view, _ in inline.values():
+        if len(view) >= ALIGNED_BLOB_MIN:
+            return False
+        total += len(view)
+    return total <= ONE_WRITE_MAX
 
 
 _stamp: tuple[int, str] = (-1, "")
@@ -343,9 +379,10 @@ def _manifest_maker(
     wheres: Sequence[Where],
     env: dict[str, Any] | None,
     info: dict[str, Any] | None,
+    created: str | None = None,
 ) -> Callable[[Sequence[Digests]], dict[str, Any]]:
     """The manifest of `calls` given the digests of their blob storages (in capture order)."""
-    created = _utc_now()
+    created = created if created is not None else _utc_now()
     algo = fast_checksum()
 
     def make_manifest(digests: Sequence[Digests]) -> dict[str, Any]:
@@ -554,23 +591,7 @@ def _write_safetensors(
     path: Path, manifest: dict[str, Any], blobs: dict[str, tuple[memoryview, int]]
 ) -> None:
     """Write a bundle whose blobs (sha → (bytes, recorded alignment)) are all known."""
-    layout: dict[str, tuple[int, int]] = {}
-    pads: list[tuple[int, int]] = []
-    offset = 0
-    for sha, (view, align) in blobs.items():
-        start = _aligned(offset, len(view), align)
-        if start > offset:
-            pads.append((offset, start))
-        layout[sha] = (start, start + len(view))
-        offset = start + len(view)
-    raw = _header_json(manifest, layout, pads)
-    raw += b" " * (_padded_size(len(raw), (len(v) for v, _ in blobs.values())) - len(raw))
-    if len(raw) > MAX_HEADER:
-        raise BundleError(
-            f"bundle manifest is {len(raw)} bytes, over the {MAX_HEADER}-byte header limit: "
-            "write fewer calls per bundle",
-            K.LIMIT,
-        )
+    raw, layout, offset = _header_for(manifest, blobs)
 
     if offset <= ONE_WRITE_MAX:  # a small bundle: assembled here, written by one write
         parts: list[bytes | memoryview] = [struct.pack("<Q", len(raw)), raw]
@@ -594,6 +615,30 @@ def _write_safetensors(
         f.truncate(data_start + offset)
 
     atomic_write(path, write)
+
+
+def _header_for(
+    manifest: dict[str, Any], blobs: dict[str, tuple[memoryview, int]]
+) -> tuple[bytes, dict[str, tuple[int, int]], int]:
+    """(padded header, data offsets of the blobs, data section length) of a bundle."""
+    layout: dict[str, tuple[int, int]] = {}
+    pads: list[tuple[int, int]] = []
+    offset = 0
+    for sha, (view, align) in blobs.items():
+        start = _aligned(offset, len(view), align)
+        if start > offset:
+            pads.append((offset, start))
+        layout[sha] = (start, start + len(view))
+        offset = start + len(view)
+    raw = _header_json(manifest, layout, pads)
+    raw += b" " * (_padded_size(len(raw), (len(v) for v, _ in blobs.values())) - len(raw))
+    if len(raw) > MAX_HEADER:
+        raise BundleError(
+            f"bundle manifest is {len(raw)} bytes, over the {MAX_HEADER}-byte header limit: "
+            "write fewer calls per bundle",
+            K.LIMIT,
+        )
+    return raw, layout, offset
 
 
 def save_entries(

@@ -39,6 +39,8 @@ INDEX_VERSION = 2
 BUNDLE_SUFFIX = ".kdump"
 STORE_DIRNAME = "blobs"  # kdump.bundle.STORE_DIRNAME (that module is not imported at startup)
 _NAME_ATTEMPTS = 100
+# json.dumps(line, separators=(",", ":")), with the encoder made once (one line per bundle).
+_encode = json.JSONEncoder(separators=(",", ":")).encode
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,7 +348,8 @@ class CaptureDir:
         key = str(path)
         added = os.stat(key).st_size + sum(store.created.values())
         used = list(dict.fromkeys(store.used))
-        self._bundle_blobs[key] = used
+        if used:  # a bundle with inline blobs only frees nothing of the store when evicted
+            self._bundle_blobs[key] = used
         for sha in used:
             self._blob_refs[sha] = self._blob_refs.get(sha, 0) + 1
         if self.private_store:
@@ -411,7 +414,7 @@ class CaptureDir:
     def _append(self, line: dict[str, Any]) -> None:
         """One line, one write, O_APPEND: concurrent readers see whole lines or a torn last one."""
         assert self._folder is not None
-        data = (json.dumps(line, separators=(",", ":")) + "\n").encode()
+        data = (_encode(line) + "\n").encode()
         if self._torn:
             data = b"\n" + data
         if self._index_fd is None or self._index_pid != os.getpid():

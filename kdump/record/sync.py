@@ -117,6 +117,9 @@ class SyncRecorder:
         )
         self._shorts: dict[str, str] = {}
         self.errors = 0
+        from kdump.bundle.header_cache import HeaderCache
+
+        self.headers = HeaderCache()  # repeated call signatures: headers from a template
 
     def after_fork(self) -> None:
         self._init_process()
@@ -147,6 +150,7 @@ class SyncRecorder:
             snap = None
             plan = None
             sink = None
+            live: list[Any] = []
             try:
                 with own_tensor_work():
                     plan = self._plan(st, index, args, kwargs)
@@ -156,7 +160,7 @@ class SyncRecorder:
 
                         sink = StoreSpool(self._blob_store, STORE_MIN)
                     if plan is not None:
-                        snap = self._snapshot(st, index, called_as, args, kwargs, plan, sink)
+                        snap, live = self._snapshot(st, index, called_as, args, kwargs, plan, sink)
             except Exception as exc:
                 self.session.fail(st, "capturing the arguments", exc)
             if snap is None:
@@ -175,7 +179,7 @@ class SyncRecorder:
                 try:
                     with own_tensor_work():
                         if not snap.meta.get("capturing"):
-                            self._attach_outputs(st, snap, args, kwargs, result, sink)
+                            self._attach_outputs(st, snap, live, args, kwargs, result, sink)
                         self._write(st, snap, index, sink)
                 except Exception as exc:
                     self.session.fail(st, "writing the bundle", exc)
@@ -214,11 +218,13 @@ class SyncRecorder:
         kwargs: dict[str, Any],
         plan: str,
         sink: StoreSpool | None = None,
-    ) -> Any:
+    ) -> tuple[Any, list[Any]]:
+        """(the call's record, its live tensors in tensor-table order)."""
         from kdump.bundle import argtree
         from kdump.bundle.writer import capture_call
 
-        tensors = argtree.tensors_in(*args, *kwargs.values())
+        tensors: list[Any] = []
+        trees = argtree.encode_all([*args, *kwargs.values()], tensors)  # one walk of the args
         capturing, stream = cuda_state(tensors)
         names = st.names()
         pos_names = list(names[: len(args)]) if names and len(names) >= len(args) else None
@@ -237,9 +243,17 @@ class SyncRecorder:
             "library_state": envinfo.library_state(),
         }
         if not capturing:
-            return capture_call(
-                st.id, args, kwargs, called_as=called_as, names=pos_names, meta=meta, sink=sink
+            call = capture_call(
+                st.id,
+                args,
+                kwargs,
+                called_as=called_as,
+                names=pos_names,
+                meta=meta,
+                sink=sink,
+                encoded=(trees, tensors),
             )
+            return call, tensors
         # Graph capture: no data can be read. Keep the layout of every tensor in the meta.
         from kdump.bundle.tensors import group_storages
 
@@ -258,22 +272,23 @@ class SyncRecorder:
 
         ph_args = argtree.map_tensors(tuple(args), placeholder)
         ph_kwargs = argtree.map_tensors(dict(kwargs), placeholder)
-        return capture_call(
+        call = capture_call(
             st.id, ph_args, ph_kwargs, called_as=called_as, names=pos_names, meta=meta
         )
+        return call, tensors
 
     def _attach_outputs(
         self,
         st: HookState,
         call: Any,
+        live: list[Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         result: Any,
         sink: StoreSpool | None = None,
     ) -> None:
-        from kdump.bundle.writer import attach_outputs, input_tensors
+        from kdump.bundle.writer import attach_outputs
 
-        live = input_tensors(call, args, kwargs)
         idx = output_indices(self.cfg.outputs, st.spec, st.names(), live, args, kwargs)
         if idx or result is not None:
             attach_outputs(call, live, idx, returned=result, sink=sink)
@@ -305,6 +320,7 @@ class SyncRecorder:
                     info=info,
                     inline_below=STORE_MIN,
                     spool=sink,
+                    headers=self.headers,
                 )
             except BaseException:
                 self.dest.abandon(path)
