@@ -385,14 +385,12 @@ def cache_path(arch: str) -> Path:
 
 def build_cubin(arch: str, use_cache: bool = True) -> bytes:
     """Compile (or fetch from the cache) the snapshot kernel for `arch` (e.g. sm_90a)."""
-    from kdump.nvrtc import ToolchainError as PackagedKernelError
+    from kdump.nvrtc import ToolchainError
 
     try:
         from cuda.core import Program, ProgramOptions
     except ImportError as exc:
-        raise PackagedKernelError(
-            f"cuda-core is not installed ({exc}): pip install cuda-core"
-        ) from exc
+        raise ToolchainError(f"cuda-core is not installed ({exc}): pip install cuda-core") from exc
     path = cache_path(arch)
     if use_cache and path.is_file():
         return path.read_bytes()

@@ -122,7 +122,6 @@ class RingRecorder:
         self._cuda: DeviceCopies | None = None
         self._plans: dict[Any, Any] = {}
         self._layouts: dict[Any, _Layout] = {}
-        self._roles: dict[Any, list[str | None]] = {}  # spec role per tensor, per signature
         self._hooks_installed = False
         self.statics: Statics | None = None  # made with the journal (kdump.record.statics)
 
@@ -270,7 +269,6 @@ class RingRecorder:
                     storages, records = group_storages(tensors)
                     roles = _tensor_roles(st, args, kwargs, tensors)
                     want = self._wanted(st, args, kwargs, tensors, records, storages, roles)
-                    self._roles[key] = roles
                     names = st.names()
                     cached = _Layout(
                         storages,
@@ -280,25 +278,24 @@ class RingRecorder:
                         [_tensor_dict(r) for r in records],
                         (args_tree, kwargs_tree),
                         list(names[: len(args)]) if names and len(names) >= len(args) else None,
+                        roles,
                     )
                     if len(self._layouts) > 256:
                         self._layouts.clear()
-                        self._roles.clear()
-                        self._roles[key] = roles
                     self._layouts[key] = cached
                 storages, records = cached.storages, cached.records
                 want = list(cached.want)
                 # Static operands (weights): copied once per (storage, version) into the static
                 # region, or recorded by reference; never into the slot. Per call: versions move.
-                roles = self._roles.get(key) or _tensor_roles(st, args, kwargs, tensors)
-                refs = self._static_refs(tensors, records, storages, roles, capturing)
+                refs = self._static_refs(tensors, records, storages, cached.roles, capturing)
                 for i, ref in enumerate(refs):
                     if ref is not None:
                         want[i] = False
                 storage_dicts = cached.storage_dicts
-                if any(r is not None for r in refs) or any(lazy_bits(tensors, records, len(refs))):
+                lazy = lazy_bits(tensors, records, len(refs))
+                if any(r is not None for r in refs) or any(lazy):
                     storage_dicts = storage_meta(
-                        [dict(d) for d in cached.storage_dicts], tensors, records, refs
+                        [dict(d) for d in cached.storage_dicts], tensors, records, refs, lazy
                     )
                 # equal by the key; the cached objects let the journal reuse their JSON
                 args_tree, kwargs_tree = cached.trees
@@ -614,6 +611,7 @@ class _Layout:
         tensor_dicts: list[dict[str, Any]],
         trees: tuple[list[Any], dict[str, Any]],
         names: list[str] | None,
+        roles: list[str | None],
     ) -> None:
         self.storages = storages
         self.records = records
@@ -622,6 +620,7 @@ class _Layout:
         self.tensor_dicts = tensor_dicts
         self.trees = trees
         self.names = names
+        self.roles = roles  # the spec role of each tensor (static operands are found by it)
 
 
 def _storage_dict(s: Any) -> dict[str, Any]:

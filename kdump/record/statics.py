@@ -533,11 +533,13 @@ def storage_meta(
     tensors: Sequence[Any],
     records: Sequence[Any],
     refs: Sequence[dict | None],
+    lazy: Sequence[dict | None] | None = None,
 ) -> list[dict[str, Any]]:
     """The slot's storage dicts with what this module adds: the version counter of the first
     view (salvage matches static copies made at later calls by it), the static reference, and
-    the first view's lazy conj / neg bits."""
-    lazy = lazy_bits(tensors, records, len(storages))
+    the first view's lazy conj / neg bits (`lazy`: from `lazy_bits`, when the caller has them)."""
+    if lazy is None:
+        lazy = lazy_bits(tensors, records, len(storages))
     versions: dict[int, int] = {}
     for t, r in zip(tensors, records):
         versions.setdefault(r.storage, int(t._version))
