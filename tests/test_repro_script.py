@@ -108,7 +108,8 @@ def test_script_source_has_no_kdump_import(tmp_path: Path) -> None:
 def test_clean_call_exit_0(tmp_path: Path) -> None:
     bundle = make_bundle(tmp_path / "clean.kdump", "repro_targets:scale_rows")
     script = generate(tmp_path, bundle, "repro_targets:*")
-    proc = run_script(tmp_path, script, "--path", str(TARGETS))
+    # --device cpu: the same lines on a GPU machine (the CUDA leg has its own gpu test)
+    proc = run_script(tmp_path, script, "--path", str(TARGETS), "--device", "cpu")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _lines(proc) == [
         f"bundle {bundle}: 2 call(s); running on cpu",

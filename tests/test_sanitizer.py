@@ -55,6 +55,34 @@ def test_parse_records_and_summary() -> None:
     assert r.access == "read" and r.size == 16 and r.address == 0x7F0C2F000000
 
 
+INLINED = """\
+========= COMPUTE-SANITIZER
+========= Invalid __global__ write of size 4 bytes
+=========     at void kd::store_row<(int)4>(__nv_bfloat16 *, const unsigned int (&)[T1], bool)+0x1c0 in grouped_gemm.cu:426
+=========     by thread (256,0,0) in block (8,0,0)
+=========     Access to 0x7f48e5b17c10 is out of bounds
+=========     and is 98,321 bytes after the nearest allocation at 0x7f48e5a00000 of size 1,048,576 bytes
+=========         Device Frame: void kd::epilogue<(int)4>(int)+0x80 in grouped_gemm.cu:511
+=========         Device Frame: kd_gemm_labels_ue8m0_stale+0x4c80 in grouped_gemm.cu:702
+=========     Saved host backtrace up to driver entry point at kernel launch time
+=========         Host Frame: cudaGraphLaunch [0x76211] in libcudart.so.13
+=========
+========= ERROR SUMMARY: 1 error
+"""  # noqa: E501
+
+
+def test_parse_names_the_kernel_an_access_was_inlined_into() -> None:
+    """With line info, "at" names the inlined device function and the device frames its callers:
+    the record's kernel is the outermost frame, the launched kernel."""
+    [r] = parse_report(INLINED).records
+    assert r.kernel == "kd_gemm_labels_ue8m0_stale"
+    assert r.function.startswith("void kd::store_row<(int)4>")
+    assert r.source == "grouped_gemm.cu:426" and r.pc == "0x1c0"
+    assert r.nearest["distance"] == 98321
+    assert " in void kd::store_row<(int)4>(" in r.describe()
+    assert "(inlined into kd_gemm_labels_ue8m0_stale) (grouped_gemm.cu:426)" in r.describe()
+
+
 def test_parse_clean_and_empty_reports() -> None:
     assert (
         parse_report("========= COMPUTE-SANITIZER\n========= ERROR SUMMARY: 0 errors\n").errors == 0

@@ -403,7 +403,22 @@ def test_standalone_script_runs_slimmed_bundles(
         script = tmp_path / f"repro{tier}.py"
         script.write_text(render_script(str(small)), encoding="utf-8")
         proc = subprocess.run(
-            [sys.executable, "-I", str(script), "--path", folder, "--path", str(TESTS)],
+            # the planted build calls kdump's reference: its checkout goes on the path (on a
+            # machine where kdump is only on PYTHONPATH, -I would hide it); --device cpu, as slim
+            # ran, so a GPU machine prints the same lines
+            [
+                sys.executable,
+                "-I",
+                str(script),
+                "--path",
+                folder,
+                "--path",
+                str(TESTS),
+                "--path",
+                str(TESTS.parent),
+                "--device",
+                "cpu",
+            ],
             capture_output=True,
             text=True,
             timeout=300,

@@ -78,6 +78,7 @@ def _reserve(j, dc, a, sfa, labels, index=None, use_plan=True):
         storages=[_storage_dict(s) for s in storages],
         tensors=[_tensor_dict(r) for r in records],
         extra={"device": dev},
+        capture_id=1 if index is not None else 0,  # a pinned slot is a capture site's, as recorded
     )
     whole = None
     if plan is not None and dc.kernel is None:

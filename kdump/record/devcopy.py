@@ -66,7 +66,8 @@ class DeviceCopies:
         self._addr = ctypes.addressof(ctypes.c_char.from_buffer(journal._map))
         size = len(journal._map)
         # Mapped: the snapshot kernel stores the `pre` marker through the device address.
-        pinned.register(self._addr, size, pinned.PORTABLE | pinned.MAPPED, "the journal", device)
+        flags = pinned.PORTABLE | pinned.MAPPED
+        self._end_pin = pinned.register(self._addr, size, flags, "the journal", journal, device)
         self._registered = True
         journal.before_unmap.append(self._unregister)  # whoever closes the journal
         self.notes: list[str] = []
@@ -454,4 +455,4 @@ class DeviceCopies:
     def _unregister(self) -> None:
         if self._registered:
             self._registered = False
-            pinned.unregister(self._addr)
+            self._end_pin()

@@ -5,11 +5,14 @@ the last error at its next kernel launch: the recorded program would see a CUDA 
 unrelated operation. So a failed registration takes that error back at once (a tiny launch whose
 check consumes it). A registration must end before its mapping does (a new mapping at the same
 address cannot be registered while a stale registration covers it): the owner of the mapping
-calls `unregister` before unmapping.
+ends it before unmapping (`register` returns the call that does), and a registration whose owner is
+collected without closing (a failed test's journal, an exception past the recorder) ends then.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 from kdump.record.journal import JournalError
@@ -20,11 +23,16 @@ MAPPED = 2  # the device may access it through its host address
 ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 
 
-def register(addr: int, size: int, flags: int, what: str, device: Any = None) -> None:
-    """Pin [addr, addr + size); JournalError (with the CUDA error) when the runtime refuses."""
+def register(
+    addr: int, size: int, flags: int, what: str, owner: object, device: Any = None
+) -> Callable[[], None]:
+    """Pin [addr, addr + size), the mapping `owner` holds; returns the call that ends the
+    registration (idempotent; it also runs when `owner` is collected). JournalError (with the CUDA
+    error) when the runtime refuses."""
     import torch
 
     err = int(torch.cuda.cudart().cudaHostRegister(addr, size, flags))
+    first = err
     if err == ALREADY_REGISTERED:
         # A registration left over from an earlier mapping at this address (unmapped without
         # being unregistered): the address range is ours now, so end it and try once more.
@@ -32,9 +40,12 @@ def register(addr: int, size: int, flags: int, what: str, device: Any = None) ->
         unregister(addr)
         err = int(torch.cuda.cudart().cudaHostRegister(addr, size, flags))
     if err == 0:
-        return
+        end = weakref.finalize(owner, unregister, addr)
+        end.atexit = False  # at exit the process's registrations end with it
+        return end
     _take_last_error(device)
-    raise JournalError(f"cudaHostRegister of {what} failed (CUDA error {err})")
+    tried = f"; first CUDA error {first}" if first != err else ""
+    raise JournalError(f"cudaHostRegister of {what} failed (CUDA error {err}{tried})")
 
 
 def unregister(addr: int) -> None:

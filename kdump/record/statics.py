@@ -301,7 +301,7 @@ class Statics:
 
         assert self._map is not None
         addr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
-        pinned.register(addr, len(self._map), 0, "the static region")
+        self._end_pin = pinned.register(addr, len(self._map), 0, "the static region", self)
         self._addr = addr
         self._registered = True
         return True
@@ -313,7 +313,7 @@ class Statics:
                     import torch
 
                     torch.cuda.synchronize()
-                    pinned.unregister(self._addr)
+                    self._end_pin()
                 except Exception:
                     pass
                 self._registered = False

@@ -47,6 +47,7 @@ _RACE_AT = re.compile(
     r"(?: in (?P<file>[^\s:]+):(?P<line>\d+)(?::(?P<func>[^\[]+?))?)?\s*(?:\[|$)"
 )
 _RACE_AND = re.compile(r"^and (?P<second>\w+) access.*?(?:\[(?P<count>[\d,]+) hazards?\])?$")
+_FRAME = re.compile(r"^Device Frame: ?(?P<kernel>.+?)(?:\+0x[0-9a-fA-F]+)?(?: in \S+:\d+)?$")
 _RACE_THREAD = re.compile(r"^(?P<access>Read|Write) Thread \((?P<t>\d+,\d+,\d+)\) at")
 _AT = re.compile(
     r"^at (?P<kernel>.+?)\+0x(?P<pc>[0-9a-fA-F]+)(?: in (?P<file>.+?):(?P<line>\d+))?$"
@@ -67,7 +68,8 @@ class SanitizerRecord:
     kind: str  # the report's first line, e.g. "Invalid __global__ write of size 4 bytes"
     access: str = ""
     size: int = 0
-    kernel: str = ""
+    kernel: str = ""  # the launched kernel (the outermost device frame)
+    function: str = ""  # the device function the access is in, when the kernel inlined it
     pc: str = ""
     source: str = ""
     thread: str = ""
@@ -83,6 +85,8 @@ class SanitizerRecord:
         """'memcheck: Invalid __global__ write of size 4 bytes in K (f.cu:12), thread (64,0,0)
         block (17,0,0), at 0x7f..: 16 bytes past the end of d'."""
         where = f" in {self.kernel}" if self.kernel else ""
+        if self.function:
+            where = f" in {self.function} (inlined into {self.kernel})"
         src = f" ({self.source})" if self.source else ""
         if self.thread:
             tb = f", thread ({self.thread}) block ({self.block})"
@@ -138,6 +142,12 @@ def parse_report(text: str, tool: str = "memcheck") -> SanitizerReport:
             cur.pc = "0x" + m.group("pc")
             if m.group("file"):
                 cur.source = f"{m.group('file')}:{m.group('line')}"
+        elif m := _FRAME.match(line):
+            # a caller of the function named by "at" (compiled with line info, the access's
+            # function was inlined): the last frame is the launched kernel
+            if not cur.function:
+                cur.function = cur.kernel
+            cur.kernel = m.group("kernel")
         elif m := _THREAD.search(line):
             cur.thread, cur.block = m.group("t"), m.group("b")
         elif m := _ADDRESS.match(line):
@@ -252,14 +262,37 @@ def run_sanitizer(
     """Run one eager (or graph, `req.mode`) replay under `tool`; findings are exit 4. A replay
     that dies or hangs under the sanitizer is a kernel error, one that never ran an internal
     error, exactly as without it (kdump.replay.child)."""
-    opts = req.options
-    child_req = Request(req.bundle, req.call, opts.for_sanitizer(req.mode))
     env = child_environment(
         base_env,
         PYTORCH_NO_CUDA_MEMORY_CACHING="1",
         DG_USE_TEMP_CUBLASLT_WORKSPACE="1",
         DG_JIT_WITH_LINEINFO="1",
     )
+    v = _run_under(req, tool, sanitizer, env)
+    if req.mode == "graph" and _capture_failed(v):
+        # Without torch's caching allocator every allocation is a cudaMalloc, which a stream
+        # capture refuses: a kernel that allocates while it is captured (temporaries, a
+        # workspace) cannot be captured that way. Run the chain again with the allocator on.
+        del env["PYTORCH_NO_CUDA_MEMORY_CACHING"]
+        v = _run_under(req, tool, sanitizer, env)
+        v.notes.append(
+            "the kernel allocates during capture, so the graph chain ran with torch's caching "
+            "allocator on: the sanitizer sees the allocator's segments, not each buffer "
+            "(kdump's guards around the arguments still bound them)"
+        )
+    return v
+
+
+def _capture_failed(v: Verdict) -> bool:
+    return any(
+        f.kind == FindingKind.KERNEL_ERROR.value and f.step.endswith("graph/capture")
+        for f in v.findings
+    )
+
+
+def _run_under(req: Request, tool: str, sanitizer: Path, env: dict[str, str]) -> Verdict:
+    opts = req.options
+    child_req = Request(req.bundle, req.call, opts.for_sanitizer(req.mode))
     with tempfile.TemporaryDirectory(prefix="kdump-sanitizer-") as tmp:
         log_path = Path(tmp, "sanitizer.log")
         wrapper = [str(sanitizer), *sanitizer_flags(tool, log_path, opts.sanitizer.kernel_filter)]
