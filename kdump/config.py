@@ -86,7 +86,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "KDUMP_JOURNAL_DIR",
-        "folder of the journals (shared memory); `kdump record` sets one per run",
+        "folder of the journals; it must be in shared memory (tmpfs), where CUDA can pin "
+        "file-backed pages; `kdump record` sets one per run",
         "/dev/shm",
     ),
     EnvVar(

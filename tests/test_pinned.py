@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,3 +80,22 @@ def test_refusal_names_both_errors(rt: FakeRuntime) -> None:
     with pytest.raises(JournalError, match=r"CUDA error 712"):
         pinned.register(0x1000, 4096, 0, "the static region", Owner())
     assert rt.registered == {0x800: 4096}
+
+
+def test_refusal_on_a_disk_folder_says_to_use_shared_memory(
+    rt: FakeRuntime, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(pinned, "filesystem_of", lambda path: "ext4")
+    rt.registered[0x800] = 4096
+    with pytest.raises(JournalError, match=r"is on ext4.*under /dev/shm \(KDUMP_JOURNAL_DIR\)"):
+        pinned.register(0x1000, 4096, 0, "the journal", Owner(), path=tmp_path / "j")
+    monkeypatch.setattr(pinned, "filesystem_of", lambda path: "tmpfs")
+    with pytest.raises(JournalError) as info:
+        pinned.register(0x1000, 4096, 0, "the journal", Owner(), path=tmp_path / "j")
+    assert "/dev/shm" not in str(info.value)
+
+
+def test_filesystem_of_reads_the_longest_mount() -> None:
+    assert pinned.filesystem_of(Path("/proc/self")) == "proc"
+    if Path("/dev/shm").is_dir():
+        assert pinned.filesystem_of(Path("/dev/shm/x")) in pinned.SHARED_MEMORY_FS

@@ -39,10 +39,30 @@ def take(z: torch.Tensor) -> torch.Tensor:
     return z.abs()
 
 
-def _ring(tmp_path: Path, slots: int = 8, static_bytes: int = 1 << 30) -> RingConfig:
+def _ring(
+    tmp_path: Path, slots: int = 8, static_bytes: int = 1 << 30, journal_dir: Path | None = None
+) -> RingConfig:
     return RingConfig(
-        slots=slots, slot_bytes=256 << 10, journal_dir=tmp_path / "shm", static_bytes=static_bytes
+        slots=slots,
+        slot_bytes=256 << 10,
+        journal_dir=journal_dir or tmp_path / "shm",
+        static_bytes=static_bytes,
     )
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path):
+    """A journal folder in shared memory, as the recorder's default: CUDA pins file-backed
+    memory only there (a disk-backed tmp_path is refused)."""
+    import shutil
+    import tempfile
+
+    if not Path("/dev/shm").is_dir():
+        yield tmp_path / "shm"
+        return
+    d = Path(tempfile.mkdtemp(prefix="kdump-test-", dir="/dev/shm"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def _run(tmp_path: Path, calls, ring: RingConfig, target: str = "linear"):
@@ -414,7 +434,7 @@ def mix(x: torch.Tensor, w: torch.Tensor, v: torch.Tensor, out: torch.Tensor) ->
 
 
 @pytest.mark.gpu
-def test_cuda_static_copy_in_pinned_region_and_device_statistics(tmp_path):
+def test_cuda_static_copy_in_pinned_region_and_device_statistics(tmp_path, shm_dir):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -422,7 +442,8 @@ def test_cuda_static_copy_in_pinned_region_and_device_statistics(tmp_path):
     v = (torch.randn(512, 512, device="cuda", generator=g) * 2).to(torch.float8_e4m3fn)
     x = torch.randn(4, W_SHAPE[0], device="cuda", generator=g)
     out = torch.empty(4, W_SHAPE[1], device="cuda")
-    ring = _ring(tmp_path, static_bytes=w.numel() * 4)  # room for w; v keeps its statistics
+    # room for w; v keeps its statistics
+    ring = _ring(tmp_path, static_bytes=w.numel() * 4, journal_dir=shm_dir)
     with kdump.recording(f"{T}:mix", out=tmp_path / "out", mode="ring", ring=ring) as rec:
         for _ in range(3):
             mix(x, w, v, out)

@@ -67,7 +67,9 @@ class DeviceCopies:
         size = len(journal._map)
         # Mapped: the snapshot kernel stores the `pre` marker through the device address.
         flags = pinned.PORTABLE | pinned.MAPPED
-        self._end_pin = pinned.register(self._addr, size, flags, "the journal", journal, device)
+        self._end_pin = pinned.register(
+            self._addr, size, flags, "the journal", journal, device, journal.path
+        )
         self._registered = True
         journal.before_unmap.append(self._unregister)  # whoever closes the journal
         self.notes: list[str] = []

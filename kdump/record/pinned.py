@@ -11,8 +11,10 @@ collected without closing (a failed test's journal, an exception past the record
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kdump.record.journal import JournalError
@@ -24,7 +26,13 @@ ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 
 
 def register(
-    addr: int, size: int, flags: int, what: str, owner: object, device: Any = None
+    addr: int,
+    size: int,
+    flags: int,
+    what: str,
+    owner: object,
+    device: Any = None,
+    path: Path | None = None,
 ) -> Callable[[], None]:
     """Pin [addr, addr + size), the mapping `owner` holds; returns the call that ends the
     registration (idempotent; it also runs when `owner` is collected). JournalError (with the CUDA
@@ -45,7 +53,37 @@ def register(
         return end
     _take_last_error(device)
     tried = f"; first CUDA error {first}" if first != err else ""
-    raise JournalError(f"cudaHostRegister of {what} failed (CUDA error {err}{tried})")
+    hint = ""
+    fs = filesystem_of(path) if path is not None else None
+    if fs is not None and fs not in SHARED_MEMORY_FS:
+        hint = (
+            f": {path.parent} is on {fs}, and CUDA pins file-backed memory only in shared memory;"
+            " put the journals under /dev/shm (KDUMP_JOURNAL_DIR)"
+        )
+    raise JournalError(f"cudaHostRegister of {what} failed (CUDA error {err}{tried}){hint}")
+
+
+SHARED_MEMORY_FS = frozenset({"tmpfs", "hugetlbfs", "ramfs", "shm"})
+
+
+def filesystem_of(path: Path) -> str | None:
+    """The type of the file system holding `path` (the longest mount point above it in
+    /proc/self/mounts), or None where that cannot be told."""
+    try:
+        lines = Path("/proc/self/mounts").read_text().splitlines()
+        real = os.path.realpath(path)
+    except OSError:
+        return None
+    best: tuple[int, str] | None = None
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mount = parts[1].replace("\\040", " ")
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and (best is None or len(mount) > best[0]):
+            best = (len(mount), parts[2])
+    return best[1] if best else None
 
 
 def unregister(addr: int) -> None:

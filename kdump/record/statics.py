@@ -301,7 +301,9 @@ class Statics:
 
         assert self._map is not None
         addr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
-        self._end_pin = pinned.register(addr, len(self._map), 0, "the static region", self)
+        self._end_pin = pinned.register(
+            addr, len(self._map), 0, "the static region", self, path=self.path
+        )
         self._addr = addr
         self._registered = True
         return True
