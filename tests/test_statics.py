@@ -114,6 +114,38 @@ def test_weight_used_by_100_calls_is_copied_once_and_every_bundle_holds_it(tmp_p
     assert sum(p.stat().st_size == w.numel() * 4 for p in blobs) == 1
 
 
+def test_salvage_hashes_and_checks_a_shared_weight_once(tmp_path, monkeypatch):
+    """Every bundle of a flush names the same weight: its bytes are copied and hashed once per
+    salvage, and its store file is read back once (a flush of 64 calls sharing 134 MB of weights
+    took 20 s when each bundle did all three)."""
+    from kdump.bundle import store
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(*W_SHAPE, generator=g)
+    hashed: list[int] = []
+    real = store.blob_digests
+
+    def counting(data):
+        hashed.append(len(data))
+        return real(data)
+
+    monkeypatch.setattr(store, "blob_digests", counting)
+
+    def calls():
+        for _ in range(20):
+            linear(torch.randn(4, W_SHAPE[0], generator=g), w, torch.empty(4, W_SHAPE[1]))
+
+    ring = _ring(tmp_path)
+    with kdump.recording(f"{T}:linear", out=tmp_path / "out", mode="ring", ring=ring) as rec:
+        calls()
+    written = list(rec.written)  # leaving the recording salvaged the journal once
+    assert len(written) == 8
+    assert hashed.count(w.numel() * 4) == 1
+    for b in _by_call(written).values():
+        b.verify()  # a fresh reader checks everything, the weight's store file included
+        assert torch.equal(b.calls[0].args[1], w)
+
+
 def test_version_bump_recopies_and_each_bundle_sees_its_version(tmp_path):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(*W_SHAPE, generator=g)

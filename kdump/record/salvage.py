@@ -162,6 +162,7 @@ def _write_bundle(
     captured over), then the replay's values, so a graph replay of call 0 replays the
     production sequence (`--then`-style phases come from the bundle's later calls)."""
     from kdump.bundle import load_bundle, save_calls
+    from kdump.bundle.format import Where
     from kdump.bundle.store import BlobStore
 
     calls = [_call_record(rec, contents, crash_context, dumps, region)]
@@ -187,7 +188,10 @@ def _write_bundle(
     shared = any(c.meta["journal"].get("static_blobs") for c in calls)
     save_calls(path, calls, info=info, store=BlobStore(path.parent) if shared else None)
     with load_bundle(path) as bundle:  # what salvage leaves behind must load and verify
-        bundle.verify()
+        known = region.verified if region is not None else set()
+        bundle.verify(known_good=known)
+        if shared:  # the store's blobs (weights) need no second check in this salvage
+            known.update(sha for sha, b in bundle.blobs.items() if b.where is Where.STORE)
 
 
 def _call_record(
@@ -211,9 +215,10 @@ def _call_record(
     assert meta is not None  # complete slots always carry their metadata
     rows, device_facts = _device_rows(rec, dumps or {})
     payloads = [rows[i] if p is None and i in rows else p for i, p in enumerate(rec.payloads)]
-    storages, data, statics = [], [], []
+    storages, data, statics, digests = [], [], [], []
     for j, (s, payload) in enumerate(zip(meta.storages, payloads)):
         got = salvaged_storage(s, payload, region)
+        digests.append(got.digests)
         storages.append(
             StorageRecord(
                 device=str(s["device"]),
@@ -267,7 +272,7 @@ def _call_record(
         args=meta.args,
         kwargs=meta.kwargs,
         names=meta.names,
-        inputs=Captured(storages=storages, tensors=tensors, data=data),
+        inputs=Captured(storages=storages, tensors=tensors, data=data, digests=digests),
         meta=call_meta,
     )
     return call

@@ -56,6 +56,7 @@ Region file (little-endian):
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import math
 import mmap
@@ -585,6 +586,7 @@ class Resolved:
     stats: Stats | None = None
     note: str = ""
     static: bool = False  # the bytes came from the static region
+    digests: tuple[str, str] | None = None  # of `data`, where already known
 
 
 class Region:
@@ -608,6 +610,11 @@ class Region:
         self.table, self.count = table, count
         self.entries = [e for e in (self._entry(i) for i in range(count)) if e is not None]
         self._by_index = {e.index: e for e in self.entries}
+        # One salvage writes a bundle per call, and each names the same weights: their bytes
+        # are copied and hashed once (keyed by span and lazy bits), and a blob the first
+        # bundle's check read back from the shared store is not read again.
+        self._shared: dict[tuple[int, int, str], tuple[Any, tuple[str, str]]] = {}
+        self.verified: set[str] = set()
 
     def _entry(self, i: int) -> EntryRecord | None:
         raw = self._raw
@@ -691,12 +698,33 @@ class Region:
             return Resolved(self._view[offset : offset + n], Source.BLOB, static=True)
         return Resolved(None, Source.BY_REFERENCE, self._stats(e), e.reason, static=True)
 
+    def shared_bytes(self, data: memoryview, lazy: dict | None) -> tuple[Any, tuple[str, str]]:
+        """The uint8 tensor of a static span (lazy bits applied) and its digests, made once."""
+        key = (_address(data), len(data), json.dumps(lazy, sort_keys=True) if lazy else "")
+        got = self._shared.get(key)
+        if got is None:
+            import torch
+
+            from kdump.bundle.store import blob_digests
+
+            t = resolve_lazy(torch.frombuffer(bytearray(data), dtype=torch.uint8), lazy)
+            got = self._shared[key] = (t, blob_digests(memoryview(t.numpy())))
+        return got
+
     def close(self) -> None:
+        self._shared.clear()
         try:
             self._view.release()
             self._raw.close()
         except BufferError:  # a slice is still held; the mapping goes with it
             pass
+
+
+def _address(v: memoryview) -> int:
+    """Where a (read-only) buffer's bytes start."""
+    import numpy as np
+
+    return int(np.frombuffer(v, dtype=np.uint8).ctypes.data) if len(v) else 0
 
 
 def read_region(journal: str | os.PathLike[str]) -> Region | None:
@@ -732,6 +760,9 @@ def salvaged_storage(s: dict[str, Any], payload: bytes | None, region: Region | 
         return Resolved(None, Source.MISSING)
     if got.data is None:
         return got
+    if got.static and region is not None and isinstance(got.data, memoryview):
+        data, digests = region.shared_bytes(got.data, s.get("lazy"))
+        return Resolved(data, got.source, got.stats, got.note, got.static, digests)
     import torch
 
     data = resolve_lazy(torch.frombuffer(bytearray(got.data), dtype=torch.uint8), s.get("lazy"))

@@ -1,0 +1,108 @@
+"""Where the flight recorder's host time goes on an eager GPU call: cProfile of N recorded calls
+of the grouped GEMM (G=288, N=512, K=4096, 32 tokens per expert), and the wall time of each phase
+(first call: journal and device tier; the recorded calls; leaving the recording: its flush).
+
+    python scripts/profile_recorder.py [--calls 200] [--backend deep_gemm|packaged] [--top 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import importlib
+import io
+import pstats
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import torch
+
+import kdump
+from kdump.kernels import registry
+from kdump.record.config import RingConfig
+
+TARGET = "deep_gemm:m_grouped_fp8_gemm_nt_contiguous"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--backend", choices=("deep_gemm", "packaged"), default="deep_gemm")
+    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--tokens", type=int, default=32)
+    opt = p.parse_args()
+    if opt.backend == "packaged":
+        api = importlib.import_module("kdump.kernels.sm120.api")
+        sys.modules["deep_gemm"] = types.ModuleType("deep_gemm")
+        sys.modules["deep_gemm"].m_grouped_fp8_gemm_nt_contiguous = (  # type: ignore[attr-defined]
+            api.m_grouped_fp8_gemm_nt_contiguous
+        )
+    module = importlib.import_module("deep_gemm")
+    spec = registry.spec_for(TARGET)
+    args, kwargs = spec.generate(
+        seed=1,
+        device="cuda",
+        scale_format="fp32",
+        num_groups=288,
+        n=512,
+        k=4096,
+        expected_m=opt.tokens,
+    )
+    labels = args[3]
+    rows = torch.arange(labels.numel(), device=labels.device)
+    labels.copy_(torch.where(rows % 128 < opt.tokens, rows // 128, -1).to(torch.int32))
+    fn = module.m_grouped_fp8_gemm_nt_contiguous
+    for _ in range(3):
+        fn(*args, **kwargs)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(opt.calls):
+        fn(*args, **kwargs)
+    plain = (time.perf_counter() - t0) / opt.calls * 1e6
+    torch.cuda.synchronize()
+    shm = Path(tempfile.mkdtemp(prefix="kdump-prof-", dir="/dev/shm"))
+    ring = RingConfig(slots=64, slot_bytes=1 << 20, journal_dir=shm, device_bytes=1 << 30)
+    phases = {}
+    t = time.perf_counter()
+    with kdump.recording("deep_gemm", out=shm / "out", mode="ring", ring=ring) as rec:
+        fn = module.m_grouped_fp8_gemm_nt_contiguous
+        fn(*args, **kwargs)
+        torch.cuda.synchronize()
+        phases["first call (journal, device tier)"] = time.perf_counter() - t
+        cuda = rec.recorder._cuda
+        if cuda is not None and cuda.tier is not None:
+            cuda.tier.held = True
+        for _ in range(5):
+            fn(*args, **kwargs)
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        t = time.perf_counter()
+        prof.enable()
+        for _ in range(opt.calls):
+            fn(*args, **kwargs)
+        prof.disable()
+        host = (time.perf_counter() - t) / opt.calls * 1e6
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(opt.calls):
+            fn(*args, **kwargs)
+        bare_rec = (time.perf_counter() - t) / opt.calls * 1e6
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+    phases["leaving the recording (flush)"] = time.perf_counter() - t
+    print(
+        f"host us per call: plain {plain:.1f}, recorded {bare_rec:.1f} (under cProfile {host:.1f})"
+    )
+    for k, v in phases.items():
+        print(f"{k}: {v:.2f} s")
+    for key in ("tottime", "cumulative"):
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats(key).print_stats(opt.top)
+        print(s.getvalue())
+
+
+if __name__ == "__main__":
+    main()
