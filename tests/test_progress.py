@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import io
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kdump.cli import main
 from kdump.progress import progress
@@ -116,4 +118,75 @@ def test_pack_reports_progress_unless_quiet(
     code, _, err = run(capsys, "pack", str(src), *(["--quiet"] if quiet else []))
     assert code == 0, err
     plain = [ln for ln in err.splitlines() if ln.startswith("pack ")]
-    assert plain == ([] if quiet else [f"pack {src}: 1/2 (50%)", f"pack {src}: 2/2 (100%)"])
+    from kdump.bundle.writer import packed_bytes
+
+    mb = sum(packed_bytes(p) for p in src.iterdir()) / 1e6
+    if quiet:
+        assert plain == []
+    else:  # bytes of both bundles on one bar
+        assert len(plain) >= 2 and plain[-1] == f"pack {src}: {mb:.1f}/{mb:.1f} MB (100%)"
+
+
+def test_pack_of_one_big_bundle_reports_the_bytes_as_they_are_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One bundle of at least BIG_BYTES gets a bar in MB, advanced piece by piece of each blob
+    (here with the thresholds scaled down to a sample capture)."""
+    from kdump import progress as progress_mod
+    from kdump.bundle import writer
+
+    src = CAPTURES / "contiguous_fp32.kdump"
+    total = writer.packed_bytes(src)
+    monkeypatch.setattr(progress_mod, "BIG_BYTES", total)
+    monkeypatch.setattr(writer, "ONE_WRITE_MAX", 0)  # the streamed write, as for a big bundle
+    monkeypatch.setattr(writer, "PROGRESS_CHUNK", max(1, total // 40))
+    code, _, err = run(capsys, "pack", str(src), "-o", str(tmp_path / "p.kdump"))
+    assert code == 0, err
+    plain = [ln for ln in err.splitlines() if ln.startswith("pack ")]
+    assert len(plain) >= 5, err  # a line per tenth of the bytes, not one per bundle
+    percents = [int(ln.rsplit("(", 1)[1].rstrip("%)")) for ln in plain]
+    assert percents == sorted(percents) and percents[-1] == 100
+    assert plain[-1] == f"pack {src}: {total / 1e6:.1f}/{total / 1e6:.1f} MB (100%)"
+    code, _, err = run(capsys, "replay", str(tmp_path / "p.kdump"), "-q")
+    assert code == 0, err
+
+
+def test_quiet_for_keeps_short_work_silent() -> None:
+    out, clock = io.StringIO(), Clock()
+    with progress("salvage", 3, stream=out, clock=clock, quiet_for=5.0) as bar:
+        for _ in range(3):
+            bar.advance()
+            clock.now += 1.0
+    assert out.getvalue() == ""
+    with progress("salvage", 3, stream=out, clock=clock, quiet_for=5.0) as bar:
+        bar.advance()
+        clock.now += 6.0
+        bar.advance()
+        bar.advance()
+    assert out.getvalue().splitlines() == ["salvage: 2/3 (66%)", "salvage: 3/3 (100%)"]
+
+
+def rowsum(a: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(a.sum(1))
+
+
+def test_salvage_advances_a_bar_per_call_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The salvage after a run (and `kdump salvage`) shows its progress per call written: the
+    bar's total grows by each journal's complete calls."""
+    import kdump
+    from kdump.progress import Bar
+    from kdump.record.config import RingConfig
+    from kdump.record.salvage import salvage_journal
+
+    monkeypatch.setenv("KDUMP_RECORD", "1")  # as under `kdump record`: the journal stays
+    ring = RingConfig(slots=8, slot_bytes=256 << 10, journal_dir=tmp_path / "shm")
+    with kdump.recording(f"{__name__}:rowsum", out=tmp_path / "o", mode="ring", ring=ring):
+        fn = sys.modules[__name__].rowsum  # the hooked attribute
+        for _ in range(5):
+            fn(torch.randn(16, 8), torch.zeros(16))
+    journals = [p for p in (tmp_path / "shm").glob("kdump-journal-*") if "." not in p.name]
+    bar = Bar("salvage", None)
+    res = salvage_journal(journals[0], tmp_path / "salvaged", progress=bar)
+    assert len(res.bundles) == 5 and bar.total == 5 and bar.done == 5

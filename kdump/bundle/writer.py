@@ -285,8 +285,10 @@ def save_calls(
     spool: Spool | StoreSpool | None = None,
     inline_below: int = 0,
     headers: HeaderCache | None = None,
+    progress: Progress | None = None,
 ) -> Path:
-    """Write `calls` as one bundle, atomically. Identical storages are stored once.
+    """Write `calls` as one bundle, atomically. Identical storages are stored once. `progress`
+    is told the bytes of blob data as they are written.
 
     With `store`, blobs go to the shared store (each written once per capture directory) and the
     bundle holds only the manifest, except blobs smaller than `inline_below` bytes (a recorder
@@ -315,14 +317,17 @@ def save_calls(
     make_manifest = _manifest_maker(calls, sizes, wheres, env, info, created=created)
     if isinstance(spool, Spool) and spool.active:
         if store is None:
-            return _finish_spool(spool, path, held, known, make_manifest)
+            done = _finish_spool(spool, path, held, known, make_manifest)
+            if progress is not None:  # its bytes went to the file as they were captured
+                progress(sum(len(v) for v in views))
+            return done
         spool.abort()  # the blobs go to the store: its file was only the snapshot's memory
     small = sum(len(v) for v in views) < INLINE_HASH_MAX
     if (
         store is None
         and not small
         and not all(known)
-        and _write_pipelined(path, views, aligns, make_manifest)
+        and _write_pipelined(path, views, aligns, make_manifest, progress)
     ):
         return path
     digests = _hash_all(
@@ -338,6 +343,8 @@ def save_calls(
     if store is not None:
         for sha, view in stored.items():
             store.put(sha, view)
+            if progress is not None:
+                progress(len(view))
     if headers is not None and _small(inline):
         raw = headers.header(
             calls, digests, wheres, inline, env or {}, info or {}, created, make_manifest
@@ -345,8 +352,10 @@ def save_calls(
         if raw is not None:
             parts = [struct.pack("<Q", len(raw)), raw, *(v for v, _ in inline.values())]
             atomic_write(path, b"".join(parts))
+            if progress is not None:
+                progress(sum(len(v) for v, _ in inline.values()))
             return path
-    _write_safetensors(path, make_manifest(digests), inline)
+    _write_safetensors(path, make_manifest(digests), inline, progress)
     return path
 
 
@@ -431,8 +440,11 @@ def _finish_spool(
     return spool.finish(raw)
 
 
-def pack(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
-    """Rewrite a bundle (whose blobs may live in a shared store) as one self-contained file."""
+def pack(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], progress: Progress | None = None
+) -> Path:
+    """Rewrite a bundle (whose blobs may live in a shared store) as one self-contained file;
+    `progress` is told the blob bytes written (`packed_bytes` of the bundle in all)."""
     from kdump.bundle.reader import load_bundle
 
     bundle = load_bundle(src)
@@ -448,8 +460,16 @@ def pack(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
     }
     out = Path(dst)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _write_safetensors(out, manifest_json(replace(m, blobs=inline)), views)
+    _write_safetensors(out, manifest_json(replace(m, blobs=inline)), views, progress)
     return out
+
+
+def packed_bytes(src: str | os.PathLike[str]) -> int:
+    """The blob bytes `pack` writes for bundle `src` (its header is read, no blob)."""
+    from kdump.bundle.reader import load_bundle
+
+    with load_bundle(src) as bundle:
+        return sum(b.nbytes for b in bundle.manifest.blobs.values())
 
 
 PACKED_SUFFIX = ".packed"
@@ -531,6 +551,7 @@ def _write_pipelined(
     views: Sequence[memoryview],
     aligns: Sequence[int],
     make_manifest: Callable[[Sequence[Digests]], dict[str, Any]],
+    progress: Progress | None = None,
 ) -> bool:
     """Write an inline bundle while its blobs are still being hashed (False: header too big).
 
@@ -567,7 +588,7 @@ def _write_pipelined(
                 continue
             start = _aligned(pos, len(view), align)
             f.seek(data_start + start)
-            f.write(view)
+            _write_view(f, view, progress)
             digests.append(fut.result())
             sha = digests[-1][0]
             if sha not in layout:
@@ -587,8 +608,25 @@ def _write_pipelined(
     return True
 
 
+Progress = Callable[[int], None]  # told the bytes of blob data written, as they are
+PROGRESS_CHUNK = 64 << 20  # a blob is written in pieces of this size when progress is reported
+
+
+def _write_view(f: BinaryIO, view: memoryview, progress: Progress | None) -> None:
+    if progress is None:
+        f.write(view)
+        return
+    for at in range(0, len(view), PROGRESS_CHUNK):
+        piece = view[at : at + PROGRESS_CHUNK]
+        f.write(piece)
+        progress(len(piece))
+
+
 def _write_safetensors(
-    path: Path, manifest: dict[str, Any], blobs: dict[str, tuple[memoryview, int]]
+    path: Path,
+    manifest: dict[str, Any],
+    blobs: dict[str, tuple[memoryview, int]],
+    progress: Progress | None = None,
 ) -> None:
     """Write a bundle whose blobs (sha → (bytes, recorded alignment)) are all known."""
     raw, layout, offset = _header_for(manifest, blobs)
@@ -603,6 +641,8 @@ def _write_safetensors(
             parts.append(view)
             pos = start + len(view)
         atomic_write(path, b"".join(parts))
+        if progress is not None:
+            progress(sum(len(v) for v, _ in blobs.values()))
         return
 
     def write(f: BinaryIO) -> None:
@@ -611,7 +651,7 @@ def _write_safetensors(
         data_start = 8 + len(raw)
         for sha, (view, _) in blobs.items():
             f.seek(data_start + layout[sha][0])
-            f.write(view)
+            _write_view(f, view, progress)
         f.truncate(data_start + offset)
 
     atomic_write(path, write)

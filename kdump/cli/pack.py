@@ -11,7 +11,9 @@ import click
     type=click.Path(),
     help="Output file, or an existing folder to write into (default: see below).",
 )
-@click.option("-q", "--quiet", is_flag=True, help="No progress display for several bundles.")
+@click.option(
+    "-q", "--quiet", is_flag=True, help="No progress display (shown for several or big bundles)."
+)
 def command(bundle: str, output: str | None, quiet: bool) -> int:
     """Write BUNDLE (a file, or every bundle of a capture folder) as self-contained files (blobs
     from the capture directory's shared store folded in, checksums verified), ready to attach to
@@ -32,9 +34,9 @@ def command(bundle: str, output: str | None, quiet: bool) -> int:
     from pathlib import Path
 
     from kdump.bundle import iter_bundles
-    from kdump.bundle.writer import pack, pack_destination
+    from kdump.bundle.writer import pack, pack_destination, packed_bytes
     from kdump.errors import UsageError
-    from kdump.progress import progress
+    from kdump.progress import BIG_BYTES, progress
     from kdump.text import visible
 
     src = Path(bundle)
@@ -46,12 +48,13 @@ def command(bundle: str, output: str | None, quiet: bool) -> int:
         )
     # All destinations first: a refused one writes nothing.
     plan = [(s, pack_destination(s, output, base)) for s in sources]
-    with progress(f"pack {bundle}", len(plan), enabled=len(plan) > 1 and not quiet) as bar:
+    total = sum(packed_bytes(s) for s, _ in plan)
+    shown_bar = not quiet and (len(plan) > 1 or total >= BIG_BYTES)
+    with progress(f"pack {bundle}", total, enabled=shown_bar, nbytes=True) as bar:
         for s, dst in plan:
-            out = pack(s, dst)
+            out = pack(s, dst, bar.advance)
             shown = visible(out)
             click.echo(
                 f"wrote {shown} ({out.stat().st_size} bytes); replay it with: kdump replay {shown}"
             )
-            bar.advance()
     return 0

@@ -17,6 +17,7 @@ import click
     help="The GPU core dump the process wrote (named in every salvaged call's crash context).",
 )
 @click.option("--keep", is_flag=True, help="Keep the journal files after salvaging them.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress display.")
 def command(
     journals: tuple[str, ...],
     output: str,
@@ -24,6 +25,7 @@ def command(
     stderr_file: str | None,
     coredump: str | None,
     keep: bool,
+    quiet: bool,
 ) -> int:
     """Turn the flight-recorder journals of dead processes into bundles (one per complete slot)
     and remove the journals (with the device-tier files JOURNAL.cudaN that the salvage process of
@@ -37,6 +39,7 @@ def command(
     """
     from pathlib import Path
 
+    from kdump.progress import PLAIN_INTERVAL_S, progress
     from kdump.record.capture_dir import remove_stale_temporaries
     from kdump.record.journal import DEFAULT_DIR, read_pid
     from kdump.record.salvage import dead_journals, pid_alive, salvage_journal
@@ -67,8 +70,12 @@ def command(
         if stderr_file:
             tail = Path(stderr_file).read_bytes()[-4096:]
             context["stderr_tail"] = tail.decode("utf-8", "replace")
-    for p in paths:
-        res = salvage_journal(p, output, context, remove=not keep)
+    label = f"salvage to {output}"
+    with progress(label, None, enabled=not quiet, quiet_for=PLAIN_INTERVAL_S) as bar:
+        results = [
+            (p, salvage_journal(p, output, context, remove=not keep, progress=bar)) for p in paths
+        ]
+    for p, res in results:
         if not keep:  # the salvage process' copies of its device tier go with it
             for f in device_files(p):
                 f.unlink(missing_ok=True)

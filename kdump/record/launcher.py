@@ -18,6 +18,7 @@ from typing import Any
 
 from kdump import config
 from kdump.errors import UsageError
+from kdump.progress import Bar
 from kdump.record import capture_dir, salvager
 from kdump.text import visible as v
 
@@ -166,33 +167,50 @@ def salvage_run(
     """Turn every journal the run's processes left into bundles (under out/flight.HOST),
     then remove the run's shared-memory folder (the salvage process' device-tier files with
     it)."""
+    from kdump.progress import PLAIN_INTERVAL_S, progress
+
+    written: list[Path] = []
+    cores = context.get("cuda_coredumps") or {}
+    try:
+        label = "kdump: salvaging the flight recorder"
+        with progress(label, None, quiet_for=PLAIN_INTERVAL_S) as bar:
+            written = _salvage_each(journals, out, context, cores, bar, echo)
+    finally:
+        shutil.rmtree(journals, ignore_errors=True)
+    return written
+
+
+def _salvage_each(
+    journals: Path,
+    out: Path,
+    context: dict[str, Any],
+    cores: dict[str, str],
+    bar: Bar,
+    echo: Callable[[str], None],
+) -> list[Path]:
     from kdump.record.journal import read_pid
     from kdump.record.salvage import CRASH_SUFFIX, salvage_journal
     from kdump.record.statics import STATIC_SUFFIX
 
     written: list[Path] = []
-    cores = context.get("cuda_coredumps") or {}
-    try:
-        for j in sorted(journals.glob("kdump-journal-*")):
-            if j.name.endswith((CRASH_SUFFIX, STATIC_SUFFIX, ".tmp")) or salvager.is_device_file(j):
-                continue
-            own = context
-            with contextlib.suppress(Exception):
-                core = cores.get(str(read_pid(j)))
-                if core:
-                    own = {**context, "cuda_coredump": core}
-            try:
-                res = salvage_journal(j, out / f"flight.{socket.gethostname()}", own)
-            except Exception as exc:  # one bad journal must not lose the others
-                echo(f"kdump: cannot salvage {j.name} ({type(exc).__name__}: {exc})")
-                continue
-            written += res.bundles
-            echo(
-                f"kdump: flight recorder: {len(res.bundles)} call(s) salvaged from {j.name}, "
-                f"{len(res.in_flight)} in flight, {len(res.torn)} torn; report {res.report}"
-            )
-    finally:
-        shutil.rmtree(journals, ignore_errors=True)
+    for j in sorted(journals.glob("kdump-journal-*")):
+        if j.name.endswith((CRASH_SUFFIX, STATIC_SUFFIX, ".tmp")) or salvager.is_device_file(j):
+            continue
+        own = context
+        with contextlib.suppress(Exception):
+            core = cores.get(str(read_pid(j)))
+            if core:
+                own = {**context, "cuda_coredump": core}
+        try:
+            res = salvage_journal(j, out / f"flight.{socket.gethostname()}", own, progress=bar)
+        except Exception as exc:  # one bad journal must not lose the others
+            echo(f"kdump: cannot salvage {j.name} ({type(exc).__name__}: {exc})")
+            continue
+        written += res.bundles
+        echo(
+            f"kdump: flight recorder: {len(res.bundles)} call(s) salvaged from {j.name}, "
+            f"{len(res.in_flight)} in flight, {len(res.torn)} torn; report {res.report}"
+        )
     return written
 
 

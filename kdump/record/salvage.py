@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kdump.errors import BundleError
+from kdump.progress import Bar
 from kdump.record import devring, gather
 from kdump.record.journal import (
     CALL_RECORD_BYTES,
@@ -67,9 +68,11 @@ def salvage_journal(
     *,
     remove: bool = True,
     device_dumps: dict[int, Path] | None = None,
+    progress: Bar | None = None,
 ) -> SalvageResult:
     """`device_dumps`: the device tiers by device index (default: the `<journal>.cuda<N>` files
-    next to the journal, written by the salvage process)."""
+    next to the journal, written by the salvage process); `progress` is advanced per call
+    written (its total grows by this journal's calls)."""
     contents = read_journal(journal_path)
     dump_files = devring.dump_paths(contents.path) if device_dumps is None else device_dumps
     dumps = _read_dumps(dump_files)
@@ -96,7 +99,11 @@ def salvage_journal(
     complete.sort(key=lambda r: -r.seq)
     by_seq = {r.seq: r for r in complete}
     region = read_region(contents.path)  # static operands copied once (kdump.record.statics)
+    if progress is not None:
+        progress.total = (progress.total or 0) + len(complete)
     for rec in complete:
+        if progress is not None and rec is not complete[0]:
+            progress.advance()  # the call before this one is written
         path = out / f"journal-{head.pid}-call-{rec.meta.call_index:06d}-seq{rec.seq}.kdump"
         site = rec.meta.extra.get("site") if rec.meta.capture_id else None
         before = by_seq.get(site.get("eager_seq", -1)) if isinstance(site, dict) else None
@@ -108,6 +115,8 @@ def salvage_journal(
             torn.append(SlotRecord(rec.index, SlotState.TORN, rec.seq, rec.meta, (), str(exc)))
             continue
         bundles.append(path)
+    if progress is not None and complete:
+        progress.advance()
     if region is not None:
         region.close()
     in_flight = kept_in_flight
