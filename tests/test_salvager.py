@@ -420,6 +420,30 @@ def test_kdump_salvage_removes_the_device_tier_files_with_the_journal(tmp_path):
     assert json.loads(report.read_text())["crash"]["cuda_coredump"] == str(core)
 
 
+def test_kdump_salvage_looks_into_run_folders_a_killed_kdump_record_left(tmp_path):
+    """`kdump record` killed by SIGKILL leaves its run folder (kdump-run-*) with the journals:
+    `kdump salvage` of the journal folder finds them there and removes the emptied run folder."""
+    from click.testing import CliRunner
+
+    from kdump.cli.salvage import command
+    from kdump.record.journal import RUN_PREFIX, Journal
+
+    shm = tmp_path / "shm"
+    run = shm / f"{RUN_PREFIX}abc123"
+    run.mkdir(parents=True)
+    pid = os.fork()
+    if pid == 0:  # a recorded process that made a journal and died with its kdump
+        try:
+            Journal.create(run, slots=2, slot_bytes=16 << 10)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    (journal,) = run.glob("kdump-journal-*")
+    r = CliRunner().invoke(command, [str(shm), "-o", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    assert str(journal) in r.output and not journal.exists() and not run.exists()
+
+
 def test_env_var_table_and_cli_options():
     from click.testing import CliRunner
 

@@ -30,18 +30,20 @@ def command(
     """Turn the flight-recorder journals of dead processes into bundles (one per complete slot)
     and remove the journals (with the device-tier files JOURNAL.cudaN that the salvage process of
     `kdump record` wrote). JOURNAL may be a file or a folder; default: the journals in /dev/shm
-    whose process is gone.
+    (and in its kdump-run-* folders, left when `kdump record` itself was killed) whose process
+    is gone.
 
     \b
     Example:
       kdump salvage -o crash-dumps/
       kdump salvage /dev/shm/kdump-journal-4711-18c2f -o crash-dumps/ --exit-code -9
     """
+    import contextlib
     from pathlib import Path
 
     from kdump.progress import PLAIN_INTERVAL_S, progress
     from kdump.record.capture_dir import remove_stale_temporaries
-    from kdump.record.journal import DEFAULT_DIR, read_pid
+    from kdump.record.journal import DEFAULT_DIR, RUN_PREFIX, read_pid
     from kdump.record.salvage import dead_journals, pid_alive, salvage_journal
     from kdump.record.salvager import device_files, is_device_file
     from kdump.text import visible as v  # names and paths may come from a journal
@@ -85,5 +87,9 @@ def command(
         )
         for b in res.bundles:
             click.echo(f"  {v(b)}")
+    if not keep:  # a run folder of `kdump record` that held only these journals goes too
+        for folder in {p.parent for p in paths if p.parent.name.startswith(RUN_PREFIX)}:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
     click.echo(f"replay them with: kdump replay {v(output)}")
     return 0

@@ -95,6 +95,7 @@ JOURNAL_MAGIC = b"KDJRNL\x00\x01"
 JOURNAL_VERSION = 3  # 2: 64-byte trailer with the pre/post/done markers; 3: call record
 DEFAULT_DIR = Path("/dev/shm")
 FILE_PREFIX = "kdump-journal-"
+RUN_PREFIX = "kdump-run-"  # a `kdump record` run's folder of journals under the journal folder
 DEFAULT_SLOTS = 64
 DEFAULT_SLOT_BYTES = 1 << 20
 PAGE = 4096

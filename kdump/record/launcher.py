@@ -20,6 +20,7 @@ from kdump import config
 from kdump.errors import UsageError
 from kdump.progress import Bar
 from kdump.record import capture_dir, salvager
+from kdump.record.journal import RUN_PREFIX
 from kdump.text import visible as v
 
 STARTUP_DIR = Path(__file__).resolve().parent / "_startup"
@@ -80,7 +81,7 @@ def launch(
     env.pop(salvager.ENV, None)  # an outer `kdump record`'s salvage process is not ours
     if cfg.mode == "ring":
         cfg.ring.journal_dir.mkdir(parents=True, exist_ok=True)
-        journals = Path(tempfile.mkdtemp(prefix="kdump-run-", dir=cfg.ring.journal_dir))
+        journals = Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir=cfg.ring.journal_dir))
         env["KDUMP_JOURNAL_DIR"] = str(journals)
         if opts.get("salvage_process", True):
             got = salvager.start(journals, config.environ(), flush_sig)

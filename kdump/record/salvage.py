@@ -28,6 +28,7 @@ from kdump.record import devring, gather
 from kdump.record.journal import (
     CALL_RECORD_BYTES,
     FILE_PREFIX,
+    RUN_PREFIX,
     TRAILER_BYTES,
     JournalContents,
     JournalError,
@@ -514,9 +515,12 @@ def pid_alive(pid: int) -> bool:
 
 
 def dead_journals(directory: str | os.PathLike[str]) -> list[Path]:
-    """The journal files in `directory` whose recording process is gone (others are skipped)."""
+    """The journal files in `directory`, and in the run folders of `kdump record` there (left
+    when kdump itself was killed), whose recording process is gone (others are skipped)."""
     found = []
-    for p in sorted(Path(directory).glob(f"{FILE_PREFIX}*")):
+    top = Path(directory)
+    candidates = [*top.glob(f"{FILE_PREFIX}*"), *top.glob(f"{RUN_PREFIX}*/{FILE_PREFIX}*")]
+    for p in sorted(candidates):
         try:
             pid = read_pid(p)
         except JournalError:
