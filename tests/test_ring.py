@@ -376,3 +376,41 @@ def test_signature_cache_keeps_each_calls_values_and_scalars(tmp_path):
             i = call.meta["call_index"]
             seen[i] = (float(call.args[0][0, 0]), call.kwargs["scale"])
     assert seen == {i: (float(i), s) for i, s in enumerate(scales)}
+
+
+def test_close_with_capture_sites_keeps_the_journal_mapped(tmp_path, monkeypatch):
+    """Captured graphs write into the journal at every replay, also after the recording ends:
+    with capture sites, leaving the recording writes the bundles and removes the file but keeps
+    the mapping for the life of the process."""
+    from kdump.record import ring as ring_mod
+    from kdump.record.ring import RingRecorder
+
+    capturing = [False]
+    monkeypatch.setattr(RingRecorder, "_is_capturing", staticmethod(lambda cuda: capturing[0]))
+    a, layout, out = torch.randn(16, 8), torch.zeros(16), torch.empty(16, 8)
+    kept = len(ring_mod._RETIRED)
+    with kdump.recording(
+        f"{T}:gemm_like", out=tmp_path / "o", mode="ring", ring=_ring(tmp_path)
+    ) as rec:
+        gemm_like(a, layout, out)
+        capturing[0] = True
+        gemm_like(a, layout, out)  # a capture site
+        capturing[0] = False
+        path = rec.recorder.journal.path
+    assert rec.written and not path.exists()
+    journal, _ = ring_mod._RETIRED[kept]
+    assert journal.path == path and journal._fd >= 0  # still mapped
+    journal.close()  # (the test's own clean-up; a real process keeps it until exit)
+    del ring_mod._RETIRED[kept:]
+
+
+def test_close_without_capture_sites_removes_the_journal(tmp_path):
+    from kdump.record import ring as ring_mod
+
+    kept = len(ring_mod._RETIRED)
+    with kdump.recording(
+        f"{T}:gemm_like", out=tmp_path / "o", mode="ring", ring=_ring(tmp_path)
+    ) as rec:
+        gemm_like(torch.randn(16, 8), torch.zeros(16), torch.empty(16, 8))
+        path = rec.recorder.journal.path
+    assert rec.written and not path.exists() and len(ring_mod._RETIRED) == kept

@@ -264,3 +264,40 @@ def test_recorder_end_to_end_on_the_packaged_gemm(tmp_path, shm):
     labels = args[3]
     facts = _check_rows(written[0], a, sfa, labels)
     assert facts["device"]["rows_kept"] > 0
+
+
+def test_graphs_captured_while_recording_replay_after_the_recording_ends(tmp_path, shm):
+    """A graph captured inside `kdump.recording` writes into the journal, its device twin and
+    ring at every replay: leaving the recording keeps that memory (the files go), so replays
+    after it run clean and the output stays right."""
+    import kdump
+    from kdump.kernels import registry
+    from kdump.kernels.sm120 import api
+    from kdump.record import ring as ring_mod
+    from kdump.record.config import RingConfig
+
+    spec = registry.spec_for(CONTIG)
+    args, kwargs = spec.generate(
+        seed=2, device="cuda", scale_format="fp32", num_groups=8, n=256, k=512, expected_m=20
+    )
+    ring = RingConfig(slots=8, slot_bytes=1 << 20, journal_dir=shm)
+    target = "kdump.kernels.sm120.api:m_grouped_fp8_gemm_nt_contiguous"
+    kept = len(ring_mod._RETIRED)
+    with kdump.recording(target, out=tmp_path / "out", mode="ring", ring=ring):
+        api.m_grouped_fp8_gemm_nt_contiguous(*args, **kwargs)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            api.m_grouped_fp8_gemm_nt_contiguous(*args, **kwargs)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert len(ring_mod._RETIRED) == kept + 1
+    assert not list(shm.glob("kdump-journal-*"))  # the files are gone, the mappings stay
+    d = args[2]
+    want = d.clone()
+    for _ in range(20):
+        d.zero_()
+        graph.replay()
+    torch.cuda.synchronize()  # an unmapped journal or freed ring would fault here
+    valid = args[3] >= 0  # padding rows are the kernel's to leave alone
+    assert torch.equal(d[valid], want[valid])

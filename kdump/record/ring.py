@@ -53,6 +53,9 @@ if TYPE_CHECKING:
     from kdump.record.session import Recording
 
 _ACTIVE: RingRecorder | None = None  # the recorder whose captures torch's patched graph reports
+# Journals and device tiers of closed recorders that captured graphs: kept for
+# the life of the process, since those graphs write into them at every replay.
+_RETIRED: list[tuple[Any, Any]] = []
 
 SMALL_BYTES = 64 << 10  # inputs up to this size are copied whatever their role
 SLOT_SHARE = 0.9  # of a slot, what payloads may take (the rest: header and argument JSON)
@@ -562,9 +565,25 @@ class RingRecorder:
             return None, []
         return {tier.index: target}, [target] if tier.held else []
 
+    def _retire(self) -> None:
+        """Close with captured graphs alive: each replay still writes its slot, the device twin
+        and ring, and the host `pre` marker through the mapped journal, so none of that memory
+        may be unmapped, unregistered or freed while the process lives. Keep it all (the files
+        go; their mappings stay), stop recording."""
+        assert self.journal is not None
+        _RETIRED.append((self.journal, self._cuda))
+        for p in _retired_files(self.journal.path):
+            p.unlink(missing_ok=True)
+        if self.statics is not None:  # static copies are never captured: it can go
+            self.statics.close(unlink=True)
+            self.statics = None
+        self.journal = None
+        self._cuda = None
+
     def close(self) -> None:
         """End of a session in a live process: write the bundles, then remove the journal
-        (under `kdump record` the launcher salvages instead, after the process is gone)."""
+        (under `kdump record` the launcher salvages instead, after the process is gone). With
+        capture sites, captured graphs may replay after this: see `_retire`."""
         if self.journal is None:
             return
         global _ACTIVE
@@ -573,6 +592,9 @@ class RingRecorder:
         if not config.get_flag("KDUMP_RECORD"):
             self.flush()
             with self.lock:
+                if self.sites:
+                    self._retire()
+                    return
                 if self._cuda is not None:
                     self._cuda.release()
                     if self._cuda.tier is not None:
@@ -584,6 +606,12 @@ class RingRecorder:
                     self.statics = None
                 self.journal.unlink()
                 self.journal = None
+
+
+def _retired_files(journal: Path) -> list[Path]:
+    from kdump.record.devring import dump_paths
+
+    return [journal, *dump_paths(journal).values()]
 
 
 def _signature(target: str, tensors: list[Any], args_tree: Any, kwargs_tree: Any) -> Any:
