@@ -279,6 +279,7 @@ class RingRecorder:
                         (args_tree, kwargs_tree),
                         list(names[: len(args)]) if names and len(names) >= len(args) else None,
                         roles,
+                        _firsts(records, len(storages)),
                     )
                     if len(self._layouts) > 256:
                         self._layouts.clear()
@@ -294,13 +295,15 @@ class RingRecorder:
                 storage_dicts = cached.storage_dicts
                 lazy = lazy_bits(tensors, records, len(refs))
                 if any(r is not None for r in refs) or any(lazy):
-                    storage_dicts = storage_meta(
-                        [dict(d) for d in cached.storage_dicts], tensors, records, refs, lazy
-                    )
+                    storage_dicts = cached.storage_meta(tensors, records, refs, lazy)
                 # equal by the key; the cached objects let the journal reuse their JSON
                 args_tree, kwargs_tree = cached.trees
                 site_key = self.captures.next_site(capturing)
-                stream = int(torch.cuda.current_stream().cuda_stream) if cuda else 0
+                stream = 0
+                if cuda:
+                    from kdump.record.devcopy import current_stream
+
+                    stream = current_stream(torch.cuda.current_device())
                 extra: dict[str, Any] = {
                     "call_index": index,
                     "pid": self.pid,
@@ -332,7 +335,7 @@ class RingRecorder:
                     if whole is not None:
                         extra["device"]["whole"] = whole  # copied whole: no row rule applied
                     if plan is not None:
-                        extra["device"]["plan"] = plan.to_json()
+                        extra["device"]["plan"] = cached.plan_json(plan)
                         # the device ring's depth for this call: worst case, every row touched
                         ring_bytes = extra["device"]["ring_bytes"]
                         extra["device"]["ring_slots_worst_case"] = ring_bytes // plan.worst
@@ -368,7 +371,7 @@ class RingRecorder:
                     extra=extra,
                 )
                 slot = j.reserve(meta, index=pin_index, want=want)
-                views = _span_views(tensors, records, storages)
+                views = SpanViews(tensors, cached.firsts, storages)
                 if site is None:
                     ptrs = tuple(t.data_ptr() for t in tensors)
                     self._last_eager[st.id] = (slot.index, slot.seq, ptrs)
@@ -395,13 +398,13 @@ class RingRecorder:
 
         return bool(cuda) and torch.cuda.is_current_stream_capturing()
 
-    def _host_copy(self, slot: Slot, views: list[Any]) -> Callable[[], None]:
+    def _host_copy(self, slot: Slot, views: SpanViews) -> Callable[[], None]:
         import torch
 
-        for i, src in enumerate(views):
-            if slot.has_payload(i) and src.numel():
+        for i in range(len(views)):
+            if slot.has_payload(i) and views.nbytes(i):
                 dst = torch.frombuffer(slot.payload(i), dtype=torch.uint8)
-                dst.copy_(src.reshape(-1))
+                dst.copy_(views[i])
         slot.commit()
         return slot.finish
 
@@ -612,6 +615,7 @@ class _Layout:
         trees: tuple[list[Any], dict[str, Any]],
         names: list[str] | None,
         roles: list[str | None],
+        firsts: tuple[int, ...],
     ) -> None:
         self.storages = storages
         self.records = records
@@ -621,6 +625,35 @@ class _Layout:
         self.trees = trees
         self.names = names
         self.roles = roles  # the spec role of each tensor (static operands are found by it)
+        self.firsts = firsts  # per storage: the index of the first tensor viewing it
+        # The last call's storage dicts with versions and static references, reused while they
+        # repeat (the journal then reuses their JSON); the plan's JSON, per plan object.
+        self._meta: tuple[Any, list[dict[str, Any]]] | None = None
+        self._plan_json: tuple[Any, dict[str, Any]] | None = None
+
+    def storage_meta(
+        self,
+        tensors: list[Any],
+        records: list[Any],
+        refs: list[dict | None],
+        lazy: list[dict | None],
+    ) -> list[dict[str, Any]]:
+        """This call's storage dicts (kdump.record.statics.storage_meta): the previous call's
+        list object when every value is the same."""
+        versions = tuple(int(tensors[f]._version) for f in self.firsts)
+        key = (versions, refs, lazy)
+        if self._meta is not None and self._meta[0] == key:
+            return self._meta[1]
+        dicts = storage_meta([dict(d) for d in self.storage_dicts], tensors, records, refs, lazy)
+        self._meta = (key, dicts)
+        return dicts
+
+    def plan_json(self, plan: Any) -> dict[str, Any]:
+        """The plan's JSON, made once per plan object (plans are frozen and cached per
+        signature); shared between calls: only encoded, never changed."""
+        if self._plan_json is None or self._plan_json[0] is not plan:
+            self._plan_json = (plan, plan.to_json())
+        return self._plan_json[1]
 
 
 def _storage_dict(s: Any) -> dict[str, Any]:
@@ -646,14 +679,53 @@ def _tensor_dict(r: Any) -> dict[str, Any]:
     }
 
 
-def _span_views(tensors: list[Any], records: list[Any], storages: list[Any]) -> list[Any]:
-    """Per storage: a uint8 view of its span (the bytes the kernel reads)."""
-    from kdump.bundle.tensors import _byte_view
+def _firsts(records: list[Any], count: int) -> tuple[int, ...]:
+    """Per storage: the index of the first tensor record viewing it."""
+    out: dict[int, int] = {}
+    for i, r in enumerate(records):
+        out.setdefault(r.storage, i)
+    return tuple(out[i] for i in range(count))
 
-    firsts: dict[int, Any] = {}
-    for t, r in zip(tensors, records):
-        firsts.setdefault(r.storage, t)
-    return [_byte_view(firsts[i], s.span_start, s.span_nbytes) for i, s in enumerate(storages)]
+
+class SpanViews:
+    """Per storage: a uint8 view of its span (the bytes the kernel reads), made when first
+    asked for, and its address and size without one: a call's copies need the bytes of a few
+    storages, device copies only their addresses."""
+
+    __slots__ = ("_firsts", "_storages", "_tensors", "_views")
+
+    def __init__(self, tensors: list[Any], firsts: tuple[int, ...], storages: list[Any]) -> None:
+        self._tensors = tensors
+        self._firsts = firsts
+        self._storages = storages
+        self._views: list[Any] = [None] * len(storages)
+
+    def __len__(self) -> int:
+        return len(self._storages)
+
+    def __getitem__(self, i: int) -> Any:
+        v = self._views[i]
+        if v is None:
+            from kdump.bundle.tensors import _byte_view
+
+            s = self._storages[i]
+            v = self._views[i] = _byte_view(
+                self._tensors[self._firsts[i]], s.span_start, s.span_nbytes
+            )
+        return v
+
+    def ptr(self, i: int) -> int:
+        """The address of storage i's span (what its view's data_ptr() says)."""
+        s = self._storages[i]
+        return int(s.base_ptr) + int(s.span_start)
+
+    def nbytes(self, i: int) -> int:
+        return int(self._storages[i].span_nbytes)
+
+
+def _span_views(tensors: list[Any], records: list[Any], storages: list[Any]) -> SpanViews:
+    """Per storage: its span view (`SpanViews`)."""
+    return SpanViews(tensors, _firsts(records, len(storages)), storages)
 
 
 def _tensor_roles(
