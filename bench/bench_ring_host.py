@@ -4,8 +4,9 @@ A stand-in `deep_gemm` module whose `m_grouped_fp8_gemm_nt_contiguous` does noth
 with arguments of the GPU profile's shape (scripts/profile_recorder.py: G=288, N=512, K=4096, 32
 tokens per expert), made on the CPU. What the slot gets there: the routing labels and the small
 scales are copied by the host, the weights go once to the static region, A and the output keep
-their layouts only (too big for a 1 MiB slot). Unhooked and recorded calls alternate in batches
-of the same run; each batch pair gives a ratio (the machine may be loaded: medians).
+their layouts only (too big for a 1 MiB slot); torch runs one intra-op thread. Unhooked and
+recorded calls alternate in batches of the same run; each batch pair gives a ratio (the machine
+may be loaded: medians).
 
     python bench/bench_ring_host.py [--calls 300] [--rounds 7] [--k 4096] [--groups 288]
 """
@@ -63,6 +64,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--profile", type=int, default=0, help="print cProfile's top N of one batch")
     opt = p.parse_args()
+    # One intra-op thread: on a shared machine torch's thread pool turns a 150 KB copy into
+    # milliseconds of waiting, which would hide the recorder's own time.
+    torch.set_num_threads(1)
     saved = sys.modules.get("deep_gemm")
     module = sys.modules["deep_gemm"] = _stand_in()
     spec = registry.spec_for(TARGET)
