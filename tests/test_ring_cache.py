@@ -17,7 +17,8 @@ from kdump.bundle import load_bundle
 from kdump.record import journal as journal_mod
 from kdump.record.config import RingConfig
 from kdump.record.journal import SlotState, read_journal
-from kdump.record.ring import RingRecorder, SpanViews, _firsts
+from kdump.record.ring import RingRecorder, SpanViews
+from kdump.record.statics import first_views
 
 T = __name__
 
@@ -163,7 +164,7 @@ def test_span_views_match_byte_views():
     base = torch.arange(64, dtype=torch.float32)
     tensors = [base[8:24].view(4, 4), torch.arange(5, dtype=torch.int32), base[30:40]]
     storages, records = group_storages(tensors)
-    views = SpanViews(tensors, _firsts(records, len(storages)), storages)
+    views = SpanViews(tensors, first_views(records, len(storages)), storages)
     assert len(views) == len(storages) == 2
     for i, s in enumerate(storages):
         ref = _byte_view(

@@ -45,7 +45,7 @@ from kdump.log import log_once
 from kdump.record.hooks import HookState, busy
 from kdump.record.journal import Journal, Slot, SlotMeta
 from kdump.record.salvage import CRASH_SUFFIX
-from kdump.record.statics import Statics, lazy_bits, storage_meta
+from kdump.record.statics import Candidates, Statics, first_views, lazy_bits, storage_meta
 
 if TYPE_CHECKING:
     from kdump.record.config import RecordConfig
@@ -279,7 +279,7 @@ class RingRecorder:
                         (args_tree, kwargs_tree),
                         list(names[: len(args)]) if names and len(names) >= len(args) else None,
                         roles,
-                        _firsts(records, len(storages)),
+                        first_views(records, len(storages)),
                     )
                     if len(self._layouts) > 256:
                         self._layouts.clear()
@@ -288,12 +288,12 @@ class RingRecorder:
                 want = list(cached.want)
                 # Static operands (weights): copied once per (storage, version) into the static
                 # region, or recorded by reference; never into the slot. Per call: versions move.
-                refs = self._static_refs(tensors, records, storages, cached.roles, capturing)
+                refs = self._static_refs(tensors, records, storages, cached, capturing)
                 for i, ref in enumerate(refs):
                     if ref is not None:
                         want[i] = False
                 storage_dicts = cached.storage_dicts
-                lazy = lazy_bits(tensors, records, len(refs))
+                lazy = lazy_bits(tensors, records, len(refs), cached.firsts)
                 if any(r is not None for r in refs) or any(lazy):
                     storage_dicts = cached.storage_meta(tensors, records, refs, lazy)
                 # equal by the key; the cached objects let the journal reuse their JSON
@@ -493,7 +493,7 @@ class RingRecorder:
         tensors: list[Any],
         records: list[Any],
         storages: list[Any],
-        roles: list[str | None],
+        layout: _Layout,
         capturing: bool,
     ) -> list[dict | None]:
         """Per storage: its static reference (kdump.record.statics), None when not static."""
@@ -502,7 +502,9 @@ class RingRecorder:
             return [None] * len(storages)
         if self.statics is None:
             self.statics = Statics(self.journal.path, budget)
-        return self.statics.refer(tensors, records, storages, roles, capturing)
+        return self.statics.refer(
+            tensors, records, storages, layout.roles, capturing, layout.candidates
+        )
 
     def _site(self, key: tuple[int, int], target: str, tensors: list[Any]) -> Site:
         site = self.sites.get(key)
@@ -626,6 +628,7 @@ class _Layout:
         self.names = names
         self.roles = roles  # the spec role of each tensor (static operands are found by it)
         self.firsts = firsts  # per storage: the index of the first tensor viewing it
+        self.candidates = Candidates.of(records, storages, roles)  # which may be static
         # The last call's storage dicts with versions and static references, reused while they
         # repeat (the journal then reuses their JSON); the plan's JSON, per plan object.
         self._meta: tuple[Any, list[dict[str, Any]]] | None = None
@@ -679,14 +682,6 @@ def _tensor_dict(r: Any) -> dict[str, Any]:
     }
 
 
-def _firsts(records: list[Any], count: int) -> tuple[int, ...]:
-    """Per storage: the index of the first tensor record viewing it."""
-    out: dict[int, int] = {}
-    for i, r in enumerate(records):
-        out.setdefault(r.storage, i)
-    return tuple(out[i] for i in range(count))
-
-
 class SpanViews:
     """Per storage: a uint8 view of its span (the bytes the kernel reads), made when first
     asked for, and its address and size without one: a call's copies need the bytes of a few
@@ -725,7 +720,7 @@ class SpanViews:
 
 def _span_views(tensors: list[Any], records: list[Any], storages: list[Any]) -> SpanViews:
     """Per storage: its span view (`SpanViews`)."""
-    return SpanViews(tensors, _firsts(records, len(storages)), storages)
+    return SpanViews(tensors, first_views(records, len(storages)), storages)
 
 
 def _tensor_roles(
