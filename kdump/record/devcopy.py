@@ -117,6 +117,7 @@ class DeviceCopies:
             self._event_pool = [self._event() for _ in range(2)]
         self.forked_in_capture = False
         self._params = gather.SnapParams()
+        self._params_plan: Any = self  # the plan `_params` holds (self: none yet)
         self._fb_slot = 0  # the torch fallback's fixed device ring slot size
 
     # -- facts ------------------------------------------------------------------------------------
@@ -325,32 +326,11 @@ class DeviceCopies:
             c.src, c.dst, c.nbytes = src, dst, n
             chunks += -(-n // gather.COPY_CHUNK)
         p.n_copies = len(copies)
-        if plan is not None:
-            for k, g in enumerate(plan.gathers):
-                d = p.gathers[k]
-                d.src = views.ptr(g.storage) + g.src_offset
-                d.outer_stride, d.inner_stride, d.col_stride = (
-                    g.outer_stride,
-                    g.inner_stride,
-                    g.col_stride,
-                )
-                d.cols, d.elem, d.rec_off = g.cols, g.elem, g.rec_off
-            p.n_gathers = len(plan.gathers)
-            rt = rule
-            p.rule = int(rt.data_ptr()) if rt is not None else 0
-            p.rule_n = int(rt.numel()) if rt is not None else 0
-            p.rule_kind = gather.RULES[plan.rule]
-            p.rows, p.inner, p.alignment = plan.rows, plan.inner, plan.alignment
-            p.rec_bytes = plan.rec_bytes
-            p.worst = plan.worst
-            p.gather_blocks = -(-plan.rows // gather.ROWS_PER_BLOCK)
-        else:
-            p.n_gathers = p.rule = p.rule_n = p.rule_kind = p.rows = p.gather_blocks = 0
-            p.inner = p.alignment = 1
-            p.rec_bytes = p.worst = 0
-        p.ctrl = tier.ctrl_addr
-        p.ring = tier.ring_addr
-        p.ring_bytes = tier.layout.ring_bytes
+        if plan is not self._params_plan:  # the plan's fields: the same for its signature's calls
+            self._plan_params(p, plan, views)
+        rt = rule
+        p.rule = int(rt.data_ptr()) if plan is not None and rt is not None else 0
+        p.rule_n = int(rt.numel()) if plan is not None and rt is not None else 0
         p.token_ptr = tier.counter_addr(token_index) if token_index is not None else 0
         p.record = record
         p.host_pre = self._host_dev + slot.offset + self.journal.slot_bytes - _TRAILER_BYTES
@@ -364,6 +344,35 @@ class DeviceCopies:
         else:
             with torch.cuda.device(self.device):
                 gather.launch(self.kernel, p, stream, grid)
+
+    def _plan_params(self, p: gather.SnapParams, plan: gather.Plan | None, views: Any) -> None:
+        """The snapshot arguments that follow from the plan (and its signature's addresses)."""
+        assert self.tier is not None
+        tier = self.tier
+        if plan is not None:
+            for k, g in enumerate(plan.gathers):
+                d = p.gathers[k]
+                d.src = views.ptr(g.storage) + g.src_offset
+                d.outer_stride, d.inner_stride, d.col_stride = (
+                    g.outer_stride,
+                    g.inner_stride,
+                    g.col_stride,
+                )
+                d.cols, d.elem, d.rec_off = g.cols, g.elem, g.rec_off
+            p.n_gathers = len(plan.gathers)
+            p.rule_kind = gather.RULES[plan.rule]
+            p.rows, p.inner, p.alignment = plan.rows, plan.inner, plan.alignment
+            p.rec_bytes = plan.rec_bytes
+            p.worst = plan.worst
+            p.gather_blocks = -(-plan.rows // gather.ROWS_PER_BLOCK)
+        else:
+            p.n_gathers = p.rule = p.rule_n = p.rule_kind = p.rows = p.gather_blocks = 0
+            p.inner = p.alignment = 1
+            p.rec_bytes = p.worst = 0
+        p.ctrl = tier.ctrl_addr
+        p.ring = tier.ring_addr
+        p.ring_bytes = tier.layout.ring_bytes
+        self._params_plan = plan
 
     def _torch_snapshot(
         self,

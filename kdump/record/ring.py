@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -697,6 +697,9 @@ class SpanViews:
 
     def __len__(self) -> int:
         return len(self._storages)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self[i] for i in range(len(self)))
 
     def __getitem__(self, i: int) -> Any:
         v = self._views[i]
