@@ -631,9 +631,8 @@ def _storages_json(storages: Sequence[dict[str, Any]], present: Sequence[bool]) 
     )
 
 
-def _meta_json(
-    meta: SlotMeta, spans: Sequence[tuple[int, int] | None] | None = None, extra: bool = True
-) -> bytes:
+def _meta_json(meta: SlotMeta, spans: Sequence[tuple[int, int] | None] | None = None) -> bytes:
+    """The slot JSON in one encode: the reference that `Journal._json`'s parts reproduce."""
     storages = []
     for i, s in enumerate(meta.storages):
         d = dict(s)
@@ -648,9 +647,8 @@ def _meta_json(
         "kwargs": meta.kwargs,
         "storages": storages,
         "tensors": meta.tensors,
+        "extra": meta.extra,
     }
-    if extra:
-        doc["extra"] = meta.extra  # last: `_meta_prefix` relies on it
     return json.dumps(doc, separators=(",", ":"), default=str).encode()
 
 
