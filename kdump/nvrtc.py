@@ -19,18 +19,24 @@ class LaunchError(RuntimeError):
     address left sticky by an earlier launch), not a missing prerequisite."""
 
 
+_DRIVER: Any = None  # cuda.bindings.driver once imported (asked for on every recorded call)
+
+
 def driver() -> Any:
     """cuda.bindings.driver (ToolchainError without cuda-bindings)."""
-    try:
-        from cuda.bindings import driver as drv
-    except ImportError as exc:
-        raise ToolchainError(f"cuda-bindings is not installed ({exc})") from exc
-    return drv
+    global _DRIVER
+    if _DRIVER is None:
+        try:
+            from cuda.bindings import driver as drv
+        except ImportError as exc:
+            raise ToolchainError(f"cuda-bindings is not installed ({exc})") from exc
+        _DRIVER = drv
+    return _DRIVER
 
 
 def check(result: Any, what: str) -> Any:
     """cuda.bindings returns (CUresult, *values); raise LaunchError on error, return the values."""
-    drv = driver()
+    drv = _DRIVER if _DRIVER is not None else driver()
     err, *rest = result if isinstance(result, tuple) else (result,)
     if err != drv.CUresult.CUDA_SUCCESS:
         _, name = drv.cuGetErrorName(err)

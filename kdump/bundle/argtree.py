@@ -95,16 +95,24 @@ def _placeholder(value: Any, why: str) -> dict[str, str]:
     return {"$opaque": _qualname(value), "repr": f"<{why}>"}
 
 
+_TORCH: Any = None  # torch, once `encode` imported it (it runs for every recorded argument)
+
+
+def _torch() -> Any:
+    global _TORCH
+    import torch
+
+    _TORCH = torch
+    return torch
+
+
 def encode(value: Any, tensors: list[Any], depth: int = 0, budget: _Budget | None = None) -> Any:
     """Encode `value`; tensors found are appended to `tensors` (same object -> same index).
 
     A value the reader would reject (nested deeper than `Limits.max_tree_depth`, more nodes than
     `Limits.max_tree_nodes` across one `budget`, a string over `Limits.max_string`) becomes an
     `$opaque` placeholder saying why, so the bundle stays readable."""
-    import torch
-
-    from kdump.bundle.tensors import dtype_name
-
+    torch = _TORCH if _TORCH is not None else _torch()
     if budget is None:
         budget = _Budget(LIMITS, 0.5)
     limits = budget.limits
@@ -113,6 +121,12 @@ def encode(value: Any, tensors: list[Any], depth: int = 0, budget: _Budget | Non
         return _placeholder(value, "nested too deep")
     if not budget.take():
         return _placeholder(value, "too large (too many nodes)")
+    if isinstance(value, torch.Tensor):  # first: most arguments of a kernel are tensors
+        for i, t in enumerate(tensors):
+            if t is value:
+                return {"$tensor": i}
+        tensors.append(value)
+        return {"$tensor": len(tensors) - 1}
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, str):
@@ -129,13 +143,9 @@ def encode(value: Any, tensors: list[Any], depth: int = 0, budget: _Budget | Non
         return int(value)
     if isinstance(value, float):
         return {"$float": repr(float(value))}
-    if isinstance(value, torch.Tensor):
-        for i, t in enumerate(tensors):
-            if t is value:
-                return {"$tensor": i}
-        tensors.append(value)
-        return {"$tensor": len(tensors) - 1}
     if isinstance(value, torch.dtype):
+        from kdump.bundle.tensors import dtype_name
+
         return {"$dtype": dtype_name(value)}
     if isinstance(value, torch.device):
         return {"$device": str(value)}

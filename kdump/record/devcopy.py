@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from kdump import nvrtc
 from kdump.log import log_once
 from kdump.record import gather, pinned
 from kdump.record.devring import DeviceTier, DeviceTierError
@@ -43,15 +44,22 @@ _ONE_COPY_GAP = 4096  # bytes between the payloads and the call record still cop
 
 
 def _drv() -> Any:
-    from kdump.nvrtc import driver as _driver
-
-    return _driver()
+    return nvrtc.driver()
 
 
 def _ok(result: Any, what: str) -> Any:
-    from kdump.nvrtc import check as _check
+    return nvrtc.check(result, what)
 
-    return _check(result, what)
+
+def current_stream(device_index: int) -> int:
+    """The handle of the current stream of device `device_index` (what
+    `torch.cuda.current_stream(device).cuda_stream` says, without making a Stream object)."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(device_index))
+    return int(torch.cuda.current_stream(device_index).cuda_stream)
 
 
 class DeviceCopies:
@@ -62,6 +70,8 @@ class DeviceCopies:
 
         self.journal = journal
         self.device = torch.device(device)
+        index = self.device.index
+        self._index = int(index) if index is not None else torch.cuda.current_device()
         self.lock = threading.Lock()
         self._addr = ctypes.addressof(ctypes.c_char.from_buffer(journal._map))
         size = len(journal._map)
@@ -87,6 +97,7 @@ class DeviceCopies:
             self.one = torch.ones(1, dtype=torch.int64, device=self.device)
             self._own_counters = torch.zeros(self.max_sites, dtype=torch.int64, device=self.device)
             self.side = torch.cuda.Stream(self.device)
+        self._side_h = int(self.side.cuda_stream)
         self.kernel: Any = None
         self.kernel_note = ""
         if self.tier is not None:
@@ -106,6 +117,7 @@ class DeviceCopies:
             self._event_pool = [self._event() for _ in range(2)]
         self.forked_in_capture = False
         self._params = gather.SnapParams()
+        self._params_plan: Any = self  # the plan `_params` holds (self: none yet)
         self._fb_slot = 0  # the torch fallback's fixed device ring slot size
 
     # -- facts ------------------------------------------------------------------------------------
@@ -191,13 +203,12 @@ class DeviceCopies:
 
     def join_capture(self) -> None:
         """Before a capture ends: its stream waits for the side branch forked in it."""
-        import torch
 
         if not self.forked_in_capture:
             return
         self.forked_in_capture = False
-        main = self._stream(int(torch.cuda.current_stream(self.device).cuda_stream))
-        self._fork(self._stream(int(self.side.cuda_stream)), main)
+        main = self._stream(current_stream(self._index))
+        self._fork(self._stream(self._side_h), main)
 
     def _d2h(self, host_off: int, dev: int, n: int, stream: Any) -> None:
         drv = _drv()
@@ -218,7 +229,6 @@ class DeviceCopies:
         """Enqueue the slot's copies on the current stream; returns what marks it done after the
         call. `token_index`: the capture site's replay counter (None: an eager call); `whole`:
         the torch fallback's layout of the plan's storages (`whole_layout`)."""
-        import torch
 
         if self.tier is None:
             return self.direct(slot, views, token_index)
@@ -226,7 +236,7 @@ class DeviceCopies:
         j = self.journal
         sb = j.slot_bytes
         slot.commit(device=True)
-        main_h = int(torch.cuda.current_stream(self.device).cuda_stream)
+        main_h = current_stream(self._index)
         main = self._stream(main_h)
         record = tier.twin_addr(slot.index, sb - _TRAILER_BYTES - CALL_RECORD_BYTES)
         if not capturing:
@@ -235,20 +245,20 @@ class DeviceCopies:
                 _ok(_drv().cuStreamWaitEvent(main, ev, 0), "cuStreamWaitEvent")
         spans = slot.spans
         copies = [
-            (int(views[i].data_ptr()), tier.twin_addr(slot.index, sp[0]), sp[1])
+            (views.ptr(i), tier.twin_addr(slot.index, sp[0]), sp[1])
             for i, sp in enumerate(spans)
             if sp is not None and sp[1]
         ]
         if self.kernel is not None:
-            self._launch(slot, views, copies, token_index, plan, rule, call_index, record, main_h)
+            self._launch(slot, views, copies, token_index, plan, rule, call_index, record, main)
         else:
-            self._torch_snapshot(slot, views, copies, token_index, record, whole, call_index)
+            self._torch_snapshot(slot, views, copies, token_index, record, whole, call_index, main)
         present = [sp[0] for sp in spans if sp is not None]
         p0 = min(present) if present else sb - _TRAILER_BYTES - CALL_RECORD_BYTES
         base = slot.offset
         trailer = base + sb - _TRAILER_BYTES
         if self.held:
-            side = self._stream(int(self.side.cuda_stream))
+            side = self._stream(self._side_h)
             self._fork(main, side)
             if capturing:
                 self.forked_in_capture = True
@@ -259,9 +269,9 @@ class DeviceCopies:
         self._d2h(trailer + _POST_AT, record + RECORD_COMPLETE_AT, 8, out)
 
         def after() -> None:
-            cur = self._stream(int(torch.cuda.current_stream(self.device).cuda_stream))
+            cur = self._stream(current_stream(self._index))
             if self.held:
-                side = self._stream(int(self.side.cuda_stream))
+                side = self._stream(self._side_h)
                 self._fork(cur, side)
                 self._d2h(trailer + _DONE_AT, record + RECORD_COMPLETE_AT, 8, side)
                 if not capturing:
@@ -299,7 +309,7 @@ class DeviceCopies:
         rule: Any,
         call_index: int,
         record: int,
-        stream: int,
+        stream: Any,
     ) -> None:
         import torch
 
@@ -308,7 +318,7 @@ class DeviceCopies:
         p = self._params
         if len(copies) > gather.MAX_COPIES:  # rare: the surplus as plain async copies first
             for src, dst, n in copies[gather.MAX_COPIES :]:
-                _ok(_drv().cuMemcpyDtoDAsync(dst, src, n, self._stream(stream)), "cuMemcpyDtoD")
+                _ok(_drv().cuMemcpyDtoDAsync(dst, src, n, stream), "cuMemcpyDtoD")
             copies = copies[: gather.MAX_COPIES]
         chunks = 0
         for k, (src, dst, n) in enumerate(copies):
@@ -316,10 +326,33 @@ class DeviceCopies:
             c.src, c.dst, c.nbytes = src, dst, n
             chunks += -(-n // gather.COPY_CHUNK)
         p.n_copies = len(copies)
+        if plan is not self._params_plan:  # the plan's fields: the same for its signature's calls
+            self._plan_params(p, plan, views)
+        rt = rule
+        p.rule = int(rt.data_ptr()) if plan is not None and rt is not None else 0
+        p.rule_n = int(rt.numel()) if plan is not None and rt is not None else 0
+        p.token_ptr = tier.counter_addr(token_index) if token_index is not None else 0
+        p.record = record
+        p.host_pre = self._host_dev + slot.offset + self.journal.slot_bytes - _TRAILER_BYTES
+        p.host_pre += _PRE_AT
+        p.seq = slot.seq
+        p.call_index = call_index
+        p.slot_index = slot.index
+        grid = max(1, int(p.gather_blocks) + min(chunks, gather.MAX_COPY_BLOCKS))
+        if torch.cuda.current_device() == self._index:
+            gather.launch(self.kernel, p, stream, grid)
+        else:
+            with torch.cuda.device(self.device):
+                gather.launch(self.kernel, p, stream, grid)
+
+    def _plan_params(self, p: gather.SnapParams, plan: gather.Plan | None, views: Any) -> None:
+        """The snapshot arguments that follow from the plan (and its signature's addresses)."""
+        assert self.tier is not None
+        tier = self.tier
         if plan is not None:
             for k, g in enumerate(plan.gathers):
                 d = p.gathers[k]
-                d.src = int(views[g.storage].data_ptr()) + g.src_offset
+                d.src = views.ptr(g.storage) + g.src_offset
                 d.outer_stride, d.inner_stride, d.col_stride = (
                     g.outer_stride,
                     g.inner_stride,
@@ -327,9 +360,6 @@ class DeviceCopies:
                 )
                 d.cols, d.elem, d.rec_off = g.cols, g.elem, g.rec_off
             p.n_gathers = len(plan.gathers)
-            rt = rule
-            p.rule = int(rt.data_ptr()) if rt is not None else 0
-            p.rule_n = int(rt.numel()) if rt is not None else 0
             p.rule_kind = gather.RULES[plan.rule]
             p.rows, p.inner, p.alignment = plan.rows, plan.inner, plan.alignment
             p.rec_bytes = plan.rec_bytes
@@ -342,16 +372,7 @@ class DeviceCopies:
         p.ctrl = tier.ctrl_addr
         p.ring = tier.ring_addr
         p.ring_bytes = tier.layout.ring_bytes
-        p.token_ptr = tier.counter_addr(token_index) if token_index is not None else 0
-        p.record = record
-        p.host_pre = self._host_dev + slot.offset + self.journal.slot_bytes - _TRAILER_BYTES
-        p.host_pre += _PRE_AT
-        p.seq = slot.seq
-        p.call_index = call_index
-        p.slot_index = slot.index
-        grid = max(1, int(p.gather_blocks) + min(chunks, gather.MAX_COPY_BLOCKS))
-        with torch.cuda.device(self.device):
-            gather.launch(self.kernel, p, stream, grid)
+        self._params_plan = plan
 
     def _torch_snapshot(
         self,
@@ -362,6 +383,7 @@ class DeviceCopies:
         record: int,
         whole: list[list[int]] | None,
         call_index: int,
+        main: Any,
     ) -> None:
         """The fallback without the kernel: the same twin, call record and device ring slot
         header, by torch and driver copies (capturable). Bulky storages are copied whole into a
@@ -371,7 +393,6 @@ class DeviceCopies:
         assert self.tier is not None
         tier = self.tier
         drv = _drv()
-        main = self._stream(int(torch.cuda.current_stream(self.device).cuda_stream))
         if token_index is not None:
             token = self.counters[token_index : token_index + 1]
             token.add_(1)  # captured: every replay counts itself
@@ -433,10 +454,10 @@ class DeviceCopies:
         else:
             token = self.one
         marker("pre").copy_(token, non_blocking=True)
-        for i, src in enumerate(views):
-            if slot.has_payload(i) and src.numel():
+        for i in range(len(views)):
+            if slot.has_payload(i) and views.nbytes(i):
                 dst = torch.frombuffer(slot.payload(i), dtype=torch.uint8)
-                dst.copy_(src.reshape(-1), non_blocking=True)
+                dst.copy_(views[i], non_blocking=True)
         marker("post").copy_(token, non_blocking=True)
         done = marker("done")
 

@@ -466,8 +466,9 @@ def grid_for(params: SnapParams) -> int:
     return max(1, int(params.gather_blocks) + min(chunks, MAX_COPY_BLOCKS))
 
 
-def launch(fn: Any, params: SnapParams, stream: int, grid: int | None = None) -> None:
-    """Enqueue the snapshot on `stream` (no sync, no allocation: capturable)."""
+def launch(fn: Any, params: SnapParams, stream: Any, grid: int | None = None) -> None:
+    """Enqueue the snapshot on `stream` (a handle or a CUstream; no sync, no allocation:
+    capturable)."""
     from kdump.nvrtc import check as _check
     from kdump.nvrtc import driver as _driver
 
@@ -483,7 +484,7 @@ def launch(fn: Any, params: SnapParams, stream: int, grid: int | None = None) ->
             1,
             1,
             0,
-            driver.CUstream(stream),
+            stream if isinstance(stream, driver.CUstream) else driver.CUstream(stream),
             ctypes.addressof(args),
             0,
         ),

@@ -386,7 +386,7 @@ class Journal:
         self._seq = 0
         self._next = 0  # next index of the round robin
         self._pinned: set[int] = set()  # slots kept out of the rotation (capture sites)
-        self._prefix: dict[Any, tuple[tuple[Any, ...], bytes]] = {}
+        self._parts: dict[Any, tuple[tuple[Any, ...], bytes]] = {}  # `_json`'s memo
 
     @classmethod
     def create(
@@ -529,26 +529,51 @@ class Journal:
             return Slot(self, index, seq, spans)
 
     def _json(self, meta: SlotMeta, spans: Sequence[tuple[int, int] | None] | None) -> bytes:
-        """The slot JSON. The part before `extra` is memoised per call signature: the recorder
-        passes the same argument trees and storage/tensor lists for repeated calls, so only
-        `extra` (call index, time, site) is encoded again."""
+        """The slot JSON, byte for byte what `_meta_json` writes, from parts memoised by the
+        identity of the objects they encode: the recorder passes the same argument trees, names
+        and tensor list for repeated calls of one signature, and the same storage list while the
+        storages' versions and static references repeat; only `extra` (call index, time, site)
+        is always encoded again."""
         present = (
             tuple(True for _ in meta.storages)
             if spans is None
             else tuple(x is not None for x in spans)
         )
-        refs = (meta.args, meta.kwargs, meta.storages, meta.tensors, meta.names)
-        key = (*(id(r) for r in refs), meta.target, meta.called_as, present)
-        hit = self._prefix.get(key)
+        head = self._memo(
+            ("head", id(meta.args), id(meta.kwargs), id(meta.names), meta.target, meta.called_as),
+            (meta.args, meta.kwargs, meta.names),
+            lambda: _head_json(meta),
+        )
+        storages = self._memo(
+            ("storages", id(meta.storages), present),
+            (meta.storages,),
+            lambda: _storages_json(meta.storages, present),
+        )
+        tensors = self._memo(
+            ("tensors", id(meta.tensors)), (meta.tensors,), lambda: _dumps(meta.tensors)
+        )
+        return b"".join(
+            (
+                head,
+                b',"storages":',
+                storages,
+                b',"tensors":',
+                tensors,
+                b',"extra":',
+                _dumps(meta.extra),
+                b"}",
+            )
+        )
+
+    def _memo(self, key: Any, refs: tuple[Any, ...], make: Callable[[], bytes]) -> bytes:
+        hit = self._parts.get(key)
         if hit is not None and all(a is b for a, b in zip(hit[0], refs)):
-            prefix = hit[1]
-        else:
-            prefix = _meta_prefix(meta, present)
-            if len(self._prefix) > 256:
-                self._prefix.clear()
-            self._prefix[key] = (refs, prefix)  # the refs keep the ids from being reused
-        extra = json.dumps(meta.extra, separators=(",", ":"), default=str).encode()
-        return prefix + extra + b"}"
+            return hit[1]
+        out = make()
+        if len(self._parts) > 512:
+            self._parts.clear()
+        self._parts[key] = (refs, out)  # the refs keep the ids from being reused
+        return out
 
     def record(self, meta: SlotMeta, payloads: Sequence[bytes | memoryview]) -> Slot:
         """Reserve, copy `payloads` (one per storage) and commit: the plain host-copy path."""
@@ -584,16 +609,31 @@ class Journal:
         self.close()
 
 
-def _meta_prefix(meta: SlotMeta, present: Sequence[bool]) -> bytes:
-    """The slot JSON up to and including `"extra":` (what `_meta_json` writes before it)."""
-    spans = [(0, 0) if p else None for p in present]
-    full = _meta_json(meta, spans, extra=False)
-    return full[:-1] + b',"extra":'
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), default=str).encode()
 
 
-def _meta_json(
-    meta: SlotMeta, spans: Sequence[tuple[int, int] | None] | None = None, extra: bool = True
-) -> bytes:
+def _head_json(meta: SlotMeta) -> bytes:
+    """The slot JSON from its opening brace through `kwargs` (what `_meta_json` writes first)."""
+    doc = {
+        "target": meta.target,
+        "called_as": meta.called_as or meta.target,
+        "names": meta.names,
+        "args": meta.args,
+        "kwargs": meta.kwargs,
+    }
+    return _dumps(doc)[:-1]
+
+
+def _storages_json(storages: Sequence[dict[str, Any]], present: Sequence[bool]) -> bytes:
+    # Before placement every storage claims a payload; placement may take some back.
+    return _dumps(
+        [{**s, "payload": i if p else None} for i, (s, p) in enumerate(zip(storages, present))]
+    )
+
+
+def _meta_json(meta: SlotMeta, spans: Sequence[tuple[int, int] | None] | None = None) -> bytes:
+    """The slot JSON in one encode: the reference that `Journal._json`'s parts reproduce."""
     storages = []
     for i, s in enumerate(meta.storages):
         d = dict(s)
@@ -608,9 +648,8 @@ def _meta_json(
         "kwargs": meta.kwargs,
         "storages": storages,
         "tensors": meta.tensors,
+        "extra": meta.extra,
     }
-    if extra:
-        doc["extra"] = meta.extra  # last: `_meta_prefix` relies on it
     return json.dumps(doc, separators=(",", ":"), default=str).encode()
 
 

@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,7 +45,7 @@ from kdump.log import log_once
 from kdump.record.hooks import HookState, busy
 from kdump.record.journal import Journal, Slot, SlotMeta
 from kdump.record.salvage import CRASH_SUFFIX
-from kdump.record.statics import Statics, lazy_bits, storage_meta
+from kdump.record.statics import Candidates, Statics, first_views, lazy_bits, storage_meta
 
 if TYPE_CHECKING:
     from kdump.record.config import RecordConfig
@@ -282,6 +282,7 @@ class RingRecorder:
                         (args_tree, kwargs_tree),
                         list(names[: len(args)]) if names and len(names) >= len(args) else None,
                         roles,
+                        first_views(records, len(storages)),
                     )
                     if len(self._layouts) > 256:
                         self._layouts.clear()
@@ -290,20 +291,22 @@ class RingRecorder:
                 want = list(cached.want)
                 # Static operands (weights): copied once per (storage, version) into the static
                 # region, or recorded by reference; never into the slot. Per call: versions move.
-                refs = self._static_refs(tensors, records, storages, cached.roles, capturing)
+                refs = self._static_refs(tensors, records, storages, cached, capturing)
                 for i, ref in enumerate(refs):
                     if ref is not None:
                         want[i] = False
                 storage_dicts = cached.storage_dicts
-                lazy = lazy_bits(tensors, records, len(refs))
+                lazy = lazy_bits(tensors, records, len(refs), cached.firsts)
                 if any(r is not None for r in refs) or any(lazy):
-                    storage_dicts = storage_meta(
-                        [dict(d) for d in cached.storage_dicts], tensors, records, refs, lazy
-                    )
+                    storage_dicts = cached.storage_meta(tensors, records, refs, lazy)
                 # equal by the key; the cached objects let the journal reuse their JSON
                 args_tree, kwargs_tree = cached.trees
                 site_key = self.captures.next_site(capturing)
-                stream = int(torch.cuda.current_stream().cuda_stream) if cuda else 0
+                stream = 0
+                if cuda:
+                    from kdump.record.devcopy import current_stream
+
+                    stream = current_stream(torch.cuda.current_device())
                 extra: dict[str, Any] = {
                     "call_index": index,
                     "pid": self.pid,
@@ -335,7 +338,7 @@ class RingRecorder:
                     if whole is not None:
                         extra["device"]["whole"] = whole  # copied whole: no row rule applied
                     if plan is not None:
-                        extra["device"]["plan"] = plan.to_json()
+                        extra["device"]["plan"] = cached.plan_json(plan)
                         # the device ring's depth for this call: worst case, every row touched
                         ring_bytes = extra["device"]["ring_bytes"]
                         extra["device"]["ring_slots_worst_case"] = ring_bytes // plan.worst
@@ -371,7 +374,7 @@ class RingRecorder:
                     extra=extra,
                 )
                 slot = j.reserve(meta, index=pin_index, want=want)
-                views = _span_views(tensors, records, storages)
+                views = SpanViews(tensors, cached.firsts, storages)
                 if site is None:
                     ptrs = tuple(t.data_ptr() for t in tensors)
                     self._last_eager[st.id] = (slot.index, slot.seq, ptrs)
@@ -398,13 +401,13 @@ class RingRecorder:
 
         return bool(cuda) and torch.cuda.is_current_stream_capturing()
 
-    def _host_copy(self, slot: Slot, views: list[Any]) -> Callable[[], None]:
+    def _host_copy(self, slot: Slot, views: SpanViews) -> Callable[[], None]:
         import torch
 
-        for i, src in enumerate(views):
-            if slot.has_payload(i) and src.numel():
+        for i in range(len(views)):
+            if slot.has_payload(i) and views.nbytes(i):
                 dst = torch.frombuffer(slot.payload(i), dtype=torch.uint8)
-                dst.copy_(src.reshape(-1))
+                dst.copy_(views[i])
         slot.commit()
         return slot.finish
 
@@ -493,7 +496,7 @@ class RingRecorder:
         tensors: list[Any],
         records: list[Any],
         storages: list[Any],
-        roles: list[str | None],
+        layout: _Layout,
         capturing: bool,
     ) -> list[dict | None]:
         """Per storage: its static reference (kdump.record.statics), None when not static."""
@@ -502,7 +505,9 @@ class RingRecorder:
             return [None] * len(storages)
         if self.statics is None:
             self.statics = Statics(self.journal.path, budget)
-        return self.statics.refer(tensors, records, storages, roles, capturing)
+        return self.statics.refer(
+            tensors, records, storages, layout.roles, capturing, layout.candidates
+        )
 
     def _site(self, key: tuple[int, int], target: str, tensors: list[Any]) -> Site:
         site = self.sites.get(key)
@@ -640,6 +645,7 @@ class _Layout:
         trees: tuple[list[Any], dict[str, Any]],
         names: list[str] | None,
         roles: list[str | None],
+        firsts: tuple[int, ...],
     ) -> None:
         self.storages = storages
         self.records = records
@@ -649,6 +655,36 @@ class _Layout:
         self.trees = trees
         self.names = names
         self.roles = roles  # the spec role of each tensor (static operands are found by it)
+        self.firsts = firsts  # per storage: the index of the first tensor viewing it
+        self.candidates = Candidates.of(records, storages, roles)  # which may be static
+        # The last call's storage dicts with versions and static references, reused while they
+        # repeat (the journal then reuses their JSON); the plan's JSON, per plan object.
+        self._meta: tuple[Any, list[dict[str, Any]]] | None = None
+        self._plan_json: tuple[Any, dict[str, Any]] | None = None
+
+    def storage_meta(
+        self,
+        tensors: list[Any],
+        records: list[Any],
+        refs: list[dict | None],
+        lazy: list[dict | None],
+    ) -> list[dict[str, Any]]:
+        """This call's storage dicts (kdump.record.statics.storage_meta): the previous call's
+        list object when every value is the same."""
+        versions = tuple(int(tensors[f]._version) for f in self.firsts)
+        key = (versions, refs, lazy)
+        if self._meta is not None and self._meta[0] == key:
+            return self._meta[1]
+        dicts = storage_meta([dict(d) for d in self.storage_dicts], tensors, records, refs, lazy)
+        self._meta = (key, dicts)
+        return dicts
+
+    def plan_json(self, plan: Any) -> dict[str, Any]:
+        """The plan's JSON, made once per plan object (plans are frozen and cached per
+        signature); shared between calls: only encoded, never changed."""
+        if self._plan_json is None or self._plan_json[0] is not plan:
+            self._plan_json = (plan, plan.to_json())
+        return self._plan_json[1]
 
 
 def _storage_dict(s: Any) -> dict[str, Any]:
@@ -674,14 +710,48 @@ def _tensor_dict(r: Any) -> dict[str, Any]:
     }
 
 
-def _span_views(tensors: list[Any], records: list[Any], storages: list[Any]) -> list[Any]:
-    """Per storage: a uint8 view of its span (the bytes the kernel reads)."""
-    from kdump.bundle.tensors import _byte_view
+class SpanViews:
+    """Per storage: a uint8 view of its span (the bytes the kernel reads), made when first
+    asked for, and its address and size without one: a call's copies need the bytes of a few
+    storages, device copies only their addresses."""
 
-    firsts: dict[int, Any] = {}
-    for t, r in zip(tensors, records):
-        firsts.setdefault(r.storage, t)
-    return [_byte_view(firsts[i], s.span_start, s.span_nbytes) for i, s in enumerate(storages)]
+    __slots__ = ("_firsts", "_storages", "_tensors", "_views")
+
+    def __init__(self, tensors: list[Any], firsts: tuple[int, ...], storages: list[Any]) -> None:
+        self._tensors = tensors
+        self._firsts = firsts
+        self._storages = storages
+        self._views: list[Any] = [None] * len(storages)
+
+    def __len__(self) -> int:
+        return len(self._storages)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self[i] for i in range(len(self)))
+
+    def __getitem__(self, i: int) -> Any:
+        v = self._views[i]
+        if v is None:
+            from kdump.bundle.tensors import _byte_view
+
+            s = self._storages[i]
+            v = self._views[i] = _byte_view(
+                self._tensors[self._firsts[i]], s.span_start, s.span_nbytes
+            )
+        return v
+
+    def ptr(self, i: int) -> int:
+        """The address of storage i's span (what its view's data_ptr() says)."""
+        s = self._storages[i]
+        return int(s.base_ptr) + int(s.span_start)
+
+    def nbytes(self, i: int) -> int:
+        return int(self._storages[i].span_nbytes)
+
+
+def _span_views(tensors: list[Any], records: list[Any], storages: list[Any]) -> SpanViews:
+    """Per storage: its span view (`SpanViews`)."""
+    return SpanViews(tensors, first_views(records, len(storages)), storages)
 
 
 def _tensor_roles(

@@ -189,21 +189,34 @@ def decode_stats(dtype: str, raw: Sequence[float], checksum: str = "") -> Stats:
 # Lazy conj / neg bits
 
 
-def lazy_bits(tensors: Sequence[Any], records: Sequence[Any], count: int) -> list[dict | None]:
+def lazy_bits(
+    tensors: Sequence[Any],
+    records: Sequence[Any],
+    count: int,
+    firsts: Sequence[int] | None = None,
+) -> list[dict | None]:
     """Per storage: the lazy conj / neg bits of its first view (as the sync recorder resolves
-    them), or None. The bytes are copied raw; salvage applies the bits (`resolve_lazy`)."""
-    from kdump.bundle.tensors import dtype_name
-
+    them), or None. The bytes are copied raw; salvage applies the bits (`resolve_lazy`).
+    `firsts`: per storage, the index of its first view, when the caller knows them."""
+    if firsts is None:
+        firsts = first_views(records, count)
     out: list[dict | None] = [None] * count
-    done: set[int] = set()
-    for t, r in zip(tensors, records):
-        if r.storage in done:
-            continue
-        done.add(r.storage)
+    for i, f in enumerate(firsts):
+        t = tensors[f]
         conj, neg = bool(t.is_conj()), bool(t.is_neg())
         if conj or neg:
-            out[r.storage] = {"dtype": dtype_name(t.dtype), "conj": conj, "neg": neg}
+            from kdump.bundle.tensors import dtype_name
+
+            out[i] = {"dtype": dtype_name(t.dtype), "conj": conj, "neg": neg}
     return out
+
+
+def first_views(records: Sequence[Any], count: int) -> tuple[int, ...]:
+    """Per storage: the index of the first tensor record viewing it."""
+    out: dict[int, int] = {}
+    for i, r in enumerate(records):
+        out.setdefault(r.storage, i)
+    return tuple(out[i] for i in range(count))
 
 
 def resolve_lazy(data: Any, lazy: dict | None) -> Any:
@@ -225,6 +238,35 @@ def resolve_lazy(data: Any, lazy: dict | None) -> Any:
 
 # ---------------------------------------------------------------------------------------------
 # The writer
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """Which storages of a call layout may be static (what `Statics.refer` asks of the layout,
+    the same for every call of one signature)."""
+
+    by_role: bool  # a spec names the weights: only they are static
+    storages: tuple[tuple[int, int], ...]  # (storage, index of its first view), in order
+
+    @classmethod
+    def of(
+        cls, records: Sequence[Any], storages: Sequence[Any], roles: Sequence[str | None]
+    ) -> Candidates:
+        barred: set[int] = set()
+        weights: set[int] = set()
+        for r, role in zip(records, roles):
+            if role == "weight":
+                weights.add(r.storage)
+            elif role is not None:
+                barred.add(r.storage)
+        by_role = any(role is not None for role in roles)
+        firsts = first_views(records, len(storages))
+        keep = tuple(
+            (i, firsts[i])
+            for i, s in enumerate(storages)
+            if not (i in barred or s.span_nbytes <= MIN_BYTES or (by_role and i not in weights))
+        )
+        return cls(by_role, keep)
 
 
 @dataclass
@@ -343,27 +385,21 @@ class Statics:
         storages: Sequence[Any],
         roles: Sequence[str | None],
         capturing: bool,
+        candidates: Candidates | None = None,
     ) -> list[dict | None]:
         """Per storage: the static reference its slot metadata carries (None: not static). Queues
-        the copy and the statistics of a static seen for the first time (eager calls only)."""
-        firsts: dict[int, Any] = {}
-        barred: set[int] = set()
-        weights: set[int] = set()
-        for t, r, role in zip(tensors, records, roles):
-            firsts.setdefault(r.storage, t)
-            if role == "weight":
-                weights.add(r.storage)
-            elif role is not None:
-                barred.add(r.storage)
-        by_role = any(role is not None for role in roles)  # a spec names the weights
+        the copy and the statistics of a static seen for the first time (eager calls only).
+        `candidates`: `candidates(records, storages, roles)`, when the caller keeps it."""
+        if candidates is None:
+            candidates = Candidates.of(records, storages, roles)
         out: list[dict | None] = [None] * len(storages)
-        if self._failed:
+        if self._failed or not candidates.storages:
             return out
+        by_role = candidates.by_role
         with self._lock:
-            for i, s in enumerate(storages):
-                if i in barred or s.span_nbytes <= MIN_BYTES or (by_role and i not in weights):
-                    continue
-                t = firsts[i]
+            for i, first in candidates.storages:
+                s = storages[i]
+                t = tensors[first]
                 try:
                     out[i] = self._one(t, s, capturing, by_role)
                 except Exception as exc:

@@ -1,0 +1,129 @@
+"""The flight recorder's host time per recorded eager call on CPU (ring mode, no device tier).
+
+A stand-in `deep_gemm` module whose `m_grouped_fp8_gemm_nt_contiguous` does nothing is recorded
+with arguments of the GPU profile's shape (scripts/profile_recorder.py: G=288, N=512, K=4096, 32
+tokens per expert), made on the CPU. What the slot gets there: the routing labels and the small
+scales are copied by the host, the weights go once to the static region, A and the output keep
+their layouts only (too big for a 1 MiB slot); torch runs one intra-op thread. Unhooked and
+recorded calls alternate in batches of the same run; each batch pair gives a ratio (the machine
+may be loaded: medians).
+
+    python bench/bench_ring_host.py [--calls 300] [--rounds 7] [--k 4096] [--groups 288]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import platform
+import pstats
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import torch
+from _machine import cpu_model
+
+import kdump
+from kdump.kernels import registry
+from kdump.record.config import RingConfig
+
+TARGET = "deep_gemm:m_grouped_fp8_gemm_nt_contiguous"
+
+
+def _stand_in() -> types.ModuleType:
+    mod = types.ModuleType("deep_gemm")
+
+    def m_grouped_fp8_gemm_nt_contiguous(*args: object, **kwargs: object) -> None:
+        return None
+
+    mod.m_grouped_fp8_gemm_nt_contiguous = m_grouped_fp8_gemm_nt_contiguous  # type: ignore[attr-defined]
+    return mod
+
+
+def _per_call_us(fn: object, args: tuple, kwargs: dict, calls: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn(*args, **kwargs)  # type: ignore[operator]
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--groups", type=int, default=288)
+    p.add_argument("--n", type=int, default=512)
+    p.add_argument("--k", type=int, default=4096)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--profile", type=int, default=0, help="print cProfile's top N of one batch")
+    opt = p.parse_args()
+    # One intra-op thread: on a shared machine torch's thread pool turns a 150 KB copy into
+    # milliseconds of waiting, which would hide the recorder's own time.
+    torch.set_num_threads(1)
+    saved = sys.modules.get("deep_gemm")
+    module = sys.modules["deep_gemm"] = _stand_in()
+    spec = registry.spec_for(TARGET)
+    args, kwargs = spec.generate(
+        seed=1,
+        device="cpu",
+        scale_format="fp32",
+        num_groups=opt.groups,
+        n=opt.n,
+        k=opt.k,
+        expected_m=opt.tokens,
+    )
+    args = tuple(args)
+    labels = args[3]
+    rows = torch.arange(labels.numel())
+    labels.copy_(torch.where(rows % 128 < opt.tokens, rows // 128, -1).to(torch.int32))
+    plain_fn = module.m_grouped_fp8_gemm_nt_contiguous
+    shm = Path(tempfile.mkdtemp(prefix="kdump-bench-ring-", dir="/dev/shm"))
+    ring = RingConfig(slots=64, slot_bytes=1 << 20, journal_dir=shm, device_bytes=0)
+    plain: list[float] = []
+    rec: list[float] = []
+    try:
+        with kdump.recording("deep_gemm", out=shm / "out", mode="ring", ring=ring) as session:
+            hooked = module.m_grouped_fp8_gemm_nt_contiguous
+            assert hooked is not plain_fn, "the stand-in was not hooked"
+            for _ in range(20):  # journal, static region, signature caches
+                hooked(*args, **kwargs)
+            for _ in range(opt.rounds):
+                plain.append(_per_call_us(plain_fn, args, kwargs, opt.calls))
+                rec.append(_per_call_us(hooked, args, kwargs, opt.calls))
+            if opt.profile:
+                prof = cProfile.Profile()
+                prof.enable()
+                _per_call_us(hooked, args, kwargs, opt.calls)
+                prof.disable()
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(opt.profile)
+                print(out.getvalue())
+            errors = session.recorder.errors
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        if saved is not None:
+            sys.modules["deep_gemm"] = saved
+        else:
+            sys.modules.pop("deep_gemm", None)
+    ratios = [r / p_ for p_, r in zip(plain, rec)]
+    print(
+        f"G={opt.groups} N={opt.n} K={opt.k} tokens/expert={opt.tokens}, {opt.rounds} rounds of "
+        f"{opt.calls} calls, load {os.getloadavg()[0]:.2f}, {cpu_model()}, "
+        f"python {platform.python_version()}, torch {torch.__version__}"
+    )
+    print(
+        f"host us per call: unhooked {statistics.median(plain):.2f}, recorded "
+        f"{statistics.median(rec):.1f} (min {min(rec):.1f}), ratio {statistics.median(ratios):.0f}x"
+        f" (recorder errors {errors})"
+    )
+
+
+if __name__ == "__main__":
+    main()
