@@ -168,12 +168,14 @@ def test_gpu_kill_campaign_of_the_moe_decode_loop(tmp_path):
         program = None
         while time.monotonic() < deadline and kd.poll() is None:
             kids = [c for c in _children(kd.pid) if "salvager" not in _cmdline(c)]
-            if kids and any(Path("/dev/shm").glob(f"kdump-run-*/kdump-journal-{kids[0]}-*")):
+            if kids and _recorded_a_call(kids[0]):
                 program = kids[0]
                 break
             time.sleep(0.2)
         assert program is not None, log.read_text()[-4000:]
-        time.sleep(rnd.uniform(0.5, 4.0))  # into the decode steps, graphs replaying
+        # Into the decode steps, graphs replaying. (The journal exists from CUDA's start, long
+        # before the first call on a loaded machine: a kill then has nothing to salvage.)
+        time.sleep(rnd.uniform(0.2, 3.0))
         os.kill(program, signal.SIGKILL)
         kd.wait(timeout=300)
         err = log.read_text()[-4000:]
@@ -189,6 +191,21 @@ def test_gpu_kill_campaign_of_the_moe_decode_loop(tmp_path):
         assert reports and all(t["reason"] for r in reports for t in r["torn"]), err
     assert total >= GPU_TRIALS
     assert not list(Path("/dev/shm").glob(f"kdump-journal-*{salvager.DEVICE_SUFFIX}*"))
+
+
+def _recorded_a_call(pid: int) -> bool:
+    """Whether the live process `pid`'s journal holds a complete call yet."""
+    from kdump.record.journal import SlotState, read_journal
+
+    for j in Path("/dev/shm").glob(f"kdump-run-*/kdump-journal-{pid}-*"):
+        if "." in j.name:  # its static region, device-tier files
+            continue
+        try:
+            if read_journal(j).having(SlotState.COMPLETE):
+                return True
+        except Exception:  # being created, or torn mid-write: look again
+            pass
+    return False
 
 
 def _cmdline(pid: int) -> str:
