@@ -414,3 +414,38 @@ def test_close_without_capture_sites_removes_the_journal(tmp_path):
         gemm_like(torch.randn(16, 8), torch.zeros(16), torch.empty(16, 8))
         path = rec.recorder.journal.path
     assert rec.written and not path.exists() and len(ring_mod._RETIRED) == kept
+
+
+def test_a_second_flush_writes_only_what_changed(tmp_path, monkeypatch):
+    """Flushes of a live process (the flush signal, then the exit) write a bundle again only when
+    its slot changed: the unchanged ones stay as the first flush wrote them."""
+    from kdump.record import salvage as salvage_mod
+
+    writes: list[str] = []
+    real = salvage_mod._write_bundle
+
+    def counting(path, *a, **k):
+        writes.append(path.name)
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(salvage_mod, "_write_bundle", counting)
+    a, layout, out = torch.randn(16, 8), torch.zeros(16), torch.empty(16, 8)
+    with kdump.recording(
+        f"{T}:gemm_like", out=tmp_path / "o", mode="ring", ring=_ring(tmp_path)
+    ) as rec:
+        for _ in range(3):
+            gemm_like(a, layout, out)
+        rec.flush()
+        first = sorted(rec.written)
+        assert len(writes) == 3
+        rec.flush()
+        assert len(writes) == 3 and sorted(rec.written) == first  # nothing changed
+        gemm_like(a, layout, out)
+        rec.flush()
+        assert len(writes) == 4 and len(rec.written) == 4  # only the new call
+        first[0].unlink()  # a bundle someone removed is written again
+        rec.flush()
+        assert len(writes) == 5
+    for p in rec.written:
+        with load_bundle(p) as b:
+            b.verify()

@@ -117,6 +117,7 @@ class RingRecorder:
         self.pid = os.getpid()
         self.errors = 0
         self.written: list[Path] = []
+        self._flushed: dict[Path, Any] = {}  # what each flush wrote: unchanged slots are kept
         self.captures = _CaptureTracker()
         self.sites: dict[tuple[int, int], Site] = {}
         self._last_eager: dict[str, tuple[int, int, tuple[int, ...]]] = {}
@@ -542,7 +543,12 @@ class RingRecorder:
             dumps, temporary = self._dump_device_tier(j.path)
             try:
                 res = salvage_journal(
-                    j.path, out, {"flushed": True}, remove=False, device_dumps=dumps
+                    j.path,
+                    out,
+                    {"flushed": True},
+                    remove=False,
+                    device_dumps=dumps,
+                    written=self._flushed,
                 )
             finally:
                 for p in temporary:

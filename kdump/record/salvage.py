@@ -70,10 +70,13 @@ def salvage_journal(
     remove: bool = True,
     device_dumps: dict[int, Path] | None = None,
     progress: Bar | None = None,
+    written: dict[Path, Any] | None = None,
 ) -> SalvageResult:
     """`device_dumps`: the device tiers by device index (default: the `<journal>.cuda<N>` files
     next to the journal, written by the salvage process); `progress` is advanced per call
-    written (its total grows by this journal's calls)."""
+    written (its total grows by this journal's calls). `written`: kept by the caller across
+    salvages of one live journal (flushes): a bundle whose slot is unchanged since an earlier
+    salvage wrote it (same seq, markers and context) is not written again."""
     contents = read_journal(journal_path)
     dump_files = devring.dump_paths(contents.path) if device_dumps is None else device_dumps
     dumps = _read_dumps(dump_files)
@@ -102,12 +105,23 @@ def salvage_journal(
     region = read_region(contents.path)  # static operands copied once (kdump.record.statics)
     if progress is not None:
         progress.total = (progress.total or 0) + len(complete)
+    # A later copy into the static region can fill a weight an older bundle held by reference.
+    statics = tuple((e.index, e.seq, e.copied) for e in region.entries) if region else ()
     for rec in complete:
         if progress is not None and rec is not complete[0]:
             progress.advance()  # the call before this one is written
         path = out / f"journal-{head.pid}-call-{rec.meta.call_index:06d}-seq{rec.seq}.kdump"
         site = rec.meta.extra.get("site") if rec.meta.capture_id else None
         before = by_seq.get(site.get("eager_seq", -1)) if isinstance(site, dict) else None
+        state = (
+            (rec.index, rec.seq, rec.markers, rec.finished),
+            _state(before),
+            statics,
+            repr(crash_context),
+        )
+        if written is not None and written.get(path) == state and path.exists():
+            bundles.append(path)
+            continue
         try:
             _write_bundle(path, rec, contents, crash_context, before, dumps, region)
         except (BundleError, ValueError, TypeError, KeyError, OverflowError, RuntimeError) as exc:
@@ -116,6 +130,8 @@ def salvage_journal(
             torn.append(SlotRecord(rec.index, SlotState.TORN, rec.seq, rec.meta, (), str(exc)))
             continue
         bundles.append(path)
+        if written is not None:
+            written[path] = state
     if progress is not None and complete:
         progress.advance()
     if region is not None:
@@ -130,6 +146,10 @@ def salvage_journal(
         for p in dump_files.values():
             Path(p).unlink(missing_ok=True)
     return SalvageResult(contents.path, bundles, in_flight, torn, report)
+
+
+def _state(rec: SlotRecord | None) -> tuple[Any, ...] | None:
+    return None if rec is None else (rec.index, rec.seq, rec.markers, rec.finished)
 
 
 def _slot_facts(rec: SlotRecord) -> dict[str, Any]:
