@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kdump.bundle import argtree, load_bundle
+from kdump.bundle.format import Source
 from kdump.bundle.tensors import group_storages
 from kdump.kernels import registry
 from kdump.kernels.deepgemm import reference as ref_
@@ -284,7 +285,45 @@ def test_salvage_places_gathered_rows_back_from_the_device_dump(tmp_path):
         assert torch.equal(s2[keep], sfa[keep]) and torch.equal(lab, labels)
         facts = call.meta["journal"]["device"]
         assert facts["rows_kept"] == int(keep.sum()) and "zero-filled" in facts["untouched_rows"]
+        # A and its scales hold only the touched rows' bytes
+        a_st, s_st = call.storages[0], call.storages[1]
+        assert a_st.source is Source.SPARSE and s_st.source is Source.SPARSE
+        assert a_st.held_nbytes == int(keep.sum()) * a.shape[1]
+        assert s_st.held_nbytes == int(keep.sum()) * sfa.shape[1] * 4
+        assert b.blobs[a_st.blob].nbytes == a_st.held_nbytes
+        b.verify()
     assert not devring.dump_path(path, 0).exists()  # removed with the journal
+
+
+def test_held_ranges_merge_runs_of_rows_and_columns():
+    """Row-major A: one range per run of touched rows; MN-major scales: one per run and column."""
+    a, sfa, labels = _contig_operands([5, 0, 2], k=256, seed=3)
+    tensors = [a, sfa, labels]
+    storages, records = group_storages(tensors)
+    plan = gather.make_plan(tensors, records, storages, [0, 1], "labels", 2, 1)
+    assert plan is not None
+    idx = torch.nonzero(labels >= 0).reshape(-1)
+    got = gather.held_ranges(plan, idx, limit=1000)
+    assert got is not None
+    runs = []  # runs of consecutive touched rows
+    for r in idx.tolist():
+        if runs and runs[-1][1] == r:
+            runs[-1][1] = r + 1
+        else:
+            runs.append([r, r + 1])
+    ga, gs = plan.gathers
+    assert got[ga.storage] == [
+        (ga.src_offset + lo * ga.inner_stride, ga.src_offset + hi * ga.inner_stride)
+        for lo, hi in runs
+    ]
+    want = sorted(
+        (gs.src_offset + c * gs.col_stride + lo * 4, gs.src_offset + c * gs.col_stride + hi * 4)
+        for lo, hi in runs
+        for c in range(gs.cols)
+    )
+    assert got[gs.storage] == want
+    assert gather.held_ranges(plan, idx, limit=len(runs) - 1) is None  # over the limit
+    assert gather.held_ranges(plan, idx[:0], limit=10) == {ga.storage: [], gs.storage: []}
 
 
 @pytest.mark.parametrize(

@@ -222,6 +222,8 @@ def _entries(calls: Sequence[CallRecord], shas: Sequence[str]) -> tuple[CallEntr
                 st.stats,
             )
             if st.source is Source.BLOB
+            else replace(st, blob=next(it))
+            if st.source is Source.SPARSE
             else st
             for st in cap.storages
         )
@@ -300,11 +302,11 @@ def save_calls(
     """
     path = path if isinstance(path, Path) else Path(path)
     caps = [cap for call in calls for cap in (call.inputs, call.outputs) if cap is not None]
-    held = [  # storages of other kinds hold no bytes
+    held = [  # storages of other kinds hold no bytes (a sparse one: its ranges, concatenated)
         (st, d, cap.digest(i))
         for cap in caps
         for i, (st, d) in enumerate(zip(cap.storages, cap.data))
-        if st.source is Source.BLOB
+        if st.source is Source.BLOB or st.source is Source.SPARSE
     ]
     views = [_blob_view(d) for _, d, _ in held]
     aligns = [st.alignment for st, _, _ in held]

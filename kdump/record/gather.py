@@ -310,6 +310,44 @@ def place_back(plan: Plan, records: Any, spans: dict[int, Any]) -> Any:
     return idx
 
 
+def held_ranges(plan: Plan, idx: Any, limit: int) -> dict[int, list[tuple[int, int]]] | None:
+    """Per gathered storage, the span-relative byte ranges rows `idx` (int64) occupy: sorted,
+    disjoint, adjacent ones merged. None when some storage would need more than `limit`."""
+    import torch
+
+    out: dict[int, list[tuple[int, int]]] = {}
+    starts_of: dict[int, list[Any]] = {}
+    lens_of: dict[int, list[Any]] = {}
+    outer, inner = idx // plan.inner, idx % plan.inner
+    for g in plan.gathers:
+        row0 = g.src_offset + outer * g.outer_stride + inner * g.inner_stride
+        if g.cols == 1 or g.col_stride == g.elem:  # a row is one run of bytes
+            starts, n = row0, g.row_bytes
+        else:
+            cols = torch.arange(g.cols, dtype=torch.int64) * g.col_stride
+            starts, n = (row0.view(-1, 1) + cols.view(1, -1)).reshape(-1), g.elem
+        starts_of.setdefault(g.storage, []).append(starts)
+        lens_of.setdefault(g.storage, []).append(torch.full_like(starts, n))
+    for storage in starts_of:
+        starts = torch.cat(starts_of[storage])
+        ends = starts + torch.cat(lens_of[storage])
+        order = torch.argsort(starts)
+        starts, ends = starts[order], ends[order]
+        if starts.numel() == 0:
+            out[storage] = []
+            continue
+        # A run ends where the next start lies past every end so far (overlaps merge too).
+        reach = torch.cummax(ends, 0).values
+        new = torch.ones_like(starts, dtype=torch.bool)
+        new[1:] = starts[1:] > reach[:-1]
+        first = torch.nonzero(new).reshape(-1)
+        if first.numel() > limit:
+            return None
+        last = torch.cat([first[1:] - 1, torch.tensor([starts.numel() - 1])])
+        out[storage] = list(zip(starts[first].tolist(), reach[last].tolist()))
+    return out
+
+
 def sort_records(records: Any) -> Any:
     """Records in row order (the kernel's blocks finish in any order)."""
     import torch

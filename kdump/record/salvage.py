@@ -247,6 +247,10 @@ def _call_record(
     payloads = [rows[i] if p is None and i in rows else p for i, p in enumerate(rec.payloads)]
     storages, data, statics, digests = [], [], [], []
     for j, (s, payload) in enumerate(zip(meta.storages, payloads)):
+        ranges: tuple[tuple[int, int], ...] = ()
+        sparse = isinstance(payload, Sparse)
+        if isinstance(payload, Sparse):
+            payload, ranges = payload.data, payload.ranges
         got = salvaged_storage(s, payload, region)
         digests.append(got.digests)
         storages.append(
@@ -256,8 +260,9 @@ def _call_record(
                 storage_nbytes=int(s["storage_nbytes"]),
                 span_start=int(s["span_start"]),
                 span_nbytes=int(s["span_nbytes"]),
-                source=got.source,
+                source=Source.SPARSE if sparse else got.source,
                 stats=got.stats,
+                ranges=ranges,
             )
         )
         data.append(got.data if got.data is not None else torch.empty(0, dtype=torch.uint8))
@@ -325,9 +330,10 @@ _SLOT_HEAD = struct.Struct("<IIQQQIIQQQ")  # a device ring slot's header (snapsh
 
 def _device_rows(
     rec: SlotRecord, dumps: dict[int, devring.Dump | str]
-) -> tuple[dict[int, bytes], dict[str, Any] | None]:
-    """The gathered storages of a slot rebuilt from the device tier: touched rows placed back,
-    the others zero-filled. (storage -> bytes, what the bundle says about it)."""
+) -> tuple[dict[int, bytes | Sparse], dict[str, Any] | None]:
+    """The gathered storages of a slot rebuilt from the device tier: the touched rows' bytes
+    (`Sparse`), or whole spans with the other rows zero-filled. (storage -> bytes, what the
+    bundle says about it)."""
     assert rec.meta is not None
     dev = rec.meta.extra.get("device")
     if not isinstance(dev, dict) or "plan" not in dev:
@@ -361,13 +367,34 @@ def _device_rows(
     buffers = {i: bytearray(int(rec.meta.storages[i]["span_nbytes"])) for i in plan.storages}
     spans = {i: torch.frombuffer(b, dtype=torch.uint8) for i, b in buffers.items() if len(b)}
     recs = torch.frombuffer(bytearray(rows), dtype=torch.uint8).reshape(n, plan.rec_bytes)
-    gather.place_back(plan, recs, spans)
+    idx = gather.place_back(plan, recs, spans)
     facts.update(
         rows_kept=n,
         untouched_rows="zero-filled (the call cannot read them)",
         device_slot=pos,
     )
-    return {i: bytes(b) for i, b in buffers.items()}, facts
+    # Only the touched rows' bytes are held (a sparse storage; the rest reads as zeros): a
+    # decode step's A is a few rows of a buffer sized for the largest batch.
+    ranges = gather.held_ranges(plan, idx, SPARSE_MAX_RANGES)
+    if ranges is None:
+        return {i: bytes(b) for i, b in buffers.items()}, facts
+    out: dict[int, bytes | Sparse] = {}
+    for i, b in buffers.items():
+        view = memoryview(b)
+        held = ranges.get(i, [])
+        out[i] = Sparse(b"".join(view[lo:hi] for lo, hi in held), tuple(held))
+    return out, facts
+
+
+SPARSE_MAX_RANGES = 100_000  # per storage; a scattered row rule keeps its span whole instead
+
+
+@dataclass(frozen=True)
+class Sparse:
+    """A gathered storage's touched bytes: `ranges` of the span, their bytes concatenated."""
+
+    data: bytes
+    ranges: tuple[tuple[int, int], ...]
 
 
 def _whole_spans(
