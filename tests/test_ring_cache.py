@@ -1,9 +1,10 @@
 """The flight recorder's per-signature caches (CPU): a warm cache writes the same slots as a
 recorder for which every call is its first (layouts, plans and the journal's JSON memo cleared
-before each call), and every slot's JSON is byte for byte the journal's reference encoding."""
+before each call), and every slot's JSON is byte for byte a one-encode reference of it."""
 
 from __future__ import annotations
 
+import json
 import struct
 from dataclasses import replace
 from pathlib import Path
@@ -14,13 +15,30 @@ import torch
 
 import kdump
 from kdump.bundle import load_bundle
-from kdump.record import journal as journal_mod
 from kdump.record.config import RingConfig
 from kdump.record.journal import SlotState, read_journal
 from kdump.record.ring import RingRecorder, SpanViews
 from kdump.record.statics import first_views
 
 T = __name__
+
+
+def _reference_json(meta, spans) -> bytes:
+    """The slot JSON in one encode, as the journal's memoised parts must reproduce it."""
+    storages = [
+        {**d, "payload": i if spans[i] is not None else None} for i, d in enumerate(meta.storages)
+    ]
+    doc = {
+        "target": meta.target,
+        "called_as": meta.called_as or meta.target,
+        "names": meta.names,
+        "args": meta.args,
+        "kwargs": meta.kwargs,
+        "storages": storages,
+        "tensors": meta.tensors,
+        "extra": meta.extra,
+    }
+    return json.dumps(doc, separators=(",", ":"), default=str).encode()
 
 
 def gemm_like(a: torch.Tensor, w: torch.Tensor, layout: torch.Tensor, out: torch.Tensor, scale=1.0):
@@ -104,7 +122,7 @@ def _record(
                 if "version" in d:
                     first[d["base_ptr"]] = min(first.get(d["base_ptr"], 1 << 62), d["version"])
         for s in complete:
-            assert docs[s.index] == journal_mod._meta_json(s.meta, list(s.spans))
+            assert docs[s.index] == _reference_json(s.meta, list(s.spans))
             extra = {k: v for k, v in s.meta.extra.items() if k != "time_ns"}
             storages = []
             for d in s.meta.storages:

@@ -19,9 +19,8 @@ import hashlib
 import mmap
 import os
 import struct
-import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +28,8 @@ import torch
 
 from kdump.bundle.format import ALIGN_MOD, STORE_DIRNAME
 from kdump.bundle.store import (
-    HASH_THREADS,
     BlobStore,
+    ProcessPool,
     blob_digests,
     fast_checksum,
     hasher,
@@ -62,20 +61,9 @@ def aligned(pos: int, nbytes: int, align: int, min_aligned: int) -> int:
     return pos + (align - pos) % ALIGN_MOD if nbytes >= min_aligned else pos
 
 
-_io_pool: ThreadPoolExecutor | None = None
-_io_pid = 0
-_io_lock = threading.Lock()
-
-
-def io_pool() -> ThreadPoolExecutor:
-    """The process's file-write pool (os.pwrite releases the GIL). Separate from the hashing pool
-    so that a hashing job may wait on writes without ever waiting on itself."""
-    global _io_pool, _io_pid
-    with _io_lock:
-        if _io_pool is None or _io_pid != os.getpid():
-            _io_pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="kdump-write")
-            _io_pid = os.getpid()
-        return _io_pool
+# The process's file-write pool (os.pwrite releases the GIL). Separate from the hashing pool so
+# that a hashing job may wait on writes without ever waiting on itself.
+io_pool = ProcessPool("kdump-write")
 
 
 def _address(view: memoryview) -> int:

@@ -130,20 +130,26 @@ def blob_digests(data: memoryview | bytes) -> tuple[str, str]:
     return sha256_hex(data), fast
 
 
-_pool: ThreadPoolExecutor | None = None
-_pool_pid = 0
-_pool_lock = threading.Lock()
+class ProcessPool:
+    """A thread pool of the process, made on first use and again in a forked child (whose copy of
+    the parent's pool has no threads)."""
+
+    def __init__(self, prefix: str) -> None:
+        self._prefix = prefix
+        self._pool: ThreadPoolExecutor | None = None
+        self._pid = 0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None or self._pid != os.getpid():
+                self._pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix=self._prefix)
+                self._pid = os.getpid()
+            return self._pool
 
 
-def pool() -> ThreadPoolExecutor:
-    """The process's one hashing / copying pool (hashlib and xxhash release the GIL). Created on
-    first use and again in a forked child, whose copy of the parent's pool has no threads."""
-    global _pool, _pool_pid
-    with _pool_lock:
-        if _pool is None or _pool_pid != os.getpid():
-            _pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="kdump-hash")
-            _pool_pid = os.getpid()
-        return _pool
+# The process's one hashing / copying pool (hashlib and xxhash release the GIL).
+pool = ProcessPool("kdump-hash")
 
 
 class BlobStore:

@@ -529,7 +529,8 @@ class Journal:
             return Slot(self, index, seq, spans)
 
     def _json(self, meta: SlotMeta, spans: Sequence[tuple[int, int] | None] | None) -> bytes:
-        """The slot JSON, byte for byte what `_meta_json` writes, from parts memoised by the
+        """The slot JSON (one object: target, called_as, names, args, kwargs, storages with their
+        payload index or null, tensors, extra; compact separators) from parts memoised by the
         identity of the objects they encode: the recorder passes the same argument trees, names
         and tensor list for repeated calls of one signature, and the same storage list while the
         storages' versions and static references repeat; only `extra` (call index, time, site)
@@ -614,7 +615,7 @@ def _dumps(value: Any) -> bytes:
 
 
 def _head_json(meta: SlotMeta) -> bytes:
-    """The slot JSON from its opening brace through `kwargs` (what `_meta_json` writes first)."""
+    """The slot JSON from its opening brace through `kwargs`."""
     doc = {
         "target": meta.target,
         "called_as": meta.called_as or meta.target,
@@ -630,27 +631,6 @@ def _storages_json(storages: Sequence[dict[str, Any]], present: Sequence[bool]) 
     return _dumps(
         [{**s, "payload": i if p else None} for i, (s, p) in enumerate(zip(storages, present))]
     )
-
-
-def _meta_json(meta: SlotMeta, spans: Sequence[tuple[int, int] | None] | None = None) -> bytes:
-    """The slot JSON in one encode: the reference that `Journal._json`'s parts reproduce."""
-    storages = []
-    for i, s in enumerate(meta.storages):
-        d = dict(s)
-        # Before placement every storage claims a payload; placement may take some back.
-        d["payload"] = i if spans is None or spans[i] is not None else None
-        storages.append(d)
-    doc = {
-        "target": meta.target,
-        "called_as": meta.called_as or meta.target,
-        "names": meta.names,
-        "args": meta.args,
-        "kwargs": meta.kwargs,
-        "storages": storages,
-        "tensors": meta.tensors,
-        "extra": meta.extra,
-    }
-    return json.dumps(doc, separators=(",", ":"), default=str).encode()
 
 
 def _place(
