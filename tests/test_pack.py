@@ -132,3 +132,13 @@ def test_bundle_outside_a_capture_directory(
     assert _exit(capsys, "pack", str(src))[0] == 0
     _assert_packed(tmp_path / "solo.packed" / "x.kdump", tensors)
     assert _listed(tmp_path / "solo") == ["x.kdump"]
+
+
+def test_bundle_at_the_file_system_root_needs_an_output() -> None:
+    """A bundle directly under / has no folder beside its own for the default copy: a usage
+    error that says to pass -o (not an internal error)."""
+    from kdump.bundle.writer import pack_destination
+    from kdump.errors import UsageError
+
+    with pytest.raises(UsageError, match="pass -o"):
+        pack_destination("/call.kdump")

@@ -509,6 +509,8 @@ def pack_destination(
     folders = [f for f in (capture, base_p) if f is not None]
     root = min(folders, key=lambda f: len(f.parts)) if folders else src_p.parent
     if output is None:
+        if not root.name:  # the file system's root has no folder beside it
+            raise UsageError(f"{src}: no default place beside {root} for the packed copy; pass -o")
         dst = root.with_name(root.name + PACKED_SUFFIX) / src_p.relative_to(root)
     elif Path(output).is_dir():
         inner = src_p.relative_to(base_p) if base_p is not None else Path(src_p.name)
