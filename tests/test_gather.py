@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import random
+import re
 import struct
 from pathlib import Path
 
@@ -136,6 +137,16 @@ def test_deepgemm_specs_declare_touched_rows():
 def test_params_mirror_the_kernel_struct():
     assert ctypes.sizeof(gather.SnapParams) == 696  # static_assert in snapshot.cu
     assert gather.SnapParams.rule.offset == 16 * 24 + 4 * 48
+
+
+def test_launch_constants_mirror_the_kernel_source():
+    """The host sizes the grid from these: a mismatch would leave rows or chunks uncopied."""
+    defines = dict(re.findall(r"^#define (KD_\w+) (\d+)", gather.kernel_source(), re.M))
+    assert int(defines["KD_ROWS_PER_BLOCK"]) == gather.ROWS_PER_BLOCK
+    assert int(defines["KD_THREADS"]) == gather.THREADS
+    assert int(defines["KD_CHUNK"]) == gather.COPY_CHUNK
+    assert int(defines["KD_MAX_COPIES"]) == gather.MAX_COPIES
+    assert int(defines["KD_MAX_GATHERS"]) == gather.MAX_GATHERS
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])

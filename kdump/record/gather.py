@@ -31,7 +31,7 @@ SOURCE_NAME = "snapshot.cu"
 KERNEL = "kd_snapshot"
 MAX_COPIES = 16
 MAX_GATHERS = 4
-ROWS_PER_BLOCK = 128
+ROWS_PER_BLOCK = 256  # KD_ROWS_PER_BLOCK in snapshot.cu
 THREADS = 256  # KD_THREADS in snapshot.cu
 RULES = {"all": 0, "labels": 1, "masked": 2, "psum": 3}
 RECORD_HEAD = 16  # u32 row index, 12 zero bytes
@@ -492,7 +492,7 @@ def get_kernel(device_index: int) -> Any:
         return _functions[device_index]
 
 
-COPY_CHUNK = 65536  # KD_CHUNK in snapshot.cu
+COPY_CHUNK = 16384  # KD_CHUNK in snapshot.cu
 MAX_COPY_BLOCKS = 1024
 
 

@@ -15,10 +15,10 @@ typedef unsigned int u32;
 
 #define KD_MAX_COPIES 16
 #define KD_MAX_GATHERS 4
-#define KD_ROWS_PER_BLOCK 128
+#define KD_ROWS_PER_BLOCK 256  // one row per thread: 144 blocks for 36,864 rows, one wave on a big GPU
 #define KD_THREADS 256
-#define KD_PIECE 512u  // bytes of a contiguous row one warp copies per work item (32 x 16)
-#define KD_CHUNK 65536ull  // bytes of a plain copy per block step
+#define KD_UNROLL 4u  // loads in flight per thread before its stores
+#define KD_CHUNK 16384ull  // bytes of a plain copy per block step (KD_THREADS x 16 x KD_UNROLL)
 
 #define RULE_ALL 0
 #define RULE_LABELS 1
@@ -103,6 +103,8 @@ static_assert(sizeof(Gather) == 48, "Gather layout");
 static_assert(sizeof(Params) == 696, "Params layout");
 static_assert(sizeof(SlotHead) == 64, "SlotHead layout");
 static_assert(sizeof(Record) == 64, "Record layout");
+static_assert(KD_ROWS_PER_BLOCK <= KD_THREADS, "a gather block tests one row per thread");
+static_assert(KD_CHUNK == KD_THREADS * 16 * KD_UNROLL, "a plain-copy step is one unrolled round");
 
 __device__ __forceinline__ u64 slot_pos(const Params& p, u64 head) {
   // A slot never wraps around the end: skip to the next lap instead.
@@ -141,40 +143,144 @@ __device__ __forceinline__ bool touched(const Params& p, u32 r) {
   }
 }
 
-__device__ void copy_bytes(char* dst, const char* src, u64 n, u32 lane, u32 lanes) {
-  if ((((u64)dst | (u64)src | n) & 15) == 0) {
-    const uint4* s = (const uint4*)src;
-    uint4* d = (uint4*)dst;
-#pragma unroll 8
-    for (u64 i = lane; i < n / 16; i += lanes) d[i] = s[i];
-  } else if ((((u64)dst | (u64)src | n) & 3) == 0) {
-    const u32* s = (const u32*)src;
-    u32* d = (u32*)dst;
-    for (u64 i = lane; i < n / 4; i += lanes) d[i] = s[i];
-  } else {
-    for (u64 i = lane; i < n; i += lanes) dst[i] = src[i];
+// Every copy below keeps KD_UNROLL loads in flight per thread before it stores any of them: a
+// copy that stores each value before loading the next runs at memory latency (a 64 KiB chunk took
+// 16 round trips of ~1 us), not at HBM bandwidth.
+template <typename T>
+__device__ __forceinline__ void copy_units(char* __restrict__ dst, const char* __restrict__ src,
+                                           u64 units, u32 tid, u32 threads) {
+  const T* s = (const T*)src;
+  T* d = (T*)dst;
+  for (u64 b = 0; b < units; b += (u64)threads * KD_UNROLL) {
+    T v[KD_UNROLL];
+#pragma unroll
+    for (u32 k = 0; k < KD_UNROLL; ++k) {
+      const u64 i = b + tid + (u64)k * threads;
+      if (i < units) v[k] = s[i];
+    }
+#pragma unroll
+    for (u32 k = 0; k < KD_UNROLL; ++k) {
+      const u64 i = b + tid + (u64)k * threads;
+      if (i < units) d[i] = v[k];
+    }
   }
+}
+
+// n bytes with the widest units both ends' alignment allows, the tail bytewise.
+__device__ void copy_bytes(char* dst, const char* src, u64 n, u32 tid, u32 threads) {
+  const u64 mis = (u64)dst | (u64)src;
+  u64 body = 0;
+  if ((mis & 15) == 0) {
+    body = n / 16 * 16;
+    copy_units<uint4>(dst, src, n / 16, tid, threads);
+  } else if ((mis & 3) == 0) {
+    body = n / 4 * 4;
+    copy_units<u32>(dst, src, n / 4, tid, threads);
+  }
+  for (u64 i = body + tid; i < n; i += threads) dst[i] = src[i];
 }
 
 __device__ __forceinline__ bool contiguous(const Gather& g) {
   return g.cols == 1 || g.col_stride == (i64)g.elem;
 }
 
-__device__ void copy_row(const Gather& g, u32 r, u32 inner, char* rec, u32 lane) {
-  const char* row = (const char*)g.src + (i64)(r / inner) * g.outer_stride +
-                    (i64)(r % inner) * g.inner_stride;
-  char* out = rec + g.rec_off;
-  if (g.cols == 1 || g.col_stride == (i64)g.elem) {
-    copy_bytes(out, row, (u64)g.cols * g.elem, lane, 32);
+__device__ __forceinline__ const char* row_at(const Gather& g, u32 r, u32 inner) {
+  return (const char*)g.src + (i64)(r / inner) * g.outer_stride + (i64)(r % inner) * g.inner_stride;
+}
+
+// The contiguous rows of one gather for the block's `count` touched rows (s_rows, in row order;
+// record q of the block at out + q * rec_bytes): the block's threads take the rows' T-sized units
+// as one flat range, so a block with one touched row still spreads it over every thread.
+template <typename T>
+__device__ void gather_contiguous(const Gather& g, const u32* rows, u32 count, u32 inner,
+                                  char* out, u32 rec_bytes, u32 tid) {
+  const u32 per_row = g.cols * g.elem / sizeof(T);
+  const u32 total = count * per_row;
+  for (u32 b = 0; b < total; b += KD_THREADS * KD_UNROLL) {
+    T v[KD_UNROLL];
+#pragma unroll
+    for (u32 k = 0; k < KD_UNROLL; ++k) {
+      const u32 f = b + tid + k * KD_THREADS;
+      if (f < total) {
+        const u32 q = f / per_row, c = f - q * per_row;
+        v[k] = ((const T*)row_at(g, rows[q], inner))[c];
+      }
+    }
+#pragma unroll
+    for (u32 k = 0; k < KD_UNROLL; ++k) {
+      const u32 f = b + tid + k * KD_THREADS;
+      if (f < total) {
+        const u32 q = f / per_row, c = f - q * per_row;
+        ((T*)(out + (u64)q * rec_bytes + g.rec_off))[c] = v[k];
+      }
+    }
+  }
+}
+
+// A strided gather (e.g. MN-major scales: a row's elements lie a column stride apart): elements
+// as one flat range, rows fastest, so neighbouring threads read neighbouring rows of one column
+// (adjacent in memory for MN-major layouts).
+template <typename T>
+__device__ void gather_strided(const Gather& g, const u32* rows, u32 count, u32 inner, char* out,
+                               u32 rec_bytes, u32 tid) {
+  const u32 total = count * g.cols;
+  for (u32 b = 0; b < total; b += KD_THREADS * KD_UNROLL) {
+    T v[KD_UNROLL];
+#pragma unroll
+    for (u32 k = 0; k < KD_UNROLL; ++k) {
+      const u32 f = b + tid + k * KD_THREADS;
+      if (f < total) {
+        const u32 c = f / count, q = f - c * count;
+        v[k] = *(const T*)(row_at(g, rows[q], inner) + (i64)c * g.col_stride);
+      }
+    }
+#pragma unroll
+    for (u32 k = 0; k < KD_UNROLL; ++k) {
+      const u32 f = b + tid + k * KD_THREADS;
+      if (f < total) {
+        const u32 c = f / count, q = f - c * count;
+        *(T*)(out + (u64)q * rec_bytes + g.rec_off + (u64)c * sizeof(T)) = v[k];
+      }
+    }
+  }
+}
+
+__device__ void gather_one(const Gather& g, const u32* rows, u32 count, u32 inner, char* out,
+                           u32 rec_bytes, u32 tid) {
+  const u64 row_bytes = (u64)g.cols * g.elem;
+  if (contiguous(g)) {
+    // Units of 16 or 4 bytes when every row start, record offset and the row length allow them.
+    const u64 mis = (u64)g.src | (u64)g.outer_stride | (u64)g.inner_stride | (u64)g.rec_off |
+                    (u64)rec_bytes | (u64)out | row_bytes;
+    if (row_bytes * count < (1ull << 32)) {
+      if ((mis & 15) == 0) return gather_contiguous<uint4>(g, rows, count, inner, out, rec_bytes, tid);
+      if ((mis & 3) == 0) return gather_contiguous<u32>(g, rows, count, inner, out, rec_bytes, tid);
+      if (row_bytes * count < (1ull << 28))
+        return gather_contiguous<unsigned char>(g, rows, count, inner, out, rec_bytes, tid);
+    }
+    for (u32 q = 0; q < count; ++q)  // huge or odd rows: one after another, all threads on each
+      copy_bytes(out + (u64)q * rec_bytes + g.rec_off, row_at(g, rows[q], inner), row_bytes, tid,
+                 KD_THREADS);
     return;
   }
-  for (u32 c = lane; c < g.cols; c += 32) {
-    const char* e = row + (i64)c * g.col_stride;
-    char* o = out + (u64)c * g.elem;
-    if (g.elem == 4 && (((u64)e | (u64)o) & 3) == 0) {
-      *(u32*)o = *(const u32*)e;
-    } else {
-      for (u32 b = 0; b < g.elem; ++b) o[b] = e[b];
+  const u64 mis = (u64)g.src | (u64)g.outer_stride | (u64)g.inner_stride | (u64)g.col_stride |
+                  (u64)g.rec_off | (u64)rec_bytes | (u64)out;
+  if ((u64)count * g.cols < (1ull << 32)) {
+    switch (g.elem) {
+      case 8: if ((mis & 7) == 0) return gather_strided<u64>(g, rows, count, inner, out, rec_bytes, tid); break;
+      case 4: if ((mis & 3) == 0) return gather_strided<u32>(g, rows, count, inner, out, rec_bytes, tid); break;
+      case 2: if ((mis & 1) == 0) return gather_strided<unsigned short>(g, rows, count, inner, out, rec_bytes, tid); break;
+      case 1: return gather_strided<unsigned char>(g, rows, count, inner, out, rec_bytes, tid);
+      default: break;
+    }
+  }
+  // Any other element size: element by element, bytewise.
+  for (u32 q = 0; q < count; ++q) {
+    const char* row = row_at(g, rows[q], inner);
+    char* o = out + (u64)q * rec_bytes + g.rec_off;
+    for (u64 i = tid; i < row_bytes; i += KD_THREADS) {
+      const u64 c = i / g.elem, b = i - c * g.elem;
+      o[i] = row[(i64)c * g.col_stride + (i64)b];
     }
   }
 }
@@ -182,7 +288,7 @@ __device__ void copy_row(const Gather& g, u32 r, u32 inner, char* rec, u32 lane)
 extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __grid_constant__ Params p) {
   __shared__ u32 s_count;
   __shared__ u32 s_base;
-  __shared__ u32 s_rank[KD_ROWS_PER_BLOCK];
+  __shared__ u32 s_warp[KD_THREADS / 32];
   __shared__ u32 s_rows[KD_ROWS_PER_BLOCK];
   __shared__ bool s_last;
   __shared__ u64 s_token, s_head;
@@ -205,66 +311,39 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
     __threadfence_system();
   }
   if (blockIdx.x < p.gather_blocks) {
+    // The block's touched rows, compacted in row order (a ballot per warp, then warp offsets):
+    // records of a block are in row order, and neighbouring records hold neighbouring rows.
+    const u32 warp = tid / 32, lane = tid % 32;
+    const u32 r = blockIdx.x * KD_ROWS_PER_BLOCK + tid;
+    const bool mine = tid < KD_ROWS_PER_BLOCK && r < p.rows && touched(p, r);
+    const u32 ballot = __ballot_sync(0xffffffffu, mine);
+    if (lane == 0) s_warp[warp] = __popc(ballot);
+    __syncthreads();
     if (tid == 0) {
       ctrl[1] = pos + p.worst;  // what this launch may overwrite (salvage checks older slots)
-      s_count = 0;
+      u32 n = 0;
+      for (u32 w = 0; w < KD_THREADS / 32; ++w) {
+        const u32 c = s_warp[w];
+        s_warp[w] = n;
+        n += c;
+      }
+      s_count = n;
+      s_base = n ? atomicAdd(&rec->row_counter, n) : 0;
     }
     __syncthreads();
-    const u32 r0 = blockIdx.x * KD_ROWS_PER_BLOCK;
-    if (tid < KD_ROWS_PER_BLOCK) {
-      u32 r = r0 + tid;
-      if (r < p.rows && touched(p, r)) {
-        u32 k = atomicAdd(&s_count, 1u);
-        s_rows[k] = r;
-      }
-    }
+    if (mine) s_rows[s_warp[warp] + __popc(ballot & ((1u << lane) - 1u))] = r;
     __syncthreads();
-    if (tid == 0) s_base = s_count ? atomicAdd(&rec->row_counter, s_count) : 0;
-    // Records in row order inside a block: rank = rows of this block below it.
-    if (tid < s_count) {
-      u32 mine = s_rows[tid], below = 0;
-      for (u32 j = 0; j < s_count; ++j) below += s_rows[j] < mine;
-      s_rank[tid] = below;
+    const u32 count = s_count;
+    char* out = (char*)p.ring + (pos % p.ring_bytes) + sizeof(SlotHead) + (u64)s_base * p.rec_bytes;
+    if (tid < count) {
+      u32* h = (u32*)(out + (u64)tid * p.rec_bytes);
+      h[0] = s_rows[tid];
+      h[1] = 0;
+      h[2] = 0;
+      h[3] = 0;
     }
-    __syncthreads();
-    char* slot = (char*)p.ring + (pos % p.ring_bytes);
-    const u32 warp = tid / 32, lane = tid % 32;
-    // Work items per row: KD_PIECE-byte pieces of each contiguous row, then one item for the
-    // record head and the strided rows. Warps take items round robin, so even a block with one
-    // touched row spreads its bytes over all its warps.
-    u32 pieces = 0;
-    for (u32 gi = 0; gi < p.n_gathers; ++gi) pieces += contiguous(p.gathers[gi])
-        ? (p.gathers[gi].cols * p.gathers[gi].elem + KD_PIECE - 1) / KD_PIECE : 0;
-    const u32 per_row = pieces + 1;
-    for (u32 it = warp; it < s_count * per_row; it += KD_THREADS / 32) {
-      const u32 j = it / per_row, q = it % per_row;
-      const u32 r = s_rows[j];
-      char* out = slot + sizeof(SlotHead) + (u64)(s_base + s_rank[j]) * p.rec_bytes;
-      if (q == pieces) {
-        if (lane == 0) {
-          ((u32*)out)[0] = r;
-          ((u32*)out)[1] = 0;
-          ((u64*)out)[1] = 0;
-        }
-        for (u32 gi = 0; gi < p.n_gathers; ++gi)
-          if (!contiguous(p.gathers[gi])) copy_row(p.gathers[gi], r, p.inner, out, lane);
-        continue;
-      }
-      u32 c = q;  // the piece: find its gather
-      for (u32 gi = 0; gi < p.n_gathers; ++gi) {
-        const Gather& g = p.gathers[gi];
-        if (!contiguous(g)) continue;
-        const u32 n = g.cols * g.elem, k = (n + KD_PIECE - 1) / KD_PIECE;
-        if (c < k) {
-          const char* row = (const char*)g.src + (i64)(r / p.inner) * g.outer_stride +
-                            (i64)(r % p.inner) * g.inner_stride;
-          const u32 at = c * KD_PIECE, len = n - at < KD_PIECE ? n - at : KD_PIECE;
-          copy_bytes(out + g.rec_off + at, row + at, len, lane, 32);
-          break;
-        }
-        c -= k;
-      }
-    }
+    for (u32 gi = 0; gi < p.n_gathers; ++gi)
+      gather_one(p.gathers[gi], s_rows, count, p.inner, out, p.rec_bytes, tid);
   } else {
     // Copy blocks take KD_CHUNK-byte chunks of the plain copies, round robin.
     const u32 copy_blocks = gridDim.x - p.gather_blocks;

@@ -1,0 +1,176 @@
+"""The fused snapshot kernel launched directly, bitwise against the reference semantics
+(`gather.reference_gather`) for every path it has: 16-, 4- and 1-byte units of contiguous rows,
+strided rows of 8-, 4-, 2- and 1-byte elements and of an odd element size, every row rule, row
+counts that leave a partial block, and plain copies of odd sizes and alignments."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from kdump.bundle.tensors import group_storages
+from kdump.record import gather
+
+pytestmark = pytest.mark.gpu
+_SLOT = struct.Struct("<IIQQQIIQQQ")  # SlotHead
+_RECORD = struct.Struct("<IIQQQIIQQQ")
+
+
+@pytest.fixture(autouse=True)
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+
+
+def _launch(plan: gather.Plan | None, tensors, rule, copies=()):
+    """Run the kernel once on fresh control words; returns (records sorted, call record)."""
+    fn = gather.get_kernel(torch.cuda.current_device())[0]
+    storages = group_storages(tensors)[0] if tensors else []
+    p = gather.SnapParams()
+    ring = torch.zeros(plan.worst if plan else 256, dtype=torch.uint8, device="cuda")
+    ctrl = torch.zeros(2, dtype=torch.int64, device="cuda")
+    record = torch.zeros(8, dtype=torch.int64, device="cuda")
+    for k, (src, dst) in enumerate(copies):
+        c = p.copies[k]
+        c.src, c.dst, c.nbytes = src.data_ptr(), dst.data_ptr(), src.numel() * src.element_size()
+    p.n_copies = len(copies)
+    if plan is not None:
+        for k, g in enumerate(plan.gathers):
+            d = p.gathers[k]
+            s = storages[g.storage]
+            d.src = int(s.base_ptr) + int(s.span_start) + g.src_offset
+            d.outer_stride, d.inner_stride, d.col_stride = (
+                g.outer_stride,
+                g.inner_stride,
+                g.col_stride,
+            )
+            d.cols, d.elem, d.rec_off = g.cols, g.elem, g.rec_off
+        p.n_gathers = len(plan.gathers)
+        p.rule_kind = gather.RULES[plan.rule]
+        p.rule = rule.data_ptr() if rule is not None else 0
+        p.rule_n = rule.numel() if rule is not None else 0
+        p.rows, p.inner, p.alignment = plan.rows, plan.inner, plan.alignment
+        p.rec_bytes, p.worst = plan.rec_bytes, plan.worst
+        p.gather_blocks = -(-plan.rows // gather.ROWS_PER_BLOCK)
+        p.ring, p.ring_bytes = ring.data_ptr(), ring.numel()
+    else:
+        p.inner = p.alignment = 1
+    p.ctrl, p.record, p.seq, p.call_index = ctrl.data_ptr(), record.data_ptr(), 7, 11
+    stream = torch.cuda.current_stream().cuda_stream
+    gather.launch(fn, p, stream)
+    torch.cuda.synchronize()
+    rec = _RECORD.unpack(record.cpu().numpy().tobytes())
+    magic, rows, seq, token, pos, done, counter, complete, call_index, head_after = rec
+    assert (magic, seq, token, complete, call_index) == (gather.RECORD_MAGIC, 7, 1, 1, 11)
+    assert done == 0 and counter == 0, "the launch's scratch words are reset for the next one"
+    if plan is None:
+        return None, rec
+    assert pos == 0
+    head = _SLOT.unpack(ring[: gather.SLOT_HEAD].cpu().numpy().tobytes())
+    assert head[0] == gather.SLOT_MAGIC and head[5] == rows and head[-1] == 1
+    assert int(ctrl[0]) == head_after == head[7]
+    got = ring[gather.SLOT_HEAD : gather.SLOT_HEAD + rows * plan.rec_bytes].cpu()
+    return gather.sort_records(got.reshape(rows, plan.rec_bytes)), rec
+
+
+def _check(tensors, gathered, rule_name, rule, row_dims, alignment=1):
+    storages, records = group_storages(tensors)
+    rule_i = None if rule is None else next(i for i, t in enumerate(tensors) if t is rule)
+    plan = gather.make_plan(
+        tensors, records, storages, gathered, rule_name, rule_i, row_dims, alignment
+    )
+    assert plan is not None
+    got, _ = _launch(plan, tensors, rule)
+    spans = []
+    for i, s in enumerate(storages):
+        t = tensors[next(ti for ti, r in enumerate(records) if r.storage == i)]
+        whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+        spans.append(whole[s.span_start : s.span_start + s.span_nbytes].cpu())
+    _, want = gather.reference_gather(plan, spans, rule.cpu() if rule is not None else None)
+    assert got.shape == want.shape
+    assert torch.equal(got, want)
+    return plan
+
+
+def _labels(sizes, block=128):
+    out = []
+    for e, n in enumerate(sizes):
+        out += [e] * n + [-1] * (block - n)
+    return torch.tensor(out, dtype=torch.int32, device="cuda")
+
+
+def _bytes(shape, seed, dtype=torch.uint8):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    t = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda", generator=g)
+    return t.view(dtype) if dtype.itemsize == 1 else t
+
+
+def test_labels_rule_with_fp8_rows_and_mn_major_scales():
+    labels = _labels([1, 0, 128, 17, 113, 64, 3])
+    m = labels.numel()
+    a = _bytes((m, 512), 1, torch.float8_e4m3fn)
+    sfa = torch.empty_strided((m, 4), (1, m), dtype=torch.float32, device="cuda")
+    sfa.copy_(torch.randn(m, 4, device="cuda"))
+    plan = _check([a, sfa, labels], [0, 1], "labels", labels, 1)
+    assert plan.gathers[0].cols == 1 and plan.gathers[1].cols == 4  # contiguous, strided
+
+
+def test_masked_rule_on_three_dimensional_operands_with_packed_scales():
+    g_, max_m, k = 5, 96, 384
+    a = _bytes((g_, max_m, k), 2)
+    sf = torch.empty_strided(
+        (g_, max_m, 3), (max_m * 3, 1, max_m), dtype=torch.int32, device="cuda"
+    )
+    sf.copy_(torch.randint(-(2**31), 2**31 - 1, (g_, max_m, 3), dtype=torch.int32))
+    masked = torch.tensor([0, 96, 1, 50, 95], dtype=torch.int32, device="cuda")
+    _check([a, sf, masked], [0, 1], "masked", masked, 2)
+
+
+def test_psum_rule_with_aligned_group_starts():
+    ends = torch.tensor([5, 130, 130, 300, 517], dtype=torch.int32, device="cuda")
+    a = _bytes((640, 256), 3)
+    _check([a, ends], [0], "psum", ends, 1, alignment=128)
+
+
+def test_odd_units_elements_and_a_partial_last_block():
+    rows = 300  # 256 + 44: the second block is partial
+    bf = _bytes((rows, 200), 4).view(torch.bfloat16)  # 200-byte rows: 4-byte units
+    odd = _bytes((rows, 37), 5)  # 37-byte rows: bytewise
+    wide = torch.empty_strided((rows, 3), (1, rows), dtype=torch.int64, device="cuda")
+    wide.copy_(torch.randint(-(2**62), 2**62, (rows, 3), dtype=torch.int64))
+    _check([bf, odd, wide], [0, 1, 2], "all", None, 1)
+    half = torch.empty_strided((rows, 5), (1, rows + 3), dtype=torch.float16, device="cuda")
+    half.copy_(torch.randn(rows, 5, device="cuda"))
+    small = _bytes((rows, 6), 6)[:, ::2]  # 1-byte elements two bytes apart
+    _check([half, small], [0, 1], "all", None, 1)
+
+
+def test_strided_rows_of_an_element_size_without_a_unit():
+    # complex128: 16-byte elements a column stride apart take the bytewise path
+    rows = 270
+    z = torch.empty_strided((rows, 3), (1, rows), dtype=torch.complex128, device="cuda")
+    z.copy_(torch.randn(rows, 3, dtype=torch.complex128))
+    plan = _check([z], [0], "all", None, 1)
+    assert plan.gathers[0].elem == 16 and plan.gathers[0].cols == 3
+
+
+def test_plain_copies_of_odd_sizes_and_alignments():
+    src = _bytes((3 << 20,), 8)
+    dst = torch.zeros_like(src)
+    pieces = [  # (offset, length): 16-aligned, 4-aligned, unaligned, tiny, empty
+        (0, 1 << 20),
+        (1 << 20, 100_004),
+        ((1 << 20) + 100_004 + 3, 77_777),
+        (2 << 20, 5),
+        ((2 << 20) + 64, 0),
+    ]
+    copies = [(src[o : o + n], dst[o : o + n]) for o, n in pieces]
+    _launch(None, [], None, copies)
+    for o, n in pieces:
+        assert torch.equal(dst[o : o + n], src[o : o + n])
+    untouched = torch.ones_like(src, dtype=torch.bool)
+    for o, n in pieces:
+        untouched[o : o + n] = False
+    assert not dst[untouched].any(), "nothing outside the ranges is written"
