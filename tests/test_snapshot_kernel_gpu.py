@@ -6,6 +6,7 @@ counts that leave a partial block, and plain copies of odd sizes and alignments.
 from __future__ import annotations
 
 import struct
+from dataclasses import replace
 
 import pytest
 import torch
@@ -75,13 +76,15 @@ def _launch(plan: gather.Plan | None, tensors, rule, copies=()):
     return gather.sort_records(got.reshape(rows, plan.rec_bytes)), rec
 
 
-def _check(tensors, gathered, rule_name, rule, row_dims, alignment=1):
+def _check(tensors, gathered, rule_name, rule, row_dims, alignment=1, tweak=None):
     storages, records = group_storages(tensors)
     rule_i = None if rule is None else next(i for i, t in enumerate(tensors) if t is rule)
     plan = gather.make_plan(
         tensors, records, storages, gathered, rule_name, rule_i, row_dims, alignment
     )
     assert plan is not None
+    if tweak is not None:
+        plan = replace(plan, gathers=tuple(replace(g, **tweak) for g in plan.gathers))
     got, _ = _launch(plan, tensors, rule)
     spans = []
     for i, s in enumerate(storages):
@@ -148,12 +151,11 @@ def test_odd_units_elements_and_a_partial_last_block():
 
 
 def test_strided_rows_of_an_element_size_without_a_unit():
-    # complex128: 16-byte elements a column stride apart take the bytewise path
-    rows = 270
-    z = torch.empty_strided((rows, 3), (1, rows), dtype=torch.complex128, device="cuda")
-    z.copy_(torch.randn(rows, 3, dtype=torch.complex128))
-    plan = _check([z], [0], "all", None, 1)
-    assert plan.gathers[0].elem == 16 and plan.gathers[0].cols == 3
+    # Every supported dtype has a 1/2/4/8-byte element; the kernel still copies any other size
+    # (bytewise): 3-byte elements six bytes apart, a plan made by hand over a uint8 tensor.
+    t = _bytes((270, 24), 9)[:, ::6]
+    plan = _check([t], [0], "all", None, 1, tweak={"elem": 3})
+    assert plan.gathers[0].elem == 3 and plan.gathers[0].cols == 4
 
 
 def test_plain_copies_of_odd_sizes_and_alignments():

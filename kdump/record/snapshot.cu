@@ -184,36 +184,43 @@ __device__ __forceinline__ bool contiguous(const Gather& g) {
   return g.cols == 1 || g.col_stride == (i64)g.elem;
 }
 
-__device__ __forceinline__ const char* row_at(const Gather& g, u32 r, u32 inner) {
-  return (const char*)g.src + (i64)(r / inner) * g.outer_stride + (i64)(r % inner) * g.inner_stride;
+// Row q of the block's touched rows: its outer and inner index (s_outer/s_inner, found once per
+// row: a division per copied unit would cost more instructions than the copy).
+__device__ __forceinline__ const char* row_at(const Gather& g, const u32* outer, const u32* inner,
+                                              u32 q) {
+  return (const char*)g.src + (i64)outer[q] * g.outer_stride + (i64)inner[q] * g.inner_stride;
 }
 
-// The contiguous rows of one gather for the block's `count` touched rows (s_rows, in row order;
-// record q of the block at out + q * rec_bytes): the block's threads take the rows' T-sized units
-// as one flat range, so a block with one touched row still spreads it over every thread.
+// The contiguous rows of one gather for the block's `count` touched rows (in row order; record q
+// of the block at out + q * rec_bytes): the block's threads take the rows' T-sized units as one
+// flat range, so a block with one touched row still spreads it over every thread. Each thread's
+// (row, unit) moves by KD_THREADS units per step without a division.
 template <typename T>
-__device__ void gather_contiguous(const Gather& g, const u32* rows, u32 count, u32 inner,
+__device__ void gather_contiguous(const Gather& g, const u32* outer, const u32* inner, u32 count,
                                   char* out, u32 rec_bytes, u32 tid) {
   const u32 per_row = g.cols * g.elem / sizeof(T);
   const u32 total = count * per_row;
+  const u32 dq = KD_THREADS / per_row, dc = KD_THREADS - dq * per_row;
+  u32 q = tid / per_row, c = tid - q * per_row;
   for (u32 b = 0; b < total; b += KD_THREADS * KD_UNROLL) {
     T v[KD_UNROLL];
+    u32 qs[KD_UNROLL], cs[KD_UNROLL];
 #pragma unroll
     for (u32 k = 0; k < KD_UNROLL; ++k) {
-      const u32 f = b + tid + k * KD_THREADS;
-      if (f < total) {
-        const u32 q = f / per_row, c = f - q * per_row;
-        v[k] = ((const T*)row_at(g, rows[q], inner))[c];
+      qs[k] = q;
+      cs[k] = c;
+      if (b + tid + k * KD_THREADS < total) v[k] = ((const T*)row_at(g, outer, inner, q))[c];
+      q += dq;
+      c += dc;
+      if (c >= per_row) {
+        c -= per_row;
+        ++q;
       }
     }
 #pragma unroll
-    for (u32 k = 0; k < KD_UNROLL; ++k) {
-      const u32 f = b + tid + k * KD_THREADS;
-      if (f < total) {
-        const u32 q = f / per_row, c = f - q * per_row;
-        ((T*)(out + (u64)q * rec_bytes + g.rec_off))[c] = v[k];
-      }
-    }
+    for (u32 k = 0; k < KD_UNROLL; ++k)
+      if (b + tid + k * KD_THREADS < total)
+        ((T*)(out + (u64)qs[k] * rec_bytes + g.rec_off))[cs[k]] = v[k];
   }
 }
 
@@ -221,8 +228,8 @@ __device__ void gather_contiguous(const Gather& g, const u32* rows, u32 count, u
 // as one flat range, rows fastest, so neighbouring threads read neighbouring rows of one column
 // (adjacent in memory for MN-major layouts).
 template <typename T>
-__device__ void gather_strided(const Gather& g, const u32* rows, u32 count, u32 inner, char* out,
-                               u32 rec_bytes, u32 tid) {
+__device__ void gather_strided(const Gather& g, const u32* outer, const u32* inner, u32 count,
+                               char* out, u32 rec_bytes, u32 tid) {
   const u32 total = count * g.cols;
   for (u32 b = 0; b < total; b += KD_THREADS * KD_UNROLL) {
     T v[KD_UNROLL];
@@ -231,7 +238,7 @@ __device__ void gather_strided(const Gather& g, const u32* rows, u32 count, u32 
       const u32 f = b + tid + k * KD_THREADS;
       if (f < total) {
         const u32 c = f / count, q = f - c * count;
-        v[k] = *(const T*)(row_at(g, rows[q], inner) + (i64)c * g.col_stride);
+        v[k] = *(const T*)(row_at(g, outer, inner, q) + (i64)c * g.col_stride);
       }
     }
 #pragma unroll
@@ -245,38 +252,39 @@ __device__ void gather_strided(const Gather& g, const u32* rows, u32 count, u32 
   }
 }
 
-__device__ void gather_one(const Gather& g, const u32* rows, u32 count, u32 inner, char* out,
-                           u32 rec_bytes, u32 tid) {
+__device__ void gather_one(const Gather& g, const u32* outer, const u32* inner, u32 count,
+                           char* out, u32 rec_bytes, u32 tid) {
   const u64 row_bytes = (u64)g.cols * g.elem;
   if (contiguous(g)) {
     // Units of 16 or 4 bytes when every row start, record offset and the row length allow them.
     const u64 mis = (u64)g.src | (u64)g.outer_stride | (u64)g.inner_stride | (u64)g.rec_off |
                     (u64)rec_bytes | (u64)out | row_bytes;
     if (row_bytes * count < (1ull << 32)) {
-      if ((mis & 15) == 0) return gather_contiguous<uint4>(g, rows, count, inner, out, rec_bytes, tid);
-      if ((mis & 3) == 0) return gather_contiguous<u32>(g, rows, count, inner, out, rec_bytes, tid);
-      if (row_bytes * count < (1ull << 28))
-        return gather_contiguous<unsigned char>(g, rows, count, inner, out, rec_bytes, tid);
+      if ((mis & 15) == 0)
+        return gather_contiguous<uint4>(g, outer, inner, count, out, rec_bytes, tid);
+      if ((mis & 3) == 0)
+        return gather_contiguous<u32>(g, outer, inner, count, out, rec_bytes, tid);
+      return gather_contiguous<unsigned char>(g, outer, inner, count, out, rec_bytes, tid);
     }
-    for (u32 q = 0; q < count; ++q)  // huge or odd rows: one after another, all threads on each
-      copy_bytes(out + (u64)q * rec_bytes + g.rec_off, row_at(g, rows[q], inner), row_bytes, tid,
-                 KD_THREADS);
+    for (u32 q = 0; q < count; ++q)  // rows of gigabytes: one after another, all threads on each
+      copy_bytes(out + (u64)q * rec_bytes + g.rec_off, row_at(g, outer, inner, q), row_bytes,
+                 tid, KD_THREADS);
     return;
   }
   const u64 mis = (u64)g.src | (u64)g.outer_stride | (u64)g.inner_stride | (u64)g.col_stride |
                   (u64)g.rec_off | (u64)rec_bytes | (u64)out;
   if ((u64)count * g.cols < (1ull << 32)) {
-    switch (g.elem) {
-      case 8: if ((mis & 7) == 0) return gather_strided<u64>(g, rows, count, inner, out, rec_bytes, tid); break;
-      case 4: if ((mis & 3) == 0) return gather_strided<u32>(g, rows, count, inner, out, rec_bytes, tid); break;
-      case 2: if ((mis & 1) == 0) return gather_strided<unsigned short>(g, rows, count, inner, out, rec_bytes, tid); break;
-      case 1: return gather_strided<unsigned char>(g, rows, count, inner, out, rec_bytes, tid);
-      default: break;
-    }
+    if (g.elem == 8 && (mis & 7) == 0)
+      return gather_strided<u64>(g, outer, inner, count, out, rec_bytes, tid);
+    if (g.elem == 4 && (mis & 3) == 0)
+      return gather_strided<u32>(g, outer, inner, count, out, rec_bytes, tid);
+    if (g.elem == 2 && (mis & 1) == 0)
+      return gather_strided<unsigned short>(g, outer, inner, count, out, rec_bytes, tid);
+    if (g.elem == 1) return gather_strided<unsigned char>(g, outer, inner, count, out, rec_bytes, tid);
   }
   // Any other element size: element by element, bytewise.
   for (u32 q = 0; q < count; ++q) {
-    const char* row = row_at(g, rows[q], inner);
+    const char* row = row_at(g, outer, inner, q);
     char* o = out + (u64)q * rec_bytes + g.rec_off;
     for (u64 i = tid; i < row_bytes; i += KD_THREADS) {
       const u64 c = i / g.elem, b = i - c * g.elem;
@@ -290,6 +298,8 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
   __shared__ u32 s_base;
   __shared__ u32 s_warp[KD_THREADS / 32];
   __shared__ u32 s_rows[KD_ROWS_PER_BLOCK];
+  __shared__ u32 s_outer[KD_ROWS_PER_BLOCK];
+  __shared__ u32 s_inner[KD_ROWS_PER_BLOCK];
   __shared__ bool s_last;
   __shared__ u64 s_token, s_head;
   Record* rec = (Record*)p.record;
@@ -331,7 +341,12 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
       s_base = n ? atomicAdd(&rec->row_counter, n) : 0;
     }
     __syncthreads();
-    if (mine) s_rows[s_warp[warp] + __popc(ballot & ((1u << lane) - 1u))] = r;
+    if (mine) {
+      const u32 q = s_warp[warp] + __popc(ballot & ((1u << lane) - 1u));
+      s_rows[q] = r;
+      s_outer[q] = r / p.inner;
+      s_inner[q] = r % p.inner;
+    }
     __syncthreads();
     const u32 count = s_count;
     char* out = (char*)p.ring + (pos % p.ring_bytes) + sizeof(SlotHead) + (u64)s_base * p.rec_bytes;
@@ -343,7 +358,7 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
       h[3] = 0;
     }
     for (u32 gi = 0; gi < p.n_gathers; ++gi)
-      gather_one(p.gathers[gi], s_rows, count, p.inner, out, p.rec_bytes, tid);
+      gather_one(p.gathers[gi], s_outer, s_inner, count, out, p.rec_bytes, tid);
   } else {
     // Copy blocks take KD_CHUNK-byte chunks of the plain copies, round robin.
     const u32 copy_blocks = gridDim.x - p.gather_blocks;

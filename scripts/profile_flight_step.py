@@ -1,0 +1,113 @@
+"""Where a recorded graph step's time goes on the GPU: the device activities (kernels, memcpys,
+memsets) of CUDA-graph replays of the grouped GEMM, without and with the flight recorder, from
+torch's profiler (CUPTI), with one replay's timeline (start offsets and durations in µs).
+
+    python scripts/profile_flight_step.py [--tokens 1] [--n 512] [--k 4096] [--no-held]
+        [--scales-only] [--backend deep_gemm|packaged]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import tempfile
+import types
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import bench_flight
+
+import kdump
+from kdump.record.config import RingConfig
+
+
+def _replays(g: Any, n: int) -> list[Any]:
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            g.replay()
+        torch.cuda.synchronize()
+    return [e for e in prof.events() if e.device_type.name == "CUDA"]
+
+
+def _report(title: str, events: list[Any], n: int) -> None:
+    by: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        by[e.name[:70]].append(e.time_range.end - e.time_range.start)
+    print(f"\n## {title}: {len(events)} device activities in {n} replays")
+    for name, ts in sorted(by.items(), key=lambda kv: -sum(kv[1])):
+        print(f"  {len(ts) // n:3d}/replay  avg {sum(ts) / len(ts):8.2f} us  {name}")
+    # one replay's timeline: the activities of the middle replay, by start time
+    evs = sorted(events, key=lambda e: e.time_range.start)
+    per = len(evs) // n
+    one = evs[per * (n // 2) : per * (n // 2 + 1)]
+    if one:
+        t0 = one[0].time_range.start
+        print("  timeline of one replay (start us, duration us, name):")
+        for e in one:
+            dur = e.time_range.end - e.time_range.start
+            print(f"    {e.time_range.start - t0:8.2f} {dur:8.2f}  {e.name[:70]}")
+        span = one[-1].time_range.end - t0
+        print(f"  first start to last end: {span:.2f} us")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=1)
+    p.add_argument("--n", type=int, default=512)
+    p.add_argument("--k", type=int, default=4096)
+    p.add_argument("--replays", type=int, default=10)
+    p.add_argument("--no-held", action="store_true")
+    p.add_argument("--scales-only", action="store_true")
+    p.add_argument("--backend", choices=sorted(bench_flight.MODULES), default="deep_gemm")
+    opt = p.parse_args()
+    module = importlib.import_module(bench_flight.MODULES[opt.backend])
+    if opt.backend == "packaged":
+        sys.modules.setdefault("deep_gemm", types.ModuleType("deep_gemm"))
+        sys.modules["deep_gemm"].m_grouped_fp8_gemm_nt_contiguous = (  # type: ignore[attr-defined]
+            module.m_grouped_fp8_gemm_nt_contiguous
+        )
+        module = sys.modules["deep_gemm"]
+
+    def fn(*a: Any, **k: Any) -> Any:
+        return module.m_grouped_fp8_gemm_nt_contiguous(*a, **k)
+
+    args, kwargs = bench_flight._case(opt.n, opt.k, opt.tokens)
+
+    def graph() -> Any:
+        fn(*args, **kwargs)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(*args, **kwargs)
+        g.replay()
+        return g
+
+    g = graph()
+    _report("plain", _replays(g, opt.replays), opt.replays)
+    shm = Path(tempfile.mkdtemp(prefix="kdump-prof-", dir="/dev/shm"))
+    ring = RingConfig(slots=64, slot_bytes=1 << 20, journal_dir=shm, device_bytes=1 << 30)
+    ctx = bench_flight._ScalesOnly() if opt.scales_only else None
+    if ctx is not None:
+        ctx.__enter__()
+    with kdump.recording("deep_gemm", out=shm / "out", mode="ring", ring=ring) as rec:
+        fn(*args, **kwargs)
+        cuda = rec.recorder._cuda
+        if cuda is None or cuda.tier is None:
+            raise SystemExit("no device tier")
+        cuda.tier.held = not opt.no_held
+        g2 = graph()
+        what = "scales only" if opt.scales_only else "with rows"
+        held = "not held" if opt.no_held else "held"
+        _report(f"recorded ({what}, {held})", _replays(g2, opt.replays), opt.replays)
+        rec.recorder.flush = lambda: None
+
+
+if __name__ == "__main__":
+    main()
