@@ -187,6 +187,7 @@ def _fake_call(
     complete: bool = True,
     host_copied: bool = True,
     whole: bool = False,
+    kernel_done: bool = False,
 ):
     """A journal with one device-path slot and its `.cuda0` dump, as the recorder and the salvage
     process would leave them."""
@@ -236,7 +237,8 @@ def _fake_call(
     slot = j.reserve(meta, want=[False, False, True])
     slot.payload(2)[:] = labels.numpy().tobytes() if hasattr(labels, "numpy") else bytes(labels)
     slot.commit(device=True)
-    for name in ("pre", "post", "done") if host_copied else ("pre",):
+    marks = ("pre", "post", "done") if host_copied else ("pre", "done") if kernel_done else ("pre",)
+    for name in marks:
         slot.marker(name)[:] = struct.pack("<Q", 1)
     _, recs = gather.reference_gather(plan, spans, labels)
     n = recs.shape[0]
@@ -377,6 +379,19 @@ def test_slot_in_flight_at_the_crash_is_completed_from_the_twin(tmp_path):
         assert torch.equal(call.args[1], labels)
         keep = labels >= 0
         assert torch.equal(call.args[0][0].view(torch.uint8)[keep], a.view(torch.uint8)[keep])
+
+
+def test_slot_whose_kernel_finished_before_its_host_copy_is_finished_from_the_twin(tmp_path):
+    # The done marker follows the kernel on the call's stream while the host copy runs on a side
+    # stream: a crash between them leaves pre and done written, post not.
+    path, (a, _, labels) = _fake_call(tmp_path, host_copied=False, kernel_done=True)
+    res = salvage_journal(path, tmp_path / "out")
+    (bundle,) = res.bundles
+    with load_bundle(bundle) as b:
+        facts = b.calls[0].meta["journal"]
+        assert "device twin" in facts["note"]
+        assert facts["finished"] and not facts["in_flight"]
+        assert torch.equal(b.calls[0].args[1], labels)
 
 
 def test_salvage_without_a_dump_says_why(tmp_path):

@@ -499,7 +499,8 @@ def _from_twin(
         meta=m,
         payloads=payloads,
         reason="the host copy had not run: payloads from the device twin",
-        finished=False,
+        # the done marker follows the kernel on its stream, the host copy runs beside it
+        finished=rec.markers[2] == token,
         token=token,
         spans=rec.spans,
         markers=rec.markers,

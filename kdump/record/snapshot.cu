@@ -294,61 +294,48 @@ __device__ void gather_one(const Gather& g, const u32* outer, const u32* inner, 
 }
 
 extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __grid_constant__ Params p) {
-  __shared__ u32 s_count;
   __shared__ u32 s_base;
   __shared__ u32 s_warp[KD_THREADS / 32];
   __shared__ u32 s_rows[KD_ROWS_PER_BLOCK];
   __shared__ u32 s_outer[KD_ROWS_PER_BLOCK];
   __shared__ u32 s_inner[KD_ROWS_PER_BLOCK];
   __shared__ bool s_last;
-  __shared__ u64 s_token, s_head;
+  __shared__ u64 s_head;
   Record* rec = (Record*)p.record;
   volatile u64* ctrl = (volatile u64*)p.ctrl;
   const u32 tid = threadIdx.x;
-  // One thread per block reads the shared words: every thread reading them would queue
-  // thousands of requests on one L2 line.
-  if (tid == 0) {
-    s_token = p.token_ptr ? *(volatile u64*)p.token_ptr + 1 : 1;
-    s_head = ctrl[0];
-  }
-  __syncthreads();
-  const u64 token = s_token;
-  const u64 head = s_head;
-  const u64 pos = slot_pos(p, head);
-
-  if (blockIdx.x == 0 && tid == 0 && p.host_pre) {
-    *(volatile u64*)p.host_pre = token;  // the host slot now reads in flight until `post`
-    __threadfence_system();
-  }
+  // The launch is a chain of dependent memory round trips (the rule, the ring head, the row
+  // counter, the rows, the block counter, the publication): every step below overlaps what it
+  // can, a recorded graph step pays the chain before its kernel runs.
   if (blockIdx.x < p.gather_blocks) {
     // The block's touched rows, compacted in row order (a ballot per warp, then warp offsets):
     // records of a block are in row order, and neighbouring records hold neighbouring rows.
     const u32 warp = tid / 32, lane = tid % 32;
     const u32 r = blockIdx.x * KD_ROWS_PER_BLOCK + tid;
+    // One thread per block reads the ring head (every thread reading it would queue thousands
+    // of requests on one L2 line), while the others read the rule.
+    if (tid == 0) s_head = ctrl[0];
     const bool mine = tid < KD_ROWS_PER_BLOCK && r < p.rows && touched(p, r);
     const u32 ballot = __ballot_sync(0xffffffffu, mine);
     if (lane == 0) s_warp[warp] = __popc(ballot);
     __syncthreads();
+    const u64 pos = slot_pos(p, s_head);
+    u32 below = 0, count = 0;
+    for (u32 w = 0; w < KD_THREADS / 32; ++w) {
+      below += w < warp ? s_warp[w] : 0;
+      count += s_warp[w];
+    }
     if (tid == 0) {
       ctrl[1] = pos + p.worst;  // what this launch may overwrite (salvage checks older slots)
-      u32 n = 0;
-      for (u32 w = 0; w < KD_THREADS / 32; ++w) {
-        const u32 c = s_warp[w];
-        s_warp[w] = n;
-        n += c;
-      }
-      s_count = n;
-      s_base = n ? atomicAdd(&rec->row_counter, n) : 0;
+      s_base = count ? atomicAdd(&rec->row_counter, count) : 0;
     }
-    __syncthreads();
     if (mine) {
-      const u32 q = s_warp[warp] + __popc(ballot & ((1u << lane) - 1u));
+      const u32 q = below + __popc(ballot & ((1u << lane) - 1u));
       s_rows[q] = r;
       s_outer[q] = r / p.inner;
       s_inner[q] = r % p.inner;
     }
     __syncthreads();
-    const u32 count = s_count;
     char* out = (char*)p.ring + (pos % p.ring_bytes) + sizeof(SlotHead) + (u64)s_base * p.rec_bytes;
     if (tid < count) {
       u32* h = (u32*)(out + (u64)tid * p.rec_bytes);
@@ -376,18 +363,23 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
       first += chunks;
     }
   }
-  // The last block to finish publishes the call.
+  // The last block to finish publishes the call: what it writes, one fence, then the marks that
+  // say it is complete (a reader that sees a mark sees everything before it).
   __threadfence();
   __syncthreads();
   if (tid == 0) s_last = atomicAdd(&rec->done_blocks, 1u) == gridDim.x - 1;
   __syncthreads();
   if (!s_last || tid != 0) return;
   __threadfence();
+  const u64 token = p.token_ptr ? *(volatile u64*)p.token_ptr + 1 : 1;
+  if (p.host_pre) *(volatile u64*)p.host_pre = token;  // the host slot reads in flight until `post`
+  const u64 head = ctrl[0];
+  const u64 pos = slot_pos(p, head);
   const u32 rows = *(volatile u32*)&rec->row_counter;
   u64 used = 0;
+  SlotHead* h = (SlotHead*)((char*)p.ring + (p.ring_bytes ? pos % p.ring_bytes : 0));
   if (p.gather_blocks) {
     used = ((u64)sizeof(SlotHead) + (u64)rows * p.rec_bytes + 255) / 256 * 256;
-    SlotHead* h = (SlotHead*)((char*)p.ring + (pos % p.ring_bytes));
     h->magic = SLOT_MAGIC;
     h->slot_index = p.slot_index;
     h->seq = p.seq;
@@ -397,9 +389,6 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
     h->rec_bytes = p.rec_bytes;
     h->used = used;
     h->call_index = p.call_index;
-    __threadfence();
-    h->complete = token;
-    ctrl[0] = pos + used;
   }
   rec->magic = RECORD_MAGIC;
   rec->rows = rows;
@@ -411,7 +400,10 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
   rec->done_blocks = 0;
   rec->token = token;
   __threadfence();
+  if (p.gather_blocks) {
+    h->complete = token;
+    ctrl[0] = pos + used;
+  }
   rec->complete = token;
   if (p.token_ptr) *(volatile u64*)p.token_ptr = token;
-  __threadfence();
 }
