@@ -384,7 +384,7 @@ def test_slot_in_flight_at_the_crash_is_completed_from_the_twin(tmp_path):
 def test_slot_whose_kernel_finished_before_its_host_copy_is_finished_from_the_twin(tmp_path):
     # The done marker follows the kernel on the call's stream while the host copy runs on a side
     # stream: a crash between them leaves pre and done written, post not.
-    path, (a, _, labels) = _fake_call(tmp_path, host_copied=False, kernel_done=True)
+    path, (_, _, labels) = _fake_call(tmp_path, host_copied=False, kernel_done=True)
     res = salvage_journal(path, tmp_path / "out")
     (bundle,) = res.bundles
     with load_bundle(bundle) as b:
