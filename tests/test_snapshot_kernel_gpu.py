@@ -153,8 +153,9 @@ def test_odd_units_elements_and_a_partial_last_block():
 def test_strided_rows_of_an_element_size_without_a_unit():
     # Every supported dtype has a 1/2/4/8-byte element; the kernel still copies any other size
     # (bytewise): 3-byte elements six bytes apart, a plan made by hand over a uint8 tensor.
-    t = _bytes((270, 24), 9)[:, ::6]
-    plan = _check([t], [0], "all", None, 1, tweak={"elem": 3})
+    base = _bytes((270, 24), 9)
+    t = base[:, ::6]  # `base` in the call too: the storage's span covers every 3-byte element
+    plan = _check([t, base], [0], "all", None, 1, tweak={"elem": 3})
     assert plan.gathers[0].elem == 3 and plan.gathers[0].cols == 4
 
 
@@ -176,3 +177,13 @@ def test_plain_copies_of_odd_sizes_and_alignments():
     for o, n in pieces:
         untouched[o : o + n] = False
     assert not dst[untouched].any(), "nothing outside the ranges is written"
+
+
+def test_mark_kernel_copies_a_token_to_mapped_host_memory():
+    _, _, _, mark = gather.get_kernel(torch.cuda.current_device())
+    src = torch.tensor([0x1234_5678_9ABC_DEF0 - 2**64 // 2], dtype=torch.int64, device="cuda")
+    host = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+    stream = torch.cuda.current_stream().cuda_stream
+    gather.launch_mark(mark, src.data_ptr(), host.data_ptr() + 8, stream)
+    torch.cuda.synchronize()
+    assert host.tolist() == [0, src.item()]

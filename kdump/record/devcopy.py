@@ -99,10 +99,11 @@ class DeviceCopies:
             self.side = torch.cuda.Stream(self.device)
         self._side_h = int(self.side.cuda_stream)
         self.kernel: Any = None
+        self.mark: Any = None  # kd_mark: the done marker as a kernel node (else a memcpy)
         self.kernel_note = ""
         if self.tier is not None:
             try:
-                self.kernel = gather.get_kernel(self.tier.index)[0]
+                self.kernel, _, _, self.mark = gather.get_kernel(self.tier.index)
             except Exception as exc:
                 self.kernel_note = (
                     f"no snapshot kernel ({type(exc).__name__}: {str(exc)[:300]}): torch "
@@ -274,7 +275,11 @@ class DeviceCopies:
             # kernel); landing before the side's `post` is harmless: the slot then reads in
             # flight (post behind pre), and the device twin completes it at salvage.
             cur = self._stream(current_stream(self._index))
-            self._d2h(trailer + _DONE_AT, record + RECORD_COMPLETE_AT, 8, cur)
+            if self.mark is not None:
+                dst = self._host_dev + trailer + _DONE_AT
+                gather.launch_mark(self.mark, record + RECORD_COMPLETE_AT, dst, cur)
+            else:
+                self._d2h(trailer + _DONE_AT, record + RECORD_COMPLETE_AT, 8, cur)
             if self.held and not capturing:
                 # the next call into this slot waits until the side copy has read the twin
                 ev = self._slot_events.get(slot.index)

@@ -29,6 +29,7 @@ from kdump.errors import InternalError
 
 SOURCE_NAME = "snapshot.cu"
 KERNEL = "kd_snapshot"
+MARK_KERNEL = "kd_mark"
 MAX_COPIES = 16
 MAX_GATHERS = 4
 ROWS_PER_BLOCK = 256  # KD_ROWS_PER_BLOCK in snapshot.cu
@@ -463,7 +464,8 @@ def arch_of(cc: tuple[int, int]) -> str:
 
 
 def get_kernel(device_index: int) -> Any:
-    """The loaded kernel for a device, built and loaded once per process."""
+    """(snapshot kernel, module, seconds it took, mark kernel) for a device, built and loaded
+    once per process."""
     import torch
 
     from kdump.nvrtc import check as _check
@@ -488,7 +490,10 @@ def get_kernel(device_index: int) -> Any:
                 _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
             module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
             fn = _check(driver.cuModuleGetFunction(module, KERNEL.encode()), f"get {KERNEL}")
-        _functions[device_index] = (fn, module, time.perf_counter() - t0)
+            mark = _check(
+                driver.cuModuleGetFunction(module, MARK_KERNEL.encode()), f"get {MARK_KERNEL}"
+            )
+        _functions[device_index] = (fn, module, time.perf_counter() - t0, mark)
         return _functions[device_index]
 
 
@@ -502,6 +507,32 @@ def grid_for(params: SnapParams) -> int:
         -(-int(params.copies[c].nbytes) // COPY_CHUNK) for c in range(int(params.n_copies))
     )
     return max(1, int(params.gather_blocks) + min(chunks, MAX_COPY_BLOCKS))
+
+
+def launch_mark(fn: Any, src: int, dst: int, stream: Any) -> None:
+    """Enqueue kd_mark: the u64 at device address `src` to `dst` (a mapped host address)."""
+    from kdump.nvrtc import check as _check
+    from kdump.nvrtc import driver as _driver
+
+    driver = _driver()
+    ptrs = (ctypes.c_uint64 * 2)(src, dst)
+    args = (ctypes.c_void_p * 2)(ctypes.addressof(ptrs), ctypes.addressof(ptrs) + 8)
+    _check(
+        driver.cuLaunchKernel(
+            fn,
+            1,
+            1,
+            1,
+            1,
+            1,
+            1,
+            0,
+            stream if isinstance(stream, driver.CUstream) else driver.CUstream(stream),
+            ctypes.addressof(args),
+            0,
+        ),
+        f"cuLaunchKernel({MARK_KERNEL})",
+    )
 
 
 def launch(fn: Any, params: SnapParams, stream: Any, grid: int | None = None) -> None:
