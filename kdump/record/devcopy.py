@@ -270,10 +270,11 @@ class DeviceCopies:
         self._d2h(trailer + _POST_AT, record + RECORD_COMPLETE_AT, 8, out)
 
         def after() -> None:
-            # The done marker follows the kernel on its own stream. Forked to the side branch it
-            # cost a recorded graph step ~7 us on the H200 (the cross-stream edge after the
-            # kernel); landing before the side's `post` is harmless: the slot then reads in
-            # flight (post behind pre), and the device twin completes it at salvage.
+            # The done marker follows the kernel on its own stream, as a kernel node where the
+            # snapshot kernel is loaded (it starts as the recorded kernel ends; a memcpy node
+            # there waited 2.5-7.5 us on the H200). Landing before the side's `post` is
+            # harmless: the slot then reads in flight (post behind pre), and the device twin
+            # completes it at salvage.
             cur = self._stream(current_stream(self._index))
             if self.mark is not None:
                 dst = self._host_dev + trailer + _DONE_AT
