@@ -371,12 +371,6 @@ def test_sync_recording_keeps_small_blobs_inline_and_large_ones_in_the_store(tmp
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(
-    strict=True,
-    reason="seen on the H200 (2026-12-01): the bundle round-trips exactly, but the file was "
-    "17,322,532 bytes for 15,976,424 bytes of blobs (the unchanged outputs' bytes are written "
-    "before the comparison drops them?)",
-)
 def test_gpu_dump_call_stages_spans_in_chunks(tmp_path, monkeypatch) -> None:
     import kdump
     from kdump.bundle import spool

@@ -48,6 +48,8 @@ WRITE_CHUNK = 16 << 20  # one write job: big enough to amortise the call, small 
 HASH_CHUNK = 1 << 20  # the SHA-256 and the fast check read the same chunk while it is in cache
 STAGE_CHUNK = 16 << 20  # pinned staging buffer per device copy (two per span being copied)
 RESERVE_MIN = 128 << 10  # header space reserved up front
+DEVICE_DEDUP_MIN = 64 << 10  # device spans from this size are compared before being written
+DEVICE_COMPARE_CHUNK = 64 << 20  # bytes per device comparison (its temporary: an eighth)
 RESERVE_PER_RECORD = 1 << 10  # and per tensor or storage record of the capture
 
 
@@ -157,6 +159,9 @@ class Spool:
         # CPU sources written, by size and edge bytes: equal bytes have equal names, so a source
         # is compared with the earlier ones that could be equal instead of being written twice.
         firsts: dict[tuple[int, bytes], list[tuple[torch.Tensor, _Region]]] = {}
+        # Device sources likewise, by device and size, compared on the device: one found equal
+        # only after both were written would leave its bytes in the file as a hole.
+        dev_firsts: dict[tuple[Any, int], list[tuple[torch.Tensor, _Region]]] = {}
         streams = _caller_streams(sources)
         for src, align in zip(sources, aligns):
             n = src.numel()
@@ -164,6 +169,13 @@ class Spool:
             if src.device.type == "cpu":
                 key = _edge_key(src)
                 twin = next((r for s, r in firsts.get(key, ()) if _same(s, src)), None)
+            elif n >= DEVICE_DEDUP_MIN:
+                after = streams[src.device]
+                dkey = (src.device, n)
+                twin = next(
+                    (r for s, r in dev_firsts.get(dkey, ()) if _equal_on_device(s, src, after)),
+                    None,
+                )
             if twin is not None:
                 region = _Region(twin.start, n)
                 region.alias = twin
@@ -179,6 +191,8 @@ class Spool:
                 firsts.setdefault(key, []).append((src, region))
                 jobs.append(_CpuJob(fd, src, at))
             else:
+                if n >= DEVICE_DEDUP_MIN:
+                    dev_firsts.setdefault((src.device, n), []).append((src, region))
                 jobs.append(pool().submit(_write_device, fd, src, at, streams[src.device]))
         errors: list[BaseException] = []
         for region, job in zip(regions, jobs):
@@ -505,6 +519,29 @@ def _write_device(fd: int, src: torch.Tensor, at: int, after: Any) -> Digests:
         finally:
             write.result()  # before the buffer is reused
     return sha.hexdigest(), fast.hexdigest() if fast is not None else ""
+
+
+def _equal_on_device(a: torch.Tensor, b: torch.Tensor, after: Any) -> bool:
+    """Whether two device spans of one size hold the same bytes, compared on the device after
+    the work queued on `after`, in pieces (the comparison's temporary stays small); False when
+    the device cannot say (e.g. out of memory: the span is then written, as before)."""
+    n = a.numel()
+    if n != b.numel() or a.device != b.device:
+        return False
+    try:
+        with torch.cuda.device(a.device):
+            side = torch.cuda.Stream(a.device)
+            side.wait_stream(after)
+            with torch.cuda.stream(side):
+                for lo in range(0, n, DEVICE_COMPARE_CHUNK):
+                    x, y = a[lo : lo + DEVICE_COMPARE_CHUNK], b[lo : lo + DEVICE_COMPARE_CHUNK]
+                    if x.numel() % 8 == 0 and x.data_ptr() % 8 == 0 and y.data_ptr() % 8 == 0:
+                        x, y = x.view(torch.int64), y.view(torch.int64)
+                    if not torch.equal(x, y):
+                        return False
+        return True
+    except (RuntimeError, torch.cuda.OutOfMemoryError):
+        return False
 
 
 def _same_device(src: torch.Tensor, snapshot: torch.Tensor, after: Any) -> bool:
