@@ -165,6 +165,12 @@ def test_graph_replays_rotate_device_slots_and_keep_each_replays_rows(tmp_path, 
         labels.copy_(nl)
         graph.replay()
         res = _salvaged(j, dc, tmp_path, f"r{replay}")
+        seen = [
+            (r.index, r.state.name, r.reason, r.markers)
+            for r in read_journal(j.path).slots
+            if r.state is not SlotState.EMPTY
+        ]
+        assert len(res.bundles) == 1, f"replay {replay}: {seen}"
         (bundle,) = res.bundles
         _check_rows(bundle, a, sfa, labels)
         (s,) = read_journal(j.path).having(SlotState.COMPLETE)
