@@ -125,9 +125,22 @@ def environ() -> dict[str, str]:
     return dict(os.environ)
 
 
-def environ_view() -> Mapping[str, str]:
-    """The live process environment, read-only and uncopied: for lookups on a per-call path."""
-    return os.environ
+_ENCODED_KEYS: dict[str, object] = {}
+
+
+def peek(name: str) -> str | None:
+    """os.environ.get(name), without the KeyError a miss raises inside os.environ (a per-call
+    path that looks for variables which are usually unset, such as the rank variables). The
+    environment is read live every time, so a variable set or changed later is seen."""
+    env = os.environ
+    data = getattr(env, "_data", None)
+    if type(env) is not os._Environ or not isinstance(data, dict):  # replaced by a caller
+        return env.get(name)
+    key = _ENCODED_KEYS.get(name)
+    if key is None:
+        key = _ENCODED_KEYS[name] = env.encodekey(name)  # type: ignore[attr-defined]
+    raw = data.get(key)
+    return None if raw is None else env.decodevalue(raw)  # type: ignore[attr-defined]
 
 
 def get(name: str, env: Mapping[str, str] | None = None) -> str | None:

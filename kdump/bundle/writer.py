@@ -288,9 +288,11 @@ def save_calls(
     inline_below: int = 0,
     headers: HeaderCache | None = None,
     progress: Progress | None = None,
+    sized: Callable[[int], object] | None = None,
 ) -> Path:
     """Write `calls` as one bundle, atomically. Identical storages are stored once. `progress`
-    is told the bytes of blob data as they are written.
+    is told the bytes of blob data as they are written; `sized`, the size of the bundle's file
+    where the writer knows it without asking the file system (a bundle written in one write).
 
     With `store`, blobs go to the shared store (each written once per capture directory) and the
     bundle holds only the manifest, except blobs smaller than `inline_below` bytes (a recorder
@@ -353,11 +355,16 @@ def save_calls(
         )
         if raw is not None:
             parts = [struct.pack("<Q", len(raw)), raw, *(v for v, _ in inline.values())]
-            atomic_write(path, b"".join(parts))
+            data = b"".join(parts)
+            atomic_write(path, data)
             if progress is not None:
                 progress(sum(len(v) for v, _ in inline.values()))
+            if sized is not None:
+                sized(len(data))
             return path
-    _write_safetensors(path, make_manifest(digests), inline, progress)
+    nbytes = _write_safetensors(path, make_manifest(digests), inline, progress)
+    if sized is not None:
+        sized(nbytes)
     return path
 
 
@@ -631,8 +638,9 @@ def _write_safetensors(
     manifest: dict[str, Any],
     blobs: dict[str, tuple[memoryview, int]],
     progress: Progress | None = None,
-) -> None:
-    """Write a bundle whose blobs (sha → (bytes, recorded alignment)) are all known."""
+) -> int:
+    """Write a bundle whose blobs (sha → (bytes, recorded alignment)) are all known; the size
+    of its file."""
     raw, layout, offset = _header_for(manifest, blobs)
 
     if offset <= ONE_WRITE_MAX:  # a small bundle: assembled here, written by one write
@@ -644,10 +652,11 @@ def _write_safetensors(
                 parts.append(bytes(start - pos))
             parts.append(view)
             pos = start + len(view)
-        atomic_write(path, b"".join(parts))
+        data = b"".join(parts)
+        atomic_write(path, data)
         if progress is not None:
             progress(sum(len(v) for v, _ in blobs.values()))
-        return
+        return len(data)
 
     def write(f: BinaryIO) -> None:
         f.write(struct.pack("<Q", len(raw)))
@@ -659,6 +668,7 @@ def _write_safetensors(
         f.truncate(data_start + offset)
 
     atomic_write(path, write)
+    return 8 + len(raw) + offset
 
 
 def _header_for(

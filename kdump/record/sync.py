@@ -310,6 +310,7 @@ class SyncRecorder:
                 store.created.update(sink.created)
             info = {"recorder": "sync", "session": self.session.started_ns}
             cuda = call.meta.get("stream") is not None  # set only when a CUDA tensor is involved
+            size: list[int] = []  # the bundle file's size, where the writer knows it
             try:
                 save_calls(
                     path,
@@ -321,11 +322,12 @@ class SyncRecorder:
                     inline_below=STORE_MIN,
                     spool=sink,
                     headers=self.headers,
+                    sized=size.append,
                 )
             except BaseException:
                 self.dest.abandon(path)
                 raise
-            self.dest.add(path, st.id, index, call.meta.get("exception"))
+            self.dest.add(path, st.id, index, call.meta.get("exception"), size[0] if size else None)
 
     # -- flush ------------------------------------------------------------------------------------
     def flush(self) -> None:
