@@ -143,6 +143,24 @@ def peek(name: str) -> str | None:
     return None if raw is None else env.decodevalue(raw)  # type: ignore[attr-defined]
 
 
+def peek_set(names: tuple[str, ...]) -> dict[str, str]:
+    """The variables of `names` that are set, with their values: `peek` for a group of names
+    that are usually all unset (one look at the environment when none is)."""
+    env = os.environ
+    data = getattr(env, "_data", None)
+    if type(env) is not os._Environ or not isinstance(data, dict):
+        return {n: env[n] for n in names if n in env}
+    keys = _KEY_SETS.get(names)
+    if keys is None:
+        keys = _KEY_SETS[names] = frozenset(env.encodekey(n) for n in names)  # type: ignore[attr-defined]
+    if keys.isdisjoint(data):
+        return {}
+    return {n: v for n in names if (v := peek(n)) is not None}
+
+
+_KEY_SETS: dict[tuple[str, ...], frozenset[object]] = {}
+
+
 def get(name: str, env: Mapping[str, str] | None = None) -> str | None:
     """Value of a declared kdump variable, or its default."""
     var = _BY_NAME[name]  # KeyError on undeclared names: every variable must be declared above

@@ -44,10 +44,12 @@ def library_state() -> dict[str, Any]:
 def rank_info(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The rank variables that are set (of `env`, else of the live process environment, read
     on every call: a launcher may set them after kdump started)."""
-    look = env.get if env is not None else config.peek
+    found = config.peek_set(RANK_VARS) if env is None else env
     out: dict[str, Any] = {}
+    if not found:
+        return out
     for var in RANK_VARS:
-        value = look(var)
+        value = found.get(var)
         if value is not None:
             try:
                 out[var.lower()] = int(value)

@@ -83,7 +83,8 @@ _LAYOUT_MEMO_MAX = 256
 
 
 def _layout_facts(t: torch.Tensor) -> tuple[object, ...]:
-    """Everything group_storages reads of `t` (so equal facts give equal records)."""
+    """Everything group_storages reads of `t` (so equal facts give equal records). A strided
+    tensor's own address follows from its storage's, its offset and its dtype."""
     if t.layout != torch.strided:  # no storage to ask for
         raise _layout_error(t)
     storage = t.untyped_storage()
@@ -91,9 +92,7 @@ def _layout_facts(t: torch.Tensor) -> tuple[object, ...]:
         t.device,
         storage.data_ptr(),
         storage.nbytes(),
-        t.data_ptr(),
         t.dtype,
-        t.layout,
         t.shape,
         t.stride(),
         t.storage_offset(),

@@ -303,20 +303,35 @@ def save_calls(
     signature instead of being built and encoded record by record.
     """
     path = path if isinstance(path, Path) else Path(path)
-    caps = [cap for call in calls for cap in (call.inputs, call.outputs) if cap is not None]
-    held = [  # storages of other kinds hold no bytes (a sparse one: its ranges, concatenated)
-        (st, d, cap.digest(i))
-        for cap in caps
-        for i, (st, d) in enumerate(zip(cap.storages, cap.data))
-        if st.source is Source.BLOB or st.source is Source.SPARSE
-    ]
-    views = [_blob_view(d) for _, d, _ in held]
-    aligns = [st.alignment for st, _, _ in held]
-    known = [dig for _, _, dig in held]
-    sizes = [len(v) for v in views]
-    wheres = [
-        Where.STORE if store is not None and n >= inline_below else Where.INLINE for n in sizes
-    ]
+    # One pass over the storages that hold bytes (other kinds hold none; a sparse one holds its
+    # ranges, concatenated): this runs for every bundle a recorder writes.
+    held: list[tuple[StorageRecord, torch.Tensor, Digests | None]] = []
+    views: list[memoryview] = []
+    aligns: list[int] = []
+    known: list[Digests | None] = []
+    sizes: list[int] = []
+    wheres: list[Where] = []
+    addresses: list[int] = []  # where each view's bytes start
+    for call in calls:
+        for cap in (call.inputs, call.outputs):
+            if cap is None:
+                continue
+            digs = cap.digests
+            for i, (st, d) in enumerate(zip(cap.storages, cap.data)):
+                if st.source is not Source.BLOB and st.source is not Source.SPARSE:
+                    continue
+                dig = digs[i] if i < len(digs) else None
+                view = _blob_view(d)
+                n = len(view)
+                held.append((st, d, dig))
+                views.append(view)
+                aligns.append(st.alignment)
+                known.append(dig)
+                sizes.append(n)
+                wheres.append(
+                    Where.STORE if store is not None and n >= inline_below else Where.INLINE
+                )
+                addresses.append(d.data_ptr() if n else 0)
     created = _utc_now()
     make_manifest = _manifest_maker(calls, sizes, wheres, env, info, created=created)
     if isinstance(spool, Spool) and spool.active:
@@ -334,9 +349,7 @@ def save_calls(
         and _write_pipelined(path, views, aligns, make_manifest, progress)
     ):
         return path
-    digests = _hash_all(
-        views, known, [d.data_ptr() if len(v) else 0 for (_, d, _), v in zip(held, views)]
-    )
+    digests = _hash_all(views, known, addresses)
     inline: dict[str, tuple[memoryview, int]] = {}
     stored: dict[str, memoryview] = {}
     for (sha, _), view, align, where in zip(digests, views, aligns, wheres):
