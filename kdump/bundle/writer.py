@@ -300,7 +300,9 @@ def save_calls(
     opened for `path`), the blobs already in its file stay there and the header completes it; a
     `StoreSpool`'s blobs are in the store already (and not written again). With `headers` (a
     recorder's `HeaderCache`), a small bundle's header is filled into the template of its call
-    signature instead of being built and encoded record by record.
+    signature instead of being built and encoded record by record; an `env` or `info` passed to
+    the same cache again as the same object is taken as unchanged (pass a new dict for new facts;
+    never edit one that was passed).
     """
     path = path if isinstance(path, Path) else Path(path)
     # One pass over the storages that hold bytes (other kinds hold none; a sparse one holds its
@@ -312,26 +314,30 @@ def save_calls(
     sizes: list[int] = []
     wheres: list[Where] = []
     addresses: list[int] = []  # where each view's bytes start
+    seen: dict[int, tuple[memoryview, int]] = {}  # by snapshot (an unchanged output shares one)
+    blob, sparse, to_store, to_inline = Source.BLOB, Source.SPARSE, Where.STORE, Where.INLINE
     for call in calls:
         for cap in (call.inputs, call.outputs):
             if cap is None:
                 continue
             digs = cap.digests
             for i, (st, d) in enumerate(zip(cap.storages, cap.data)):
-                if st.source is not Source.BLOB and st.source is not Source.SPARSE:
+                if st.source is not blob and st.source is not sparse:
                     continue
                 dig = digs[i] if i < len(digs) else None
-                view = _blob_view(d)
+                got = seen.get(id(d))  # `held` keeps d alive: its id is its own
+                if got is None:
+                    view = _blob_view(d)
+                    got = seen[id(d)] = (view, d.data_ptr() if len(view) else 0)
+                view = got[0]
                 n = len(view)
                 held.append((st, d, dig))
                 views.append(view)
-                aligns.append(st.alignment)
+                aligns.append((st.base_ptr + st.span_start) % ALIGN_MOD)  # st.alignment
                 known.append(dig)
                 sizes.append(n)
-                wheres.append(
-                    Where.STORE if store is not None and n >= inline_below else Where.INLINE
-                )
-                addresses.append(d.data_ptr() if n else 0)
+                wheres.append(to_store if store is not None and n >= inline_below else to_inline)
+                addresses.append(got[1])
     created = _utc_now()
     make_manifest = _manifest_maker(calls, sizes, wheres, env, info, created=created)
     if isinstance(spool, Spool) and spool.active:
