@@ -147,8 +147,10 @@ def test_peek_reads_the_live_environment(monkeypatch) -> None:
     assert config.peek("KDUMP_PEEK_TEST") == "é b"
     monkeypatch.delenv("KDUMP_PEEK_TEST")
     assert config.peek("KDUMP_PEEK_TEST") is None
-    monkeypatch.setattr(os, "environ", {"KDUMP_PEEK_TEST": "plain"})  # a replaced mapping
+    monkeypatch.setattr(os, "environ", {"KDUMP_PEEK_TEST": "plain", "RANK": "6"})  # replaced
     assert config.peek("KDUMP_PEEK_TEST") == "plain"
+    assert config.peek_set(("RANK", "TP_RANK")) == {"RANK": "6"}
+    assert envinfo.current_rank() == 6
 
 
 def test_rank_follows_the_variables(monkeypatch) -> None:
