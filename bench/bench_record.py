@@ -4,11 +4,14 @@
     python bench/bench_record.py --calls 2000   # shorter run of the per-call part
     python bench/bench_record.py --gpu          # only the GPU part (needs CUDA)
     python bench/bench_record.py --record       # also append the table to bench/RESULTS.md
+    python bench/bench_record.py --profile 2000 # cProfile of 2000 recorded small calls, then exit
 
 1. Sync recording of a small call (two 1 KiB tensors): host time of recorded call 10 and of the
    calls around call `--calls` (the same within noise: nothing grows with the number of bundles),
    against an atomic write (temporary file + rename) of a new file of the bundle's size, one
    after each recorded call.
+   Also the recorder's own work per call: the same calls with the bundle file's write replaced
+   by building its bytes (everything but the temporary file, its write and its rename).
 2. `kdump.dump_call` of a `--mb` MB call (mixed dtypes, a view with a storage offset, a shared
    storage) against `safetensors.torch.save_file` of the same tensors, median of `--repeat`;
    each timed write makes a new file (the previous one is deleted untimed).
@@ -123,6 +126,65 @@ def per_call(work: Path, calls: int) -> list[tuple[str, float, float, str]]:
     ]
 
 
+def _recorded_calls(work: Path, calls: int, write: bool) -> list[tuple[float, float]]:
+    """(wall, CPU) seconds of each of `calls` recorded small calls; with write=False the bundle
+    files are built but not written (kdump.bundle.writer's atomic_write replaced)."""
+    import kdump
+    from kdump.bundle import writer
+
+    mod = _target_module()
+    x, out = torch.randn(256), torch.empty(256)
+    saved = writer.atomic_write
+    if not write:
+        writer.atomic_write = lambda path, content: bytes(content)  # type: ignore[assignment]
+    rows: list[tuple[float, float]] = []
+    try:
+        with kdump.recording(f"{mod.__name__}:scale", out=work):
+            for _ in range(calls):
+                t0, c0 = time.perf_counter(), time.thread_time()
+                mod.scale(x, out)
+                rows.append((time.perf_counter() - t0, time.thread_time() - c0))
+    finally:
+        writer.atomic_write = saved
+    return rows
+
+
+def own_work(work: Path, calls: int) -> tuple[float, float]:
+    """Median (wall, CPU) ms of the recorder's own work per call over the last half of `calls`
+    recorded calls whose bundle files are built, not written."""
+    rows = _recorded_calls(work / "own", calls, write=False)[calls // 2 :]
+    shutil.rmtree(work / "own", ignore_errors=True)
+    return (
+        statistics.median(r[0] for r in rows) * 1e3,
+        statistics.median(r[1] for r in rows) * 1e3,
+    )
+
+
+def profile(work: Path, calls: int) -> str:
+    """cProfile of `calls` recorded small calls (after 200 unprofiled ones), top functions."""
+    import cProfile
+    import io
+    import pstats
+
+    import kdump
+
+    mod = _target_module()
+    x, out = torch.randn(256), torch.empty(256)
+    prof = cProfile.Profile()
+    with kdump.recording(f"{mod.__name__}:scale", out=work / "prof"):
+        for _ in range(200):
+            mod.scale(x, out)
+        prof.enable()
+        for _ in range(calls):
+            mod.scale(x, out)
+        prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(45)
+    return text.getvalue()
+
+
 def mixed_call(nbytes: int, device: str) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     kinds = [torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int32]
@@ -191,10 +253,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu", action="store_true", help="only the GPU part (needs CUDA)")
     ap.add_argument("--record", action="store_true", help="append results to --results")
     ap.add_argument(
+        "--profile", type=int, metavar="N", help="print a cProfile of N recorded calls and exit"
+    )
+    ap.add_argument(
         "--results", default=str(Path(__file__).with_name("RESULTS.md")), help="results file"
     )
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="kdump-bench-record-", dir=args.dir))
+    if args.profile:
+        try:
+            print(profile(work, args.profile))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return 0
     lines: list[str] = [f"load average (1, 5, 15 min) at the start: {_load()}", ""]
     if args.gpu and not torch.cuda.is_available():
         print("bench_record: --gpu needs a CUDA device")
@@ -224,6 +295,8 @@ def _load() -> str:
 def cpu_parts(work: Path, args: argparse.Namespace) -> list[str]:
     lines: list[str] = []
     rows = per_call(work, args.calls)
+    own = own_work(work, min(args.calls, 4000))
+    rows.append(("recorder's own work (bundle bytes built, not written), median", *own, ""))
     lines += [
         "Sync recording of a small call (2 x 1 KiB tensors), host time per call:",
         "",

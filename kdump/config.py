@@ -125,9 +125,40 @@ def environ() -> dict[str, str]:
     return dict(os.environ)
 
 
-def environ_view() -> Mapping[str, str]:
-    """The live process environment, read-only and uncopied: for lookups on a per-call path."""
-    return os.environ
+_ENCODED_KEYS: dict[str, object] = {}
+
+
+def peek(name: str) -> str | None:
+    """os.environ.get(name), without the KeyError a miss raises inside os.environ (a per-call
+    path that looks for variables which are usually unset, such as the rank variables). The
+    environment is read live every time, so a variable set or changed later is seen."""
+    env = os.environ
+    data = getattr(env, "_data", None)
+    if type(env) is not os._Environ or not isinstance(data, dict):  # replaced by a caller
+        return env.get(name)
+    key = _ENCODED_KEYS.get(name)
+    if key is None:
+        key = _ENCODED_KEYS[name] = env.encodekey(name)  # type: ignore[attr-defined]
+    raw = data.get(key)
+    return None if raw is None else env.decodevalue(raw)  # type: ignore[attr-defined]
+
+
+def peek_set(names: tuple[str, ...]) -> dict[str, str]:
+    """The variables of `names` that are set, with their values: `peek` for a group of names
+    that are usually all unset (one look at the environment when none is)."""
+    env = os.environ
+    data = getattr(env, "_data", None)
+    if type(env) is not os._Environ or not isinstance(data, dict):
+        return {n: env[n] for n in names if n in env}
+    keys = _KEY_SETS.get(names)
+    if keys is None:
+        keys = _KEY_SETS[names] = frozenset(env.encodekey(n) for n in names)  # type: ignore[attr-defined]
+    if keys.isdisjoint(data):
+        return {}
+    return {n: v for n in names if (v := peek(n)) is not None}
+
+
+_KEY_SETS: dict[tuple[str, ...], frozenset[object]] = {}
 
 
 def get(name: str, env: Mapping[str, str] | None = None) -> str | None:

@@ -42,14 +42,19 @@ def library_state() -> dict[str, Any]:
 
 
 def rank_info(env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    source = env if env is not None else config.environ_view()  # no copy: read per call
+    """The rank variables that are set (of `env`, else of the live process environment, read
+    on every call: a launcher may set them after kdump started)."""
+    found = config.peek_set(RANK_VARS) if env is None else env
     out: dict[str, Any] = {}
+    if not found:
+        return out
     for var in RANK_VARS:
-        if var in source:
+        value = found.get(var)
+        if value is not None:
             try:
-                out[var.lower()] = int(source[var])
+                out[var.lower()] = int(value)
             except ValueError:
-                out[var.lower()] = source[var]
+                out[var.lower()] = value
     return out
 
 

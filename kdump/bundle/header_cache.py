@@ -63,13 +63,22 @@ class _Template:
 
 
 class HeaderCache:
-    """Templates by call signature (bounded: the oldest goes first)."""
+    """Templates by call signature (bounded: the oldest goes first).
+
+    The env and info a recorder passes are encoded again only when they are other objects than
+    the previous bundle's: a recorder builds a new dict when a fact changes and never edits one
+    it passed (kdump.record.sync). A call signature is looked up first by the identity of the
+    call's frozen storage and tensor records (a call whose tensors keep their addresses has the
+    same records: `kdump.bundle.tensors` remembers them by layout facts), the entry holding
+    those records so that their identities stay theirs."""
 
     def __init__(self, max_entries: int = 64) -> None:
         self.max_entries = max_entries
         self._templates: dict[tuple[Any, ...], _Template | None] = {}
         self._nonce = secrets.token_hex(8)
         self.hits = 0
+        self._encoded: dict[str, tuple[object, str]] = {}  # "env" / "info" -> (value, fill)
+        self._by_records: dict[tuple[Any, ...], tuple[tuple[Any, ...], list[Any]]] = {}
 
     def header(
         self,
@@ -85,7 +94,7 @@ class HeaderCache:
         """The padded header of the bundle, or None where the ordinary path must build it."""
         order: dict[str, int] = {}
         pattern = tuple(order.setdefault(sha, len(order)) for sha, _ in digests)
-        key = _signature(calls, pattern, wheres, inline)
+        key = self._key(calls, pattern, wheres, inline)
         if key is None:
             return None
         fills = self._values(calls, digests, order, env, info, created)
@@ -108,6 +117,52 @@ class HeaderCache:
         self.hits += 1
         return out
 
+    def _key(
+        self,
+        calls: Sequence[CallRecord],
+        pattern: tuple[int, ...],
+        wheres: Sequence[Where],
+        inline: dict[str, tuple[memoryview, int]],
+    ) -> tuple[Any, ...] | None:
+        """The call signature (`_signature`), found by the records' identities where it can."""
+        ids: list[Any] = [
+            fast_checksum(),
+            pattern,
+            tuple(wheres),
+            tuple(len(v) for v, _ in inline.values()),
+        ]
+        held: list[Any] = []
+        for call in calls:
+            ids.append((call.target, call.called_as))
+            ids.append(tuple(call.names) if call.names is not None else None)
+            ids.append(tuple(call.inplace) if call.outputs is not None else None)
+            for cap in (call.inputs, call.outputs):
+                if cap is None:
+                    ids.append(None)
+                    continue
+                ids.append((*map(id, cap.storages), -1, *map(id, cap.tensors)))
+                held.append((cap.storages, cap.tensors))
+        fast = tuple(ids)
+        hit = self._by_records.get(fast)
+        if hit is not None:
+            return hit[0]
+        key = _signature(calls, pattern, wheres, inline)
+        if key is not None:
+            if len(self._by_records) >= 4 * self.max_entries:
+                self._by_records.pop(next(iter(self._by_records)))
+            # The lists are the call's own; their records (frozen) keep their identities here.
+            self._by_records[fast] = (key, [(tuple(st), tuple(t)) for st, t in held])
+        return key
+
+    def _fill(self, slot: str, value: dict[str, Any]) -> str:
+        """The fill of `env` or `info`: encoded again only for another object than last time."""
+        last = self._encoded.get(slot)
+        if last is not None and last[0] is value:
+            return last[1]
+        text = _escaped(_encode(value))
+        self._encoded[slot] = (value, text)
+        return text
+
     # -- per bundle -------------------------------------------------------------------------------
     def _values(
         self,
@@ -124,7 +179,7 @@ class HeaderCache:
         fasts: dict[str, str] = {}
         for sha, fast in digests:
             fasts.setdefault(sha, fast)
-        out = [f'\\"{created}\\"', _escaped(_encode(env)), _escaped(_encode(info))]
+        out = [f'\\"{created}\\"', self._fill("env", env), self._fill("info", info)]
         for sha in order:
             out.append(f'\\"{sha}\\"')
             out.append(f'\\"{fasts[sha]}\\"')

@@ -76,7 +76,7 @@ def open_temp(path: Path) -> tuple[int, str]:
     named so that `temp_owner` tells who wrote it; the caller renames it over `path` or removes
     it."""
     owner = _PID_HOST[0] if _PID_HOST[1] == os.getpid() else _pid_host()
-    folder = os.fspath(path.parent)
+    folder = os.path.dirname(os.fspath(path)) or "."  # path.parent: a new Path per file
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
     made = False
     for _ in range(100):

@@ -76,12 +76,15 @@ def _byte_view(t: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
 
 # Results of group_storages by the layout facts of the tensors they came from (addresses
 # included): a recorder calling a target again with the same tensors builds no records.
-_LAYOUT_MEMO: dict[tuple[object, ...], tuple[list[StorageRecord], list[TensorRecord]]] = {}
+# Each entry: (storages, records, the index of the first tensor of each storage).
+_Layout = tuple[tuple[StorageRecord, ...], tuple[TensorRecord, ...], tuple[int, ...]]
+_LAYOUT_MEMO: dict[tuple[object, ...], _Layout] = {}
 _LAYOUT_MEMO_MAX = 256
 
 
 def _layout_facts(t: torch.Tensor) -> tuple[object, ...]:
-    """Everything group_storages reads of `t` (so equal facts give equal records)."""
+    """Everything group_storages reads of `t` (so equal facts give equal records). A strided
+    tensor's own address follows from its storage's, its offset and its dtype."""
     if t.layout != torch.strided:  # no storage to ask for
         raise _layout_error(t)
     storage = t.untyped_storage()
@@ -89,9 +92,7 @@ def _layout_facts(t: torch.Tensor) -> tuple[object, ...]:
         t.device,
         storage.data_ptr(),
         storage.nbytes(),
-        t.data_ptr(),
         t.dtype,
-        t.layout,
         t.shape,
         t.stride(),
         t.storage_offset(),
@@ -109,16 +110,25 @@ def group_storages(
     """Group tensors by storage and compute each storage's covered span. Reads no data.
 
     The records are frozen and the lists returned are new, so a remembered result is shared."""
+    storages, records, _ = _grouped(tensors)
+    return list(storages), list(records)
+
+
+def _grouped(tensors: Sequence[torch.Tensor]) -> _Layout:
     key = tuple(_layout_facts(t) for t in tensors)
     hit = _LAYOUT_MEMO.get(key)
     if hit is None:
-        hit = _group_storages(tensors)
+        storages, records = _group_storages(tensors)
+        firsts: dict[int, int] = {}
+        for k, rec in enumerate(records):
+            firsts.setdefault(rec.storage, k)
+        hit = (tuple(storages), tuple(records), tuple(firsts[i] for i in range(len(storages))))
         if len(_LAYOUT_MEMO) >= _LAYOUT_MEMO_MAX:
             # The oldest entry; another thread may be trimming at the same moment.
             with contextlib.suppress(KeyError, RuntimeError, StopIteration):
                 _LAYOUT_MEMO.pop(next(iter(_LAYOUT_MEMO)))
         _LAYOUT_MEMO[key] = hit
-    return list(hit[0]), list(hit[1])
+    return hit
 
 
 def _group_storages(
@@ -215,49 +225,52 @@ def capture(
     from the tensors' memory into the sink's file, hashed on the way, and the snapshot's bytes
     are views of that file.
     """
-    storages, records = group_storages(tensors)
-    firsts: dict[int, torch.Tensor] = {}
-    for t, rec in zip(tensors, records):
-        firsts.setdefault(rec.storage, t)
+    storages, records, first = _grouped(tensors)
     earlier: dict[tuple[str, int, int, int], int] = {}
     if unchanged_from is not None:
         for i, old in enumerate(unchanged_from.storages):
             key = (old.device, old.base_ptr, old.span_start, old.span_nbytes)
             earlier.setdefault(key, i)
-    total = sum(st.span_nbytes for st in storages)
-    if sink is not None and (sink.active or total >= SINK_MIN):
-        return _capture_into(sink, storages, records, firsts, unchanged_from, earlier)
+    if sink is not None and (sink.active or sum(st.span_nbytes for st in storages) >= SINK_MIN):
+        firsts = {idx: tensors[k] for idx, k in enumerate(first)}
+        return _capture_into(sink, list(storages), list(records), firsts, unchanged_from, earlier)
     data: list[torch.Tensor] = []
     digests: list[tuple[str, str] | None] = []
     pending_sync: set[torch.device] = set()
     lazy: list[int] = []  # storages seen through a lazy conj / neg view: resolved after the copy
     for idx, st in enumerate(storages):
-        digests.append(None)
-        if _has_lazy_bits(firsts[idx]):
+        t = tensors[first[idx]]
+        seen_lazy = _has_lazy_bits(t)
+        if seen_lazy:
             lazy.append(idx)
         if st.device == "cpu":  # read at the span's address: no view to build
             n = st.span_nbytes
-            j = earlier.get((st.device, st.base_ptr, st.span_start, n))
-            same = unchanged_from.data[j] if j is not None and unchanged_from else None
-            if idx not in lazy and same is not None and _same_at(same, st.span_ptr, n):
-                data.append(same)
-                digests[-1] = unchanged_from.digest(j) if unchanged_from else None
-            else:
-                copy = torch.empty(n, dtype=torch.uint8)
-                if n:
-                    ctypes.memmove(copy.data_ptr(), st.span_ptr, n)
-                data.append(copy)
+            ptr = st.base_ptr + st.span_start
+            if earlier and not seen_lazy:
+                j = earlier.get((st.device, st.base_ptr, st.span_start, n))
+                if j is not None and _same_at(unchanged_from.data[j], ptr, n):  # type: ignore[union-attr]
+                    data.append(unchanged_from.data[j])  # type: ignore[union-attr]
+                    digests.append(unchanged_from.digest(j))  # type: ignore[union-attr]
+                    continue
+            copy = torch.empty(n, dtype=torch.uint8)
+            if n:
+                _memmove(copy.data_ptr(), ptr, n)
+            data.append(copy)
         else:
-            src = _byte_view(firsts[idx], st.span_start, st.span_nbytes)
+            src = _byte_view(t, st.span_start, st.span_nbytes)
             host = torch.empty(st.span_nbytes, dtype=torch.uint8, pin_memory=True)
             host.copy_(src, non_blocking=True)
             pending_sync.add(src.device)
             data.append(host)
+        digests.append(None)
     for dev in pending_sync:
         torch.cuda.current_stream(dev).synchronize()
     for idx in lazy:
-        _resolve_lazy_bits(data[idx], firsts[idx])
-    return Captured(storages=storages, tensors=records, data=data, digests=digests)
+        _resolve_lazy_bits(data[idx], tensors[first[idx]])
+    return Captured(storages=list(storages), tensors=list(records), data=data, digests=digests)
+
+
+_memmove = ctypes.memmove
 
 
 def _capture_into(

@@ -288,9 +288,11 @@ def save_calls(
     inline_below: int = 0,
     headers: HeaderCache | None = None,
     progress: Progress | None = None,
+    sized: Callable[[int], object] | None = None,
 ) -> Path:
     """Write `calls` as one bundle, atomically. Identical storages are stored once. `progress`
-    is told the bytes of blob data as they are written.
+    is told the bytes of blob data as they are written; `sized`, the size of the bundle's file
+    where the writer knows it without asking the file system (a bundle written in one write).
 
     With `store`, blobs go to the shared store (each written once per capture directory) and the
     bundle holds only the manifest, except blobs smaller than `inline_below` bytes (a recorder
@@ -298,23 +300,44 @@ def save_calls(
     opened for `path`), the blobs already in its file stay there and the header completes it; a
     `StoreSpool`'s blobs are in the store already (and not written again). With `headers` (a
     recorder's `HeaderCache`), a small bundle's header is filled into the template of its call
-    signature instead of being built and encoded record by record.
+    signature instead of being built and encoded record by record; an `env` or `info` passed to
+    the same cache again as the same object is taken as unchanged (pass a new dict for new facts;
+    never edit one that was passed).
     """
     path = path if isinstance(path, Path) else Path(path)
-    caps = [cap for call in calls for cap in (call.inputs, call.outputs) if cap is not None]
-    held = [  # storages of other kinds hold no bytes (a sparse one: its ranges, concatenated)
-        (st, d, cap.digest(i))
-        for cap in caps
-        for i, (st, d) in enumerate(zip(cap.storages, cap.data))
-        if st.source is Source.BLOB or st.source is Source.SPARSE
-    ]
-    views = [_blob_view(d) for _, d, _ in held]
-    aligns = [st.alignment for st, _, _ in held]
-    known = [dig for _, _, dig in held]
-    sizes = [len(v) for v in views]
-    wheres = [
-        Where.STORE if store is not None and n >= inline_below else Where.INLINE for n in sizes
-    ]
+    # One pass over the storages that hold bytes (other kinds hold none; a sparse one holds its
+    # ranges, concatenated): this runs for every bundle a recorder writes.
+    held: list[tuple[StorageRecord, torch.Tensor, Digests | None]] = []
+    views: list[memoryview] = []
+    aligns: list[int] = []
+    known: list[Digests | None] = []
+    sizes: list[int] = []
+    wheres: list[Where] = []
+    addresses: list[int] = []  # where each view's bytes start
+    seen: dict[int, tuple[memoryview, int]] = {}  # by snapshot (an unchanged output shares one)
+    blob, sparse, to_store, to_inline = Source.BLOB, Source.SPARSE, Where.STORE, Where.INLINE
+    for call in calls:
+        for cap in (call.inputs, call.outputs):
+            if cap is None:
+                continue
+            digs = cap.digests
+            for i, (st, d) in enumerate(zip(cap.storages, cap.data)):
+                if st.source is not blob and st.source is not sparse:
+                    continue
+                dig = digs[i] if i < len(digs) else None
+                got = seen.get(id(d))  # `held` keeps d alive: its id is its own
+                if got is None:
+                    view = _blob_view(d)
+                    got = seen[id(d)] = (view, d.data_ptr() if len(view) else 0)
+                view = got[0]
+                n = len(view)
+                held.append((st, d, dig))
+                views.append(view)
+                aligns.append((st.base_ptr + st.span_start) % ALIGN_MOD)  # st.alignment
+                known.append(dig)
+                sizes.append(n)
+                wheres.append(to_store if store is not None and n >= inline_below else to_inline)
+                addresses.append(got[1])
     created = _utc_now()
     make_manifest = _manifest_maker(calls, sizes, wheres, env, info, created=created)
     if isinstance(spool, Spool) and spool.active:
@@ -332,9 +355,7 @@ def save_calls(
         and _write_pipelined(path, views, aligns, make_manifest, progress)
     ):
         return path
-    digests = _hash_all(
-        views, known, [d.data_ptr() if len(v) else 0 for (_, d, _), v in zip(held, views)]
-    )
+    digests = _hash_all(views, known, addresses)
     inline: dict[str, tuple[memoryview, int]] = {}
     stored: dict[str, memoryview] = {}
     for (sha, _), view, align, where in zip(digests, views, aligns, wheres):
@@ -353,11 +374,16 @@ def save_calls(
         )
         if raw is not None:
             parts = [struct.pack("<Q", len(raw)), raw, *(v for v, _ in inline.values())]
-            atomic_write(path, b"".join(parts))
+            data = b"".join(parts)
+            atomic_write(path, data)
             if progress is not None:
                 progress(sum(len(v) for v, _ in inline.values()))
+            if sized is not None:
+                sized(len(data))
             return path
-    _write_safetensors(path, make_manifest(digests), inline, progress)
+    nbytes = _write_safetensors(path, make_manifest(digests), inline, progress)
+    if sized is not None:
+        sized(nbytes)
     return path
 
 
@@ -631,8 +657,9 @@ def _write_safetensors(
     manifest: dict[str, Any],
     blobs: dict[str, tuple[memoryview, int]],
     progress: Progress | None = None,
-) -> None:
-    """Write a bundle whose blobs (sha → (bytes, recorded alignment)) are all known."""
+) -> int:
+    """Write a bundle whose blobs (sha → (bytes, recorded alignment)) are all known; the size
+    of its file."""
     raw, layout, offset = _header_for(manifest, blobs)
 
     if offset <= ONE_WRITE_MAX:  # a small bundle: assembled here, written by one write
@@ -644,10 +671,11 @@ def _write_safetensors(
                 parts.append(bytes(start - pos))
             parts.append(view)
             pos = start + len(view)
-        atomic_write(path, b"".join(parts))
+        data = b"".join(parts)
+        atomic_write(path, data)
         if progress is not None:
             progress(sum(len(v) for v, _ in blobs.values()))
-        return
+        return len(data)
 
     def write(f: BinaryIO) -> None:
         f.write(struct.pack("<Q", len(raw)))
@@ -659,6 +687,7 @@ def _write_safetensors(
         f.truncate(data_start + offset)
 
     atomic_write(path, write)
+    return 8 + len(raw) + offset
 
 
 def _header_for(

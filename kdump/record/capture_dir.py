@@ -341,12 +341,21 @@ class CaptureDir:
     def admit(self) -> bool:
         return self.limits.admit()
 
-    def add(self, path: Path, target: str, index: int, exception: str | None) -> None:
-        """Account for the bundle just written at `path` (with the store's last blobs), evict
-        what the limits say, and append its index line."""
+    def add(
+        self,
+        path: Path,
+        target: str,
+        index: int,
+        exception: str | None,
+        nbytes: int | None = None,
+    ) -> None:
+        """Account for the bundle just written at `path` (`nbytes` long, where the writer said;
+        else asked of the file system) with the store's last blobs, evict what the limits say,
+        and append its index line."""
         store = self.store()
         key = str(path)
-        added = os.stat(key).st_size + sum(store.created.values())
+        size = nbytes if nbytes is not None else os.stat(key).st_size
+        added = size + (sum(store.created.values()) if store.created else 0)
         used = list(dict.fromkeys(store.used))
         if used:  # a bundle with inline blobs only frees nothing of the store when evicted
             self._bundle_blobs[key] = used
@@ -365,16 +374,7 @@ class CaptureDir:
                 continue
             self._append({"kind": "evicted", "path": Path(victim.path).name, "freed": freed})
         if all(v.path != key for v, _ in victims):
-            self._append(
-                {
-                    "kind": "bundle",
-                    "path": path.name,
-                    "target": target,
-                    "call_index": index,
-                    "bytes": added,
-                    "exception": exception,
-                }
-            )
+            self._write_line(_bundle_line(path.name, target, index, added, exception))
 
     def _delete(self, w: Written) -> int:
         """Remove a bundle and the blobs only it used (private store); bytes freed."""
@@ -412,9 +412,12 @@ class CaptureDir:
         )
 
     def _append(self, line: dict[str, Any]) -> None:
+        self._write_line(_encode(line))
+
+    def _write_line(self, text: str) -> None:
         """One line, one write, O_APPEND: concurrent readers see whole lines or a torn last one."""
         assert self._folder is not None
-        data = (_encode(line) + "\n").encode()
+        data = (text + "\n").encode()
         if self._torn:
             data = b"\n" + data
         if self._index_fd is None or self._index_pid != os.getpid():
@@ -441,6 +444,38 @@ class CaptureDir:
     @property
     def written(self) -> list[Path]:
         return [Path(w.path) for w in self.limits.bundles]
+
+
+_quote = json.encoder.encode_basestring_ascii  # a str as _encode writes it (ASCII, escaped)
+_NAMES: dict[str, str] = {}  # target -> its encoded name (one per target, kept small)
+
+
+def _bundle_line(name: str, target: str, index: int, nbytes: int, exception: str | None) -> str:
+    """The index line of a bundle: what _encode gives for {"kind": "bundle", "path": name,
+    "target": target, "call_index": index, "bytes": nbytes, "exception": exception}, formatted
+    directly (one line per bundle; the encoder's own path builds a list of parts per value)."""
+    plain = type(index) is int and type(nbytes) is int and type(target) is str
+    if not plain or not (exception is None or type(exception) is str):  # as the encoder does
+        return _encode(
+            {
+                "kind": "bundle",
+                "path": name,
+                "target": target,
+                "call_index": index,
+                "bytes": nbytes,
+                "exception": exception,
+            }
+        )
+    quoted = _NAMES.get(target)
+    if quoted is None:
+        if len(_NAMES) >= 256:
+            _NAMES.clear()
+        quoted = _NAMES[target] = _quote(target)
+    exc = "null" if exception is None else _quote(exception)
+    return (
+        f'{{"kind":"bundle","path":{_quote(name)},"target":{quoted},"call_index":{index},'
+        f'"bytes":{nbytes},"exception":{exc}}}'
+    )
 
 
 def _now() -> str:

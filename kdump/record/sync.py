@@ -60,6 +60,7 @@ class _Process:
         self._rank_final = False
         self._env: dict[str, Any] | None = None
         self._gpu: dict[str, Any] | None = None
+        self._last: tuple[str, dict[str, Any]] | None = None  # (its changing parts, encoded)
 
     def rank(self) -> tuple[int | None, bool]:
         """(rank, definitive). torch.distributed wins over RANK-style variables."""
@@ -79,7 +80,12 @@ class _Process:
 
     def env(self, cuda: bool, libraries: dict[str, Any] | None = None) -> dict[str, Any]:
         """The environment manifest: collected once per process, GPU facts once CUDA is in use
-        (never initialising CUDA for a CPU call), library state fresh for every bundle."""
+        (never initialising CUDA for a CPU call), library state fresh for every bundle.
+
+        While the GPU facts and the library state encode as before, the previous bundle's dict
+        is returned again (the header cache then reuses its encoding); it is never edited."""
+        from kdump.bundle.header_cache import _encode
+
         if self._env is None:
             self._env = envinfo.collect(include_gpu=False)
         gpu = self._gpu
@@ -89,7 +95,13 @@ class _Process:
                 self._gpu = gpu
         if libraries is None:
             libraries = envinfo.library_state()
-        return {**self._env, **gpu, "libraries": libraries}
+        parts = _encode([gpu, libraries])
+        last = self._last
+        if last is not None and last[0] == parts:
+            return last[1]
+        env = {**self._env, **gpu, "libraries": libraries}
+        self._last = (parts, env)
+        return env
 
 
 class SyncRecorder:
@@ -117,6 +129,8 @@ class SyncRecorder:
         )
         self._shorts: dict[str, str] = {}
         self.errors = 0
+        # One object for the recorder's life: the header cache encodes it once.
+        self._info = {"recorder": "sync", "session": self.session.started_ns}
         from kdump.bundle.header_cache import HeaderCache
 
         self.headers = HeaderCache()  # repeated call signatures: headers from a template
@@ -308,8 +322,8 @@ class SyncRecorder:
             store.begin()
             if sink is not None:  # blobs the snapshot added to the store count for this bundle
                 store.created.update(sink.created)
-            info = {"recorder": "sync", "session": self.session.started_ns}
             cuda = call.meta.get("stream") is not None  # set only when a CUDA tensor is involved
+            size: list[int] = []  # the bundle file's size, where the writer knows it
             try:
                 save_calls(
                     path,
@@ -317,15 +331,16 @@ class SyncRecorder:
                     # The library state read at the call (it is the same a moment later).
                     env=self.proc.env(cuda, call.meta.get("library_state")),
                     store=store.store,
-                    info=info,
+                    info=self._info,
                     inline_below=STORE_MIN,
                     spool=sink,
                     headers=self.headers,
+                    sized=size.append,
                 )
             except BaseException:
                 self.dest.abandon(path)
                 raise
-            self.dest.add(path, st.id, index, call.meta.get("exception"))
+            self.dest.add(path, st.id, index, call.meta.get("exception"), size[0] if size else None)
 
     # -- flush ------------------------------------------------------------------------------------
     def flush(self) -> None:
