@@ -27,8 +27,9 @@ T = __name__
 
 
 def gemm_like(a: torch.Tensor, w: torch.Tensor, layout: torch.Tensor, out: torch.Tensor, scale=1.0):
-    x = a.reshape(-1)[: out.numel()].view_as(out)
-    out.copy_(x * float(scale) + layout[: out.shape[0], None])
+    with torch.no_grad():
+        x = a.reshape(-1)[: out.numel()].view_as(out)
+        out.copy_(x * float(scale) + layout[: out.shape[0], None])
 
 
 def _buffers() -> dict[str, Any]:
@@ -94,6 +95,14 @@ def _same_no_copy(b: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (b["a"], b["w"], b["layout"], b["out"]), {"scale": 1.0}
 
 
+def _grad(on: bool) -> Step:
+    def step(b: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        b["a"].requires_grad_(on)  # recorded in the tensor's record; its version stays
+        return _same_no_copy(b)
+
+    return step
+
+
 def _static_moved(b: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     b["w"].mul_(1.0)  # a new version of the static operand: copied again
     return _same(b)
@@ -120,6 +129,9 @@ STEPS: list[tuple[Step, bool | None]] = [
     (_same, True),
     (_data_swap, False),
     (_data_back, None),
+    (_same, True),
+    (_grad(True), False),
+    (_grad(False), None),
     (_same, True),
     (_static_moved, False),
     (_same, None),

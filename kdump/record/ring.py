@@ -518,10 +518,10 @@ class RingRecorder:
         )
 
     def _again(self, rep: _Repeat, index: int, tensors: list[Any]) -> Any:
-        """The exact-repeat path: the call is the last one of its target again (the same tensor
-        objects, layouts, static versions and scalar arguments; see `_Repeat`), so its slot is
-        the last one's with this call's index, time, stream and moving versions, and its copies
-        are the same. `_MISS` where anything differs (the full path then runs)."""
+        """The exact-repeat path: the call repeats the one `rep` was made from (the same tensor
+        objects, layouts, static versions and scalar arguments), so its slot is that one's with
+        this call's index, time, stream and moving versions, and its copies are the same.
+        `_MISS` where anything differs (the full path then runs)."""
         for t, ref in zip(tensors, rep.refs):  # the key holds their number and facts
             if ref() is not t:
                 return _MISS
@@ -529,11 +529,8 @@ class RingRecorder:
             if tensors[f]._version != v:
                 return _MISS
         cuda = rep.cuda_call
-        if cuda:
-            import torch
-
-            if torch.cuda.is_current_stream_capturing():
-                return _MISS
+        if cuda and self._is_capturing(tensors):  # capture sites: the full path
+            return _MISS
         with self.lock:
             j = self.journal
             statics = self.statics
@@ -913,9 +910,9 @@ def _repeat_key(
 
 
 def _facts(t: Any) -> tuple[Any, ...]:
-    """What the recorded layout of a tensor depends on besides its version: `_signature`'s facts
-    and the lazy conj / neg bits (`.data =` changes any of them without bumping the version);
-    the device where the address does not tell it."""
+    """What the recorded layout of a tensor depends on besides its version: `_signature`'s facts,
+    the lazy conj / neg bits and requires_grad (`.data =` and `requires_grad_` change them
+    without bumping the version); the device where the address does not tell it."""
     p = t.data_ptr()
     return (
         p,
@@ -925,6 +922,7 @@ def _facts(t: Any) -> tuple[Any, ...]:
         t.storage_offset(),
         t.is_conj(),
         t.is_neg(),
+        t.requires_grad,
         None if p else t.device,
     )
 
