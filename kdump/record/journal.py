@@ -288,15 +288,62 @@ def default_path(directory: Path = DEFAULT_DIR) -> Path:
     return directory / f"{FILE_PREFIX}{os.getpid()}-{time.time_ns():x}"
 
 
+class SlotTemplate:
+    """The header of a repeated call (`Journal.template`): its JSON cut where per-call integers
+    go, what its payloads want and their sizes, the fixed header's constant fields, and the
+    payload placement of the last JSON start offset it was used with."""
+
+    __slots__ = (
+        "capture_id",
+        "flags",
+        "format",
+        "graph_id",
+        "parts",
+        "placed",
+        "replay",
+        "sizes",
+        "target_id",
+        "want",
+    )
+
+    def __init__(
+        self,
+        parts: tuple[bytes, ...],
+        want: tuple[bool, ...],
+        sizes: tuple[int, ...],
+        target_id: int,
+        capture_id: int,
+        graph_id: int,
+        replay: int,
+        flags: int,
+    ) -> None:
+        self.parts = parts
+        self.format = _format(parts)  # `reserve_from` fills it with a call's values
+        self.want = want
+        self.sizes = sizes
+        self.target_id = target_id
+        self.capture_id = capture_id
+        self.graph_id = graph_id
+        self.replay = replay
+        self.flags = flags  # FLAG_AFTER_KERNEL; FLAG_MISSING follows from the placement
+        self.placed: tuple[int, tuple[Any, ...], bytes, int] | None = None
+
+
 class Slot:
     """A reserved slot: copy the payloads in (`payload(i)`), then `commit()`."""
 
     def __init__(
-        self, journal: Journal, index: int, seq: int, spans: list[tuple[int, int] | None]
+        self,
+        journal: Journal,
+        index: int,
+        seq: int,
+        spans: list[tuple[int, int] | None],
+        head_crc: int | None = None,
     ) -> None:
         self._journal = journal
         self.index = index
         self.seq = seq
+        self._head_crc = head_crc  # CRC-32 of the header as written, where the writer knows it
         self._spans = spans  # per storage: (offset in slot, length) or None when missing
         self._base = journal._slot_offset(index)
         self.committed = False
@@ -346,8 +393,10 @@ class Slot:
                     f"slot {self.index} was reused before seq {self.seq} was committed: "
                     "use more slots"
                 )
-            _, _, _, _, _, k, _, _, _, _, jlen = _SLOT_FIXED.unpack_from(view, base)
-            crc = zlib.crc32(view[base : base + _SLOT_HEAD + 16 * k + jlen])
+            crc = self._head_crc
+            if crc is None:
+                _, _, _, _, _, k, _, _, _, _, jlen = _SLOT_FIXED.unpack_from(view, base)
+                crc = zlib.crc32(view[base : base + _SLOT_HEAD + 16 * k + jlen])
             if not device:
                 for span in self._spans:
                     if span is not None:
@@ -494,6 +543,26 @@ class Journal:
         spans = _place(meta.storages, head_end, limit, want)
         if [s is None for s in spans] != [g is None for g in guess or [(0, 0)] * k]:
             doc = self._json(meta, spans)
+        flags = (FLAG_AFTER_KERNEL if meta.after_kernel else 0) | (
+            FLAG_MISSING if any(s is None for s in spans) else 0
+        )
+        table = b"".join(_TABLE_ENTRY.pack(*(s or (0, 0))) for s in spans)
+        ids = (meta.call_index, meta.target_id, meta.stream, meta.capture_id, meta.graph_id)
+        return self._write(index, spans, table + doc, len(doc), flags, ids, meta.replay)
+
+    def _write(
+        self,
+        index: int | None,
+        spans: list[tuple[int, int] | None],
+        body: bytes,
+        jlen: int,
+        flags: int,
+        ids: tuple[int, int, int, int, int],
+        replay: int,
+    ) -> Slot:
+        """Write a slot header (payload table + JSON in `body`) in the crash-safe order of the
+        module docstring; `ids`: call index, target id, stream, capture id, graph id."""
+        call_index, target_id, stream, capture_id, graph_id = ids
         with self._lock:
             seq = self._seq + 1
             if index is None:
@@ -504,29 +573,92 @@ class Journal:
             # First the old trailer is invalidated: from here the old call never reads complete.
             v[t : t + _TRAILER.size] = _TRAILER.pack(REFILL_MAGIC, 0, seq, 0, 0, 0, 0)
             v[base : base + 4] = bytes(4)  # then the old header
-            table = b"".join(_TABLE_ENTRY.pack(*(s or (0, 0))) for s in spans)
-            body = table + doc
             v[base + _SLOT_HEAD : base + _SLOT_HEAD + len(body)] = body
-            flags = (FLAG_AFTER_KERNEL if meta.after_kernel else 0) | (
-                FLAG_MISSING if any(s is None for s in spans) else 0
-            )
             fixed = _SLOT_FIXED.pack(
                 SLOT_MAGIC,
                 flags,
                 seq,
-                meta.call_index,
-                meta.target_id,
-                k,
-                meta.stream,
-                meta.capture_id,
-                meta.graph_id,
-                meta.replay,
-                len(doc),
+                call_index,
+                target_id,
+                len(spans),
+                stream,
+                capture_id,
+                graph_id,
+                replay,
+                jlen,
             )
             crc = zlib.crc32(body, zlib.crc32(fixed))
-            v[base : base + _SLOT_HEAD] = fixed + _SLOT_CRC.pack(crc)
+            head = fixed + _SLOT_CRC.pack(crc)
+            v[base : base + _SLOT_HEAD] = head
             self._seq = seq
-            return Slot(self, index, seq, spans)
+            # the trailer's checksum starts with these bytes: `commit` need not read them back
+            return Slot(self, index, seq, spans, zlib.crc32(body, zlib.crc32(head)))
+
+    def template(
+        self,
+        meta: SlotMeta,
+        want: Sequence[bool],
+        holes: Sequence[int],
+        check: tuple[SlotMeta, Sequence[int]],
+    ) -> SlotTemplate | None:
+        """The slot JSON of `meta` (payloads as `want` asks) cut at the per-call integers: `meta`
+        carries the integers `holes` (distinct sentinels, in JSON order) where a call's values go
+        (`reserve_from`). `check`: a call's meta and its values, whose JSON the template must
+        give byte for byte. None when a sentinel is not found exactly once, in order, or the
+        check fails."""
+        guess = [(0, 0) if w else None for w in want]
+        doc = self._json(meta, guess)
+        parts: list[bytes] = []
+        rest = doc
+        for h in holes:
+            text = str(int(h)).encode()
+            if rest.count(text) != 1 or any(text in p for p in parts):
+                return None
+            before, rest = rest.split(text)
+            if before[-1:].isdigit() or rest[:1].isdigit():  # part of a longer number
+                return None
+            parts.append(before)
+        parts.append(rest)
+        if _fill(tuple(parts), check[1]) != self._json(check[0], guess):
+            return None
+        storages = tuple(int(s.get("span_nbytes", 0)) for s in meta.storages)
+        return SlotTemplate(
+            tuple(parts),
+            tuple(bool(w) for w in want),
+            storages,
+            meta.target_id,
+            meta.capture_id,
+            meta.graph_id,
+            meta.replay,
+            FLAG_AFTER_KERNEL if meta.after_kernel else 0,
+        )
+
+    def reserve_from(
+        self, tpl: SlotTemplate, values: Sequence[int], stream: int, call_index: int
+    ) -> Slot | None:
+        """`reserve` for a call whose JSON is `tpl` with `values` in its holes: the same header,
+        written the same way. None (nothing written) where placing its payloads would change
+        which of them are present (the full `reserve` then re-encodes)."""
+        if self._fd < 0:
+            raise JournalError("the journal is closed")
+        doc = tpl.format % tuple(values)
+        k = len(tpl.sizes)
+        limit = self.slot_bytes - _TRAILER.size - CALL_RECORD_BYTES
+        head_end = _SLOT_HEAD + 16 * k + len(doc) + 3 * k
+        if head_end > limit:
+            return None
+        start = _round_up(head_end, ALIGN)
+        placed = tpl.placed
+        if placed is None or placed[0] != start:
+            spans = tuple(_place_sizes(tpl.sizes, head_end, limit, tpl.want))
+            if [s is None for s in spans] != [not w for w in tpl.want]:
+                return None
+            flags = tpl.flags | (FLAG_MISSING if any(s is None for s in spans) else 0)
+            table = b"".join(_TABLE_ENTRY.pack(*(s or (0, 0))) for s in spans)
+            placed = tpl.placed = (start, spans, table, flags)
+        _, spans, table, flags = placed
+        ids = (call_index, tpl.target_id, stream, tpl.capture_id, tpl.graph_id)
+        return self._write(None, list(spans), table + doc, len(doc), flags, ids, tpl.replay)
 
     def _json(self, meta: SlotMeta, spans: Sequence[tuple[int, int] | None] | None) -> bytes:
         """The slot JSON (one object: target, called_as, names, args, kwargs, storages with their
@@ -610,6 +742,18 @@ class Journal:
         self.close()
 
 
+def _fill(parts: tuple[bytes, ...], values: Sequence[int]) -> bytes:
+    """A template's JSON with `values` in its holes (as json.dumps writes integers)."""
+    if len(values) + 1 != len(parts):
+        raise JournalError(f"a slot template has {len(parts) - 1} holes, not {len(values)}")
+    return _format(parts) % tuple(values)
+
+
+def _format(parts: tuple[bytes, ...]) -> bytes:
+    """The parts as one printf-style format with a %d per hole (one C pass per call)."""
+    return b"%d".join(p.replace(b"%", b"%%") for p in parts)
+
+
 def _dumps(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), default=str).encode()
 
@@ -641,10 +785,15 @@ def _place(
 ) -> list[tuple[int, int] | None]:
     """Payload spans in order, each 64-byte aligned, first fit; what does not fit (or is not
     wanted) is None."""
+    return _place_sizes([int(s.get("span_nbytes", 0)) for s in storages], head_end, limit, want)
+
+
+def _place_sizes(
+    sizes: Sequence[int], head_end: int, limit: int, want: Sequence[bool] | None = None
+) -> list[tuple[int, int] | None]:
     spans: list[tuple[int, int] | None] = []
     pos = _round_up(head_end, ALIGN)
-    for j, s in enumerate(storages):
-        n = int(s.get("span_nbytes", 0))
+    for j, n in enumerate(sizes):
         if (want is None or want[j]) and pos + n <= limit:
             spans.append((pos, n))
             pos = _round_up(pos + n, ALIGN)

@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from kdump import config
 from kdump.log import log_once
 from kdump.record.hooks import HookState, busy
-from kdump.record.journal import Journal, Slot, SlotMeta
+from kdump.record.journal import Journal, Slot, SlotMeta, SlotTemplate
 from kdump.record.salvage import CRASH_SUFFIX
 from kdump.record.statics import Candidates, Statics, first_views, lazy_bits, storage_meta
 
@@ -126,6 +127,9 @@ class RingRecorder:
         self._cuda: DeviceCopies | None = None
         self._plans: dict[Any, Any] = {}
         self._layouts: dict[Any, _Layout] = {}
+        self._repeats: dict[Any, _Repeat] = {}  # per repeat key (`_repeat_key`): `_again`
+        self._sightings: dict[Any, None] = {}  # repeat keys seen once, without a template
+        self.fast_calls = 0  # calls recorded by the exact-repeat path (`_again`)
         self._hooks_installed = False
         self.statics: Statics | None = None  # made with the journal (kdump.record.statics)
 
@@ -250,6 +254,13 @@ class RingRecorder:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Callable[[], None] | None:
+        seen = _repeat_key(st.id, called_as, args, kwargs)
+        if seen is not None:
+            rep = self._repeats.get(seen[0])
+            if rep is not None:
+                done = self._again(rep, index, seen[1])
+                if done is not _MISS:
+                    return done  # type: ignore[return-value]
         import torch
 
         from kdump.bundle import argtree
@@ -292,6 +303,7 @@ class RingRecorder:
                 want = list(cached.want)
                 # Static operands (weights): copied once per (storage, version) into the static
                 # region, or recorded by reference; never into the slot. Per call: versions move.
+                generation = self.statics.generation if self.statics is not None else -1
                 refs = self._static_refs(tensors, records, storages, cached, capturing)
                 for i, ref in enumerate(refs):
                     if ref is not None:
@@ -376,6 +388,11 @@ class RingRecorder:
                 )
                 slot = j.reserve(meta, index=pin_index, want=want)
                 views = SpanViews(tensors, cached.firsts, storages)
+                if seen is not None and site is None and not capturing:
+                    self._note_repeat(
+                        seen, tensors, cached, meta, want, generation, j, direct,
+                        (plan, whole, bool(cuda)),
+                    )  # fmt: skip
                 if site is None:
                     ptrs = tuple(t.data_ptr() for t in tensors)
                     self._last_eager[st.id] = (slot.index, slot.seq, ptrs)
@@ -394,6 +411,163 @@ class RingRecorder:
                 return self._cuda.copy(
                     slot, views, counter, plan, rule, index, capturing, whole if plan else None
                 )
+
+    def _note_repeat(
+        self,
+        seen: tuple[Any, list[Any]],
+        tensors: list[Any],
+        cached: _Layout,
+        meta: SlotMeta,
+        want: list[bool],
+        generation: int,
+        j: Journal,
+        direct: bool,
+        device: tuple[Any, Any, bool],
+    ) -> None:
+        """After a full-path eager call: the second time its repeat key is seen (or when its
+        template stopped matching), keep what `_again` needs; the first time only note the key
+        (a call that never repeats pays nothing for templates)."""
+        key = seen[0]
+        if key not in self._sightings and key not in self._repeats:
+            if len(self._sightings) > 4 * _REPEATS_MAX:
+                self._sightings.clear()
+            self._sightings[key] = None
+            return
+        rep = None
+        if len(seen[1]) == len(tensors) and all(a is b for a, b in zip(seen[1], tensors)):
+            rep = self._remember(tensors, cached, meta, want, generation, j, direct, device)
+        if rep is None:
+            self._repeats.pop(key, None)
+            return
+        if len(self._repeats) >= _REPEATS_MAX and key not in self._repeats:
+            self._repeats.clear()
+        self._repeats[key] = rep
+
+    def _remember(
+        self,
+        tensors: list[Any],
+        cached: _Layout,
+        meta: SlotMeta,
+        want: list[bool],
+        generation: int,
+        j: Journal,
+        direct: bool,
+        device: tuple[Any, Any, bool],
+    ) -> _Repeat | None:
+        """What `_again` needs to record the next call exactly like this one (None: it cannot,
+        e.g. `refer` changed the static region's decisions, so the next call may differ)."""
+        statics = self.statics
+        if statics is not None and statics.generation != generation:
+            return None
+        candidates = {i for i, _ in cached.candidates.storages}
+        # Per-call integers: the call index, the time, the versions of the storages that are
+        # not static candidates (outputs, activations: their versions move every call).
+        holes: list[int] = []  # in JSON order: storages (versions), then extra
+        values: list[int] = []
+        moving: list[int] = []
+        storages = list(meta.storages)
+        for i, d in enumerate(storages):
+            if "version" in d and i not in candidates:
+                holes.append(_SENTINEL + 2 + len(moving))  # +0, +1: the index and time
+                values.append(d["version"])
+                storages[i] = {**d, "version": holes[-1]}
+                moving.append(cached.firsts[i])
+        extra = dict(meta.extra)
+        extra["call_index"], extra["time_ns"] = _SENTINEL, _SENTINEL + 1
+        holes += [_SENTINEL, _SENTINEL + 1]
+        values += [meta.call_index, meta.extra["time_ns"]]
+        sentinels = SlotMeta(
+            call_index=meta.call_index,
+            target=meta.target,
+            target_id=meta.target_id,
+            called_as=meta.called_as,
+            names=meta.names,
+            args=meta.args,
+            kwargs=meta.kwargs,
+            storages=storages,
+            tensors=meta.tensors,
+            stream=meta.stream,
+            capture_id=meta.capture_id,
+            graph_id=meta.graph_id,
+            extra=extra,
+        )
+        tpl = j.template(sentinels, want, holes, (meta, values))
+        if tpl is None:
+            return None
+        firsts = cached.firsts
+        fixed = tuple(
+            (f, int(tensors[f]._version)) for i, f in enumerate(firsts) if i in candidates
+        )
+        plan, whole, cuda = device
+        return _Repeat(
+            meta.target,
+            tuple(weakref.ref(t) for t in tensors),
+            fixed,
+            tuple(moving),
+            tpl,
+            j,
+            self._cuda,
+            statics,
+            statics.generation if statics is not None else -1,
+            cached,
+            tuple(t.data_ptr() for t in tensors),
+            cuda,
+            direct,
+            plan,
+            whole if plan is not None else None,
+        )
+
+    def _again(self, rep: _Repeat, index: int, tensors: list[Any]) -> Any:
+        """The exact-repeat path: the call repeats the one `rep` was made from (the same tensor
+        objects, layouts, static versions and scalar arguments), so its slot is that one's with
+        this call's index, time, stream and moving versions, and its copies are the same.
+        `_MISS` where anything differs (the full path then runs)."""
+        for t, ref in zip(tensors, rep.refs):  # the key holds their number and facts
+            if ref() is not t:
+                return _MISS
+        for f, v in rep.fixed:
+            if tensors[f]._version != v:
+                return _MISS
+        cuda = rep.cuda_call
+        if cuda and self._is_capturing(tensors):  # capture sites: the full path
+            return _MISS
+        with self.lock:
+            j = self.journal
+            statics = self.statics
+            if (
+                j is not rep.journal
+                or self._cuda is not rep.devcopies
+                or statics is not rep.statics
+                or (statics is not None and statics.generation != rep.generation)
+            ):
+                return _MISS
+            stream = 0
+            if cuda:
+                import torch
+
+                from kdump.record.devcopy import current_stream
+
+                stream = current_stream(torch.cuda.current_device())
+            values = [tensors[f]._version for f in rep.moving]
+            values += (index, time.time_ns())
+            slot = j.reserve_from(rep.template, values, stream, index)
+            if slot is None:
+                return _MISS
+            self.captures.next_site(False)
+            self.fast_calls += 1
+            layout = rep.layout
+            self._last_eager[rep.target] = (slot.index, slot.seq, rep.ptrs)
+            views = SpanViews(tensors, layout.firsts, layout.storages)
+            if not cuda:
+                return self._host_copy(slot, views)
+            assert self._cuda is not None
+            if rep.direct:
+                return self._cuda.direct(slot, views, None)
+            plan = rep.plan
+            rule = None
+            if plan is not None and plan.rule_tensor is not None:
+                rule = tensors[plan.rule_tensor]
+            return self._cuda.copy(slot, views, None, plan, rule, index, False, rep.whole)
 
     @staticmethod
     def _is_capturing(cuda: list[Any]) -> bool:
@@ -635,6 +809,145 @@ def _signature(target: str, tensors: list[Any], args_tree: Any, kwargs_tree: Any
         ),
         repr((args_tree, kwargs_tree)),
     )
+
+
+_REPEATS_MAX = 512  # repeat keys with a template (a model's layers call one target each)
+_MISS = object()  # `_again`: not a repeat, take the full path
+_TENSOR = object()  # `_fingerprint`: a tensor follows (its index in the call's tensor list)
+_KWARGS = object()  # `_fingerprint`: the keyword arguments follow
+# Sentinels cut out of a template's JSON (`Journal.template`): 19 digits, not an address, a size
+# or a time a call could carry.
+_SENTINEL = 7_319_846_250_183_746_000
+_LEAVES = frozenset({type(None), bool, int, str})  # exact types: equal values encode equally
+
+
+def _tensor_types() -> tuple[type, ...]:
+    import torch
+
+    return (torch.Tensor, torch.nn.Parameter)
+
+
+_TENSOR_TYPES: tuple[type, ...] = ()
+
+
+def _fingerprint(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+    """The call's arguments as a flat list that compares equal exactly when their argument trees
+    encode equally given the same tensors (containers, scalar types and values, which positions
+    hold the same tensor object), and the tensors in argtree's order. None: a value whose
+    encoding may change while it compares equal (a mutable or unknown object, a tensor
+    subclass): such calls always take the full path."""
+    global _TENSOR_TYPES
+    if not _TENSOR_TYPES:
+        _TENSOR_TYPES = _tensor_types()
+    out: list[Any] = []
+    tensors: list[Any] = []
+    at: dict[int, int] = {}  # id -> index: the tensors stay alive in `tensors` meanwhile
+    for v in args:
+        if not _walk(v, out, tensors, at):
+            return None  # type: ignore[return-value]
+    out.append(_KWARGS)
+    for k, v in kwargs.items():
+        out.append(k)
+        if not _walk(v, out, tensors, at):
+            return None  # type: ignore[return-value]
+    return out, tensors
+
+
+def _walk(v: Any, out: list[Any], tensors: list[Any], at: dict[int, int]) -> bool:
+    tp = type(v)
+    if tp in _TENSOR_TYPES:
+        i = at.get(id(v))
+        if i is None:
+            i = at[id(v)] = len(tensors)
+            tensors.append(v)
+        out += (_TENSOR, i)
+        return True
+    if tp in _LEAVES:
+        out += (tp, v)
+        return True
+    if tp is tuple or tp is list:
+        out += (tp, len(v))
+        for x in v:  # a loop, not all(): a generator per container costs a microsecond
+            if not _walk(x, out, tensors, at):
+                break
+        else:
+            return True
+        return False
+    if tp is dict:
+        out += (tp, len(v))
+        for k, x in v.items():
+            if not (_walk(k, out, tensors, at) and _walk(x, out, tensors, at)):
+                break
+        else:
+            return True
+        return False
+    if tp is float:  # the encoding is the repr: -0.0 and 0.0 differ, nan equals nan
+        out += (tp, repr(v))
+        return True
+    import enum
+
+    import torch
+
+    if tp is torch.dtype or tp is torch.device:
+        out += (tp, v)
+        return True
+    if isinstance(v, enum.Enum) and type(v.value) in _LEAVES:
+        out += (tp, v.name)
+        return True
+    return False
+
+
+def _repeat_key(
+    target: str, called_as: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, list[Any]] | None:
+    """(key, tensors): calls with equal keys encode equal argument trees and tensor layouts
+    (`_fingerprint`, `_facts`); None: the call cannot repeat exactly (`_fingerprint`)."""
+    seen = _fingerprint(args, kwargs)
+    if seen is None:
+        return None
+    structure, tensors = seen
+    return (target, called_as, tuple(structure), tuple(_facts(t) for t in tensors)), tensors
+
+
+def _facts(t: Any) -> tuple[Any, ...]:
+    """What the recorded layout of a tensor depends on besides its version: `_signature`'s facts,
+    the lazy conj / neg bits and requires_grad (`.data =` and `requires_grad_` change them
+    without bumping the version); the device where the address does not tell it."""
+    p = t.data_ptr()
+    return (
+        p,
+        t.shape,
+        t.stride(),
+        t.dtype,
+        t.storage_offset(),
+        t.is_conj(),
+        t.is_neg(),
+        t.requires_grad,
+        None if p else t.device,
+    )
+
+
+@dataclass(frozen=True)
+class _Repeat:
+    """A recorded eager call, as the exact-repeat path replays calls of its repeat key
+    (`_repeat_key`): its tensors (weak references: the same objects must come again), the
+    versions of its static candidates, the slot template and what the copies need."""
+
+    target: str
+    refs: tuple[Any, ...]
+    fixed: tuple[tuple[int, int], ...]  # (tensor index, version) of static candidates' views
+    moving: tuple[int, ...]  # tensor index of each version that fills a hole
+    template: SlotTemplate
+    journal: Journal
+    devcopies: Any
+    statics: Statics | None
+    generation: int
+    layout: _Layout
+    ptrs: tuple[int, ...]
+    cuda_call: bool
+    direct: bool
+    plan: Any
+    whole: Any
 
 
 class _Layout:

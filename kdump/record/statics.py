@@ -306,6 +306,9 @@ class Statics:
         self.data_offset = 0
         self._registered = False
         self._failed = False
+        # Bumped by every change to what `refer` decides from (seen storages, entries, failure):
+        # a call whose `refer` changed nothing gets the same references again while it holds.
+        self.generation = 0
 
     # -- the file ---------------------------------------------------------------------------------
     def _open(self) -> memoryview:
@@ -404,6 +407,7 @@ class Statics:
                     out[i] = self._one(t, s, capturing, by_role)
                 except Exception as exc:
                     self._failed = True
+                    self.generation += 1
                     log_once(f"statics:{os.getpid()}", f"static operands are off: {exc}")
                     return [None] * len(storages)
         return out
@@ -426,6 +430,7 @@ class Statics:
             seen = self._seen.get(key)
             if seen is None or seen[0] != version or seen[1]() is not owner:
                 if not capturing:
+                    self.generation += 1
                     self._seen[key] = (version, weakref.ref(owner))
                     self._seen.move_to_end(key)
                     while len(self._seen) > SEEN_MAX:
@@ -436,6 +441,7 @@ class Statics:
         entry = self._new_entry(key, t, s, version)
         if entry is None:
             return {"version": version, "why": "the static region's entry table is full"}
+        self.generation += 1
         self._by_key[key] = entry
         return self._ref(entry, s)
 

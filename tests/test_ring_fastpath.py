@@ -1,0 +1,309 @@
+"""The flight recorder's exact-repeat path (CPU): a call that repeats an earlier one (same tensor
+objects and layouts, same scalars) writes the slot the full path writes, byte for byte but for
+the time; whatever differs (a scalar, a tensor resized in place or swapped through `.data`, a
+new tensor object at the same address, a static operand's new version) takes the full path.
+Each scenario is recorded twice on the same buffers, with the repeat path and without it."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import kdump
+from kdump.bundle import load_bundle
+from kdump.record import ring as ring_module
+from kdump.record.config import RingConfig
+from kdump.record.journal import SlotState, read_journal
+
+T = __name__
+
+
+def gemm_like(a: torch.Tensor, w: torch.Tensor, layout: torch.Tensor, out: torch.Tensor, scale=1.0):
+    with torch.no_grad():
+        x = a.reshape(-1)[: out.numel()].view_as(out)
+        out.copy_(x * float(scale) + layout[: out.shape[0], None])
+
+
+def _buffers() -> dict[str, Any]:
+    g = torch.Generator(device="cpu").manual_seed(3)
+    return {
+        "a": torch.randn(16, 8, generator=g),
+        "w": torch.randn(128, 256, generator=g),  # over statics.MIN_BYTES
+        "layout": torch.zeros(16),
+        "out": torch.zeros(16, 8),
+        "g": g,
+    }
+
+
+# Each step changes the buffers (or not) and makes one call; `expect` says whether the repeat
+# path may take it (None: either way, e.g. the second sighting of a key).
+Step = Callable[[dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]
+
+
+def _same(b: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    b["a"].copy_(torch.randn(16, 8, generator=b["g"]))  # contents (and the version) change
+    b["layout"].copy_(torch.randint(-1, 4, (16,), generator=b["g"]).float())
+    return (b["a"], b["w"], b["layout"], b["out"]), {"scale": 1.0}
+
+
+def _scalar(value: Any) -> Step:
+    def step(b: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        args, _ = _same(b)
+        return args, {"scale": value}
+
+    return step
+
+
+def _resized(b: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    b["out"].resize_(8, 8)  # same address, new shape (and version)
+    return _same(b)
+
+
+def _restored(b: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    b["out"].resize_(16, 8)
+    return _same(b)
+
+
+def _new_object(b: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    b["a"] = b["a"].view(16, 8)  # another tensor object at the same address, same layout
+    return _same(b)
+
+
+def _data_swap(b: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    a = b["a"]
+    a.data = a.detach().view(8, 16)  # same object and address, new shape, version unchanged
+    args, kw = _same_no_copy(b)
+    return args, kw
+
+
+def _data_back(b: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    a = b["a"]
+    a.data = a.detach().view(16, 8)
+    return _same_no_copy(b)
+
+
+def _same_no_copy(b: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    b["layout"].copy_(torch.randint(-1, 4, (16,), generator=b["g"]).float())
+    return (b["a"], b["w"], b["layout"], b["out"]), {"scale": 1.0}
+
+
+def _grad(on: bool) -> Step:
+    def step(b: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        b["a"].requires_grad_(on)  # recorded in the tensor's record; its version stays
+        return _same_no_copy(b)
+
+    return step
+
+
+def _static_moved(b: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    b["w"].mul_(1.0)  # a new version of the static operand: copied again
+    return _same(b)
+
+
+STEPS: list[tuple[Step, bool | None]] = [
+    (_same, False),  # first sighting
+    (_same, None),  # second: the template is made (without a spec: the static copied now)
+    (_same, None),
+    (_same, True),
+    (_scalar(0.5), False),
+    (_scalar(0.5), None),
+    (_scalar(0.5), True),
+    (_scalar(1), False),  # an int where a float was: encoded differently
+    (_scalar(-0.0), False),
+    (_scalar(0.0), False),  # equal to -0.0, encoded differently
+    (_same, True),
+    (_resized, False),
+    (_same, None),
+    (_restored, None),  # back to the first layout: its template again
+    (_same, True),
+    (_new_object, False),
+    (_same, None),
+    (_same, True),
+    (_data_swap, False),
+    (_data_back, None),
+    (_same, True),
+    (_grad(True), False),
+    (_grad(False), None),
+    (_same, True),
+    (_static_moved, False),
+    (_same, None),
+    (_same, None),
+    (_same, True),
+]
+
+
+def _raw_docs(path: Path) -> dict[int, bytes]:
+    """Per call index: the slot JSON exactly as written."""
+    raw = path.read_bytes()
+    got = read_journal(path)
+    out = {}
+    for rec in got.having(SlotState.COMPLETE):
+        base = got.header.header_bytes + rec.index * got.header.slot_bytes
+        (k,) = struct.unpack_from("<I", raw, base + 28)
+        (jlen,) = struct.unpack_from("<I", raw, base + 64)
+        start = base + 72 + 16 * k
+        assert rec.meta is not None
+        out[rec.meta.call_index] = raw[start : start + jlen]
+    return out
+
+
+def _record(
+    tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch, fast: bool, target: str, call: Any
+) -> tuple[dict[int, Any], list[bool], list[Path]]:
+    bufs = _buffers()
+    with pytest.MonkeyPatch.context() as mp:
+        if not fast:
+            mp.setattr(ring_module, "_repeat_key", lambda *a: None)
+        return _run(tmp_path, name, target, call, bufs)
+
+
+def _run(
+    tmp_path: Path, name: str, target: str, call: Any, bufs: dict[str, Any]
+) -> tuple[dict[int, Any], list[bool], list[Path]]:
+    ring = RingConfig(slots=64, slot_bytes=256 << 10, journal_dir=tmp_path / name / "shm")
+    taken = []
+    with kdump.recording(target, out=tmp_path / name / "out", mode="ring", ring=ring) as rec:
+        r = rec.recorder
+        for step, _ in STEPS:
+            args, kwargs = step(bufs)
+            before = r.fast_calls
+            call()(*args, **kwargs)
+            taken.append(r.fast_calls > before)
+        assert r.errors == 0
+        path = r.journal.path
+        docs = _raw_docs(path)
+        slots = {}
+        names: dict[int, int] = {}  # each run has its own buffers: addresses by first use
+        complete = read_journal(path).having(SlotState.COMPLETE)
+        for s in sorted(complete, key=lambda s: s.meta.call_index):
+            doc = json.loads(docs[s.meta.call_index])
+            del doc["extra"]["time_ns"]
+            for d in doc["storages"]:
+                d["base_ptr"] = names.setdefault(d["base_ptr"], len(names))
+            for d in doc["tensors"]:
+                d["data_ptr"] = names.setdefault(d["data_ptr"], len(names))
+            slots[s.meta.call_index] = (doc, s.payloads, s.finished, s.spans, s.meta.stream)
+        rec.flush()
+        written = list(rec.written)
+    return slots, taken, written
+
+
+def _bundles(paths: list[Path]) -> dict[int, Any]:
+    out = {}
+    for p in paths:
+        with load_bundle(p) as b:
+            for c in b.calls:
+                meta = {k: v for k, v in c.meta.items() if k not in ("time_ns", "recorded_at")}
+                meta["journal"] = {k: v for k, v in meta.get("journal", {}).items() if k != "path"}
+                out[c.meta["call_index"]] = (meta, _clone(list(c.args)), _clone(dict(c.kwargs)))
+    return out
+
+
+def _clone(x: Any) -> Any:
+    """The values, kept after the bundle is closed."""
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_clone(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _clone(v) for k, v in x.items()}
+    return x
+
+
+def _compare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str, call: Any) -> None:
+    fast, taken, fast_b = _record(tmp_path, "fast", monkeypatch, True, target, call)
+    full, none, full_b = _record(tmp_path, "full", monkeypatch, False, target, call)
+    assert not any(none)
+    for i, ((_, expect), got) in enumerate(zip(STEPS, taken)):
+        if expect is not None:
+            assert got == expect, f"step {i}: repeat path {'not ' if expect else ''}taken"
+    assert sum(taken) >= 8
+    assert sorted(fast) == sorted(full) == list(range(len(STEPS)))
+    for i in fast:
+        assert fast[i] == full[i], f"call {i}"
+    fb, ub = _bundles(fast_b), _bundles(full_b)
+    assert sorted(fb) == sorted(ub) == list(range(len(STEPS)))
+    for i in fb:
+        (m1, a1, k1), (m2, a2, k2) = fb[i], ub[i]
+        assert m1 == m2, f"call {i}"
+        assert _equal(a1, a2) and _equal(k1, k2), f"call {i}"
+
+
+def _equal(x: Any, y: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return (
+            isinstance(y, torch.Tensor)
+            and (x.dtype, x.shape, x.stride()) == (y.dtype, y.shape, y.stride())
+            and torch.equal(x, y)
+        )
+    if isinstance(x, (list, tuple)):
+        return type(x) is type(y) and len(x) == len(y) and all(map(_equal, x, y))
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(_equal(x[k], y[k]) for k in x)
+    return type(x) is type(y) and x == y
+
+
+def test_repeat_path_writes_what_the_full_path_writes(tmp_path, monkeypatch):
+    # No spec: statics by "seen unchanged at an earlier call" (the tensor object counts).
+    _compare(tmp_path, monkeypatch, f"{T}:gemm_like", lambda: sys.modules[T].gemm_like)
+
+
+def test_repeat_path_with_a_spec(tmp_path, monkeypatch):
+    """A spec'd target (the DeepGEMM entry point, a stand-in that does nothing): roles pick the
+    copied and static operands."""
+
+    def m_grouped_fp8_gemm_nt_contiguous(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    mod = types.ModuleType("deep_gemm")
+    mod.m_grouped_fp8_gemm_nt_contiguous = m_grouped_fp8_gemm_nt_contiguous  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "deep_gemm", mod)
+
+    def call() -> Any:
+        return sys.modules["deep_gemm"].m_grouped_fp8_gemm_nt_contiguous
+
+    def spec_args(b: dict[str, Any], scale: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        # A scale tensor shared with the routing labels, and the output named twice: one
+        # tensor table entry each.
+        return ((b["a"], b["layout"]), (b["w"], b["out"]), b["out"], b["layout"]), {
+            "disable_ue8m0_cast": True,
+            "recipe": (1, 128, 128),
+            "alpha": scale,
+        }
+
+    global STEPS
+    steps = STEPS
+    STEPS = [(_wrap(step, spec_args), expect) for step, expect in steps]
+    try:
+        _compare(tmp_path, monkeypatch, "deep_gemm:m_grouped_fp8_gemm_nt_contiguous", call)
+    finally:
+        STEPS = steps
+
+
+def _wrap(step: Step, make: Any) -> Step:
+    def wrapped(b: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        _, kw = step(b)
+        return make(b, kw["scale"])
+
+    return wrapped
+
+
+def test_unknown_argument_types_take_the_full_path():
+    class Opaque:
+        pass
+
+    assert ring_module._fingerprint((Opaque(),), {}) is None
+    assert ring_module._fingerprint(([1, 2], {"k": 1.5}), {"x": None}) is not None
+    t = torch.zeros(2)
+    fp, tensors = ring_module._fingerprint((t, (t, 1)), {"b": True})
+    assert tensors == [t] and fp.count(fp[0]) == 2  # one tensor, named twice
+    assert ring_module._fingerprint((1,), {}) != ring_module._fingerprint((True,), {})
+    assert ring_module._fingerprint((0.0,), {}) != ring_module._fingerprint((-0.0,), {})
