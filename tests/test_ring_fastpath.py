@@ -6,6 +6,7 @@ Each scenario is recorded twice on the same buffers, with the repeat path and wi
 
 from __future__ import annotations
 
+import enum
 import json
 import struct
 import sys
@@ -218,14 +219,16 @@ def _clone(x: Any) -> Any:
     return x
 
 
-def _compare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str, call: Any) -> None:
+def _compare(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str, call: Any, min_fast: int = 8
+) -> None:
     fast, taken, fast_b = _record(tmp_path, "fast", monkeypatch, True, target, call)
     full, none, full_b = _record(tmp_path, "full", monkeypatch, False, target, call)
     assert not any(none)
     for i, ((_, expect), got) in enumerate(zip(STEPS, taken)):
         if expect is not None:
             assert got == expect, f"step {i}: repeat path {'not ' if expect else ''}taken"
-    assert sum(taken) >= 8
+    assert sum(taken) >= min_fast
     assert sorted(fast) == sorted(full) == list(range(len(STEPS)))
     for i in fast:
         assert fast[i] == full[i], f"call {i}"
@@ -307,3 +310,112 @@ def test_unknown_argument_types_take_the_full_path():
     assert tensors == [t] and fp.count(fp[0]) == 2  # one tensor, named twice
     assert ring_module._fingerprint((1,), {}) != ring_module._fingerprint((True,), {})
     assert ring_module._fingerprint((0.0,), {}) != ring_module._fingerprint((-0.0,), {})
+
+
+def _steps(steps: list[tuple[Step, bool | None]]) -> Any:
+    """Run a test with STEPS replaced."""
+
+    class _Swap:
+        def __enter__(self) -> None:
+            global STEPS
+            self.saved, STEPS = STEPS, steps
+
+        def __exit__(self, *exc: object) -> None:
+            global STEPS
+            STEPS = self.saved
+
+    return _Swap()
+
+
+def test_inference_mode_activations_with_a_normal_weight(tmp_path, monkeypatch):
+    # Serving code runs under torch.inference_mode: its activations have no version counter,
+    # the weights (loaded outside it) have one. Both paths record every call the same.
+    plain = _buffers
+
+    def buffers() -> dict[str, Any]:
+        b = plain()
+        with torch.inference_mode():
+            for k in ("a", "layout", "out"):
+                b[k] = b[k].clone()
+        assert b["a"].is_inference() and not b["w"].is_inference()
+        return b
+
+    def inference(step: Step) -> Step:
+        def wrapped(b: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            with torch.inference_mode():
+                return step(b)
+
+        return wrapped
+
+    def call() -> Any:
+        hooked = sys.modules[T].gemm_like
+
+        def run(*a: Any, **k: Any) -> Any:
+            with torch.inference_mode():
+                return hooked(*a, **k)
+
+        return run
+
+    monkeypatch.setattr(sys.modules[T], "_buffers", buffers)
+    same = inference(_same)
+    steps = [(same, False), (same, None), (same, None), (inference(_scalar(0.5)), False)]
+    steps += [(same, None)] * 2 + [(same, True)] * 8
+    with _steps(steps):
+        _compare(tmp_path, monkeypatch, f"{T}:gemm_like", call)
+
+
+class Flags(enum.IntFlag):
+    A = 1
+    B = 2
+
+
+def test_flag_values_without_a_name_are_told_apart(tmp_path, monkeypatch):
+    # Flags(0), Flags(8) and Flags(16) all have no name: the key holds the value.
+    steps = [(_scalar(Flags(0)), False), (_scalar(Flags(0)), None), (_scalar(Flags(0)), None)]
+    steps += [(_scalar(Flags(0)), True)] * 6
+    steps += [(_scalar(Flags(8)), False), (_scalar(Flags(16)), False), (_scalar(Flags.A), False)]
+    with _steps(steps):
+        _compare(tmp_path, monkeypatch, f"{T}:gemm_like", lambda: sys.modules[T].gemm_like, 6)
+
+
+def sink(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def test_self_referencing_and_huge_arguments_take_the_full_path(tmp_path):
+    loop: list[Any] = [1]
+    loop.append(loop)
+    deep: Any = 0
+    for _ in range(40):
+        deep = [deep]
+    x = torch.zeros(4)
+    ring = RingConfig(slots=16, slot_bytes=64 << 10, journal_dir=tmp_path / "shm")
+    with kdump.recording(f"{T}:sink", out=tmp_path / "out", mode="ring", ring=ring) as rec:
+        for arg in (loop, loop, loop, deep, deep, deep, "s" * 10_000, "s" * 10_000, "s" * 10_000):
+            sys.modules[T].sink(x, arg)
+        r = rec.recorder
+        assert r.errors == 0 and r.fast_calls == 0
+        assert len(read_journal(r.journal.path).having(SlotState.COMPLETE)) == 9
+
+
+def test_a_recently_used_template_outlives_newer_keys(tmp_path, monkeypatch):
+    monkeypatch.setattr(ring_module, "_REPEATS_MAX", 4)
+    x = torch.zeros(4)
+    ring = RingConfig(slots=64, slot_bytes=64 << 10, journal_dir=tmp_path / "shm")
+    with kdump.recording(f"{T}:sink", out=tmp_path / "out", mode="ring", ring=ring) as rec:
+        r = rec.recorder
+
+        def fast(v: int) -> bool:
+            before = r.fast_calls
+            sys.modules[T].sink(x, v)
+            return r.fast_calls > before
+
+        for v in (1, 2, 3, 4):  # two sightings each: four templates, the cache full
+            fast(v)
+            fast(v)
+        assert fast(1)  # used: now the most recent
+        fast(5)
+        fast(5)  # a fifth template: the least recently used (2) goes
+        assert fast(1) and fast(3) and fast(4) and fast(5)
+        assert not fast(2)
+        assert r.errors == 0

@@ -27,6 +27,7 @@ tokenizers) never allocates one.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -36,6 +37,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +48,14 @@ from kdump.log import log_once
 from kdump.record.hooks import HookState, busy
 from kdump.record.journal import Journal, Slot, SlotMeta, SlotTemplate
 from kdump.record.salvage import CRASH_SUFFIX
-from kdump.record.statics import Candidates, Statics, first_views, lazy_bits, storage_meta
+from kdump.record.statics import (
+    Candidates,
+    Statics,
+    first_views,
+    lazy_bits,
+    storage_meta,
+    version_of,
+)
 
 if TYPE_CHECKING:
     from kdump.record.config import RecordConfig
@@ -127,8 +136,9 @@ class RingRecorder:
         self._cuda: DeviceCopies | None = None
         self._plans: dict[Any, Any] = {}
         self._layouts: dict[Any, _Layout] = {}
-        self._repeats: dict[Any, _Repeat] = {}  # per repeat key (`_repeat_key`): `_again`
-        self._sightings: dict[Any, None] = {}  # repeat keys seen once, without a template
+        # per repeat key (`_repeat_key`): `_again`; least recently used first
+        self._repeats: OrderedDict[Any, _Repeat] = OrderedDict()
+        self._sightings: dict[int, None] = {}  # hashes of repeat keys seen once, no template
         self.fast_calls = 0  # calls recorded by the exact-repeat path (`_again`)
         self._hooks_installed = False
         self.statics: Statics | None = None  # made with the journal (kdump.record.statics)
@@ -254,10 +264,16 @@ class RingRecorder:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Callable[[], None] | None:
-        seen = _repeat_key(st.id, called_as, args, kwargs)
+        try:
+            seen = _repeat_key(st.id, called_as, args, kwargs)
+        except Exception as exc:  # the repeat path is an optimisation: never a failed call
+            log_once(f"repeatkey:{self.pid}", f"flight recorder: no repeat path ({exc!r})")
+            seen = None
         if seen is not None:
             rep = self._repeats.get(seen[0])
             if rep is not None:
+                with contextlib.suppress(KeyError):  # another thread may have evicted it
+                    self._repeats.move_to_end(seen[0])
                 done = self._again(rep, index, seen[1])
                 if done is not _MISS:
                     return done  # type: ignore[return-value]
@@ -389,10 +405,17 @@ class RingRecorder:
                 slot = j.reserve(meta, index=pin_index, want=want)
                 views = SpanViews(tensors, cached.firsts, storages)
                 if seen is not None and site is None and not capturing:
-                    self._note_repeat(
-                        seen, tensors, cached, meta, want, generation, j, direct,
-                        (plan, whole, bool(cuda)),
-                    )  # fmt: skip
+                    try:
+                        self._note_repeat(
+                            seen, tensors, cached, meta, want, generation, j, direct,
+                            (plan, whole, bool(cuda)),
+                        )  # fmt: skip
+                    except Exception as exc:  # the call is reserved: it must still be recorded
+                        self._repeats.pop(seen[0], None)
+                        log_once(
+                            f"repeatnote:{self.pid}",
+                            f"flight recorder: no repeat template ({type(exc).__name__}: {exc})",
+                        )
                 if site is None:
                     ptrs = tuple(t.data_ptr() for t in tensors)
                     self._last_eager[st.id] = (slot.index, slot.seq, ptrs)
@@ -428,10 +451,12 @@ class RingRecorder:
         template stopped matching), keep what `_again` needs; the first time only note the key
         (a call that never repeats pays nothing for templates)."""
         key = seen[0]
-        if key not in self._sightings and key not in self._repeats:
+        # Sightings keep only the key's hash: a collision costs one template attempt, and a
+        # template is used only for its own exact key.
+        if hash(key) not in self._sightings and key not in self._repeats:
             if len(self._sightings) > 4 * _REPEATS_MAX:
                 self._sightings.clear()
-            self._sightings[key] = None
+            self._sightings[hash(key)] = None
             return
         rep = None
         if len(seen[1]) == len(tensors) and all(a is b for a, b in zip(seen[1], tensors)):
@@ -439,9 +464,10 @@ class RingRecorder:
         if rep is None:
             self._repeats.pop(key, None)
             return
-        if len(self._repeats) >= _REPEATS_MAX and key not in self._repeats:
-            self._repeats.clear()
         self._repeats[key] = rep
+        self._repeats.move_to_end(key)
+        while len(self._repeats) > _REPEATS_MAX:  # least recently used first
+            self._repeats.popitem(last=False)
 
     def _remember(
         self,
@@ -495,9 +521,7 @@ class RingRecorder:
         if tpl is None:
             return None
         firsts = cached.firsts
-        fixed = tuple(
-            (f, int(tensors[f]._version)) for i, f in enumerate(firsts) if i in candidates
-        )
+        fixed = tuple((f, version_of(tensors[f])) for i, f in enumerate(firsts) if i in candidates)
         plan, whole, cuda = device
         return _Repeat(
             meta.target,
@@ -526,7 +550,7 @@ class RingRecorder:
             if ref() is not t:
                 return _MISS
         for f, v in rep.fixed:
-            if tensors[f]._version != v:
+            if version_of(tensors[f]) != v:
                 return _MISS
         cuda = rep.cuda_call
         if cuda and self._is_capturing(tensors):  # capture sites: the full path
@@ -548,7 +572,9 @@ class RingRecorder:
                 from kdump.record.devcopy import current_stream
 
                 stream = current_stream(torch.cuda.current_device())
-            values = [tensors[f]._version for f in rep.moving]
+            values: list[Any] = [version_of(tensors[f]) for f in rep.moving]
+            if None in values:
+                return _MISS
             values += (index, time.time_ns())
             slot = j.reserve_from(rep.template, values, stream, index)
             if slot is None:
@@ -811,7 +837,7 @@ def _signature(target: str, tensors: list[Any], args_tree: Any, kwargs_tree: Any
     )
 
 
-_REPEATS_MAX = 512  # repeat keys with a template (a model's layers call one target each)
+_REPEATS_MAX = 1024  # repeat keys with a template (each layer of a model has its own)
 _MISS = object()  # `_again`: not a repeat, take the full path
 _TENSOR = object()  # `_fingerprint`: a tensor follows (its index in the call's tensor list)
 _KWARGS = object()  # `_fingerprint`: the keyword arguments follow
@@ -819,6 +845,11 @@ _KWARGS = object()  # `_fingerprint`: the keyword arguments follow
 # or a time a call could carry.
 _SENTINEL = 7_319_846_250_183_746_000
 _LEAVES = frozenset({type(None), bool, int, str})  # exact types: equal values encode equally
+# A repeat key's bounds (argtree.encode cuts deeper or larger trees with placeholders, and the
+# keys are kept): beyond them a call takes the full path.
+_KEY_DEPTH = 16
+_KEY_ITEMS = 2048  # entries of the flat key
+_KEY_STR = 4096  # characters of one string
 
 
 def _tensor_types() -> tuple[type, ...]:
@@ -853,7 +884,9 @@ def _fingerprint(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[An
     return out, tensors
 
 
-def _walk(v: Any, out: list[Any], tensors: list[Any], at: dict[int, int]) -> bool:
+def _walk(v: Any, out: list[Any], tensors: list[Any], at: dict[int, int], depth: int = 0) -> bool:
+    if depth > _KEY_DEPTH or len(out) > _KEY_ITEMS:  # deep, large or self-referencing
+        return False
     tp = type(v)
     if tp in _TENSOR_TYPES:
         i = at.get(id(v))
@@ -863,12 +896,14 @@ def _walk(v: Any, out: list[Any], tensors: list[Any], at: dict[int, int]) -> boo
         out += (_TENSOR, i)
         return True
     if tp in _LEAVES:
+        if tp is str and len(v) > _KEY_STR:
+            return False
         out += (tp, v)
         return True
     if tp is tuple or tp is list:
         out += (tp, len(v))
         for x in v:  # a loop, not all(): a generator per container costs a microsecond
-            if not _walk(x, out, tensors, at):
+            if not _walk(x, out, tensors, at, depth + 1):
                 break
         else:
             return True
@@ -876,7 +911,9 @@ def _walk(v: Any, out: list[Any], tensors: list[Any], at: dict[int, int]) -> boo
     if tp is dict:
         out += (tp, len(v))
         for k, x in v.items():
-            if not (_walk(k, out, tensors, at) and _walk(x, out, tensors, at)):
+            if not (
+                _walk(k, out, tensors, at, depth + 1) and _walk(x, out, tensors, at, depth + 1)
+            ):
                 break
         else:
             return True
@@ -892,7 +929,8 @@ def _walk(v: Any, out: list[Any], tensors: list[Any], at: dict[int, int]) -> boo
         out += (tp, v)
         return True
     if isinstance(v, enum.Enum) and type(v.value) in _LEAVES:
-        out += (tp, v.name)
+        # by value: flag values without a name (IntFlag(0), unnamed bits) share name None
+        out += (tp, type(v.value), v.value)
         return True
     return False
 
@@ -935,7 +973,7 @@ class _Repeat:
 
     target: str
     refs: tuple[Any, ...]
-    fixed: tuple[tuple[int, int], ...]  # (tensor index, version) of static candidates' views
+    fixed: tuple[tuple[int, int | None], ...]  # (tensor index, version) of static candidates
     moving: tuple[int, ...]  # tensor index of each version that fills a hole
     template: SlotTemplate
     journal: Journal
@@ -990,7 +1028,7 @@ class _Layout:
     ) -> list[dict[str, Any]]:
         """This call's storage dicts (kdump.record.statics.storage_meta): the previous call's
         list object when every value is the same."""
-        versions = tuple(int(tensors[f]._version) for f in self.firsts)
+        versions = tuple(version_of(tensors[f]) for f in self.firsts)
         key = (versions, refs, lazy)
         if self._meta is not None and self._meta[0] == key:
             return self._meta[1]

@@ -413,8 +413,10 @@ class Statics:
         return out
 
     def _one(self, t: Any, s: Any, capturing: bool, by_role: bool) -> dict | None:
+        version = version_of(t)
+        if version is None:
+            return None
         key = (s.device, s.base_ptr, s.storage_nbytes)
-        version = int(t._version)
         owner = _owner(t)
         known = self._by_key.get(key)
         end = s.span_start + s.span_nbytes
@@ -573,6 +575,13 @@ class Statics:
             host(_AT_STATS_MARK, 8, torch.float64).copy_(mark, non_blocking=True)
 
 
+def version_of(t: Any) -> int | None:
+    """A tensor's version counter; None for an inference tensor (made under
+    `torch.inference_mode`, as serving code runs), which has none: it is never taken for static,
+    its in-place changes being invisible."""
+    return None if t.is_inference() else int(t._version)
+
+
 def storage_meta(
     storages: list[dict[str, Any]],
     tensors: Sequence[Any],
@@ -585,11 +594,13 @@ def storage_meta(
     the first view's lazy conj / neg bits (`lazy`: from `lazy_bits`, when the caller has them)."""
     if lazy is None:
         lazy = lazy_bits(tensors, records, len(storages))
-    versions: dict[int, int] = {}
+    versions: dict[int, int | None] = {}
     for t, r in zip(tensors, records):
-        versions.setdefault(r.storage, int(t._version))
+        versions.setdefault(r.storage, version_of(t))
     for i, (d, ref, bits) in enumerate(zip(storages, refs, lazy)):
-        d["version"] = versions.get(i, 0)
+        v = versions.get(i, 0)
+        if v is not None:  # an inference tensor's storage has no version to record
+            d["version"] = v
         if ref is not None:
             d["static"] = ref
         if bits is not None:
