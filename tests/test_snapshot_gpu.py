@@ -16,7 +16,14 @@ import torch
 from kdump.bundle import argtree, load_bundle
 from kdump.bundle.tensors import group_storages
 from kdump.record import devring, gather
-from kdump.record.journal import Journal, SlotMeta, SlotState, read_journal
+from kdump.record.journal import (
+    CALL_RECORD_BYTES,
+    TRAILER_BYTES,
+    Journal,
+    SlotMeta,
+    SlotState,
+    read_journal,
+)
 from kdump.record.ring import _span_views, _storage_dict, _tensor_dict
 from kdump.record.salvage import salvage_journal
 
@@ -170,7 +177,12 @@ def test_graph_replays_rotate_device_slots_and_keep_each_replays_rows(tmp_path, 
             for r in read_journal(j.path).slots
             if r.state is not SlotState.EMPTY
         ]
-        assert len(res.bundles) == 1, f"replay {replay}: {seen}"
+        # what the device side holds: the twin's call record, the site counter, the ring head
+        dump = devring.read_dump(tmp_path / f"r{replay}.cuda0")
+        at = j.slot_bytes - TRAILER_BYTES - CALL_RECORD_BYTES  # the record, before the trailer
+        twin = _RECORD.unpack(dump.twin_slot(index)[at : at + CALL_RECORD_BYTES])
+        device = f"twin record {twin}, counter {int(dc.counters[0])}, head {dump.head}"
+        assert len(res.bundles) == 1, f"replay {replay}: {seen}; {device}; torn {res.torn}"
         (bundle,) = res.bundles
         _check_rows(bundle, a, sfa, labels)
         (s,) = read_journal(j.path).having(SlotState.COMPLETE)
