@@ -9,10 +9,8 @@ torch's profiler (CUPTI), with one replay's timeline (start offsets and duration
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import tempfile
-import types
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -68,17 +66,7 @@ def main() -> None:
     p.add_argument("--memcpy-done", action="store_true", help="done marker as a memcpy node")
     p.add_argument("--backend", choices=sorted(bench_flight.MODULES), default="deep_gemm")
     opt = p.parse_args()
-    module = importlib.import_module(bench_flight.MODULES[opt.backend])
-    if opt.backend == "packaged":
-        sys.modules.setdefault("deep_gemm", types.ModuleType("deep_gemm"))
-        sys.modules["deep_gemm"].m_grouped_fp8_gemm_nt_contiguous = (  # type: ignore[attr-defined]
-            module.m_grouped_fp8_gemm_nt_contiguous
-        )
-        module = sys.modules["deep_gemm"]
-
-    def fn(*a: Any, **k: Any) -> Any:
-        return module.m_grouped_fp8_gemm_nt_contiguous(*a, **k)
-
+    fn = bench_flight.gemm(opt.backend)
     args, kwargs = bench_flight._case(opt.n, opt.k, opt.tokens)
 
     def graph() -> Any:

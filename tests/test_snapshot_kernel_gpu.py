@@ -37,27 +37,11 @@ def _launch(plan: gather.Plan | None, tensors, rule, copies=()):
         c = p.copies[k]
         c.src, c.dst, c.nbytes = src.data_ptr(), dst.data_ptr(), src.numel() * src.element_size()
     p.n_copies = len(copies)
+    gather.set_plan(p, plan, lambda i: int(storages[i].base_ptr) + int(storages[i].span_start))
     if plan is not None:
-        for k, g in enumerate(plan.gathers):
-            d = p.gathers[k]
-            s = storages[g.storage]
-            d.src = int(s.base_ptr) + int(s.span_start) + g.src_offset
-            d.outer_stride, d.inner_stride, d.col_stride = (
-                g.outer_stride,
-                g.inner_stride,
-                g.col_stride,
-            )
-            d.cols, d.elem, d.rec_off = g.cols, g.elem, g.rec_off
-        p.n_gathers = len(plan.gathers)
-        p.rule_kind = gather.RULES[plan.rule]
         p.rule = rule.data_ptr() if rule is not None else 0
         p.rule_n = rule.numel() if rule is not None else 0
-        p.rows, p.inner, p.alignment = plan.rows, plan.inner, plan.alignment
-        p.rec_bytes, p.worst = plan.rec_bytes, plan.worst
-        p.gather_blocks = -(-plan.rows // gather.ROWS_PER_BLOCK)
         p.ring, p.ring_bytes = ring.data_ptr(), ring.numel()
-    else:
-        p.inner = p.alignment = 1
     p.ctrl, p.record, p.seq, p.call_index = ctrl.data_ptr(), record.data_ptr(), 7, 11
     stream = torch.cuda.current_stream().cuda_stream
     gather.launch(fn, p, stream)

@@ -355,26 +355,7 @@ class DeviceCopies:
         """The snapshot arguments that follow from the plan (and its signature's addresses)."""
         assert self.tier is not None
         tier = self.tier
-        if plan is not None:
-            for k, g in enumerate(plan.gathers):
-                d = p.gathers[k]
-                d.src = views.ptr(g.storage) + g.src_offset
-                d.outer_stride, d.inner_stride, d.col_stride = (
-                    g.outer_stride,
-                    g.inner_stride,
-                    g.col_stride,
-                )
-                d.cols, d.elem, d.rec_off = g.cols, g.elem, g.rec_off
-            p.n_gathers = len(plan.gathers)
-            p.rule_kind = gather.RULES[plan.rule]
-            p.rows, p.inner, p.alignment = plan.rows, plan.inner, plan.alignment
-            p.rec_bytes = plan.rec_bytes
-            p.worst = plan.worst
-            p.gather_blocks = -(-plan.rows // gather.ROWS_PER_BLOCK)
-        else:
-            p.n_gathers = p.rule = p.rule_n = p.rule_kind = p.rows = p.gather_blocks = 0
-            p.inner = p.alignment = 1
-            p.rec_bytes = p.worst = 0
+        gather.set_plan(p, plan, views.ptr)
         p.ctrl = tier.ctrl_addr
         p.ring = tier.ring_addr
         p.ring_bytes = tier.layout.ring_bytes

@@ -19,7 +19,7 @@ import hashlib
 import importlib.resources
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -499,6 +499,27 @@ def get_kernel(device_index: int) -> Any:
 
 COPY_CHUNK = 16384  # KD_CHUNK in snapshot.cu
 MAX_COPY_BLOCKS = 1024
+
+
+def set_plan(p: SnapParams, plan: Plan | None, span_ptr: Callable[[int], int]) -> None:
+    """The kernel arguments that follow from `plan`: its gathers (each read from its storage's
+    span at `span_ptr(storage)`), the row rule's kind and the row geometry; none without a plan.
+    The rule's values, the ring and the control words are the caller's."""
+    if plan is None:
+        p.n_gathers = p.rule = p.rule_n = p.rule_kind = p.rows = p.gather_blocks = 0
+        p.inner = p.alignment = 1
+        p.rec_bytes = p.worst = 0
+        return
+    for k, g in enumerate(plan.gathers):
+        d = p.gathers[k]
+        d.src = span_ptr(g.storage) + g.src_offset
+        d.outer_stride, d.inner_stride, d.col_stride = g.outer_stride, g.inner_stride, g.col_stride
+        d.cols, d.elem, d.rec_off = g.cols, g.elem, g.rec_off
+    p.n_gathers = len(plan.gathers)
+    p.rule_kind = RULES[plan.rule]
+    p.rows, p.inner, p.alignment = plan.rows, plan.inner, plan.alignment
+    p.rec_bytes, p.worst = plan.rec_bytes, plan.worst
+    p.gather_blocks = -(-plan.rows // ROWS_PER_BLOCK)
 
 
 def grid_for(params: SnapParams) -> int:

@@ -453,10 +453,11 @@ class RingRecorder:
         key = seen[0]
         # Sightings keep only the key's hash: a collision costs one template attempt, and a
         # template is used only for its own exact key.
-        if hash(key) not in self._sightings and key not in self._repeats:
+        h = hash(key)
+        if h not in self._sightings and key not in self._repeats:
             if len(self._sightings) > 4 * _REPEATS_MAX:
                 self._sightings.clear()
-            self._sightings[hash(key)] = None
+            self._sightings[h] = None
             return
         rep = None
         if len(seen[1]) == len(tensors) and all(a is b for a, b in zip(seen[1], tensors)):
