@@ -188,10 +188,13 @@ def _fake_call(
     host_copied: bool = True,
     whole: bool = False,
     kernel_done: bool = False,
+    empty: bool = False,
 ):
     """A journal with one device-path slot and its `.cuda0` dump, as the recorder and the salvage
     process would leave them."""
     a, sfa, labels = _contig_operands([5, 2], k=256, seed=1)
+    if empty:  # every group empty: a replay after routing sent no token here
+        labels.fill_(-1)
     tensors = [a, sfa, labels]
     storages, records = group_storages(tensors)
     plan = gather.make_plan(tensors, records, storages, [0, 1], "labels", 2, 1)
@@ -306,6 +309,20 @@ def test_salvage_places_gathered_rows_back_from_the_device_dump(tmp_path):
         assert b.blobs[a_st.blob].nbytes == a_st.held_nbytes
         b.verify()
     assert not devring.dump_path(path, 0).exists()  # removed with the journal
+
+
+def test_salvage_of_a_call_that_touches_no_row(tmp_path):
+    path, (_, _, labels) = _fake_call(tmp_path, empty=True)
+    res = salvage_journal(path, tmp_path / "out")
+    assert not res.torn
+    (bundle,) = res.bundles
+    with load_bundle(bundle) as b:
+        call = b.calls[0]
+        (a2, s2), lab = call.args[0], call.args[1]
+        assert torch.equal(lab, labels) and not a2.view(torch.uint8).any() and not s2.any()
+        assert call.meta["journal"]["device"]["rows_kept"] == 0
+        assert call.storages[0].held_nbytes == 0
+        b.verify()
 
 
 def test_held_ranges_merge_runs_of_rows_and_columns():

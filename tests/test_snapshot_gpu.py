@@ -142,11 +142,6 @@ def test_eager_snapshot_is_bitwise_the_reference(tmp_path, shm, held):
     assert torch.equal(gather.sort_records(got), want)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="seen on the H200 (2026-12-01): salvage found no complete slot after the first graph "
-    "replay of the hand-captured copies; not yet explained",
-)
 def test_graph_replays_rotate_device_slots_and_keep_each_replays_rows(tmp_path, shm):
     j, dc = _devcopies(shm)
     dc.tier.held = True

@@ -366,7 +366,13 @@ def _device_rows(
 
     buffers = {i: bytearray(int(rec.meta.storages[i]["span_nbytes"])) for i in plan.storages}
     spans = {i: torch.frombuffer(b, dtype=torch.uint8) for i, b in buffers.items() if len(b)}
-    recs = torch.frombuffer(bytearray(rows), dtype=torch.uint8).reshape(n, plan.rec_bytes)
+    # A replay that routed no token to this call gathers no row (torch.frombuffer refuses b"")
+    flat = (
+        torch.frombuffer(bytearray(rows), dtype=torch.uint8)
+        if rows
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    recs = flat.reshape(n, plan.rec_bytes)
     idx = gather.place_back(plan, recs, spans)
     facts.update(
         rows_kept=n,

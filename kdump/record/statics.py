@@ -756,11 +756,9 @@ class Region:
         key = (_address(data), len(data), json.dumps(lazy, sort_keys=True) if lazy else "")
         got = self._shared.get(key)
         if got is None:
-            import torch
-
             from kdump.bundle.store import blob_digests
 
-            t = resolve_lazy(torch.frombuffer(bytearray(data), dtype=torch.uint8), lazy)
+            t = resolve_lazy(_u8(data), lazy)
             got = self._shared[key] = (t, blob_digests(memoryview(t.numpy())))
         return got
 
@@ -771,6 +769,16 @@ class Region:
             self._raw.close()
         except BufferError:  # a slice is still held; the mapping goes with it
             pass
+
+
+def _u8(data: Any) -> Any:
+    """A private uint8 CPU tensor of `data`'s bytes (torch.frombuffer refuses an empty buffer:
+    a call that touched no row, a zero-size tensor)."""
+    import torch
+
+    if not len(data):
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def _address(v: memoryview) -> int:
@@ -816,7 +824,5 @@ def salvaged_storage(s: dict[str, Any], payload: bytes | None, region: Region | 
     if got.static and region is not None and isinstance(got.data, memoryview):
         data, digests = region.shared_bytes(got.data, s.get("lazy"))
         return Resolved(data, got.source, got.stats, got.note, got.static, digests)
-    import torch
-
-    data = resolve_lazy(torch.frombuffer(bytearray(got.data), dtype=torch.uint8), s.get("lazy"))
+    data = resolve_lazy(_u8(got.data), s.get("lazy"))
     return Resolved(data, got.source, got.stats, got.note, got.static)
