@@ -121,6 +121,18 @@ def test_psum_rule_with_aligned_group_starts():
     _check([a, ends], [0], "psum", ends, 1, alignment=128)
 
 
+@pytest.mark.parametrize("rule_name", ["labels", "masked", "psum"])
+def test_every_rule_with_no_touched_row_publishes_an_empty_slot(rule_name):
+    # a replay after a routing change that sent no token to this rank's experts
+    if rule_name == "labels":
+        rule, a, dims = _labels([0, 0, 0]), _bytes((384, 256), 4), 1
+    elif rule_name == "masked":
+        rule, a, dims = torch.zeros(3, dtype=torch.int32, device="cuda"), _bytes((3, 64, 256), 4), 2
+    else:
+        rule, a, dims = torch.zeros(3, dtype=torch.int32, device="cuda"), _bytes((384, 256), 4), 1
+    _check([a, rule], [0], rule_name, rule, dims, alignment=128 if rule_name == "psum" else 1)
+
+
 def test_odd_units_elements_and_a_partial_last_block():
     rows = 300  # 256 + 44: the second block is partial
     bf = _bytes((rows, 200), 4).view(torch.bfloat16)  # 200-byte rows: 4-byte units
