@@ -146,6 +146,19 @@ def test_odd_units_elements_and_a_partial_last_block():
     _check([half, small], [0, 1], "all", None, 1)
 
 
+@pytest.mark.parametrize("cols", [1, 32, 700, 1366])
+def test_strided_four_byte_rows_staged_in_passes(cols):
+    # MN-major 4-byte rows go through shared memory in passes of (4096 // cols - 2) rows: one
+    # pass for scales of K = 4096 (32 columns), many at 700 columns; past 1365 columns the
+    # direct path takes them
+    rows = 300
+    sf = torch.empty_strided((rows, cols), (1, rows + 1), dtype=torch.float32, device="cuda")
+    sf.copy_(torch.randn(rows, cols, device="cuda"))
+    labels = _labels([0, 61, 3], block=100)
+    plan = _check([sf, labels], [0], "labels", labels, 1)
+    assert plan.gathers[0].cols == cols
+
+
 def test_strided_rows_of_an_element_size_without_a_unit():
     # Every supported dtype has a 1/2/4/8-byte element; the kernel still copies any other size
     # (bytewise): 3-byte elements six bytes apart, a plan made by hand over a uint8 tensor.
