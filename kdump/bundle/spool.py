@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kdump.bundle import bytecmp
 from kdump.bundle.format import ALIGN_MOD, STORE_DIRNAME
 from kdump.bundle.store import (
     BlobStore,
@@ -467,7 +468,7 @@ def _edge_key(t: torch.Tensor) -> tuple[int, bytes]:
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     n = a.numel()
-    return n == b.numel() and (n == 0 or _memcmp(a.data_ptr(), b.data_ptr(), n) == 0)
+    return n == b.numel() and bytecmp.same(a.data_ptr(), b.data_ptr(), n)
 
 
 class _CpuJob:

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from kdump.bundle import bytecmp
 from kdump.bundle.format import (
     ALIGN_MOD,
     DTYPE_SIZES,
@@ -181,20 +182,16 @@ def _group_storages(
     return storages, records
 
 
-_memcmp = ctypes.CDLL(None).memcmp  # releases the GIL; torch.equal allocates a result per byte
-_memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-_memcmp.restype = ctypes.c_int
-
-
 def _same_at(a: torch.Tensor, ptr: int, n: int) -> bool:
-    """Whether a contiguous CPU uint8 tensor holds the `n` bytes at address `ptr`."""
-    return a.numel() == n and (n == 0 or _memcmp(a.data_ptr(), ptr, n) == 0)
+    """Whether a contiguous CPU uint8 tensor holds the `n` bytes at address `ptr` (memcmp:
+    torch.equal allocates a result per byte)."""
+    return a.numel() == n and bytecmp.same(a.data_ptr(), ptr, n)
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two contiguous CPU uint8 tensors hold the same bytes."""
     n = a.numel()
-    return n == b.numel() and (n == 0 or _memcmp(a.data_ptr(), b.data_ptr(), n) == 0)
+    return n == b.numel() and bytecmp.same(a.data_ptr(), b.data_ptr(), n)
 
 
 class Sink(Protocol):
