@@ -356,24 +356,23 @@ class CaptureDir:
         key = str(path)
         size = nbytes if nbytes is not None else os.stat(key).st_size
         added = size + (sum(store.created.values()) if store.created else 0)
-        used = list(dict.fromkeys(store.used))
-        if used:  # a bundle with inline blobs only frees nothing of the store when evicted
+        if store.used:  # a bundle with inline blobs only frees nothing of the store when evicted
+            used = list(dict.fromkeys(store.used))
             self._bundle_blobs[key] = used
-        for sha in used:
-            self._blob_refs[sha] = self._blob_refs.get(sha, 0) + 1
-        if self.private_store:
+            for sha in used:
+                self._blob_refs[sha] = self._blob_refs.get(sha, 0) + 1
+        if self.private_store and store.created:
             self._blob_owned.update(store.created)
         self.limits.add(Written(key, target, index, added, exception))
-        victims = []
+        kept = True
         while (victim := self.limits.victim()) is not None:
             freed = self._delete(victim)
             self.limits.freed(freed)
-            victims.append((victim, freed))
-        for victim, freed in victims:
             if victim.path == key:  # never kept: it gets no index line
+                kept = False
                 continue
             self._append({"kind": "evicted", "path": Path(victim.path).name, "freed": freed})
-        if all(v.path != key for v, _ in victims):
+        if kept:
             self._write_line(_bundle_line(path.name, target, index, added, exception))
 
     def _delete(self, w: Written) -> int:
