@@ -1,8 +1,8 @@
 """The sync recorder's exact-repeat path (kdump.record.sync_repeat) writes what the ordinary path
 writes, and leaves it for every fact that changed: a scalar, a new shape or dtype at the same
-address, a new tensor object at the same address, a storage resized, the library state, a rank
-variable, a tensor modified in place, an output the call changed or left, an exception, a
-return value."""
+address, a storage resized, the library state, a rank variable, a tensor modified in place, an
+output the call changed or left, an exception, a return value. A new tensor object with the
+same facts at the same address writes the same bundle by either path."""
 
 from __future__ import annotations
 
@@ -163,19 +163,26 @@ def test_a_new_view_or_object_at_the_same_address_leaves_the_repeat(tmp_path, mo
         assert tensor.dtype == str(want.dtype).replace("torch.", "")
 
 
-def test_the_repeat_needs_the_same_tensor_objects(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(SyncRecorder, "repeat", True)
-    mod = _target("kdump_rep_objects")
+def test_new_tensor_objects_at_the_same_address_write_the_same(tmp_path, monkeypatch) -> None:
     base = torch.arange(64, dtype=torch.float32)
     out = torch.zeros(16)
-    with kdump.recording("kdump_rep_objects:scale", out=tmp_path) as rec:
-        for _ in range(4):
-            mod.scale(base, out)
-        used = rec.recorder.repeated
-        assert used >= 1
-        for _ in range(3):
-            mod.scale(base.view(64), out)  # a new object each call, at the same address
-        assert rec.recorder.repeated == used
+    # A new view object each call (as `out[:m]` in a caller's loop), the same facts every time.
+    steps = [lambda m: m.scale(base.view(64), out[:16])] * 6
+    rec = _both(tmp_path, monkeypatch, steps, lambda: out.zero_())
+    assert rec.recorder.repeated >= 3
+
+
+def test_a_tensor_on_another_device_at_a_recorded_address_is_not_taken() -> None:
+    from kdump.record.sync_repeat import SyncRepeat
+
+    class Elsewhere:  # what the key cannot tell apart from a CPU tensor at the same address
+        is_cpu = False
+
+    rep = SyncRepeat.__new__(SyncRepeat)
+    rep.names, rep.checks = ("x",), ()
+    assert rep.matches(("x",), [torch.zeros(1)])
+    assert not rep.matches(("x",), [Elsewhere()])
+    assert not rep.matches(("y",), [torch.zeros(1)])
 
 
 def test_a_resized_storage_leaves_the_repeat(tmp_path, monkeypatch) -> None:

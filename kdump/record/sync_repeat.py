@@ -1,6 +1,7 @@
-"""The sync recorder's exact-repeat path: a small CPU call made again with the same tensor
-objects, layouts and argument values as the call before it writes a bundle that differs from that
-call's only in per-call facts (the meta, the creation time) and in the blobs' bytes and digests.
+"""The sync recorder's exact-repeat path: a small CPU call made again with tensors of the same
+addresses, layouts and aliasing (the same objects, or others with the same facts) and the same
+argument values as a call before it writes a bundle that differs from that call's only in
+per-call facts (the meta, the creation time) and in the blobs' bytes and digests.
 
 Such a call skips the argument encoding, the capture records, the manifest and the template's
 fills: its spans are compared with the previous call's snapshot held in buffers of the repeat
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import struct
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -67,7 +67,6 @@ class SyncRepeat:
     recorder takes it out of its table while a call uses it)."""
 
     key: Any  # kdump.record.ring._repeat_key's key of the call
-    refs: tuple[Any, ...]  # weak references to its tensors: the same objects must come again
     checks: tuple[tuple[int, int], ...]  # (tensor index, storage bytes) of each storage
     names: Any  # the hook's positional names at the call
     pos_names: list[str] | None
@@ -80,13 +79,14 @@ class SyncRepeat:
     form: RepeatForm
 
     def matches(self, names: Any, tensors: Sequence[Any]) -> bool:
-        """Whether `tensors` (of a call with an equal key) are the recorded objects, their
-        storages of the recorded sizes."""
-        refs = self.refs
-        if len(tensors) != len(refs) or names != self.names:
+        """Whether `tensors` (of a call with an equal key: the same addresses, layouts and
+        aliasing) are CPU tensors whose storages have the recorded sizes: then their records are
+        the recorded ones, whether or not they are the same objects (a view made again for each
+        call is another object with the same facts)."""
+        if names != self.names:
             return False
-        for r, t in zip(refs, tensors):
-            if r() is not t:
+        for t in tensors:
+            if not t.is_cpu:  # the key leaves the device out where the address tells it
                 return False
         return all(tensors[i].untyped_storage().nbytes() == n for i, n in self.checks)
 
@@ -216,7 +216,6 @@ def make(
         order.setdefault(dig[0], len(order))
     rep = SyncRepeat(
         key=key,
-        refs=tuple(weakref.ref(t) for t in tensors),
         checks=checks,
         names=names,
         pos_names=pos_names,
