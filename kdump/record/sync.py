@@ -225,9 +225,7 @@ class SyncRecorder:
     ) -> tuple[tuple[Any, list[Any]] | None, SyncRepeat | None, dict[str, Any]]:
         """(the call's repeat key and tensors, the repeat to take with its meta (taken out of the
         table), or None for the ordinary path)."""
-        from kdump.record.ring import _repeat_key
-
-        seen = _repeat_key(st.id, called_as, args, kwargs)
+        seen = _sync_repeat().repeat_key(st.id, called_as, args, kwargs)
         if seen is None:
             return None, None, {}
         rep = self._repeats.pop(seen[0], None)
@@ -296,19 +294,16 @@ class SyncRecorder:
         self, st: HookState, rep: SyncRepeat, meta: dict[str, Any], index: int
     ) -> bool:
         """Write the call's bundle by its repeat; False where the ordinary path must."""
-        from kdump.bundle import writer
-        from kdump.bundle.argtree import LIMITS
-
         with self.lock:
             if not self.dest.admit():
                 return True
-            data = rep.bundle(writer._utc_now(), meta, LIMITS.max_string)
+            data = rep.bundle(meta)
             if data is None:
                 return False
-            path = self.dest.new_bundle_path(f"{self.short_name(st.id)}-{index:06d}")
+            path = self.dest.new_bundle_file(f"{self.short_name(st.id)}-{index:06d}")
             self.dest.store().begin()
             try:
-                writer.atomic_write(path, data)
+                _sync_repeat().write(path, data)
             except BaseException:
                 self.dest.abandon(path)
                 raise
@@ -326,7 +321,6 @@ class SyncRecorder:
     ) -> None:
         """Make the repeat of a call just written the ordinary way, its key seen before."""
         from kdump.bundle.writer import STORE_MIN
-        from kdump.record import sync_repeat
 
         key = seen[0]
         if key in self._repeats or not header:
@@ -342,7 +336,7 @@ class SyncRecorder:
             return
         form, created = got
         raw, digests = header[-1]
-        rep = sync_repeat.make(
+        rep = _sync_repeat().make(
             seen, st.names(), call.names, env, call, raw, digests, form, created, STORE_MIN
         )
         if rep is None:
@@ -536,6 +530,19 @@ class SyncRecorder:
     @property
     def written(self) -> list[Path]:
         return self.dest.written
+
+
+_SYNC_REPEAT: Any = None
+
+
+def _sync_repeat() -> Any:
+    """kdump.record.sync_repeat, imported on first need (it imports torch)."""
+    global _SYNC_REPEAT
+    if _SYNC_REPEAT is None:
+        from kdump.record import sync_repeat
+
+        _SYNC_REPEAT = sync_repeat
+    return _SYNC_REPEAT
 
 
 def own_tensor_work() -> contextlib.AbstractContextManager[Any]:

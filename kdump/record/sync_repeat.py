@@ -18,11 +18,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kdump.bundle import writer as _writer
+from kdump.bundle.argtree import LIMITS
 from kdump.bundle.format import MAX_HEADER, Source
 from kdump.bundle.header_cache import RepeatForm, _encode, _escaped
 from kdump.bundle.spool import cpu_view
 from kdump.bundle.store import blob_digests
 from kdump.bundle.tensors import Captured, _memcmp
+from kdump.record.ring import _repeat_key
+
+# The flight recorder's repeat key: calls with equal keys encode equal argument trees and layouts.
+repeat_key = _repeat_key
 
 if TYPE_CHECKING:
     from kdump.bundle.writer import CallRecord
@@ -132,20 +138,26 @@ class SyncRepeat:
             return None
         return digests, views
 
-    def bundle(self, created: str, meta: dict[str, Any], limit: int) -> bytes | None:
-        """The bundle file's bytes for the call whose blobs `blobs` took; None where its meta
-        needs the ordinary path (a string to cut) or the header is too large."""
+    def bundle(self, meta: dict[str, Any]) -> bytes | None:
+        """The bundle file's bytes for the call whose inputs were taken (its outputs are taken
+        here); None where its blobs or its meta need the ordinary path (a string to cut) or the
+        header is too large."""
         got = self.blobs()
         if got is None:
             return None
         digests, views = got
         text = _encode(meta)
-        if len(text) > limit:
+        if len(text) > LIMITS.max_string:
             return None
-        raw = self.form.render(created, digests, _escaped(text))
+        raw = self.form.render(_writer._utc_now(), digests, _escaped(text))
         if len(raw) > MAX_HEADER:
             return None
         return b"".join([struct.pack("<Q", len(raw)), raw, *views])
+
+
+def write(path: str, data: bytes) -> None:
+    """Write a bundle file as the writer does (one atomic write)."""
+    _writer.atomic_write(path, data)
 
 
 def make(
