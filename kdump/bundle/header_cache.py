@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -322,24 +323,45 @@ class HeaderCache:
         return _Template("".join(parts), tuple(outside))
 
 
-@dataclass(frozen=True)
 class RepeatForm:
     """A one-call header as a format string whose fields are the creation time, each blob's
     (sha, fast) digests in the header's order, the call's meta (JSON text) and the blob names
-    again for the safetensors entries (`HeaderCache.repeat_form`)."""
+    again for the safetensors entries (`HeaderCache.repeat_form`); split once into its literal
+    pieces (str.format parses the whole header again on every call)."""
 
-    form: str
-    blobs: int
+    def __init__(self, form: str, blobs: int) -> None:
+        self.form = form
+        self.blobs = blobs
+        pieces = [""]
+        fields: list[int] = []
+        for literal, field, spec, conv in string.Formatter().parse(form):
+            pieces[-1] += literal  # with "{{" and "}}" made single
+            if field is not None:
+                if spec or conv or not field.isdigit():
+                    raise ValueError(f"not a plain field: {field!r}")
+                fields.append(int(field))
+                pieces.append("")
+        self._pieces = tuple(pieces)
+        self._fields = tuple(fields)
 
     def render(self, created: str, digests: Sequence[Digests], meta: str) -> bytes:
         """The padded header; `meta` is the meta's JSON text as the manifest string holds it
         (escaped: `_escaped`)."""
+        out = self.text(created, digests, meta)
+        return out + b" " * (-(8 + len(out)) % 8)
+
+    def text(self, created: str, digests: Sequence[Digests], meta: str) -> bytes:
+        """The header without its padding."""
         fills = [f'\\"{created}\\"']
         for sha, fast in digests:
             fills += (f'\\"{sha}\\"', f'\\"{fast}\\"')
         fills.append(meta)
-        out = self.form.format(*fills, *(sha for sha, _ in digests)).encode("ascii")
-        return out + b" " * (-(8 + len(out)) % 8)
+        fills += (sha for sha, _ in digests)
+        pieces = self._pieces
+        parts = [pieces[0]]
+        for k, field in enumerate(self._fields):
+            parts += (fills[field], pieces[k + 1])
+        return "".join(parts).encode("ascii")
 
 
 def _signature(

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 Digests = tuple[str, str]
 _memmove = ctypes.memmove
+_PADS = tuple(b" " * n for n in range(8))
 
 
 class _Buffer:
@@ -149,10 +150,11 @@ class SyncRepeat:
         text = _encode(meta)
         if len(text) > LIMITS.max_string:
             return None
-        raw = self.form.render(_writer._utc_now(), digests, _escaped(text))
-        if len(raw) > MAX_HEADER:
+        raw = self.form.text(_writer._utc_now(), digests, _escaped(text))
+        pad = -(8 + len(raw)) % 8
+        if len(raw) + pad > MAX_HEADER:
             return None
-        return b"".join([struct.pack("<Q", len(raw)), raw, *views])
+        return b"".join([struct.pack("<Q", len(raw) + pad), raw, _PADS[pad], *views])
 
 
 def write(path: str, data: bytes) -> None:
