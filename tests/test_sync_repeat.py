@@ -172,17 +172,20 @@ def test_new_tensor_objects_at_the_same_address_write_the_same(tmp_path, monkeyp
     assert rec.recorder.repeated >= 3
 
 
-def test_a_tensor_on_another_device_at_a_recorded_address_is_not_taken() -> None:
+def test_a_tensor_on_another_device_or_storage_size_is_not_taken() -> None:
+    """What the key cannot tell apart from the recorded tensor at the same address: a tensor on
+    another device, a storage of another size (allocators hand addresses out again)."""
     from kdump.record.sync_repeat import SyncRepeat
 
-    class Elsewhere:  # what the key cannot tell apart from a CPU tensor at the same address
+    class Elsewhere:
         is_cpu = False
 
     rep = SyncRepeat.__new__(SyncRepeat)
-    rep.names, rep.checks = ("x",), ()
+    rep.names, rep.checks = ("x",), ((0, 4),)
     assert rep.matches(("x",), [torch.zeros(1)])
     assert not rep.matches(("x",), [Elsewhere()])
     assert not rep.matches(("y",), [torch.zeros(1)])
+    assert not rep.matches(("x",), [torch.zeros(2)])  # 8 bytes where 4 were recorded
 
 
 def test_a_resized_storage_leaves_the_repeat(tmp_path, monkeypatch) -> None:
