@@ -272,3 +272,14 @@ def test_index_lines_name_the_repeat_bundles_with_their_sizes(tmp_path, monkeypa
     lines = [json.loads(s) for s in (folder / INDEX_NAME).read_text().splitlines()]
     sizes = {x["path"]: x["bytes"] for x in lines if x.get("kind") == "bundle"}
     assert sizes == {p.name: p.stat().st_size for p in rec.written}
+
+
+def test_containers_with_braces_and_quotes_repeat_as_written(tmp_path, monkeypatch) -> None:
+    t, fresh = _state()
+    k = {"a": [1, {"b": '{"}\\'}], "{0}": None}  # text str.format and JSON both treat specially
+    steps = [lambda m: m.scale(t["x"], t["out"], k=k)] * 6
+    rec = _both(tmp_path, monkeypatch, steps, fresh)
+    assert rec.recorder.repeated >= 3
+    for p in rec.written:
+        _, kwargs, _ = read_call(p, 0)
+        assert kwargs["k"] == k
