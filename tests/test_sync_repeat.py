@@ -283,3 +283,22 @@ def test_containers_with_braces_and_quotes_repeat_as_written(tmp_path, monkeypat
     for p in rec.written:
         _, kwargs, _ = read_call(p, 0)
         assert kwargs["k"] == k
+
+
+def test_alternating_keys_each_repeat_and_the_table_stays_bounded(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(SyncRecorder, "REPEATS_MAX", 2)
+    t, fresh = _state()
+    ks = [1.0, 2.0, 3.0] * 5  # three keys, a table of two: the least recently used goes
+    steps = [lambda m, k=k: m.scale(t["x"], t["out"], k=k) for k in ks]
+    rec = _both(tmp_path, monkeypatch, steps, fresh)
+    assert len(rec.recorder._repeats) <= 2
+    for k, p in zip(ks, rec.written):
+        assert read_call(p, 0)[1]["k"] == k
+
+
+def test_keys_seen_twice_in_turn_repeat(tmp_path, monkeypatch) -> None:
+    t, fresh = _state()
+    ks = [1.0, 2.0] * 6
+    steps = [lambda m, k=k: m.scale(t["x"], t["out"], k=k) for k in ks]
+    rec = _both(tmp_path, monkeypatch, steps, fresh)
+    assert rec.recorder.repeated >= 6  # each key's repeat made on its second call

@@ -328,7 +328,8 @@ class SyncRecorder:
         h = hash(key)
         if h not in self._sighted:
             if len(self._sighted) >= self.SIGHTED_MAX:
-                self._sighted.pop(next(iter(self._sighted)))
+                with contextlib.suppress(KeyError, RuntimeError, StopIteration):
+                    self._sighted.pop(next(iter(self._sighted)))
             self._sighted[h] = None
             return
         got = self.headers.repeat_form()
@@ -342,7 +343,9 @@ class SyncRecorder:
         if rep is None:
             return
         if len(self._repeats) >= self.REPEATS_MAX:
-            self._repeats.pop(next(iter(self._repeats)), None)
+            # The least recently used; a call on another thread may take one out meanwhile.
+            with contextlib.suppress(RuntimeError, StopIteration):
+                self._repeats.pop(next(iter(self._repeats)), None)
         self._repeats[key] = rep
 
     def _plan(
