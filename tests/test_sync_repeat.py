@@ -302,3 +302,20 @@ def test_keys_seen_twice_in_turn_repeat(tmp_path, monkeypatch) -> None:
     steps = [lambda m, k=k: m.scale(t["x"], t["out"], k=k) for k in ks]
     rec = _both(tmp_path, monkeypatch, steps, fresh)
     assert rec.recorder.repeated >= 6  # each key's repeat made on its second call
+
+
+@pytest.mark.gpu
+def test_calls_with_cuda_tensors_take_the_ordinary_path(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(SyncRecorder, "repeat", True)
+    mod = _target("kdump_rep_cuda")
+    x, out = torch.randn(64, device="cuda"), torch.zeros(16, device="cuda")
+    with kdump.recording("kdump_rep_cuda:scale", out=tmp_path) as rec:
+        for _ in range(6):
+            mod.scale(x, out)
+        assert rec.recorder.repeated == 0 and not rec.recorder._repeats
+    for p in rec.written:
+        bundle = load_bundle(p)
+        bundle.verify()
+        assert bundle.manifest.calls[0].storages[0].device.startswith("cuda")
+        _, _, tensors = read_call(p, 0)
+        assert torch.equal(tensors[0], x.cpu())
