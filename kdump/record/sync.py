@@ -4,6 +4,9 @@ bundle per call at once.
 Under CUDA-graph capture a sync snapshot is impossible (no sync, no D2H into pageable memory): the
 sync recorder then writes the call's metadata only (argument tree, shapes, dtypes, strides,
 addresses; no bytes) and marks it `capturing: true, data: metadata-only`.
+
+A small CPU call repeated exactly (same argument values, tensor addresses and layouts, env) is
+written by its repeat (kdump.record.sync_repeat): the same bundle for less work.
 """
 
 from __future__ import annotations
