@@ -313,7 +313,12 @@ def test_calls_with_cuda_tensors_take_the_ordinary_path(tmp_path, monkeypatch) -
         for _ in range(6):
             mod.scale(x, out)
         assert rec.recorder.repeated == 0 and not rec.recorder._repeats
-    for p in rec.written:
+        assert "kdump_rep_cuda:scale" in rec.recorder._on_device  # no key made for its calls
+        cpu, cpu_out = torch.randn(64), torch.zeros(16)
+        for _ in range(5):  # the same target on the CPU repeats again
+            mod.scale(cpu, cpu_out)
+        assert rec.recorder.repeated >= 1
+    for p in rec.written[:6]:
         bundle = load_bundle(p)
         bundle.verify()
         assert bundle.manifest.calls[0].storages[0].device.startswith("cuda")

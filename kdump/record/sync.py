@@ -146,6 +146,9 @@ class SyncRecorder:
         self._repeats: dict[Any, SyncRepeat] = {}
         self._sighted: dict[int, None] = {}
         self.repeated = 0  # bundles written by a repeat
+        # Targets whose last recorded call had CUDA tensors (never a repeat): no key is made for
+        # their next call.
+        self._on_device: set[str] = set()
 
     def after_fork(self) -> None:
         self._init_process()
@@ -182,7 +185,7 @@ class SyncRecorder:
             try:
                 with own_tensor_work():
                     plan = self._plan(st, index, args, kwargs)
-                    if plan == "dump" and self.repeat:
+                    if plan == "dump" and self.repeat and st.id not in self._on_device:
                         seen, rep, meta = self._repeat_for(st, index, called_as, args, kwargs)
                         if rep is not None:
                             rep.take_inputs()
@@ -498,6 +501,10 @@ class SyncRecorder:
             # The library state read at the call (it is the same a moment later).
             env = self.proc.env(cuda, call.meta.get("library_state"))
             learn = seen is not None and not cuda and "exception" not in call.meta
+            if cuda:
+                self._on_device.add(st.id)
+            else:
+                self._on_device.discard(st.id)
             try:
                 save_calls(
                     path,
