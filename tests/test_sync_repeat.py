@@ -324,3 +324,31 @@ def test_calls_with_cuda_tensors_take_the_ordinary_path(tmp_path, monkeypatch) -
         assert bundle.manifest.calls[0].storages[0].device.startswith("cuda")
         _, _, tensors = read_call(p, 0)
         assert torch.equal(tensors[0], x.cpu())
+
+
+def test_threads_calling_one_target_each_get_whole_bundles(tmp_path, monkeypatch) -> None:
+    import threading
+
+    monkeypatch.setattr(SyncRecorder, "repeat", True)
+    mod = _target("kdump_rep_threads")
+    pairs = [(torch.full((64,), float(i)), torch.zeros(16)) for i in range(2)]
+
+    def work(i: int) -> None:
+        x, out = pairs[i % 2]
+        for _ in range(25):
+            mod.scale(x, out)
+
+    with kdump.recording("kdump_rep_threads:scale", out=tmp_path) as rec:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(rec.written) == 100 and rec.recorder.repeated >= 1
+    for p in rec.written:
+        load_bundle(p).verify()
+        _, _, tensors = read_call(p, 0)
+        x = tensors[0]
+        assert torch.equal(x, torch.full((64,), x[0].item()))  # one call's input, whole
+        before = tensors[1]  # `out` before the call: as a call of its pair left it, or new
+        assert torch.equal(before, x[:16] * 2) or not before.any()
