@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -79,6 +80,8 @@ class HeaderCache:
         self.hits = 0
         self._encoded: dict[str, tuple[object, str]] = {}  # "env" / "info" -> (value, fill)
         self._by_records: dict[tuple[Any, ...], tuple[tuple[Any, ...], list[Any]]] = {}
+        # The template and fills of the last header made from one (`repeat_form` starts there).
+        self._last: tuple[_Template, list[str], int] | None = None
 
     def header(
         self,
@@ -108,14 +111,51 @@ class HeaderCache:
             if len(self._templates) >= self.max_entries:
                 self._templates.pop(next(iter(self._templates)))
             self._templates[key] = made
+            self._last = (made, fills, len(order)) if made is not None else None
             return real
+        self._last = None
         if tpl is None:
             return None
         out = _render(tpl, fills)  # type: ignore[arg-type]
         if len(out) > MAX_HEADER:
             return None  # the ordinary path says why
         self.hits += 1
+        self._last = (tpl, fills, len(order))  # type: ignore[assignment]
         return out
+
+    def repeat_form(self) -> tuple[RepeatForm, str] | None:
+        """The last header's template (a one-call bundle) with every fill but the creation time,
+        the blob digests and the call's meta put in: what an exact repeat of that call (same
+        arguments, tensors, layouts, env and info) changes; with that header's creation time.
+        None where the last header was not
+        made from a template, or the form does not give that header byte for byte."""
+        if self._last is None:
+            return None
+        tpl, fills, blobs = self._last
+        meta = 3 + 2 * blobs + 2  # created, env, info, (sha, fast) per blob, then args, kwargs
+        if len(fills) < meta + 2:
+            return None
+        new: dict[int, int] = {0: 0, meta: 1 + 2 * blobs}
+        for u in range(blobs):
+            new[3 + 2 * u] = 1 + 2 * u
+            new[4 + 2 * u] = 2 + 2 * u
+        # Kept holes become marks (control characters: no fill has one), the text is escaped
+        # for str.format, then the marks become its fields.
+        outside: list[str] = []
+        for hole in tpl.outside:  # blob names in the safetensors entries: a sha without quotes
+            u, odd = divmod(hole - 3, 2)
+            if odd or not 0 <= u < blobs:
+                return None
+            outside.append(f"\x00{2 + 2 * blobs + u}\x01")
+        inner = [f"\x00{new[k]}\x01" if k in new else f for k, f in enumerate(fills)]
+        try:
+            text = tpl.form.format(*inner, *outside).replace("{", "{{").replace("}", "}}")
+            form = RepeatForm(re.sub("\x00(\\d+)\x01", r"{\1}", text), blobs)
+            digests = [(fills[3 + 2 * u][2:-2], fills[4 + 2 * u][2:-2]) for u in range(blobs)]
+            same = form.render(fills[0][2:-2], digests, fills[meta]) == _render(tpl, fills)
+        except (IndexError, KeyError, ValueError):
+            return None
+        return (form, fills[0][2:-2]) if same else None
 
     def _key(
         self,
@@ -281,6 +321,47 @@ class HeaderCache:
             pos = m.end()
         parts.append(text[pos:].replace("{", "{{").replace("}", "}}"))
         return _Template("".join(parts), tuple(outside))
+
+
+class RepeatForm:
+    """A one-call header as a format string whose fields are the creation time, each blob's
+    (sha, fast) digests in the header's order, the call's meta (JSON text) and the blob names
+    again for the safetensors entries (`HeaderCache.repeat_form`); split once into its literal
+    pieces (str.format parses the whole header again on every call)."""
+
+    def __init__(self, form: str, blobs: int) -> None:
+        self.form = form
+        self.blobs = blobs
+        pieces = [""]
+        fields: list[int] = []
+        for literal, field, spec, conv in string.Formatter().parse(form):
+            pieces[-1] += literal  # with "{{" and "}}" made single
+            if field is not None:
+                if spec or conv or not field.isdigit():
+                    raise ValueError(f"not a plain field: {field!r}")
+                fields.append(int(field))
+                pieces.append("")
+        self._pieces = tuple(pieces)
+        self._fields = tuple(fields)
+
+    def render(self, created: str, digests: Sequence[Digests], meta: str) -> bytes:
+        """The padded header; `meta` is the meta's JSON text as the manifest string holds it
+        (escaped: `_escaped`)."""
+        out = self.text(created, digests, meta)
+        return out + b" " * (-(8 + len(out)) % 8)
+
+    def text(self, created: str, digests: Sequence[Digests], meta: str) -> bytes:
+        """The header without its padding."""
+        fills = [f'\\"{created}\\"']
+        for sha, fast in digests:
+            fills += (f'\\"{sha}\\"', f'\\"{fast}\\"')
+        fills.append(meta)
+        fills += (sha for sha, _ in digests)
+        pieces = self._pieces
+        parts = [pieces[0]]
+        for k, field in enumerate(self._fields):
+            parts += (fills[field], pieces[k + 1])
+        return "".join(parts).encode("ascii")
 
 
 def _signature(

@@ -289,6 +289,7 @@ def save_calls(
     headers: HeaderCache | None = None,
     progress: Progress | None = None,
     sized: Callable[[int], object] | None = None,
+    headed: Callable[[bytes, Sequence[Digests]], object] | None = None,
 ) -> Path:
     """Write `calls` as one bundle, atomically. Identical storages are stored once. `progress`
     is told the bytes of blob data as they are written; `sized`, the size of the bundle's file
@@ -302,7 +303,8 @@ def save_calls(
     recorder's `HeaderCache`), a small bundle's header is filled into the template of its call
     signature instead of being built and encoded record by record; an `env` or `info` passed to
     the same cache again as the same object is taken as unchanged (pass a new dict for new facts;
-    never edit one that was passed).
+    never edit one that was passed). `headed` is told the header and the digests of the storages
+    (in capture order) of a bundle whose header came through `headers`.
     """
     path = path if isinstance(path, Path) else Path(path)
     # One pass over the storages that hold bytes (other kinds hold none; a sparse one holds its
@@ -373,6 +375,8 @@ def save_calls(
             calls, digests, wheres, inline, env or {}, info or {}, created, make_manifest
         )
         if raw is not None:
+            if headed is not None:
+                headed(raw, digests)
             parts = [struct.pack("<Q", len(raw)), raw, *(v for v, _ in inline.values())]
             data = b"".join(parts)
             atomic_write(path, data)

@@ -269,6 +269,7 @@ class CaptureDir:
         self.host, self.pid, self.mode = host, pid, mode
         self._rank = rank
         self._folder: Path | None = None
+        self._folder_str: str | None = None  # the folder as a string, once asked
         self._store: CountingStore | None = None
         self._bundle_blobs: dict[str, list[str]] = {}  # bundle path -> blobs it uses
         self._blob_refs: dict[str, int] = {}
@@ -324,18 +325,27 @@ class CaptureDir:
         """A bundle name nobody has used. The folder was created exclusively for this process and
         only this object names files in it, so the names it handed out are all there is to avoid
         (no file is made until the bundle is written, by one rename)."""
-        folder = self.folder()
+        return self.folder() / self._new_name(stem)
+
+    def new_bundle_file(self, stem: str) -> str:
+        """`new_bundle_path` as a string (no Path made: a recorder names a file per call)."""
+        folder = self._folder_str
+        if folder is None:
+            folder = self._folder_str = str(self.folder())
+        return f"{folder}/{self._new_name(stem)}"
+
+    def _new_name(self, stem: str) -> str:
         for k in range(_NAME_ATTEMPTS):
             name = f"{stem}{BUNDLE_SUFFIX}" if k == 0 else f"{stem}.{k}{BUNDLE_SUFFIX}"
             if name not in self._names:
                 self._names.add(name)
-                return folder / name
-        raise FileExistsError(f"no free bundle name for {stem} in {folder}")
+                return name
+        raise FileExistsError(f"no free bundle name for {stem} in {self.folder()}")
 
-    def abandon(self, path: Path) -> None:
+    def abandon(self, path: Path | str) -> None:
         """Give back a name whose bundle could not be written (nothing of it is on disk: the
         writer removes its temporary)."""
-        self._names.discard(path.name)
+        self._names.discard(os.path.basename(os.fspath(path)))
 
     # -- bookkeeping -----------------------------------------------------------------------------
     def admit(self) -> bool:
@@ -343,7 +353,7 @@ class CaptureDir:
 
     def add(
         self,
-        path: Path,
+        path: Path | str,
         target: str,
         index: int,
         exception: str | None,
@@ -353,28 +363,28 @@ class CaptureDir:
         else asked of the file system) with the store's last blobs, evict what the limits say,
         and append its index line."""
         store = self.store()
-        key = str(path)
+        key = path if type(path) is str else str(path)
         size = nbytes if nbytes is not None else os.stat(key).st_size
         added = size + (sum(store.created.values()) if store.created else 0)
-        used = list(dict.fromkeys(store.used))
-        if used:  # a bundle with inline blobs only frees nothing of the store when evicted
+        if store.used:  # a bundle with inline blobs only frees nothing of the store when evicted
+            used = list(dict.fromkeys(store.used))
             self._bundle_blobs[key] = used
-        for sha in used:
-            self._blob_refs[sha] = self._blob_refs.get(sha, 0) + 1
-        if self.private_store:
+            for sha in used:
+                self._blob_refs[sha] = self._blob_refs.get(sha, 0) + 1
+        if self.private_store and store.created:
             self._blob_owned.update(store.created)
         self.limits.add(Written(key, target, index, added, exception))
-        victims = []
+        kept = True
         while (victim := self.limits.victim()) is not None:
             freed = self._delete(victim)
             self.limits.freed(freed)
-            victims.append((victim, freed))
-        for victim, freed in victims:
             if victim.path == key:  # never kept: it gets no index line
+                kept = False
                 continue
             self._append({"kind": "evicted", "path": Path(victim.path).name, "freed": freed})
-        if all(v.path != key for v, _ in victims):
-            self._write_line(_bundle_line(path.name, target, index, added, exception))
+        if kept:
+            name = os.path.basename(key)
+            self._write_line(_bundle_line(name, target, index, added, exception))
 
     def _delete(self, w: Written) -> int:
         """Remove a bundle and the blobs only it used (private store); bytes freed."""

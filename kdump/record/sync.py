@@ -4,6 +4,9 @@ bundle per call at once.
 Under CUDA-graph capture a sync snapshot is impossible (no sync, no D2H into pageable memory): the
 sync recorder then writes the call's metadata only (argument tree, shapes, dtypes, strides,
 addresses; no bytes) and marks it `capturing: true, data: metadata-only`.
+
+A small CPU call repeated exactly (same argument values, tensor addresses and layouts, env) is
+written by its repeat (kdump.record.sync_repeat): the same bundle for less work.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
 
     from kdump.bundle.spool import StoreSpool
     from kdump.record.session import Recording
+    from kdump.record.sync_repeat import SyncRepeat
 
 CAPTURE_NOTE = (
     "recorded during CUDA-graph capture: a sync recorder cannot read tensor data there; the "
@@ -108,6 +112,9 @@ class SyncRecorder:
     """Snapshot before the call, outputs after it, one bundle per call written at once."""
 
     mode = "sync"
+    repeat = True  # exact repeats of a small CPU call take kdump.record.sync_repeat's path
+    REPEATS_MAX = 64  # repeats kept (the least recently used goes first)
+    SIGHTED_MAX = 1024
 
     def __init__(self, cfg: RecordConfig, session: Recording) -> None:
         self.cfg = cfg
@@ -134,6 +141,14 @@ class SyncRecorder:
         from kdump.bundle.header_cache import HeaderCache
 
         self.headers = HeaderCache()  # repeated call signatures: headers from a template
+        # Exact repeats by repeat key (taken out while a call uses one), and the hashes of the
+        # keys seen once: a repeat is made for a key seen before (a key seen once costs nothing).
+        self._repeats: dict[Any, SyncRepeat] = {}
+        self._sighted: dict[int, None] = {}
+        self.repeated = 0  # bundles written by a repeat
+        # Targets whose last recorded call had CUDA tensors (never a repeat): no key is made for
+        # their next call.
+        self._on_device: set[str] = set()
 
     def after_fork(self) -> None:
         self._init_process()
@@ -165,18 +180,27 @@ class SyncRecorder:
             plan = None
             sink = None
             live: list[Any] = []
+            seen: tuple[Any, list[Any]] | None = None
+            rep: SyncRepeat | None = None
             try:
                 with own_tensor_work():
                     plan = self._plan(st, index, args, kwargs)
-                    if plan == "dump":  # a large snapshot goes straight into the blob store
+                    if plan == "dump" and self.repeat and st.id not in self._on_device:
+                        seen, rep, meta = self._repeat_for(st, index, called_as, args, kwargs)
+                        if rep is not None:
+                            rep.take_inputs()
+                    if plan == "dump" and rep is None:  # a large snapshot goes to the blob store
                         from kdump.bundle.spool import StoreSpool
                         from kdump.bundle.writer import STORE_MIN
 
                         sink = StoreSpool(self._blob_store, STORE_MIN)
-                    if plan is not None:
+                    if plan is not None and rep is None:
                         snap, live = self._snapshot(st, index, called_as, args, kwargs, plan, sink)
             except Exception as exc:
+                rep = None
                 self.session.fail(st, "capturing the arguments", exc)
+            if rep is not None and seen is not None:
+                return self._again(st, rep, seen[1], meta, index, fn, args, kwargs)
             if snap is None:
                 return fn(*args, **kwargs)
             try:
@@ -194,12 +218,141 @@ class SyncRecorder:
                     with own_tensor_work():
                         if not snap.meta.get("capturing"):
                             self._attach_outputs(st, snap, live, args, kwargs, result, sink)
-                        self._write(st, snap, index, sink)
+                        self._write(st, snap, index, sink, seen)
                 except Exception as exc:
                     self.session.fail(st, "writing the bundle", exc)
             return result
         finally:
             busy.flag = prev
+
+    # -- exact repeats ----------------------------------------------------------------------------
+    def _repeat_for(
+        self, st: HookState, index: int, called_as: str, args: tuple[Any, ...], kwargs: dict
+    ) -> tuple[tuple[Any, list[Any]] | None, SyncRepeat | None, dict[str, Any]]:
+        """(the call's repeat key and tensors, the repeat to take with its meta (taken out of the
+        table), or None for the ordinary path)."""
+        seen = _sync_repeat().repeat_key(st.id, called_as, args, kwargs)
+        if seen is None:
+            return None, None, {}
+        rep = self._repeats.pop(seen[0], None)
+        if rep is None:
+            return seen, None, {}
+        if not rep.matches(st.names(), seen[1]):
+            return seen, None, {}  # another object (or storage size) with the same facts
+        libraries = envinfo.library_state()
+        if self.proc.env(False, libraries) is not rep.env:  # a new env: the ordinary path
+            return seen, None, {}
+        return seen, rep, self._meta(index, "dump", None, False, libraries)
+
+    def _again(
+        self,
+        st: HookState,
+        rep: SyncRepeat,
+        live: list[Any],
+        meta: dict[str, Any],
+        index: int,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """The call, recorded by repeat `rep` whose inputs were just taken."""
+        try:
+            try:
+                result = fn(*args, **kwargs)
+            except Exception as exc:
+                try:
+                    call = self._from_repeat(rep, meta)
+                    call.meta["exception"] = f"{type(exc).__name__}: {exc}"[:2000]
+                    with own_tensor_work():
+                        self._write(st, call, index)
+                except Exception as exc2:
+                    self.session.fail(st, "writing the bundle", exc2)
+                raise
+            try:
+                with own_tensor_work():
+                    if result is not None or not self._write_again(st, rep, meta, index):
+                        call = self._from_repeat(rep, meta)
+                        self._attach_outputs(st, call, live, args, kwargs, result)
+                        self._write(st, call, index)
+            except Exception as exc:
+                self.session.fail(st, "writing the bundle", exc)
+            return result
+        finally:
+            # Back as the most recently used, unless the call made a newer one.
+            self._repeats.setdefault(rep.key, rep)
+
+    def _from_repeat(self, rep: SyncRepeat, meta: dict[str, Any]) -> Any:
+        """The call as the ordinary path records it, its inputs those the repeat took."""
+        from kdump.bundle.writer import CallRecord
+
+        c = rep.call
+        return CallRecord(
+            target=c.target,
+            called_as=c.called_as,
+            args=c.args,
+            kwargs=c.kwargs,
+            names=rep.pos_names,
+            inputs=rep.inputs_captured(),
+            meta=meta,
+        )
+
+    def _write_again(
+        self, st: HookState, rep: SyncRepeat, meta: dict[str, Any], index: int
+    ) -> bool:
+        """Write the call's bundle by its repeat; False where the ordinary path must."""
+        with self.lock:
+            if not self.dest.admit():
+                return True
+            data = rep.bundle(meta)
+            if data is None:
+                return False
+            path = self.dest.new_bundle_file(f"{self.short_name(st.id)}-{index:06d}")
+            self.dest.store().begin()
+            try:
+                _sync_repeat().write(path, data)
+            except BaseException:
+                self.dest.abandon(path)
+                raise
+            self.dest.add(path, st.id, index, None, len(data))
+            self.repeated += 1
+        return True
+
+    def _learn(
+        self,
+        st: HookState,
+        call: Any,
+        seen: tuple[Any, list[Any]],
+        env: dict[str, Any],
+        header: list[tuple[bytes, Any]],
+    ) -> None:
+        """Make the repeat of a call just written the ordinary way, its key seen before."""
+        from kdump.bundle.writer import STORE_MIN
+
+        key = seen[0]
+        if key in self._repeats or not header:
+            return
+        h = hash(key)
+        if h not in self._sighted:
+            if len(self._sighted) >= self.SIGHTED_MAX:
+                with contextlib.suppress(KeyError, RuntimeError, StopIteration):
+                    self._sighted.pop(next(iter(self._sighted)))
+            self._sighted[h] = None
+            return
+        got = self.headers.repeat_form()
+        if got is None:
+            return
+        form, created = got
+        raw, digests = header[-1]
+        rep = _sync_repeat().make(
+            seen, st.names(), call.names, env, call, raw, digests, form, created, STORE_MIN
+        )
+        if rep is None:
+            return
+        if len(self._repeats) >= self.REPEATS_MAX:
+            # The least recently used; a call on another thread may take one out meanwhile.
+            with contextlib.suppress(RuntimeError, StopIteration):
+                self._repeats.pop(next(iter(self._repeats)), None)
+        self._repeats[key] = rep
 
     def _plan(
         self, st: HookState, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -242,20 +395,7 @@ class SyncRecorder:
         capturing, stream = cuda_state(tensors)
         names = st.names()
         pos_names = list(names[: len(args)]) if names and len(names) >= len(args) else None
-        rank, _ = self.proc.rank()
-        meta: dict[str, Any] = {
-            "call_index": index,
-            "pid": self.proc.pid,
-            "host": self.proc.host,
-            "rank": rank,
-            "time_ns": time.time_ns(),
-            "thread": threading.get_ident(),
-            "stream": stream,
-            "capturing": capturing,
-            "mode": "sync",
-            "trigger": "selected" if plan == "dump" else "exception",
-            "library_state": envinfo.library_state(),
-        }
+        meta = self._meta(index, plan, stream, capturing, envinfo.library_state())
         if not capturing:
             call = capture_call(
                 st.id,
@@ -291,6 +431,30 @@ class SyncRecorder:
         )
         return call, tensors
 
+    def _meta(
+        self,
+        index: int,
+        plan: str,
+        stream: int | None,
+        capturing: bool,
+        libraries: dict[str, Any],
+    ) -> dict[str, Any]:
+        """The call's meta, read before the call (both paths: their bundles must agree)."""
+        rank, _ = self.proc.rank()
+        return {
+            "call_index": index,
+            "pid": self.proc.pid,
+            "host": self.proc.host,
+            "rank": rank,
+            "time_ns": time.time_ns(),
+            "thread": threading.get_ident(),
+            "stream": stream,
+            "capturing": capturing,
+            "mode": "sync",
+            "trigger": "selected" if plan == "dump" else "exception",
+            "library_state": libraries,
+        }
+
     def _attach_outputs(
         self,
         st: HookState,
@@ -311,7 +475,16 @@ class SyncRecorder:
         with self.lock:  # the process folder is made once, by one thread
             return self.dest.store().store
 
-    def _write(self, st: HookState, call: Any, index: int, sink: StoreSpool | None = None) -> None:
+    def _write(
+        self,
+        st: HookState,
+        call: Any,
+        index: int,
+        sink: StoreSpool | None = None,
+        seen: tuple[Any, list[Any]] | None = None,
+    ) -> None:
+        """Write the call's bundle the ordinary way; with `seen` (its repeat key and tensors), a
+        call that may repeat exactly also makes its repeat."""
         from kdump.bundle.writer import STORE_MIN, save_calls
 
         with self.lock:
@@ -324,23 +497,33 @@ class SyncRecorder:
                 store.created.update(sink.created)
             cuda = call.meta.get("stream") is not None  # set only when a CUDA tensor is involved
             size: list[int] = []  # the bundle file's size, where the writer knows it
+            header: list[tuple[bytes, Any]] = []  # its header, where the header cache made it
+            # The library state read at the call (it is the same a moment later).
+            env = self.proc.env(cuda, call.meta.get("library_state"))
+            learn = seen is not None and not cuda and "exception" not in call.meta
+            if cuda:
+                self._on_device.add(st.id)
+            else:
+                self._on_device.discard(st.id)
             try:
                 save_calls(
                     path,
                     [call],
-                    # The library state read at the call (it is the same a moment later).
-                    env=self.proc.env(cuda, call.meta.get("library_state")),
+                    env=env,
                     store=store.store,
                     info=self._info,
                     inline_below=STORE_MIN,
                     spool=sink,
                     headers=self.headers,
                     sized=size.append,
+                    headed=(lambda raw, digs: header.append((raw, digs))) if learn else None,
                 )
             except BaseException:
                 self.dest.abandon(path)
                 raise
             self.dest.add(path, st.id, index, call.meta.get("exception"), size[0] if size else None)
+            if learn and seen is not None and not store.used:
+                self._learn(st, call, seen, env, header)
 
     # -- flush ------------------------------------------------------------------------------------
     def flush(self) -> None:
@@ -360,6 +543,19 @@ class SyncRecorder:
     @property
     def written(self) -> list[Path]:
         return self.dest.written
+
+
+_SYNC_REPEAT: Any = None
+
+
+def _sync_repeat() -> Any:
+    """kdump.record.sync_repeat, imported on first need (it imports torch)."""
+    global _SYNC_REPEAT
+    if _SYNC_REPEAT is None:
+        from kdump.record import sync_repeat
+
+        _SYNC_REPEAT = sync_repeat
+    return _SYNC_REPEAT
 
 
 def own_tensor_work() -> contextlib.AbstractContextManager[Any]:
