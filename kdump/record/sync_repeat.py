@@ -18,13 +18,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kdump.bundle import bytecmp
 from kdump.bundle import writer as _writer
 from kdump.bundle.argtree import LIMITS
 from kdump.bundle.format import MAX_HEADER, Source
 from kdump.bundle.header_cache import RepeatForm, _encode, _escaped
 from kdump.bundle.spool import cpu_view
 from kdump.bundle.store import blob_digests
-from kdump.bundle.tensors import Captured, _memcmp
+from kdump.bundle.tensors import Captured
 from kdump.record.ring import _repeat_key
 
 # The flight recorder's repeat key: calls with equal keys encode equal argument trees and layouts.
@@ -54,7 +55,7 @@ class _Buffer:
 
     def holds(self, ptr: int) -> bool:
         """Whether the buffer holds the n bytes at `ptr`."""
-        return self.n == 0 or _memcmp(self.ptr, ptr, self.n) == 0
+        return bytecmp.same(self.ptr, ptr, self.n)
 
     def take(self, ptr: int) -> None:
         """Snapshot the n bytes at `ptr` (digests kept when they are the same bytes)."""
