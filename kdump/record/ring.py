@@ -641,6 +641,11 @@ class RingRecorder:
         room = int(self.journal.slot_bytes * SLOT_SHARE)
         want = [False] * len(storages)
         for i in sorted(range(len(storages)), key=lambda i: (rank[i], storages[i].span_nbytes)):
+            if storages[i].span_nbytes == 0:
+                # Nothing to copy or to miss: empty tensors share one storage (null pointer), so
+                # an empty output must not make an empty input missing.
+                want[i] = True
+                continue
             n = storages[i].span_nbytes + 64  # payloads are 64-byte aligned
             if rank[i] < 3 and n <= room:
                 want[i] = True

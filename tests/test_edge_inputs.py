@@ -1,0 +1,200 @@
+"""Edge inputs through the flight recorder (and the sync recorder where it shares the path):
+recording -> journal -> salvage -> bundle -> reference replay, on CPU tensors."""
+
+from __future__ import annotations
+
+import enum
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import kdump
+from kdump.bundle import load_bundle
+from kdump.kernels.registry import spec_for
+from kdump.record.config import RingConfig
+from kdump.replay import replay
+
+T = __name__
+
+
+class Color(enum.Enum):
+    RED = 1
+
+
+def target(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _ring(tmp_path: Path, slots: int = 4, slot_bytes: int = 1 << 20) -> RingConfig:
+    return RingConfig(slots=slots, slot_bytes=slot_bytes, journal_dir=tmp_path / "shm")
+
+
+def _record(tmp_path: Path, mode: str, call: Any, name: str = f"{T}:target", **kw: Any) -> list:
+    """Run `call()` under a recording of `name`; the bundles written, newest first (ring)."""
+    opts: dict[str, Any] = {"out": tmp_path / "out", "mode": mode}
+    if mode == "ring":
+        opts["ring"] = _ring(tmp_path, **kw)
+    with kdump.recording(name, **opts) as rec:
+        call()
+        if mode == "ring":
+            rec.flush()
+        written = list(rec.written)
+    assert written, f"no bundle ({mode})"
+    return written
+
+
+def _same(x: Any, y: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        if not isinstance(y, torch.Tensor):
+            return False
+        if (x.dtype, x.shape, x.stride(), x.requires_grad) != (y.dtype, y.shape, y.stride(),
+                                                               y.requires_grad):  # fmt: skip
+            return False
+        a = x.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+        b = y.detach().contiguous().reshape(-1)
+        return a.numel() == 0 or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    if isinstance(x, (list, tuple)):
+        return type(x) is type(y) and len(x) == len(y) and all(map(_same, x, y))
+    if isinstance(x, dict):
+        return isinstance(y, dict) and list(x) == list(y) and all(_same(x[k], y[k]) for k in x)
+    if isinstance(x, float) and x != x:
+        return isinstance(y, float) and y != y
+    return type(x) is type(y) and x == y
+
+
+EDGE_TENSORS = {
+    "zero_rows": lambda: torch.empty(0, 8),
+    "zero_middle_dim": lambda: torch.empty(3, 0, 8),
+    "zero_dim": lambda: torch.tensor(3.5),
+    "expanded": lambda: torch.randn(1, 8).expand(5, 8),
+    "expanded_scalar": lambda: torch.tensor(2.0).expand(4, 4),
+    "transposed": lambda: torch.randn(4, 6).t(),
+    "odd_strides": lambda: torch.randn(10, 10)[1::3, 2::4],
+    "storage_offset": lambda: torch.randn(100)[37:50],
+    "empty_at_the_end": lambda: torch.randn(10)[10:],
+    "channels_last": lambda: torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+    "bool": lambda: torch.tensor([True, False, True]),
+    "complex64": lambda: torch.randn(3, dtype=torch.complex64),
+    "uint16": lambda: torch.arange(5).to(torch.uint16),
+    "uint32": lambda: torch.arange(5).to(torch.uint32),
+    "uint64": lambda: torch.arange(5).to(torch.uint64),
+    "bfloat16": lambda: torch.randn(5).to(torch.bfloat16),
+    "float8_e4m3fn": lambda: torch.randn(5).to(torch.float8_e4m3fn),
+    "float8_e5m2": lambda: torch.randn(5).to(torch.float8_e5m2),
+    "float8_e4m3fnuz": lambda: torch.randn(5).to(torch.float8_e4m3fnuz),
+    "float8_e5m2fnuz": lambda: torch.randn(5).to(torch.float8_e5m2fnuz),
+    "float8_e8m0fnu": lambda: torch.randn(5).abs().to(torch.float8_e8m0fnu),
+    "requires_grad": lambda: torch.randn(5, requires_grad=True),
+    "non_leaf": lambda: torch.randn(5, requires_grad=True) * 2,
+}
+
+
+@pytest.mark.parametrize("mode", ["ring", "sync"])
+@pytest.mark.parametrize("name", sorted(EDGE_TENSORS))
+def test_edge_tensor_round_trips_exactly(tmp_path, mode, name):
+    torch.manual_seed(0)
+    t = EDGE_TENSORS[name]()
+    base = torch.arange(10.0)
+    args = (t, base[:6], base[2:8])  # and two overlapping views of one storage
+    written = _record(tmp_path, mode, lambda: target(*args))
+    with load_bundle(written[0]) as b:
+        b.verify()
+        call = b.calls[0]
+        assert not call.synthesized
+        assert all(_same(x, y) for x, y in zip(args, call.args)), name
+
+
+@pytest.mark.parametrize("mode", ["ring", "sync"])
+def test_odd_argument_trees_and_kwargs_only(tmp_path, mode):
+    odd = "x\x00y\u202e\n\x1b[31m"
+    kwargs = {
+        "tree": (1, [2.5, None, {"a": torch.ones(2), "b": (True, -(2**70))}], odd),
+        "k\u00e9": odd,
+        "nan": float("nan"),
+        "inf": float("-inf"),
+        "enum": Color.RED,
+    }
+    written = _record(tmp_path, mode, lambda: target(**kwargs))
+    with load_bundle(written[0]) as b:
+        call = b.calls[0]
+        assert call.args == [] or call.args == ()
+        got = dict(call.kwargs)
+        assert _same(got["tree"], kwargs["tree"]) and got["k\u00e9"] == odd
+        assert got["nan"] != got["nan"] and got["inf"] == float("-inf")
+        assert got["enum"].name == "RED"  # an enum of another module is kept by name
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepGEMM-shaped calls with edge routing, replayed on the torch reference
+
+
+@pytest.fixture
+def fake_deep_gemm(monkeypatch):
+    """A `deep_gemm` whose entry points compute the spec's reference (the DeepGEMM specs)."""
+    mod = types.ModuleType("deep_gemm")
+
+    def entry(fname: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> None:
+            spec = spec_for(f"deep_gemm:{fname}")
+            bound = spec.bind(list(args), kwargs)
+            for out, value in spec.reference(bound).items():
+                bound[out].copy_(value)
+
+        call.__name__ = fname
+        return call
+
+    for fname in (
+        "m_grouped_fp8_gemm_nt_contiguous",
+        "m_grouped_fp8_gemm_nt_masked",
+        "m_grouped_bf16_gemm_nt_masked",
+    ):
+        setattr(mod, fname, entry(fname))
+    monkeypatch.setitem(sys.modules, "deep_gemm", mod)
+    return mod
+
+
+CONTIG = "m_grouped_fp8_gemm_nt_contiguous"
+MASKED = "m_grouped_fp8_gemm_nt_masked"
+SMALL = {"num_groups": 4, "n": 128, "k": 256}
+ROUTINGS = {
+    "masked_every_masked_m_0": (MASKED, {"group_sizes": [0] * 4, "max_m": 64}, None),
+    "masked_bf16_every_masked_m_0": (
+        "m_grouped_bf16_gemm_nt_masked",
+        {"group_sizes": [0] * 4, "max_m": 64},
+        None,
+    ),
+    "masked_max_m_0": (MASKED, {"group_sizes": [0] * 4, "max_m": 0}, None),
+    "labels_all_minus_1": (CONTIG, {"expected_m": 30}, "all -1"),
+    "psum_all_ends_0": (CONTIG, {"group_sizes": [0] * 4, "use_psum_layout": True}, None),
+    "psum_all_ends_equal": (CONTIG, {"group_sizes": [128, 0, 0, 0], "use_psum_layout": True}, None),
+    "contiguous_no_rows": (CONTIG, {"group_sizes": [0] * 4}, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROUTINGS))
+def test_edge_routing_is_recorded_whole_and_replays_clean(tmp_path, fake_deep_gemm, case):
+    fname, shape, tweak = ROUTINGS[case]
+    spec = spec_for(f"deep_gemm:{fname}")
+    args, kwargs = spec.generate(seed=3, **SMALL, **shape)
+    if tweak == "all -1":
+        args[3].fill_(-1)
+
+    def calls() -> None:
+        for _ in range(3):  # the full path, then the repeat path
+            getattr(fake_deep_gemm, fname)(*args, **kwargs)
+
+    written = _record(tmp_path, "ring", calls, name=f"deep_gemm:{fname}", slot_bytes=4 << 20)
+    assert len(written) == 3
+    for path in written:
+        with load_bundle(path) as b:
+            b.verify()
+            call = b.calls[0]
+            # Only the output is made up at replay: every input, empty or not, is held.
+            assert set(call.synthesized) <= {"d"}, (path.name, call.synthesized)
+            assert "missing_tensors" not in call.meta["journal"] or call.synthesized == ["d"]
+    [v] = replay([written[-1]], backend="reference", device="cpu")
+    assert v.exit_code == 0, v.headline()
