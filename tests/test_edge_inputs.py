@@ -198,3 +198,68 @@ def test_edge_routing_is_recorded_whole_and_replays_clean(tmp_path, fake_deep_ge
             assert "missing_tensors" not in call.meta["journal"] or call.synthesized == ["d"]
     [v] = replay([written[-1]], backend="reference", device="cpu")
     assert v.exit_code == 0, v.headline()
+
+
+# ---------------------------------------------------------------------------------------------
+# Calls that raise, recurse, or run on two threads
+
+
+class KernelRefused(Exception):
+    pass
+
+
+def raiser(x: torch.Tensor) -> None:
+    x.add_(1)  # changed before raising: the bundle holds the value the call was given
+    raise KernelRefused("bad layout \x1b[31m")
+
+
+def recursive(x: torch.Tensor, n: int) -> torch.Tensor:
+    return recursive(x + 1, n - 1) if n > 0 else x
+
+
+@pytest.mark.parametrize("mode", ["ring", "sync"])
+def test_a_call_that_raises_propagates_and_its_bundle_says_it_raised(tmp_path, mode):
+    x = torch.zeros(3)
+    seen: list[BaseException] = []
+
+    def call() -> None:
+        for _ in range(2):  # the full path, then the repeat path
+            try:
+                raiser(x)
+            except KernelRefused as exc:  # the program catches it and goes on
+                seen.append(exc)
+        target(x)  # a later call that returns
+
+    opts: dict[str, Any] = {"out": tmp_path / "out", "mode": mode, "on_exception": mode == "sync"}
+    if mode == "ring":
+        opts["ring"] = _ring(tmp_path)
+    with kdump.recording([f"{T}:raiser", f"{T}:target"], **opts) as rec:
+        call()
+        if mode == "ring":
+            rec.flush()
+        written = list(rec.written)
+    assert [type(e) for e in seen] == [KernelRefused] * 2 and str(seen[0]) == "bad layout \x1b[31m"
+    raised = []
+    for path in written:
+        with load_bundle(path) as b:
+            c = b.calls[0]
+            if c.target.endswith(":raiser"):
+                raised.append(float(c.args[0][0]))
+                assert c.meta["exception"] == "KernelRefused: bad layout \x1b[31m"
+                if mode == "ring":
+                    facts = c.meta["journal"]
+                    assert facts["raised"] and not facts["in_flight"] and not facts["finished"]
+            else:
+                assert "exception" not in c.meta
+                assert mode != "ring" or not c.meta["journal"].get("raised")
+    assert sorted(raised) == [0.0, 1.0]
+    if mode == "ring":
+        assert not list((tmp_path / "shm").iterdir())  # the journal and its notes are gone
+
+
+def test_recursion_records_the_outer_call(tmp_path):
+    x = torch.zeros(2)
+    written = _record(tmp_path, "ring", lambda: recursive(x, 3), name=f"{T}:recursive")
+    assert len(written) == 1  # the inner calls pass through unrecorded
+    with load_bundle(written[0]) as b:
+        assert b.calls[0].args[1] == 3 and torch.equal(b.calls[0].args[0], x)

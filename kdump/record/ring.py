@@ -47,7 +47,7 @@ from kdump import config
 from kdump.log import log_once
 from kdump.record.hooks import HookState, busy
 from kdump.record.journal import Journal, Slot, SlotMeta, SlotTemplate
-from kdump.record.salvage import CRASH_SUFFIX
+from kdump.record.salvage import CRASH_SUFFIX, raised_path
 from kdump.record.statics import (
     Candidates,
     Statics,
@@ -123,6 +123,7 @@ class RingRecorder:
 
     def _init_process(self) -> None:
         self.lock = threading.RLock()
+        self._reserved = threading.local()  # this thread's current call: (slot, seq)
         self.journal: Journal | None = None
         self.pid = os.getpid()
         self.errors = 0
@@ -197,6 +198,26 @@ class RingRecorder:
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, j.path.with_name(j.path.name + CRASH_SUFFIX))
 
+    def _note_raised(self, reserved: tuple[int, int], index: int, exc: BaseException) -> None:
+        """A recorded call raised (the program may catch it and go on): one line next to the
+        journal, so its bundle says the call raised instead of "the kernel had not finished"."""
+        j = self.journal
+        if j is None:
+            return
+        doc = {
+            "slot": reserved[0],
+            "seq": reserved[1],
+            "call_index": index,
+            "exception": f"{type(exc).__name__}: {exc}"[:2000],
+        }
+        line = (json.dumps(doc) + "\n").encode()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        fd = os.open(raised_path(j.path), flags, 0o600)
+        try:
+            os.write(fd, line)  # one write of an appended line: lines never interleave
+        finally:
+            os.close(fd)
+
     def _patch_graph_capture(self) -> None:
         """New capture ids exactly where torch begins a capture; the side branch of the host
         copies joined back into the capture before it ends."""
@@ -241,12 +262,22 @@ class RingRecorder:
         busy.flag = True  # hooked calls made inside this one pass through unrecorded
         try:
             after = None
+            self._reserved.slot = None
             try:
                 if self.session.trigger(st.id).select(index, args, kwargs):
                     after = self._before(st, index, called_as, args, kwargs)
             except Exception as exc:
                 self.session.fail(st, "recording the call into the flight recorder", exc)
-            result = fn(*args, **kwargs)  # an exception leaves the slot marked not done
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:  # the slot stays not done; the bundle says why
+                reserved = self._reserved.slot
+                if after is not None and reserved is not None:
+                    try:
+                        self._note_raised(reserved, index, exc)
+                    except Exception as why:
+                        self.session.fail(st, "noting the call's exception", why)
+                raise
             if after is not None:
                 try:
                     after()
@@ -403,6 +434,7 @@ class RingRecorder:
                     extra=extra,
                 )
                 slot = j.reserve(meta, index=pin_index, want=want)
+                self._reserved.slot = (slot.index, slot.seq)
                 views = SpanViews(tensors, cached.firsts, storages)
                 if seen is not None and site is None and not capturing:
                     try:
@@ -580,6 +612,7 @@ class RingRecorder:
             slot = j.reserve_from(rep.template, values, stream, index)
             if slot is None:
                 return _MISS
+            self._reserved.slot = (slot.index, slot.seq)
             self.captures.next_site(False)
             self.fast_calls += 1
             layout = rep.layout
@@ -821,6 +854,7 @@ class RingRecorder:
                 if self.statics is not None:
                     self.statics.close(unlink=True)
                     self.statics = None
+                raised_path(self.journal.path).unlink(missing_ok=True)
                 self.journal.unlink()
                 self.journal = None
 
@@ -828,7 +862,7 @@ class RingRecorder:
 def _retired_files(journal: Path) -> list[Path]:
     from kdump.record.devring import dump_paths
 
-    return [journal, *dump_paths(journal).values()]
+    return [journal, raised_path(journal), *dump_paths(journal).values()]
 
 
 def _signature(target: str, tensors: list[Any], args_tree: Any, kwargs_tree: Any) -> Any:
