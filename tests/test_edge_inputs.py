@@ -263,3 +263,51 @@ def test_recursion_records_the_outer_call(tmp_path):
     assert len(written) == 1  # the inner calls pass through unrecorded
     with load_bundle(written[0]) as b:
         assert b.calls[0].args[1] == 3 and torch.equal(b.calls[0].args[0], x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Salvage of journals in odd states: never raises, never loses a complete slot
+
+STORAGE = {
+    "device": "cpu",
+    "base_ptr": 4096,
+    "storage_nbytes": 8,
+    "span_start": 0,
+    "span_nbytes": 8,
+}
+TENSOR = {"storage": 0, "dtype": "float32", "shape": [2], "stride": [1], "storage_offset": 0}
+
+
+ODD_SLOTS = {
+    # checksums hold, the metadata does not (a writer bug or stray bytes under a valid CRC)
+    "tensor_names_a_storage_not_there": ({"tensors": [{**TENSOR, "storage": 3}]}, "complete"),
+    "graph_site_not_a_mapping": ({"capture_id": 3, "extra": {"site": "x"}}, "complete"),
+    "device_index_unhashable": ({"extra": {"device": {"device_index": [0]}}}, "in flight"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ODD_SLOTS))
+def test_salvage_keeps_the_good_slots_beside_an_unusable_one(tmp_path, case):
+    from kdump.record.journal import Journal, SlotMeta
+    from kdump.record.salvage import salvage_journal
+
+    change, state = ODD_SLOTS[case]
+    j = Journal.create(tmp_path / "shm", slots=4, slot_bytes=64 << 10)
+    good = {"target": f"{T}:target", "storages": [STORAGE], "tensors": [TENSOR]}
+    j.record(SlotMeta(call_index=0, **good), [bytes(range(8))])
+    odd = SlotMeta(call_index=1, **{**good, **change})
+    if state == "complete":
+        j.record(odd, [bytes(8)])
+    else:  # reserved, its device copies never ran
+        j.reserve(odd).commit(device=True)
+    j.record(SlotMeta(call_index=2, **good), [bytes(range(8, 16))])
+    j.close()
+    res = salvage_journal(j.path, tmp_path / "out")
+    kept = {}
+    for path in res.bundles:
+        with load_bundle(path) as b:
+            b.verify()
+            kept[b.calls[0].meta["journal"]["call_index"]] = b.calls[0].args
+    assert {0, 2} <= set(kept)
+    assert kept.get(1) is not None or len(res.torn) + len(res.in_flight) == 1
+    assert res.report.exists() and not j.path.exists()

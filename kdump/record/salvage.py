@@ -120,7 +120,10 @@ def salvage_journal(
     complete = contents.having(SlotState.COMPLETE)
     kept_in_flight = []
     for rec in contents.having(SlotState.IN_FLIGHT):
-        recovered = _from_twin(rec, dumps, contents.header.slot_bytes)
+        try:
+            recovered = _from_twin(rec, dumps, contents.header.slot_bytes)
+        except Exception:  # metadata it cannot use: the slot stays in flight
+            recovered = None
         if recovered is not None:
             complete.append(recovered)
         else:
@@ -150,8 +153,9 @@ def salvage_journal(
             continue
         try:
             _write_bundle(path, rec, contents, crash_context, before, dumps, region, raised)
-        except (BundleError, ValueError, TypeError, KeyError, OverflowError, RuntimeError) as exc:
-            # Checksums held but the content is unusable: report it, never keep the file.
+        except Exception as exc:
+            # Checksums held but the content is unusable (any error: one slot's metadata must
+            # not lose the other slots): report it, never keep the file.
             path.unlink(missing_ok=True)
             torn.append(SlotRecord(rec.index, SlotState.TORN, rec.seq, rec.meta, (), str(exc)))
             continue
@@ -193,7 +197,8 @@ def _slot_facts(rec: SlotRecord) -> dict[str, Any]:
             after_kernel=m.after_kernel,
         )
         if m.capture_id:  # a graph's slot: the markers count the graph's replays
-            site = m.extra.get("site", {})
+            site = m.extra.get("site")
+            site = site if isinstance(site, dict) else {}
             facts.update(graph=m.capture_id, replay=rec.token, site=site.get("position"))
     if rec.state is SlotState.COMPLETE:
         facts["finished"] = rec.finished
