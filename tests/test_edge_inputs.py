@@ -311,3 +311,28 @@ def test_salvage_keeps_the_good_slots_beside_an_unusable_one(tmp_path, case):
     assert {0, 2} <= set(kept)
     assert kept.get(1) is not None or len(res.torn) + len(res.in_flight) == 1
     assert res.report.exists() and not j.path.exists()
+
+
+def test_a_call_too_big_for_a_slot_leaves_recording_on_for_the_next_calls(tmp_path):
+    from kdump.log import _logged
+
+    _logged.clear()
+    x = torch.arange(4.0)
+
+    def calls() -> None:
+        target(x, "y" * (64 << 10))  # its metadata alone exceeds the slot
+        for i in range(3):
+            target(x, i)
+
+    with kdump.recording(
+        f"{T}:target", out=tmp_path / "out", ring=_ring(tmp_path, 4, 32 << 10)
+    ) as rec:
+        calls()
+        rec.flush()
+        written = list(rec.written)
+        assert rec.recorder.too_big == 1
+    got = []
+    for path in written:
+        with load_bundle(path) as b:
+            got.append(b.calls[0].args[1])
+    assert sorted(got) == [0, 1, 2]  # the calls after it are still recorded

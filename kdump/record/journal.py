@@ -132,6 +132,10 @@ class JournalError(KdumpError):
     exit_code = ExitCode.USAGE
 
 
+class SlotTooSmall(JournalError):
+    """One call's metadata does not fit a slot: that call cannot be recorded, the next may."""
+
+
 class SlotState(enum.Enum):
     COMPLETE = "complete"  # header, payloads and trailer agree
     IN_FLIGHT = "in flight"  # header written, trailer missing: the call was being recorded
@@ -536,7 +540,7 @@ class Journal:
         # A payload dropped below turns its index into null (at most 3 more characters).
         head_end = _SLOT_HEAD + 16 * k + len(doc) + 3 * k
         if head_end > limit:
-            raise JournalError(
+            raise SlotTooSmall(
                 f"the call's metadata ({len(doc)} bytes) does not fit a {self.slot_bytes}-byte "
                 "journal slot: raise slot_bytes"
             )

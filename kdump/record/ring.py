@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from kdump import config
 from kdump.log import log_once
 from kdump.record.hooks import HookState, busy
-from kdump.record.journal import Journal, Slot, SlotMeta, SlotTemplate
+from kdump.record.journal import Journal, Slot, SlotMeta, SlotTemplate, SlotTooSmall
 from kdump.record.salvage import CRASH_SUFFIX, raised_path
 from kdump.record.statics import (
     Candidates,
@@ -141,6 +141,7 @@ class RingRecorder:
         self._repeats: OrderedDict[Any, _Repeat] = OrderedDict()
         self._sightings: dict[int, None] = {}  # hashes of repeat keys seen once, no template
         self.fast_calls = 0  # calls recorded by the exact-repeat path (`_again`)
+        self.too_big = 0  # calls whose metadata did not fit a slot (not recorded)
         self._hooks_installed = False
         self.statics: Statics | None = None  # made with the journal (kdump.record.statics)
 
@@ -266,6 +267,11 @@ class RingRecorder:
             try:
                 if self.session.trigger(st.id).select(index, args, kwargs):
                     after = self._before(st, index, called_as, args, kwargs)
+            except SlotTooSmall as exc:  # this call only: the target's next calls still record
+                self.too_big += 1
+                log_once(
+                    f"slotsize:{st.id}", f"flight recorder: a call of {st.id} not recorded ({exc})"
+                )
             except Exception as exc:
                 self.session.fail(st, "recording the call into the flight recorder", exc)
             try:
