@@ -324,9 +324,8 @@ def test_a_call_too_big_for_a_slot_leaves_recording_on_for_the_next_calls(tmp_pa
         for i in range(3):
             target(x, i)
 
-    with kdump.recording(
-        f"{T}:target", out=tmp_path / "out", ring=_ring(tmp_path, 4, 32 << 10)
-    ) as rec:
+    opts: dict[str, Any] = {"out": tmp_path / "out", "mode": "ring"}
+    with kdump.recording(f"{T}:target", ring=_ring(tmp_path, 4, 32 << 10), **opts) as rec:
         calls()
         rec.flush()
         written = list(rec.written)
