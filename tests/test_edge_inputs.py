@@ -335,3 +335,23 @@ def test_a_call_too_big_for_a_slot_leaves_recording_on_for_the_next_calls(tmp_pa
         with load_bundle(path) as b:
             got.append(b.calls[0].args[1])
     assert sorted(got) == [0, 1, 2]  # the calls after it are still recorded
+
+
+def test_salvage_of_device_rows_where_only_the_last_row_was_touched(tmp_path):
+    from test_gather import _fake_call
+
+    from kdump.record.salvage import salvage_journal
+
+    path, (a, sfa, labels) = _fake_call(tmp_path, last_row_only=True)
+    res = salvage_journal(path, tmp_path / "out")
+    assert not res.torn and not res.in_flight
+    (bundle,) = res.bundles
+    with load_bundle(bundle) as b:
+        b.verify()
+        call = b.calls[0]
+        (a2, s2), lab = call.args[0], call.args[1]
+        assert torch.equal(lab, labels)
+        assert torch.equal(a2.view(torch.uint8)[-1], a.view(torch.uint8)[-1])
+        assert not a2.view(torch.uint8)[:-1].any() and torch.equal(s2[-1], sfa[-1])
+        assert call.meta["journal"]["device"]["rows_kept"] == 1
+        assert call.storages[0].held_nbytes == a.shape[1]
