@@ -355,3 +355,27 @@ def test_salvage_of_device_rows_where_only_the_last_row_was_touched(tmp_path):
         assert not a2.view(torch.uint8)[:-1].any() and torch.equal(s2[-1], sfa[-1])
         assert call.meta["journal"]["device"]["rows_kept"] == 1
         assert call.storages[0].held_nbytes == a.shape[1]
+
+
+@pytest.mark.parametrize("mode", ["ring", "sync"])
+def test_requires_grad_changed_between_calls_on_one_tensor(tmp_path, mode):
+    """`requires_grad_` changes no address, shape or version: each bundle says what its call
+    saw."""
+    x = torch.arange(4.0)
+    y = torch.ones(2)
+
+    def calls() -> None:
+        target(x, y)
+        x.requires_grad_(True)
+        target(x, y)
+        x.requires_grad_(False)
+        target(x, y)
+
+    written = _record(tmp_path, mode, calls)
+    seen = {}
+    for path in written:
+        with load_bundle(path) as b:
+            call = b.calls[0]
+            index = call.meta.get("journal", {}).get("call_index", call.meta.get("call_index"))
+            seen[index] = call.args[0].requires_grad
+    assert seen == {0: False, 1: True, 2: False}

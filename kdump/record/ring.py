@@ -872,13 +872,14 @@ def _retired_files(journal: Path) -> list[Path]:
 
 
 def _signature(target: str, tensors: list[Any], args_tree: Any, kwargs_tree: Any) -> Any:
-    """What a call's recorded layout depends on: its target, each tensor's shape, strides,
-    dtype, address and offset, and the encoded argument trees (scalars, flags)."""
+    """What a call's recorded layout depends on: its target, what the tensor records are made
+    of (`layout_facts`: also requires_grad, the device and the storage's size, which change
+    without moving an address) and the encoded argument trees (scalars, flags)."""
+    from kdump.bundle.tensors import layout_facts
+
     return (
         target,
-        tuple(
-            (tuple(t.shape), t.stride(), t.dtype, t.data_ptr(), t.storage_offset()) for t in tensors
-        ),
+        tuple(layout_facts(t) for t in tensors),
         repr((args_tree, kwargs_tree)),
     )
 
