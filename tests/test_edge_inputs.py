@@ -282,6 +282,7 @@ ODD_SLOTS = {
     # checksums hold, the metadata does not (a writer bug or stray bytes under a valid CRC)
     "tensor_names_a_storage_not_there": ({"tensors": [{**TENSOR, "storage": 3}]}, "complete"),
     "graph_site_not_a_mapping": ({"capture_id": 3, "extra": {"site": "x"}}, "complete"),
+    "eager_seq_unhashable": ({"capture_id": 3, "extra": {"site": {"eager_seq": [1]}}}, "complete"),
     "device_index_unhashable": ({"extra": {"device": {"device_index": [0]}}}, "in flight"),
 }
 

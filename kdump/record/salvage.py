@@ -140,7 +140,8 @@ def salvage_journal(
             progress.advance()  # the call before this one is written
         path = out / f"journal-{head.pid}-call-{rec.meta.call_index:06d}-seq{rec.seq}.kdump"
         site = rec.meta.extra.get("site") if rec.meta.capture_id else None
-        before = by_seq.get(site.get("eager_seq", -1)) if isinstance(site, dict) else None
+        eager = site.get("eager_seq") if isinstance(site, dict) else None
+        before = by_seq.get(eager) if type(eager) is int else None
         state = (
             (rec.index, rec.seq, rec.markers, rec.finished),
             _state(before),
