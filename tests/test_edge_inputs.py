@@ -380,3 +380,38 @@ def test_requires_grad_changed_between_calls_on_one_tensor(tmp_path, mode):
             index = call.meta.get("journal", {}).get("call_index", call.meta.get("call_index"))
             seen[index] = call.args[0].requires_grad
     assert seen == {0: False, 1: True, 2: False}
+
+
+def test_input_sharing_the_outputs_buffer_is_held(tmp_path, fake_deep_gemm):
+    """A and D carved from one workspace: the output's storage is also an input's, so its bytes
+    are copied (only a storage of outputs alone is left to the kernel)."""
+    spec = spec_for(f"deep_gemm:{CONTIG}")
+    args, kwargs = spec.generate(seed=3, **SMALL, expected_m=30)
+    (a, sfa), (b, sfb), d, labels = args
+    work = torch.zeros(a.numel() + d.numel() * d.element_size(), dtype=torch.uint8)
+    a2 = work[: a.numel()].view(a.dtype).view(a.shape)
+    a2.copy_(a)
+    d2 = work[a.numel() :].view(d.dtype).view(d.shape)
+
+    def call() -> None:
+        getattr(fake_deep_gemm, CONTIG)((a2, sfa), (b, sfb), d2, labels, **kwargs)
+
+    [path] = _record(tmp_path, "ring", call, name=f"deep_gemm:{CONTIG}", slot_bytes=4 << 20)
+    with load_bundle(path) as bundle:
+        call_ = bundle.calls[0]
+        assert call_.synthesized == []
+        assert torch.equal(call_.args[0][0].view(torch.uint8), a.view(torch.uint8))
+    [v] = replay([path], backend="reference", device="cpu")
+    assert v.exit_code == 0, v.headline()
+
+
+def test_a_storage_of_outputs_alone_is_not_copied(tmp_path, fake_deep_gemm):
+    spec = spec_for(f"deep_gemm:{CONTIG}")
+    args, kwargs = spec.generate(seed=3, **SMALL, expected_m=30)
+
+    def call() -> None:
+        getattr(fake_deep_gemm, CONTIG)(*args, **kwargs)
+
+    [path] = _record(tmp_path, "ring", call, name=f"deep_gemm:{CONTIG}", slot_bytes=4 << 20)
+    with load_bundle(path) as bundle:
+        assert bundle.calls[0].synthesized == ["d"]

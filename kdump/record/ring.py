@@ -671,11 +671,15 @@ class RingRecorder:
         for i, s in enumerate(storages):
             if s.span_nbytes <= SMALL_BYTES:
                 rank[i] = 1
+        read = [False] * len(storages)  # does the call read any tensor of the storage?
         for r, role in zip(records, roles):
             if role in COPIED_ROLES:
                 rank[r.storage] = min(rank[r.storage], 0)
-            elif role == "output":
-                rank[r.storage] = 3
+            if role != "output":
+                read[r.storage] = True
+        for i in range(len(storages)):
+            if not read[i]:  # outputs only: an input in the same buffer keeps its bytes
+                rank[i] = 3
         assert self.journal is not None
         room = int(self.journal.slot_bytes * SLOT_SHARE)
         want = [False] * len(storages)
