@@ -415,3 +415,48 @@ def test_a_storage_of_outputs_alone_is_not_copied(tmp_path, fake_deep_gemm):
     [path] = _record(tmp_path, "ring", call, name=f"deep_gemm:{CONTIG}", slot_bytes=4 << 20)
     with load_bundle(path) as bundle:
         assert bundle.calls[0].synthesized == ["d"]
+
+
+def test_an_empty_storage_is_placed_even_in_a_full_slot(tmp_path):
+    """An empty tensor's payload has no bytes: it is never "missing", however full the slot."""
+    from kdump.record.journal import Journal, SlotMeta, SlotState, read_journal
+
+    j = Journal.create(tmp_path / "shm", slots=2, slot_bytes=8192)
+    for n in range(8192, 0, -1):  # the largest first payload that fits: the slot is then full
+        empty = {**STORAGE, "storage_nbytes": 0, "span_nbytes": 0, "base_ptr": 0}
+        big = {**STORAGE, "storage_nbytes": n, "span_nbytes": n}
+        meta = SlotMeta(call_index=n, target=f"{T}:target", storages=[big, empty])
+        slot = j.reserve(meta)
+        if slot.has_payload(0):
+            break
+        slot.commit()
+    assert slot.has_payload(1)
+    slot.payload(0)[:] = bytes(n)
+    slot.commit()
+    got = read_journal(j.path).having(SlotState.COMPLETE)
+    newest = max(got, key=lambda s: s.seq)
+    assert newest.payloads[1] == b""
+    j.close()
+
+
+def test_a_long_call_ending_after_the_ring_reused_its_slot_leaves_the_new_call_alone(tmp_path):
+    """Two threads: one call runs long while the other's calls wrap the ring over its slot. Its
+    end must not mark the slot's new call (still running) finished."""
+    from kdump.record.journal import SlotState, read_journal
+
+    x = torch.arange(4.0)
+    opts: dict[str, Any] = {"out": tmp_path / "out", "mode": "ring", "ring": _ring(tmp_path, 4)}
+    with kdump.recording(f"{T}:target", **opts) as rec:
+        ring = rec.recorder
+        st = next(s for s in rec.patches.states if s.id.endswith(":target"))
+        long_done = ring._before(st, 0, "target", (x, "long"), {})  # the long call starts
+        for i in range(3):
+            target(x, i)  # the other thread's calls, each finished
+        new_done = ring._before(st, 4, "target", (x, "new"), {})  # reuses the long call's slot
+        long_done()  # the long call returns
+        slots = read_journal(ring.journal.path).having(SlotState.COMPLETE)
+        new = next(s for s in slots if s.meta.call_index == 4)
+        assert not new.finished  # still running
+        new_done()
+        slots = read_journal(ring.journal.path).having(SlotState.COMPLETE)
+        assert next(s for s in slots if s.meta.call_index == 4).finished

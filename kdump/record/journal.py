@@ -419,8 +419,15 @@ class Slot:
         return self._journal._view[t : t + 8]
 
     def finish(self, token: int = 1) -> None:
-        """Host path: the kernel returned."""
-        self.marker("done")[:] = struct.pack("<Q", token)
+        """Host path: the kernel returned. Nothing when the ring has reused the slot meanwhile
+        (another thread's calls wrapped it during this one): the done marker is the new call's."""
+        j = self._journal
+        if j._fd < 0:
+            return
+        with j._lock:
+            (seq,) = struct.unpack_from("<Q", j._view, self._base + 8)
+            if seq == self.seq:
+                self.marker("done")[:] = struct.pack("<Q", token)
 
 
 class Journal:
