@@ -460,3 +460,22 @@ def test_a_long_call_ending_after_the_ring_reused_its_slot_leaves_the_new_call_a
         new_done()
         slots = read_journal(ring.journal.path).having(SlotState.COMPLETE)
         assert next(s for s in slots if s.meta.call_index == 4).finished
+
+
+def test_notes_of_raised_calls_stay_bounded_by_the_ring(tmp_path):
+    from kdump.record.salvage import raised_path, read_raised
+
+    x = torch.zeros(3)
+    opts: dict[str, Any] = {"out": tmp_path / "out", "mode": "ring", "ring": _ring(tmp_path, 4)}
+    with kdump.recording(f"{T}:raiser", **opts) as rec:
+        for _ in range(50):
+            with pytest.raises(KernelRefused):
+                raiser(x)
+        journal = rec.recorder.journal.path
+        notes = read_raised(journal)
+        assert len(notes) == 4 and len(raised_path(journal).read_text().splitlines()) == 4
+        rec.flush()
+        assert len(rec.written) == 4
+    for path in rec.written:
+        with load_bundle(path) as b:
+            assert b.calls[0].meta["journal"]["raised"]

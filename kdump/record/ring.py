@@ -124,6 +124,7 @@ class RingRecorder:
     def _init_process(self) -> None:
         self.lock = threading.RLock()
         self._reserved = threading.local()  # this thread's current call: (slot, seq)
+        self._raised: dict[int, str] = {}  # slot -> the note of its call that raised
         self.journal: Journal | None = None
         self.pid = os.getpid()
         self.errors = 0
@@ -200,8 +201,10 @@ class RingRecorder:
         os.replace(tmp, j.path.with_name(j.path.name + CRASH_SUFFIX))
 
     def _note_raised(self, reserved: tuple[int, int], index: int, exc: BaseException) -> None:
-        """A recorded call raised (the program may catch it and go on): one line next to the
-        journal, so its bundle says the call raised instead of "the kernel had not finished"."""
+        """A recorded call raised (the program may catch it and go on): a note next to the
+        journal, so its bundle says the call raised instead of "the kernel had not finished".
+        Only the newest notes are kept, one per slot at most: a program that raises at every
+        call must not fill /dev/shm."""
         j = self.journal
         if j is None:
             return
@@ -211,13 +214,15 @@ class RingRecorder:
             "call_index": index,
             "exception": f"{type(exc).__name__}: {exc}"[:2000],
         }
-        line = (json.dumps(doc) + "\n").encode()
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-        fd = os.open(raised_path(j.path), flags, 0o600)
-        try:
-            os.write(fd, line)  # one write of an appended line: lines never interleave
-        finally:
-            os.close(fd)
+        with self.lock:
+            notes = self._raised
+            notes.pop(reserved[0], None)
+            notes[reserved[0]] = json.dumps(doc)  # a slot's older note: its call is gone
+            text = "".join(line + "\n" for line in notes.values())
+            path = raised_path(j.path)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)  # whole or not at all, whenever the process dies
 
     def _patch_graph_capture(self) -> None:
         """New capture ids exactly where torch begins a capture; the side branch of the host
