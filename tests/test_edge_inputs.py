@@ -479,3 +479,15 @@ def test_notes_of_raised_calls_stay_bounded_by_the_ring(tmp_path):
     for path in rec.written:
         with load_bundle(path) as b:
             assert b.calls[0].meta["journal"]["raised"]
+
+
+class ListValued(enum.Enum):
+    PAIR = [1, 2]  # noqa: RUF012 (an enum member whose value is a list: the point)
+
+
+@pytest.mark.parametrize("mode", ["ring", "sync"])
+def test_enum_with_a_list_value_as_a_dict_key(tmp_path, mode):
+    written = _record(tmp_path, mode, lambda: target({ListValued.PAIR: 1}, torch.ones(1)))
+    with load_bundle(written[0]) as b:
+        [(key, value)] = b.calls[0].args[0].items()
+        assert (key.name, key.value, value) == ("PAIR", [1, 2], 1)
