@@ -491,3 +491,53 @@ def test_enum_with_a_list_value_as_a_dict_key(tmp_path, mode):
     with load_bundle(written[0]) as b:
         [(key, value)] = b.calls[0].args[0].items()
         assert (key.name, key.value, value) == ("PAIR", [1, 2], 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# `kdump record`: a process of the run that outlives the one launched
+
+LINGERING_PARENT = """
+import subprocess, sys
+subprocess.Popen([sys.executable, {child!r}, {fed!r}])  # a worker left running, as servers do
+"""
+LINGERING_CHILD = """
+import sys, time, torch
+sys.path.insert(0, {tests!r})
+from test_edge_inputs import target
+time.sleep(1.0)  # still running when the launched process has exited
+for i in range(3):
+    target(torch.full((4,), float(i)), i)
+open(sys.argv[1], "w").write("done")
+"""
+
+
+def test_launcher_salvages_a_worker_that_outlives_the_launched_process(tmp_path):
+    import os
+    import subprocess
+
+    child = tmp_path / "worker.py"
+    child.write_text(LINGERING_CHILD.format(tests=str(Path(__file__).parent)))
+    parent = tmp_path / "main.py"
+    fed = tmp_path / "worker-done"
+    parent.write_text(LINGERING_PARENT.format(child=str(child), fed=str(fed)))
+    cmd = [
+        sys.executable,
+        "-m",
+        "kdump",
+        "record",
+        "-t",
+        f"{T}:target",
+        "-o",
+        str(tmp_path / "out"),
+    ]
+    cmd += ["--", sys.executable, str(parent)]
+    env = dict(os.environ, KDUMP_JOURNAL_DIR=str(tmp_path / "shm"))
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert fed.exists(), r.stderr  # the worker finished before the launcher salvaged
+    got = []
+    for path in sorted((tmp_path / "out").rglob("*.kdump")):
+        with load_bundle(path) as b:
+            got.append(b.calls[0].args[1])
+    assert sorted(got) == [0, 1, 2], r.stderr
