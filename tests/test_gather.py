@@ -189,12 +189,15 @@ def _fake_call(
     whole: bool = False,
     kernel_done: bool = False,
     empty: bool = False,
+    last_row_only: bool = False,
 ):
     """A journal with one device-path slot and its `.cuda0` dump, as the recorder and the salvage
     process would leave them."""
     a, sfa, labels = _contig_operands([5, 2], k=256, seed=1)
-    if empty:  # every group empty: a replay after routing sent no token here
+    if empty or last_row_only:  # every group empty: a replay after routing sent no token here
         labels.fill_(-1)
+    if last_row_only:  # one token, routed to the buffer's last row
+        labels[-1] = 1
     tensors = [a, sfa, labels]
     storages, records = group_storages(tensors)
     plan = gather.make_plan(tensors, records, storages, [0, 1], "labels", 2, 1)

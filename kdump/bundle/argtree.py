@@ -38,6 +38,10 @@ class RecordedEnum:
     name: str
     value: Any
 
+    def __hash__(self) -> int:
+        # by class and member: a member can be a dict key while its value is a list or a dict
+        return hash((self.cls, self.name))
+
     def __int__(self) -> int:
         return int(self.value)
 

@@ -83,7 +83,7 @@ _LAYOUT_MEMO: dict[tuple[object, ...], _Layout] = {}
 _LAYOUT_MEMO_MAX = 256
 
 
-def _layout_facts(t: torch.Tensor) -> tuple[object, ...]:
+def layout_facts(t: torch.Tensor) -> tuple[object, ...]:
     """Everything group_storages reads of `t` (so equal facts give equal records). A strided
     tensor's own address follows from its storage's, its offset and its dtype."""
     if t.layout != torch.strided:  # no storage to ask for
@@ -116,7 +116,7 @@ def group_storages(
 
 
 def _grouped(tensors: Sequence[torch.Tensor]) -> _Layout:
-    key = tuple(_layout_facts(t) for t in tensors)
+    key = tuple(layout_facts(t) for t in tensors)
     hit = _LAYOUT_MEMO.get(key)
     if hit is None:
         storages, records = _group_storages(tensors)

@@ -132,6 +132,10 @@ class JournalError(KdumpError):
     exit_code = ExitCode.USAGE
 
 
+class SlotTooSmall(JournalError):
+    """One call's metadata does not fit a slot: that call cannot be recorded, the next may."""
+
+
 class SlotState(enum.Enum):
     COMPLETE = "complete"  # header, payloads and trailer agree
     IN_FLIGHT = "in flight"  # header written, trailer missing: the call was being recorded
@@ -415,8 +419,15 @@ class Slot:
         return self._journal._view[t : t + 8]
 
     def finish(self, token: int = 1) -> None:
-        """Host path: the kernel returned."""
-        self.marker("done")[:] = struct.pack("<Q", token)
+        """Host path: the kernel returned. Nothing when the ring has reused the slot meanwhile
+        (another thread's calls wrapped it during this one): the done marker is the new call's."""
+        j = self._journal
+        if j._fd < 0:
+            return
+        with j._lock:
+            (seq,) = struct.unpack_from("<Q", j._view, self._base + 8)
+            if seq == self.seq:
+                self.marker("done")[:] = struct.pack("<Q", token)
 
 
 class Journal:
@@ -536,7 +547,7 @@ class Journal:
         # A payload dropped below turns its index into null (at most 3 more characters).
         head_end = _SLOT_HEAD + 16 * k + len(doc) + 3 * k
         if head_end > limit:
-            raise JournalError(
+            raise SlotTooSmall(
                 f"the call's metadata ({len(doc)} bytes) does not fit a {self.slot_bytes}-byte "
                 "journal slot: raise slot_bytes"
             )

@@ -190,12 +190,14 @@ def _salvage_each(
     echo: Callable[[str], None],
 ) -> list[Path]:
     from kdump.record.journal import read_pid
-    from kdump.record.salvage import CRASH_SUFFIX, salvage_journal
+    from kdump.record.salvage import CRASH_SUFFIX, RAISED_SUFFIX, salvage_journal
     from kdump.record.statics import STATIC_SUFFIX
 
     written: list[Path] = []
     for j in sorted(journals.glob("kdump-journal-*")):
-        if j.name.endswith((CRASH_SUFFIX, STATIC_SUFFIX, ".tmp")) or salvager.is_device_file(j):
+        if j.name.endswith(
+            (CRASH_SUFFIX, RAISED_SUFFIX, STATIC_SUFFIX, ".tmp")
+        ) or salvager.is_device_file(j):
             continue
         own = context
         with contextlib.suppress(Exception):

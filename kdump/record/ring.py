@@ -46,8 +46,8 @@ from typing import TYPE_CHECKING, Any
 from kdump import config
 from kdump.log import log_once
 from kdump.record.hooks import HookState, busy
-from kdump.record.journal import Journal, Slot, SlotMeta, SlotTemplate
-from kdump.record.salvage import CRASH_SUFFIX
+from kdump.record.journal import Journal, Slot, SlotMeta, SlotTemplate, SlotTooSmall
+from kdump.record.salvage import CRASH_SUFFIX, raised_path
 from kdump.record.statics import (
     Candidates,
     Statics,
@@ -123,6 +123,8 @@ class RingRecorder:
 
     def _init_process(self) -> None:
         self.lock = threading.RLock()
+        self._reserved = threading.local()  # this thread's current call: (slot, seq)
+        self._raised: dict[int, str] = {}  # slot -> the note of its call that raised
         self.journal: Journal | None = None
         self.pid = os.getpid()
         self.errors = 0
@@ -140,6 +142,7 @@ class RingRecorder:
         self._repeats: OrderedDict[Any, _Repeat] = OrderedDict()
         self._sightings: dict[int, None] = {}  # hashes of repeat keys seen once, no template
         self.fast_calls = 0  # calls recorded by the exact-repeat path (`_again`)
+        self.too_big = 0  # calls whose metadata did not fit a slot (not recorded)
         self._hooks_installed = False
         self.statics: Statics | None = None  # made with the journal (kdump.record.statics)
 
@@ -197,6 +200,30 @@ class RingRecorder:
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, j.path.with_name(j.path.name + CRASH_SUFFIX))
 
+    def _note_raised(self, reserved: tuple[int, int], index: int, exc: BaseException) -> None:
+        """A recorded call raised (the program may catch it and go on): a note next to the
+        journal, so its bundle says the call raised instead of "the kernel had not finished".
+        Only the newest notes are kept, one per slot at most: a program that raises at every
+        call must not fill /dev/shm."""
+        j = self.journal
+        if j is None:
+            return
+        doc = {
+            "slot": reserved[0],
+            "seq": reserved[1],
+            "call_index": index,
+            "exception": f"{type(exc).__name__}: {exc}"[:2000],
+        }
+        with self.lock:
+            notes = self._raised
+            notes.pop(reserved[0], None)
+            notes[reserved[0]] = json.dumps(doc)  # a slot's older note: its call is gone
+            text = "".join(line + "\n" for line in notes.values())
+            path = raised_path(j.path)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)  # whole or not at all, whenever the process dies
+
     def _patch_graph_capture(self) -> None:
         """New capture ids exactly where torch begins a capture; the side branch of the host
         copies joined back into the capture before it ends."""
@@ -241,12 +268,27 @@ class RingRecorder:
         busy.flag = True  # hooked calls made inside this one pass through unrecorded
         try:
             after = None
+            self._reserved.slot = None
             try:
                 if self.session.trigger(st.id).select(index, args, kwargs):
                     after = self._before(st, index, called_as, args, kwargs)
+            except SlotTooSmall as exc:  # this call only: the target's next calls still record
+                self.too_big += 1
+                log_once(
+                    f"slotsize:{st.id}", f"flight recorder: a call of {st.id} not recorded ({exc})"
+                )
             except Exception as exc:
                 self.session.fail(st, "recording the call into the flight recorder", exc)
-            result = fn(*args, **kwargs)  # an exception leaves the slot marked not done
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:  # the slot stays not done; the bundle says why
+                reserved = self._reserved.slot
+                if after is not None and reserved is not None:
+                    try:
+                        self._note_raised(reserved, index, exc)
+                    except Exception as why:
+                        self.session.fail(st, "noting the call's exception", why)
+                raise
             if after is not None:
                 try:
                     after()
@@ -403,6 +445,7 @@ class RingRecorder:
                     extra=extra,
                 )
                 slot = j.reserve(meta, index=pin_index, want=want)
+                self._reserved.slot = (slot.index, slot.seq)
                 views = SpanViews(tensors, cached.firsts, storages)
                 if seen is not None and site is None and not capturing:
                     try:
@@ -580,6 +623,7 @@ class RingRecorder:
             slot = j.reserve_from(rep.template, values, stream, index)
             if slot is None:
                 return _MISS
+            self._reserved.slot = (slot.index, slot.seq)
             self.captures.next_site(False)
             self.fast_calls += 1
             layout = rep.layout
@@ -632,15 +676,24 @@ class RingRecorder:
         for i, s in enumerate(storages):
             if s.span_nbytes <= SMALL_BYTES:
                 rank[i] = 1
+        read = [False] * len(storages)  # does the call read any tensor of the storage?
         for r, role in zip(records, roles):
             if role in COPIED_ROLES:
                 rank[r.storage] = min(rank[r.storage], 0)
-            elif role == "output":
-                rank[r.storage] = 3
+            if role != "output":
+                read[r.storage] = True
+        for i in range(len(storages)):
+            if not read[i]:  # outputs only: an input in the same buffer keeps its bytes
+                rank[i] = 3
         assert self.journal is not None
         room = int(self.journal.slot_bytes * SLOT_SHARE)
         want = [False] * len(storages)
         for i in sorted(range(len(storages)), key=lambda i: (rank[i], storages[i].span_nbytes)):
+            if storages[i].span_nbytes == 0:
+                # Nothing to copy or to miss: empty tensors share one storage (null pointer), so
+                # an empty output must not make an empty input missing.
+                want[i] = True
+                continue
             n = storages[i].span_nbytes + 64  # payloads are 64-byte aligned
             if rank[i] < 3 and n <= room:
                 want[i] = True
@@ -816,6 +869,7 @@ class RingRecorder:
                 if self.statics is not None:
                     self.statics.close(unlink=True)
                     self.statics = None
+                raised_path(self.journal.path).unlink(missing_ok=True)
                 self.journal.unlink()
                 self.journal = None
 
@@ -823,17 +877,18 @@ class RingRecorder:
 def _retired_files(journal: Path) -> list[Path]:
     from kdump.record.devring import dump_paths
 
-    return [journal, *dump_paths(journal).values()]
+    return [journal, raised_path(journal), *dump_paths(journal).values()]
 
 
 def _signature(target: str, tensors: list[Any], args_tree: Any, kwargs_tree: Any) -> Any:
-    """What a call's recorded layout depends on: its target, each tensor's shape, strides,
-    dtype, address and offset, and the encoded argument trees (scalars, flags)."""
+    """What a call's recorded layout depends on: its target, what the tensor records are made
+    of (`layout_facts`: also requires_grad, the device and the storage's size, which change
+    without moving an address) and the encoded argument trees (scalars, flags)."""
+    from kdump.bundle.tensors import layout_facts
+
     return (
         target,
-        tuple(
-            (tuple(t.shape), t.stride(), t.dtype, t.data_ptr(), t.storage_offset()) for t in tensors
-        ),
+        tuple(layout_facts(t) for t in tensors),
         repr((args_tree, kwargs_tree)),
     )
 

@@ -41,6 +41,30 @@ from kdump.record.statics import Region, read_region, region_path, salvaged_stor
 
 REPORT_SUFFIX = "-salvage.json"
 CRASH_SUFFIX = ".crash.json"  # next to a journal: the recorded process' last words
+RAISED_SUFFIX = ".raised.jsonl"  # next to a journal: one line per recorded call that raised
+
+
+def raised_path(journal: str | os.PathLike[str]) -> Path:
+    p = Path(journal)
+    return p.with_name(p.name + RAISED_SUFFIX)
+
+
+def read_raised(journal: str | os.PathLike[str]) -> dict[tuple[int, int], str]:
+    """(slot, seq) -> the exception of each recorded call that raised. Lines that do not parse
+    (a write cut short) are skipped: the call's slot still salvages, as not finished."""
+    out: dict[tuple[int, int], str] = {}
+    try:
+        text = raised_path(journal).read_bytes()[-(1 << 22) :].decode("utf-8", "replace")
+    except OSError:
+        return out
+    for line in text.splitlines():
+        try:
+            d = json.loads(line)
+            key = (int(d["slot"]), int(d["seq"]))
+            out[key] = str(d["exception"])
+        except (ValueError, TypeError, KeyError):
+            continue
+    return out
 
 
 @dataclass(frozen=True)
@@ -87,6 +111,7 @@ def salvage_journal(
             crash_context = {**(crash_context or {}), **said}
     except (OSError, ValueError):
         pass
+    raised = read_raised(contents.path)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     head = contents.header
@@ -95,7 +120,10 @@ def salvage_journal(
     complete = contents.having(SlotState.COMPLETE)
     kept_in_flight = []
     for rec in contents.having(SlotState.IN_FLIGHT):
-        recovered = _from_twin(rec, dumps, contents.header.slot_bytes)
+        try:
+            recovered = _from_twin(rec, dumps, contents.header.slot_bytes)
+        except Exception:  # metadata it cannot use: the slot stays in flight
+            recovered = None
         if recovered is not None:
             complete.append(recovered)
         else:
@@ -112,20 +140,23 @@ def salvage_journal(
             progress.advance()  # the call before this one is written
         path = out / f"journal-{head.pid}-call-{rec.meta.call_index:06d}-seq{rec.seq}.kdump"
         site = rec.meta.extra.get("site") if rec.meta.capture_id else None
-        before = by_seq.get(site.get("eager_seq", -1)) if isinstance(site, dict) else None
+        eager = site.get("eager_seq") if isinstance(site, dict) else None
+        before = by_seq.get(eager) if type(eager) is int else None
         state = (
             (rec.index, rec.seq, rec.markers, rec.finished),
             _state(before),
             statics,
             repr(crash_context),
+            raised.get((rec.index, rec.seq)),
         )
         if written is not None and written.get(path) == state and path.exists():
             bundles.append(path)
             continue
         try:
-            _write_bundle(path, rec, contents, crash_context, before, dumps, region)
-        except (BundleError, ValueError, TypeError, KeyError, OverflowError, RuntimeError) as exc:
-            # Checksums held but the content is unusable: report it, never keep the file.
+            _write_bundle(path, rec, contents, crash_context, before, dumps, region, raised)
+        except Exception as exc:
+            # Checksums held but the content is unusable (any error: one slot's metadata must
+            # not lose the other slots): report it, never keep the file.
             path.unlink(missing_ok=True)
             torn.append(SlotRecord(rec.index, SlotState.TORN, rec.seq, rec.meta, (), str(exc)))
             continue
@@ -142,6 +173,7 @@ def salvage_journal(
     if remove:
         contents.path.unlink(missing_ok=True)
         last_words.unlink(missing_ok=True)
+        raised_path(contents.path).unlink(missing_ok=True)
         region_path(contents.path).unlink(missing_ok=True)
         for p in dump_files.values():
             Path(p).unlink(missing_ok=True)
@@ -166,7 +198,8 @@ def _slot_facts(rec: SlotRecord) -> dict[str, Any]:
             after_kernel=m.after_kernel,
         )
         if m.capture_id:  # a graph's slot: the markers count the graph's replays
-            site = m.extra.get("site", {})
+            site = m.extra.get("site")
+            site = site if isinstance(site, dict) else {}
             facts.update(graph=m.capture_id, replay=rec.token, site=site.get("position"))
     if rec.state is SlotState.COMPLETE:
         facts["finished"] = rec.finished
@@ -186,6 +219,7 @@ def _write_bundle(
     before: SlotRecord | None = None,
     dumps: dict[int, devring.Dump | str] | None = None,
     region: Region | None = None,
+    raised: dict[tuple[int, int], str] | None = None,
 ) -> None:
     """One bundle of slot `rec`. A graph replay's slot whose site kept the eager call made on
     the same buffers before capture is written as two calls: that call (what the graph was
@@ -195,9 +229,9 @@ def _write_bundle(
     from kdump.bundle.format import Where
     from kdump.bundle.store import BlobStore
 
-    calls = [_call_record(rec, contents, crash_context, dumps, region)]
+    calls = [_call_record(rec, contents, crash_context, dumps, region, raised)]
     if before is not None:
-        first = _call_record(before, contents, crash_context, dumps, region)
+        first = _call_record(before, contents, crash_context, dumps, region, raised)
         first.meta["journal"]["role"] = "before capture (the graph's buffers then)"
         calls.insert(0, first)
     info = {
@@ -230,6 +264,7 @@ def _call_record(
     crash_context: dict[str, Any] | None,
     dumps: dict[int, devring.Dump | str] | None = None,
     region: Region | None = None,
+    raised: dict[tuple[int, int], str] | None = None,
 ) -> Any:
     import torch
 
@@ -287,6 +322,10 @@ def _call_record(
         elif source is Source.BY_REFERENCE:
             by_ref.append(i)
     journal_meta = _slot_facts(rec)
+    exception = (raised or {}).get((rec.index, rec.seq))
+    if exception is not None and rec.state is SlotState.COMPLETE and not rec.finished:
+        # it returned by raising: not a kernel cut short by the process' end
+        journal_meta.update(in_flight=False, raised=True)
     if missing:
         journal_meta["missing_tensors"] = missing
     if by_ref:  # static operands without their bytes: re-created from their statistics
@@ -301,6 +340,8 @@ def _call_record(
     call_meta["process"] = {"pid": contents.header.pid, "host": contents.header.host}
     if crash_context is not None:
         call_meta["crash"] = crash_context
+    if journal_meta.get("raised"):
+        call_meta["exception"] = exception  # as the sync recorder records it
     call = CallRecord(
         target=meta.target,
         called_as=meta.called_as,
