@@ -352,3 +352,134 @@ def test_threads_calling_one_target_each_get_whole_bundles(tmp_path, monkeypatch
         assert torch.equal(x, torch.full((64,), x[0].item()))  # one call's input, whole
         before = tensors[1]  # `out` before the call: as a call of its pair left it, or new
         assert torch.equal(before, x[:16] * 2) or not before.any()
+
+
+def _module_of(name: str, fn: Callable[..., Any]) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    fn.__module__ = name
+    mod.f = fn  # type: ignore[attr-defined]
+    sys.modules[name] = mod
+    return mod
+
+
+def _record_outputs(tmp: Path, name: str, fn, steps, repeat: bool, monkeypatch) -> list[Any]:
+    """Record `steps` (each gets the target's module) by one path; the recorded last output of
+    each call as (shape, values)."""
+    monkeypatch.setattr(SyncRecorder, "repeat", repeat)
+    mod = _module_of(name, fn)
+    with kdump.recording(f"{name}:f", out=tmp / str(repeat)) as rec:
+        for step in steps:
+            step(mod)
+    out = []
+    for p in rec.written:
+        with load_bundle(p) as b:
+            t = b.calls[0].materialize_outputs()[1]  # the second argument's value after the call
+            out.append((tuple(t.shape), t.tolist()))
+    return out
+
+
+def test_an_output_whose_shape_depends_on_the_values_is_recorded_as_the_call_left_it(
+    tmp_path, monkeypatch
+):
+    # torch.nonzero(x, out=o): same objects, same addresses before every call; the output's
+    # shape after the call follows x's values
+    x, out = torch.zeros(16), torch.empty(64, dtype=torch.long)
+    seen: list[Any] = []
+
+    def step(m: Any) -> None:
+        n = [3, 3, 3, 3, 5, 5, 3, 3][len(seen) % 8]
+        x.zero_()
+        x[:n] = 1
+        m.f(x, out)
+        seen.append((tuple(out.shape), out.tolist()))
+
+    def nz(x: torch.Tensor, out: torch.Tensor) -> None:
+        torch.nonzero(x, out=out)
+
+    name = f"kdump_rep_nz_{tmp_path.name[-6:]}"
+    for repeat in (False, True):
+        seen.clear()
+        got = _record_outputs(tmp_path, name, nz, [step] * 8, repeat, monkeypatch)
+        assert got == seen, f"repeat={repeat}"
+
+
+def test_an_output_resized_into_new_memory_by_the_call_is_read_where_it_is_now(
+    tmp_path, monkeypatch
+):
+    # `out=` semantics: an empty tensor passed each call gets memory inside the call
+    x = torch.arange(64, dtype=torch.float32)
+    keep: list[torch.Tensor] = []
+
+    def f(x: torch.Tensor, out: torch.Tensor) -> None:
+        out.resize_(16)
+        out.copy_(x[:16] * 2)
+
+    def step(m: Any) -> None:
+        o = torch.empty(0)
+        keep.append(o)
+        x.add_(1)
+        m.f(x, o)
+
+    name = f"kdump_rep_resize_{tmp_path.name[-6:]}"
+    for repeat in (False, True):
+        keep.clear()
+        x.copy_(torch.arange(64, dtype=torch.float32))
+        got = _record_outputs(tmp_path, name, f, [step] * 6, repeat, monkeypatch)
+        assert got == [((16,), o.tolist()) for o in keep], f"repeat={repeat}"
+
+
+def test_the_env_is_the_one_after_the_call(tmp_path, monkeypatch):
+    # the kernel's first CUDA use happens inside the fifth call: the ordinary path takes the
+    # env when it writes, so both paths must give calls 5-7 the new env
+    state = {"n": 0, "init": False}
+
+    def f(x: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(x[:16] * 2)
+        state["n"] += 1
+        state["init"] = state["n"] >= 5
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: state["init"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    name = f"kdump_rep_env_{tmp_path.name[-6:]}"
+    x, out = torch.arange(64, dtype=torch.float32), torch.zeros(16)
+    for repeat in (False, True):
+        state.update(n=0, init=False)
+        monkeypatch.setattr(SyncRecorder, "repeat", repeat)
+        mod = _module_of(name, f)
+        with kdump.recording(f"{name}:f", out=tmp_path / str(repeat)) as rec:
+            for _ in range(7):
+                mod.f(x, out)
+        envs = ["cuda_available" in load_bundle(p).manifest.env for p in rec.written]
+        assert envs == [False] * 4 + [True] * 3, f"repeat={repeat}: {envs}"
+
+
+def test_a_process_forked_inside_the_call_writes_its_own_env(tmp_path, monkeypatch):
+    import os
+
+    state = {"fork": False, "child": False}
+
+    def f(x: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(x[:16] * 2)
+        if state["fork"]:
+            state["child"] = os.fork() == 0
+
+    name = f"kdump_rep_fork_{tmp_path.name[-6:]}"
+    x, out = torch.arange(64, dtype=torch.float32), torch.zeros(16)
+    for repeat in (False, True):
+        monkeypatch.setattr(SyncRecorder, "repeat", repeat)
+        mod = _module_of(name, f)
+        where = tmp_path / str(repeat)
+        with kdump.recording(f"{name}:f", out=where):
+            for _ in range(5):
+                mod.f(x, out)
+            state.update(fork=True, child=False)
+            mod.f(x, out)  # the child returns from here too, and records the call
+            state["fork"] = False
+            if state["child"]:
+                os._exit(0)
+            os.wait()
+        folders = [p for p in where.iterdir() if p.is_dir() and p.name != "blobs"]
+        (child,) = [p for p in folders if len(list(p.glob("*.kdump"))) == 1]
+        (bundle,) = child.glob("*.kdump")
+        env_pid = load_bundle(bundle).manifest.env["pid"]
+        assert env_pid != os.getpid() and str(env_pid) in child.name, f"repeat={repeat}"

@@ -48,4 +48,7 @@ def same(a: int, b: int, n: int) -> bool:
             return False
         return True
 
-    return all(list(pool().map(piece, range(first, n, PIECE))))
+    try:
+        return all(list(pool().map(piece, range(first, n, PIECE))))
+    except RuntimeError:  # no new work after interpreter shutdown (an atexit flush)
+        return _memcmp(a + first, b + first, n - first) == 0

@@ -239,10 +239,20 @@ class SyncRecorder:
             return seen, None, {}
         if not rep.matches(st.names(), seen[1]):
             return seen, None, {}  # another object (or storage size) with the same facts
-        libraries = envinfo.library_state()
-        if self.proc.env(False, libraries) is not rep.env:  # a new env: the ordinary path
-            return seen, None, {}
-        return seen, rep, self._meta(index, "dump", None, False, libraries)
+        # The env is checked after the call, as the ordinary path takes it (`_usable`).
+        return seen, rep, self._meta(index, "dump", None, False, envinfo.library_state())
+
+    def _usable(self, rep: SyncRepeat, live: list[Any], meta: dict[str, Any]) -> bool:
+        """After the call: whether the repeat writes what the ordinary path would. The tensors
+        must have the facts the learned call left them with (a call may resize, move or reshape
+        its outputs: `out=` semantics, a data-dependent size), the process must be the one that
+        learned it (not a child forked inside the call) and the env the one it was written
+        with."""
+        return (
+            os.getpid() == rep.pid
+            and rep.left_as(live)
+            and self.proc.env(False, meta["library_state"]) is rep.env
+        )
 
     def _again(
         self,
@@ -270,7 +280,11 @@ class SyncRecorder:
                 raise
             try:
                 with own_tensor_work():
-                    if result is not None or not self._write_again(st, rep, meta, index):
+                    if (
+                        result is not None
+                        or not self._usable(rep, live, meta)
+                        or not self._write_again(st, rep, meta, index)
+                    ):
                         call = self._from_repeat(rep, meta)
                         self._attach_outputs(st, call, live, args, kwargs, result)
                         self._write(st, call, index)
@@ -278,8 +292,10 @@ class SyncRecorder:
                 self.session.fail(st, "writing the bundle", exc)
             return result
         finally:
-            # Back as the most recently used, unless the call made a newer one.
-            self._repeats.setdefault(rep.key, rep)
+            # Back as the most recently used, unless the call made a newer one (or it belongs
+            # to the parent of a process forked inside the call).
+            if os.getpid() == rep.pid:
+                self._repeats.setdefault(rep.key, rep)
 
     def _from_repeat(self, rep: SyncRepeat, meta: dict[str, Any]) -> Any:
         """The call as the ordinary path records it, its inputs those the repeat took."""
@@ -345,7 +361,7 @@ class SyncRecorder:
         raw, digests = header[-1]
         rep = _sync_repeat().make(
             seen, st.names(), call.names, env, call, raw, digests, form, created, STORE_MIN
-        )
+        )  # after the call: `seen`'s tensors have the facts it left them with
         if rep is None:
             return
         if len(self._repeats) >= self.REPEATS_MAX:

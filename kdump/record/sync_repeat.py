@@ -13,6 +13,7 @@ header is the previous one's form with the digests and the meta put in. Whatever
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from kdump.bundle.format import MAX_HEADER, Source
 from kdump.bundle.header_cache import RepeatForm, _encode, _escaped
 from kdump.bundle.spool import cpu_view
 from kdump.bundle.store import blob_digests
-from kdump.bundle.tensors import Captured
+from kdump.bundle.tensors import Captured, layout_facts
 from kdump.record.ring import _repeat_key
 
 # The flight recorder's repeat key: calls with equal keys encode equal argument trees and layouts.
@@ -85,6 +86,16 @@ class SyncRepeat:
     outputs: tuple[tuple[int, int, _Buffer], ...]  # (address, input storage or -1, own buffer)
     pattern: tuple[int, ...]  # blob of each storage (inputs, then outputs), as the header has
     form: RepeatForm
+    left: tuple[tuple[object, ...], ...]  # layout facts of the call's tensors after it returned
+    pid: int  # the process that learned it
+
+    def left_as(self, tensors: Sequence[Any]) -> bool:
+        """Whether the call left `tensors` with the facts the learned call left them with: then
+        the outputs' records and spans (and the addresses their bytes are read at) are the
+        learned ones."""
+        return len(tensors) == len(self.left) and all(
+            layout_facts(t) == f for t, f in zip(tensors, self.left)
+        )
 
     def matches(self, names: Any, tensors: Sequence[Any]) -> bool:
         """Whether `tensors` (of a call with an equal key: the same addresses, layouts and
@@ -241,6 +252,8 @@ def make(
         outputs=outputs,
         pattern=tuple(order[d[0]] for d in digests),
         form=form,
+        left=tuple(layout_facts(t) for t in tensors),
+        pid=os.getpid(),
     )
     # The form must give the header just written, from this call's own facts.
     unique = list({d[0]: d for d in digests}.values())
