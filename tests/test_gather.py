@@ -190,6 +190,7 @@ def _fake_call(
     kernel_done: bool = False,
     empty: bool = False,
     last_row_only: bool = False,
+    record_seq: int = 0,
 ):
     """A journal with one device-path slot and its `.cuda0` dump, as the recorder and the salvage
     process would leave them."""
@@ -253,7 +254,8 @@ def _fake_call(
     rec_bytes = 0 if whole else plan.rec_bytes
     pos = 4096
     used = -(-(gather.SLOT_HEAD + n * rec_bytes) // 256) * 256
-    rec = _RECORD.pack(gather.RECORD_MAGIC, n, slot.seq, 1, pos, 0, 0, 1 if complete else 0, 7, 0)
+    seq = slot.seq + record_seq  # another seq: the record (and payloads) of an earlier call
+    rec = _RECORD.pack(gather.RECORD_MAGIC, n, seq, 1, pos, 0, 0, 1 if complete else 0, 7, 0)
     at = slot.offset + j.slot_bytes - 64 - CALL_RECORD_BYTES
     j._view[at : at + CALL_RECORD_BYTES] = rec
     twin = bytes(j._view[slot.offset : slot.offset + j.slot_bytes])  # what the snapshot wrote
@@ -326,6 +328,15 @@ def test_salvage_of_a_call_that_touches_no_row(tmp_path):
         assert call.meta["journal"]["device"]["rows_kept"] == 0
         assert call.storages[0].held_nbytes == 0
         b.verify()
+
+
+def test_slot_whose_host_copy_is_an_earlier_calls_is_torn(tmp_path):
+    # the GPU ran the previous occupant's host copy late, after the host reused the slot
+    path, _ = _fake_call(tmp_path, record_seq=-1)
+    res = salvage_journal(path, tmp_path / "out")
+    assert not res.bundles
+    (t,) = res.torn
+    assert "earlier call" in t.reason
 
 
 def test_held_ranges_merge_runs_of_rows_and_columns():

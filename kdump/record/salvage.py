@@ -138,6 +138,10 @@ def salvage_journal(
     for rec in complete:
         if progress is not None and rec is not complete[0]:
             progress.advance()  # the call before this one is written
+        stale = _earlier_host_copy(rec)
+        if stale is not None:
+            torn.append(SlotRecord(rec.index, SlotState.TORN, rec.seq, rec.meta, (), stale))
+            continue
         path = out / f"journal-{head.pid}-call-{rec.meta.call_index:06d}-seq{rec.seq}.kdump"
         site = rec.meta.extra.get("site") if rec.meta.capture_id else None
         eager = site.get("eager_seq") if isinstance(site, dict) else None
@@ -468,6 +472,22 @@ def _whole_spans(
             raise ValueError(str(exc))
     facts.update(copied="whole (torch fallback: no row rule applied)", device_slot=pos)
     return out, facts
+
+
+def _earlier_host_copy(rec: SlotRecord) -> str | None:
+    """Why a complete device-tier slot holds an earlier call's bytes, else None. Such a slot's
+    payloads reach the host together with its call record, in stream order before `post`; a
+    record of another seq means the copies that landed were the previous occupant's (the GPU
+    ran them late, after the host had reused the slot for a new call)."""
+    dev = rec.meta.extra.get("device") if rec.meta is not None else None
+    if not isinstance(dev, dict) or "device_index" not in dev:
+        return None  # no device tier: the host path's checksum covers the payloads
+    if len(rec.call_record) != _RECORD.size:
+        return None
+    magic, _, seq, *_ = _RECORD.unpack(rec.call_record)
+    if magic == gather.RECORD_MAGIC and seq != rec.seq:
+        return f"its payloads are an earlier call's (call record of seq {seq}, slot seq {rec.seq})"
+    return None
 
 
 def _check_device_slot(
