@@ -51,7 +51,8 @@ Slot (slot i starts at header_bytes + i * slot_bytes):
                   three u64 markers: `pre` (written before the payloads), `post` (after them),
                   `done` (after the kernel), then 16 zero bytes
 
-Markers: each holds a token, 1 for an eager call, the replay number for a slot refreshed by a
+Markers: each holds a token: for an eager call its seq where the snapshot kernel writes them (1
+where the host or the torch fallback does), the replay number for a slot refreshed by a
 CUDA graph (a device-side counter the graph increments, copied by the graph itself). A slot whose
 `post` is 0 or differs from `pre` holds no consistent payloads (they were being copied at the
 crash): it reads as in flight. Otherwise it is complete, and `done == post` says the kernel
@@ -211,7 +212,7 @@ class SlotRecord:
     payloads: tuple[bytes | None, ...] = ()  # per storage: its bytes, or None when missing
     reason: str = ""  # why a slot is torn or in flight
     finished: bool = False  # complete slots: the kernel ran to its end
-    token: int = 0  # the markers' token: 1 for eager calls, the replay number for graph slots
+    token: int = 0  # the markers' token: an eager call's seq or 1, a graph slot's replay number
     spans: tuple[tuple[int, int] | None, ...] = ()  # per storage: (offset, length) when present
     markers: tuple[int, int, int] = (0, 0, 0)  # pre, post, done as read
     call_record: bytes = b""  # the device snapshot's call record (zeros for host-copied slots)

@@ -56,7 +56,7 @@ struct Params {
   u64 ring;        // the ring's first byte
   u64 ring_bytes;  // its size
   u64 worst;       // bytes of this call's slot if every row were touched
-  u64 token_ptr;   // u64 replay counter of a graph site (0: eager call, token 1)
+  u64 token_ptr;   // u64 replay counter of a graph site (0: eager call, token = seq)
   u64 record;      // the call record in the journal slot's twin (64 bytes)
   u64 host_pre;    // the host slot's `pre` marker, mapped (0: none)
   u64 seq;         // the journal slot's seq
@@ -419,7 +419,9 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
   __syncthreads();
   if (!s_last || tid != 0) return;
   __threadfence();
-  const u64 token = p.token_ptr ? *(volatile u64*)p.token_ptr + 1 : 1;
+  // A graph site's token counts its replays; an eager call's is its journal seq (never 0), so
+  // a late marker of a slot's previous occupant never matches the new call's.
+  const u64 token = p.token_ptr ? *(volatile u64*)p.token_ptr + 1 : p.seq;
   if (p.host_pre) *(volatile u64*)p.host_pre = token;  // the host slot reads in flight until `post`
   const u64 head = ctrl[0];
   const u64 pos = slot_pos(p, head);
