@@ -72,6 +72,7 @@ def run_eager(req: Request, progress: Progress) -> Verdict:
         runs.append(actual)
         if r == 1:
             reproduced = s.compare_outputs(step, bound, outputs, actual, expected, recorded)
+            s.compare_returned(step)
             if s.placement().halo:
                 _halo_pass(s, mc, fn, outputs, bound, pristine, expected, recorded)
             continue
@@ -79,7 +80,7 @@ def run_eager(req: Request, progress: Progress) -> Verdict:
     _judge_repeats(s, bound, runs)
     if prelude and runs and outputs:
         _fresh_oracle(s, mc, outputs, pristine, runs[0], reproduced)
-    if not outputs:
+    if not outputs and not s.call.has_returned:
         s.note("no outputs to compare: the spec names none and the bundle recorded none")
     return s.verdict
 
