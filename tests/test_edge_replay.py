@@ -13,9 +13,9 @@ import torch
 
 import kdump
 from kdump.errors import ExitCode
+from kdump.kernels.spec import Tolerance
 from kdump.replay import replay
 from kdump.replay.compare import agree, compare_to_reference
-from kdump.kernels.spec import Tolerance
 
 KDUMP = [sys.executable, "-m", "kdump"]
 NAN = float("nan")
@@ -165,5 +165,19 @@ def test_repeats_alone_are_no_oracle(usermod: Path, tmp_path: Path) -> None:
     call.outputs = None
     save_calls(tmp_path / "i.kdump", [call])
     [v] = replay([tmp_path / "i.kdump"], device="cpu", repeat=2, allow_targets=("edgeuser:*",))
+    assert v.exit_code == 0
+    assert v.headline() == "ran without error — no oracle to compare with", v.headline()
+
+
+def test_reference_backend_against_itself_is_no_oracle(tmp_path: Path) -> None:
+    from kdump.bundle import capture_call, save_calls
+    from kdump.kernels.registry import spec_for
+
+    name = "deep_gemm:m_grouped_fp8_gemm_nt_contiguous"
+    args, kwargs = spec_for(name).generate(seed=1, num_groups=2, n=128, k=256, expected_m=8)
+    call = capture_call(name, args, kwargs, names=spec_for(name).param_names())
+    save_calls(tmp_path / "r.kdump", [call])
+    # The reference agreeing with a second run of itself says nothing about the kernel.
+    [v] = replay([tmp_path / "r.kdump"], device="cpu", backend="reference", repeat=2)
     assert v.exit_code == 0
     assert v.headline() == "ran without error — no oracle to compare with", v.headline()
