@@ -181,3 +181,21 @@ def test_reference_backend_against_itself_is_no_oracle(tmp_path: Path) -> None:
     [v] = replay([tmp_path / "r.kdump"], device="cpu", backend="reference", repeat=2)
     assert v.exit_code == 0
     assert v.headline() == "ran without error — no oracle to compare with", v.headline()
+
+
+def test_a_call_that_raised_in_production_says_whether_it_raises_again(
+    usermod: Path, tmp_path: Path
+) -> None:
+    _rewrite(usermod, USER.replace("out.copy_(x * 3 + 1)", "raise ValueError('no rows')"))
+    import edgeuser
+
+    path = tmp_path / "raised.kdump"
+    with pytest.raises(ValueError):
+        kdump.dump_call(path, edgeuser.affine, torch.randn(8, 4), torch.empty(8, 4))
+    v = _replay(path)
+    assert v.exit_code == ExitCode.KERNEL_ERROR and "no rows" in v.headline()
+    assert any(n.startswith("production raised too: ValueError: no rows") for n in v.notes)
+    _rewrite(usermod, USER)
+    v = _replay(path)
+    assert v.exit_code == 0, v.headline()
+    assert any("does not reproduce here" in n for n in v.notes), v.notes

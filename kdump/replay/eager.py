@@ -64,6 +64,8 @@ def run_eager(req: Request, progress: Progress) -> Verdict:
         s.restore(mc, pristine)  # every run sees the recorded inputs, at the same addresses
         poisoned = poison_outputs(s, mc, outputs)
         seconds = s.run_kernel(fn, mc, step)
+        if r == 1:
+            s.note_recorded_exception(raised=seconds is None)
         if seconds is None:
             return s.verdict
         s.step(step, "ok", f"poisoned {', '.join(poisoned) or 'nothing'}", seconds)

@@ -409,6 +409,19 @@ class Session:
                 )
         return reproduced
 
+    def note_recorded_exception(self, raised: bool) -> None:
+        """Say whether a call that raised in production (meta `exception`) raised again."""
+        recorded = self.call.meta.get("exception")
+        if not recorded:
+            return
+        if raised:
+            self.note(f"production raised too: {recorded}")
+        else:
+            self.note(
+                f"production raised {recorded}; this replay ran without raising (the failure "
+                "does not reproduce here)"
+            )
+
     def compare_returned(self, step: str) -> None:
         """The run's return value against the recorded one: the same structure, the same plain
         values (NaN equal to NaN) and, tensor by tensor, the tolerance policy of outputs."""
