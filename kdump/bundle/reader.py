@@ -143,6 +143,19 @@ class Call:
         return {inp: mat.tensors[out] for inp, out in self.inplace}
 
     @property
+    def has_returned(self) -> bool:
+        """True when the call returned something (not None) and the bundle recorded it."""
+        return self.entry.outputs is not None and self.entry.outputs.returned is not None
+
+    def materialize_returned(self, device: torch.device | str = "cpu") -> Any:
+        """The recorded return value (its tensors materialised on `device`); None when the call
+        returned None or the bundle did not record it (see `has_returned`)."""
+        if not self.has_returned:
+            return None
+        mat = self._bundle.materialize_records(self.output_storages, self.output_tensors, device)
+        return argtree.decode(self.entry.outputs.returned, mat.tensors.__getitem__)
+
+    @property
     def outputs(self) -> dict[str, torch.Tensor] | None:
         """Recorded outputs by argument path ('d', 'args[2]'), or None when not recorded."""
         if not self.has_outputs:

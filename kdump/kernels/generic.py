@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -86,4 +88,27 @@ class LibraryBackend(Backend):
                 obj = getattr(obj, part)
             except AttributeError:
                 raise CannotRunError(f"{target}: {part!r} not found in the installed {module}")
-        return obj
+        return _checked_signature(obj, target)
+
+
+def _checked_signature(fn: Any, target: str) -> Any:
+    """`fn`, refusing (cannot run: the installed code is not the recorded one) a call its
+    signature does not accept, before it runs; a TypeError the call itself raises stays the
+    kernel's error."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins and extension functions without a signature
+        return fn
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            sig.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise CannotRunError(
+                f"the installed {target} does not accept the recorded arguments ({exc}); its "
+                "signature changed since the recording"
+            ) from None
+        return fn(*args, **kwargs)
+
+    return run

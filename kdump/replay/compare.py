@@ -65,28 +65,37 @@ def compare_to_reference(
     if n == 0:
         metrics["calc_diff"] = 0.0
         return Comparison(True, metrics, "no meaningful elements")
-    nan = torch.isnan(av)
-    inf = torch.isinf(av)
+    # An element that is NaN (or the same infinity) in both agrees: the oracle computed it too.
+    # Poison left in an output never does, and a NaN or Inf only one side has is a failure.
+    left = unwritten(actual)[m] if actual.dtype.is_floating_point else torch.zeros_like(av).bool()
+    same = ~left & (
+        (torch.isnan(av) & torch.isnan(ev)) | (torch.isinf(av) & torch.isinf(ev) & (av == ev))
+    )
     if actual.dtype.is_floating_point:
-        metrics["unwritten"] = int(unwritten(actual)[m].sum())
+        metrics["unwritten"] = int(left.sum())
+    nan = torch.isnan(av) & ~same
+    inf = torch.isinf(av) & ~same
     metrics["nan"] = int(nan.sum())
     metrics["inf"] = int(inf.sum())
-    finite = ~(nan | inf)
+    if bool(same.any()):
+        metrics["same_nonfinite"] = int(same.sum())
+    finite = torch.isfinite(av) & torch.isfinite(ev)
     diff = (av - ev).abs()
     diff = torch.where(finite, diff, torch.full_like(diff, float("inf")))
+    diff = torch.where(same, torch.zeros_like(diff), diff)
     rel = diff / ev.abs().clamp_min(1e-6)
-    metrics["max_abs_err"] = float(diff[finite].max()) if bool(finite.any()) else float("inf")
-    metrics["max_rel_err"] = float(rel[finite].max()) if bool(finite.any()) else float("inf")
-    metrics["calc_diff"] = (
-        calc_diff(torch.where(finite, av, 0.0), ev) if bool(finite.any()) else 1.0
-    )
-    bad = diff > (tol.atol + tol.rtol * ev.abs())
+    metrics["max_abs_err"] = float(diff[finite].max()) if bool(finite.any()) else 0.0
+    metrics["max_rel_err"] = float(rel[finite].max()) if bool(finite.any()) else 0.0
+    # calc_diff over the elements finite on both sides; the others are judged one by one below.
+    zero = torch.zeros_like(av)
+    metrics["calc_diff"] = calc_diff(torch.where(finite, av, zero), torch.where(finite, ev, zero))
+    bad = diff > (tol.atol + tol.rtol * torch.where(finite, ev.abs(), zero))
     n_bad = int(bad.sum())
     metrics["failing_elements"] = n_bad
     coords = m.nonzero()  # meaningful coordinates, in the same order as av
     if n_bad:
         first = int(bad.nonzero()[0, 0])
-        worst = int(torch.argmax(torch.where(finite, diff, torch.full_like(diff, 1e30))))
+        worst = int(torch.argmax(torch.where(finite | ~bad, diff, torch.full_like(diff, 1e30))))
         metrics["first_failure"] = _point(coords[first], a, e)
         metrics["worst"] = _point(coords[worst], a, e)
     cd_ok = metrics["calc_diff"] <= tol.calc_diff

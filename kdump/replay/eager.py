@@ -64,6 +64,8 @@ def run_eager(req: Request, progress: Progress) -> Verdict:
         s.restore(mc, pristine)  # every run sees the recorded inputs, at the same addresses
         poisoned = poison_outputs(s, mc, outputs)
         seconds = s.run_kernel(fn, mc, step)
+        if r == 1:
+            s.note_recorded_exception(raised=seconds is None)
         if seconds is None:
             return s.verdict
         s.step(step, "ok", f"poisoned {', '.join(poisoned) or 'nothing'}", seconds)
@@ -72,6 +74,7 @@ def run_eager(req: Request, progress: Progress) -> Verdict:
         runs.append(actual)
         if r == 1:
             reproduced = s.compare_outputs(step, bound, outputs, actual, expected, recorded)
+            s.compare_returned(step)
             if s.placement().halo:
                 _halo_pass(s, mc, fn, outputs, bound, pristine, expected, recorded)
             continue
@@ -79,7 +82,7 @@ def run_eager(req: Request, progress: Progress) -> Verdict:
     _judge_repeats(s, bound, runs)
     if prelude and runs and outputs:
         _fresh_oracle(s, mc, outputs, pristine, runs[0], reproduced)
-    if not outputs:
+    if not outputs and not s.call.has_returned:
         s.note("no outputs to compare: the spec names none and the bundle recorded none")
     return s.verdict
 

@@ -292,8 +292,9 @@ class Session:
         """Call once and synchronise; a raised error becomes a kernel_error finding."""
         self.progress("begin", step)
         t0 = time.perf_counter()
+        self.returned = None
         try:
-            fn(*mc.args, **mc.kwargs)
+            self.returned = fn(*mc.args, **mc.kwargs)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception as exc:
@@ -407,6 +408,83 @@ class Session:
                     {"output": name, "oracle": "recorded", **_plain(ag.metrics)},
                 )
         return reproduced
+
+    def note_recorded_exception(self, raised: bool) -> None:
+        """Say whether a call that raised in production (meta `exception`) raised again."""
+        recorded = self.call.meta.get("exception")
+        if not recorded:
+            return
+        if raised:
+            self.note(f"production raised too: {recorded}")
+        else:
+            self.note(
+                f"production raised {recorded}; this replay ran without raising (the failure "
+                "does not reproduce here)"
+            )
+
+    def compare_returned(self, step: str) -> None:
+        """The run's return value against the recorded one: the same structure, the same plain
+        values (NaN equal to NaN) and, tensor by tensor, the tolerance policy of outputs."""
+        if not self.call.has_returned:
+            return
+        recorded = self.call.materialize_returned(self.device)
+        problems: list[str] = []
+        exact = _same_tree(self.returned, recorded, "return value", problems, self.req.options)
+        if not problems:
+            how = "bit-identical" if exact else "equal within tolerance"
+            self.step(f"{step} vs recorded", "ok", f"return value reproduces production: {how}")
+            return
+        msg = "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" * (len(problems) > 3))
+        self.step(f"{step} vs recorded", "fail", msg)
+        self.finding(
+            "mismatch",
+            step,
+            f"the return value differs from the recorded one (production): {msg}",
+            {"output": "return value", "oracle": "recorded", "problems": problems},
+        )
+
+
+def _same_tree(got: Any, rec: Any, path: str, problems: list[str], options: Any) -> bool:
+    """Compare a live return value with the decoded recorded one, appending what differs to
+    `problems`; True when everything is bit-identical."""
+    from kdump.bundle.argtree import Opaque, RecordedEnum
+
+    if isinstance(rec, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            problems.append(f"{path}: got {type(got).__name__}, recorded a tensor")
+            return False
+        ag = agree(got.detach(), rec, bitwise=options.bitwise)
+        if not ag.ok:
+            problems.append(f"{path}: {ag.message}")
+        return ag.exact
+    if isinstance(rec, (list, tuple)):
+        if type(got) is not type(rec) or len(got) != len(rec):
+            problems.append(f"{path}: got {_short(got)}, recorded {_short(rec)}")
+            return False
+        return all([_same_tree(g, r, f"{path}[{i}]", problems, options)
+                    for i, (g, r) in enumerate(zip(got, rec))])  # fmt: skip
+    if isinstance(rec, dict):
+        if not isinstance(got, dict) or list(got) != list(rec):
+            problems.append(f"{path}: got {_short(got)}, recorded {_short(rec)}")
+            return False
+        return all([_same_tree(got[k], rec[k], f"{path}[{k!r}]", problems, options)
+                    for k in rec])  # fmt: skip
+    if isinstance(rec, RecordedEnum):
+        same = getattr(got, "name", None) == rec.name
+    elif isinstance(rec, Opaque):  # only its type is comparable (a repr may hold an address)
+        same = f"{type(got).__module__}.{type(got).__qualname__}" == rec.cls
+    elif isinstance(rec, float) and rec != rec:
+        same = isinstance(got, float) and got != got
+    else:
+        same = type(got) is type(rec) and got == rec
+    if not same:
+        problems.append(f"{path}: got {_short(got)}, recorded {_short(rec)}")
+    return same
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _plain(metrics: dict[str, Any]) -> dict[str, Any]:
