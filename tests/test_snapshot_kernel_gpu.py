@@ -55,7 +55,7 @@ def _launch(plan: gather.Plan | None, tensors, rule, copies=()):
         return None, rec
     assert pos == 0
     head = _SLOT.unpack(ring[: gather.SLOT_HEAD].cpu().numpy().tobytes())
-    assert head[0] == gather.SLOT_MAGIC and head[5] == rows and head[-1] == 1
+    assert head[0] == gather.SLOT_MAGIC and head[5] == rows and head[-1] == token
     assert int(ctrl[0]) == head_after == head[7]
     got = ring[gather.SLOT_HEAD : gather.SLOT_HEAD + rows * plan.rec_bytes].cpu()
     return gather.sort_records(got.reshape(rows, plan.rec_bytes)), rec
