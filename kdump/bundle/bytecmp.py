@@ -10,9 +10,9 @@ from __future__ import annotations
 import ctypes
 import threading
 
-_memcmp = ctypes.CDLL(None).memcmp  # a foreign call: releases the GIL
-_memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-_memcmp.restype = ctypes.c_int
+memcmp = ctypes.CDLL(None).memcmp  # a foreign call: releases the GIL
+memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+memcmp.restype = ctypes.c_int
 
 SPLIT_MIN = 16 << 20  # smaller ranges are compared on the calling thread
 PIECE = 4 << 20
@@ -25,7 +25,7 @@ def same(a: int, b: int, n: int) -> bool:
     if n <= 0:
         return True
     first = min(n, PIECE)
-    if _memcmp(a, b, first) != 0:
+    if memcmp(a, b, first) != 0:
         return False
     if n == first:
         return True
@@ -37,13 +37,13 @@ def same(a: int, b: int, n: int) -> bool:
         or HASH_THREADS == 1
         or threading.current_thread().name.startswith("kdump-hash")
     ):
-        return _memcmp(a + first, b + first, n - first) == 0
+        return memcmp(a + first, b + first, n - first) == 0
     differ = threading.Event()
 
     def piece(lo: int) -> bool:
         if differ.is_set():
             return False
-        if _memcmp(a + lo, b + lo, min(PIECE, n - lo)) != 0:
+        if memcmp(a + lo, b + lo, min(PIECE, n - lo)) != 0:
             differ.set()
             return False
         return True
@@ -51,4 +51,4 @@ def same(a: int, b: int, n: int) -> bool:
     try:
         return all(list(pool().map(piece, range(first, n, PIECE))))
     except RuntimeError:  # no new work after interpreter shutdown (an atexit flush)
-        return _memcmp(a + first, b + first, n - first) == 0
+        return memcmp(a + first, b + first, n - first) == 0

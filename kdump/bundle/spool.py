@@ -429,11 +429,6 @@ class StoreSpool:
         """Nothing to undo: what it added to the store are whole blobs under their names."""
 
 
-_memcmp = ctypes.CDLL(None).memcmp  # releases the GIL
-_memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-_memcmp.restype = ctypes.c_int
-
-
 def _copy_range(src_fd: int, dst_fd: int, src: int, dst: int, length: int) -> None:
     """Copy `length` bytes between files, in the kernel where it can (else through a buffer:
     some sandboxes have no copy_file_range)."""
@@ -579,7 +574,7 @@ def _same_device(src: torch.Tensor, snapshot: torch.Tensor, after: Any) -> bool:
         return False
     base = snapshot.data_ptr()
     for lo, piece in _staged(src, after):
-        if _memcmp(_address(piece), base + lo, len(piece)) != 0:
+        if bytecmp.memcmp(_address(piece), base + lo, len(piece)) != 0:
             return False
     return True
 

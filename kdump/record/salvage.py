@@ -37,7 +37,13 @@ from kdump.record.journal import (
     read_journal,
     read_pid,
 )
-from kdump.record.statics import Region, read_region, region_path, salvaged_storage
+from kdump.record.statics import (
+    Region,
+    private_bytes,
+    read_region,
+    region_path,
+    salvaged_storage,
+)
 
 REPORT_SUFFIX = "-salvage.json"
 CRASH_SUFFIX = ".crash.json"  # next to a journal: the recorded process' last words
@@ -411,13 +417,8 @@ def _device_rows(
 
     buffers = {i: bytearray(int(rec.meta.storages[i]["span_nbytes"])) for i in plan.storages}
     spans = {i: torch.frombuffer(b, dtype=torch.uint8) for i, b in buffers.items() if len(b)}
-    # A replay that routed no token to this call gathers no row (torch.frombuffer refuses b"")
-    flat = (
-        torch.frombuffer(bytearray(rows), dtype=torch.uint8)
-        if rows
-        else torch.empty(0, dtype=torch.uint8)
-    )
-    recs = flat.reshape(n, plan.rec_bytes)
+    # A replay that routed no token to this call gathers no row: `rows` is empty then.
+    recs = private_bytes(rows).reshape(n, plan.rec_bytes)
     idx = gather.place_back(plan, recs, spans)
     facts.update(
         rows_kept=n,

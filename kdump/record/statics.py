@@ -758,7 +758,7 @@ class Region:
         if got is None:
             from kdump.bundle.store import blob_digests
 
-            t = resolve_lazy(_u8(data), lazy)
+            t = resolve_lazy(private_bytes(data), lazy)
             got = self._shared[key] = (t, blob_digests(memoryview(t.numpy())))
         return got
 
@@ -771,7 +771,7 @@ class Region:
             pass
 
 
-def _u8(data: Any) -> Any:
+def private_bytes(data: Any) -> Any:
     """A private uint8 CPU tensor of `data`'s bytes (torch.frombuffer refuses an empty buffer:
     a call that touched no row, a zero-size tensor)."""
     import torch
@@ -824,5 +824,5 @@ def salvaged_storage(s: dict[str, Any], payload: bytes | None, region: Region | 
     if got.static and region is not None and isinstance(got.data, memoryview):
         data, digests = region.shared_bytes(got.data, s.get("lazy"))
         return Resolved(data, got.source, got.stats, got.note, got.static, digests)
-    data = resolve_lazy(_u8(got.data), s.get("lazy"))
+    data = resolve_lazy(private_bytes(got.data), s.get("lazy"))
     return Resolved(data, got.source, got.stats, got.note, got.static)
