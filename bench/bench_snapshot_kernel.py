@@ -1,0 +1,258 @@
+"""The flight recorder's snapshot kernel on its own, against a plain copy of the same bytes, for
+the kernel as shipped and for variants of its compile-time constants, all in one run on one GPU.
+
+    python bench/bench_snapshot_kernel.py
+    python bench/bench_snapshot_kernel.py --variant KD_UNROLL=8u --variant min_blocks=4
+
+A variant is comma-separated `NAME=VALUE` pairs: a `#define` of kdump/record/snapshot.cu
+replaced (KD_UNROLL, KD_THREADS, KD_ROWS_PER_BLOCK; KD_CHUNK follows KD_THREADS x 16 x
+KD_UNROLL), or `min_blocks=N` (the kernel's `__launch_bounds__` minimum blocks per SM). The
+host side (gather.py) must agree with KD_THREADS and KD_ROWS_PER_BLOCK: variants of those
+launch with the variant's own grid.
+
+Cases (the reference decode shape: G = 288 experts padded to 128 rows, M = 36,864, K = 4096):
+- bytes: 64 MB in 16 plain byte ranges (the kernel's copy blocks);
+- gather-all: every row of A [M, 4096] (the kernel's gather blocks at full routing);
+- decode T / scales: the labels rule at T tokens per expert, A's fp32 MN-major scales
+  [M, 32] gathered and the labels (147 KB) copied, as a recorded call without activations;
+- decode T / A+scales: the same with A's valid rows.
+Times are per launch: big cases by events over ten launches, decode cases by events over a CUDA
+graph of 20 launches (as a recorded graph step runs it). "bound" is the bytes the launch moves
+at the plain copy's rate measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import re
+from typing import Any
+
+import torch
+
+from kdump.bundle.tensors import group_storages
+from kdump.record import gather
+
+G, BLOCK, K = 288, 128, 4096
+M = G * BLOCK
+
+
+def variant_source(spec: str) -> tuple[str, int, int, int]:
+    """(source, threads, rows per block, plain-copy chunk bytes) of a variant spec ("" = as
+    shipped)."""
+    src = gather.kernel_source()
+    defs = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
+    for name, value in defs.items():
+        if name == "min_blocks":
+            src = src.replace(
+                "__launch_bounds__(KD_THREADS)", f"__launch_bounds__(KD_THREADS, {value})"
+            )
+            continue
+        src, n = re.subn(rf"(#define {name}) \S+", rf"\1 {value}", src)
+        if n != 1:
+            raise SystemExit(f"no #define {name} in snapshot.cu")
+
+    def define(name: str) -> int:
+        m = re.search(rf"#define {name} (\d+)", src)
+        assert m is not None
+        return int(m.group(1))
+
+    threads, unroll = define("KD_THREADS"), define("KD_UNROLL")
+    chunk = threads * 16 * unroll
+    src = re.sub(r"(#define KD_CHUNK) \S+", rf"\1 {chunk}ull", src)
+    return src, threads, define("KD_ROWS_PER_BLOCK"), chunk
+
+
+def load(src: str) -> Any:
+    from cuda.core import Program, ProgramOptions
+
+    from kdump.nvrtc import check, driver
+
+    arch = gather.arch_of(torch.cuda.get_device_capability())
+    obj = Program(src, "c++", ProgramOptions(arch=arch, std="c++17")).compile("cubin")
+    torch.cuda.current_stream()
+    module = check(driver().cuModuleLoadData(bytes(obj.code)), "cuModuleLoadData")
+    return check(driver().cuModuleGetFunction(module, b"kd_snapshot"), "get kd_snapshot")
+
+
+def launch(fn: Any, p: gather.SnapParams, threads: int, grid: int) -> None:
+    from kdump.nvrtc import check, driver
+
+    d = driver()
+    args = (ctypes.c_void_p * 1)(ctypes.addressof(p))
+    stream = d.CUstream(torch.cuda.current_stream().cuda_stream)
+    check(
+        d.cuLaunchKernel(fn, grid, 1, 1, threads, 1, 1, 0, stream, ctypes.addressof(args), 0),
+        "cuLaunchKernel",
+    )
+
+
+def events_us(run: Any, reps: int) -> float:
+    run()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        a.record()
+        for _ in range(reps):
+            run()
+        b.record()
+        torch.cuda.synchronize()
+        best = min(best, a.elapsed_time(b) * 1e3 / reps)
+    return best
+
+
+def graph_us(step: Any, launches: int = 20) -> float:
+    step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(launches):
+            step()
+    return events_us(g.replay, 5) / launches
+
+
+class Case:
+    """Buffers and kernel arguments of one case (shared by every variant)."""
+
+    def __init__(
+        self,
+        name: str,
+        tensors: list[torch.Tensor],
+        gathered: list[int],
+        rule: torch.Tensor | None,
+        copies: list[tuple[torch.Tensor, torch.Tensor]],
+        moved: int,
+        graph: bool,
+        pad: int = 0,
+    ) -> None:
+        self.name, self.moved, self.graph = name, moved, graph
+        self.keep = [tensors, copies]
+        self.p = p = gather.SnapParams()
+        for k, (s, d) in enumerate(copies):
+            p.copies[k].src, p.copies[k].dst = s.data_ptr(), d.data_ptr()
+            p.copies[k].nbytes = s.numel() * s.element_size()
+        p.n_copies = len(copies)
+        self.ctrl = torch.zeros(2, dtype=torch.int64, device="cuda")
+        self.record = torch.zeros(8, dtype=torch.int64, device="cuda")
+        p.ctrl, p.record, p.seq = self.ctrl.data_ptr(), self.record.data_ptr(), 1
+        self.plan = None
+        if gathered:
+            storages, records = group_storages(tensors)
+            rule_i = None if rule is None else next(i for i, t in enumerate(tensors) if t is rule)
+            kind = "all" if rule is None else "labels"
+            plan = gather.make_plan(tensors, records, storages, gathered, kind, rule_i, 1)
+            assert plan is not None
+            if pad:  # each record's rows start at a multiple of `pad` bytes
+                rows, off = [], -gather.SLOT_HEAD % pad or pad  # records follow the slot head
+                for g in plan.gathers:
+                    rows.append(dataclasses.replace(g, rec_off=off))
+                    off += -(-(g.cols * g.elem) // pad) * pad
+                rec = -(-off // pad) * pad
+                plan = dataclasses.replace(plan, gathers=tuple(rows), rec_bytes=rec)
+            self.plan = plan
+            gather.set_plan(
+                p, self.plan, lambda i: int(storages[i].base_ptr) + int(storages[i].span_start)
+            )
+            self.ring = torch.empty(2 * self.plan.worst, dtype=torch.uint8, device="cuda")
+            p.ring, p.ring_bytes = self.ring.data_ptr(), self.ring.numel()
+            if rule is not None:
+                p.rule, p.rule_n = rule.data_ptr(), rule.numel()
+
+    def launch(self, fn: Any, threads: int, rows_per_block: int, chunk: int) -> None:
+        self.time(fn, threads, rows_per_block, chunk, once=True)
+
+    def time(
+        self, fn: Any, threads: int, rows_per_block: int, chunk: int, once: bool = False
+    ) -> float:
+        p = self.p
+        if self.plan is not None:
+            p.gather_blocks = -(-self.plan.rows // rows_per_block)
+        chunks = sum(-(-int(p.copies[c].nbytes) // chunk) for c in range(int(p.n_copies)))
+        grid = max(1, int(p.gather_blocks) + min(chunks, gather.MAX_COPY_BLOCKS))
+        step = lambda: launch(fn, p, threads, grid)  # noqa: E731
+        if once:
+            step()
+            return 0.0
+        return graph_us(step) if self.graph else events_us(step, 10)
+
+
+def labels(tokens: int) -> torch.Tensor:
+    """Expert e's block of 128 rows holds `tokens` rows labelled e, then padding (-1)."""
+    expert = torch.arange(G, device="cuda").repeat_interleave(BLOCK)
+    valid = (torch.arange(BLOCK, device="cuda") < tokens).repeat(G)
+    return torch.where(valid, expert, -1).to(torch.int32)
+
+
+def cases() -> list[Case]:
+    out = []
+    for mb in (64, 256):
+        n = mb << 20
+        src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        per = n // gather.MAX_COPIES
+        ranges = [(src[c * per : (c + 1) * per], dst[c * per : (c + 1) * per]) for c in range(16)]
+        out.append(Case(f"bytes {mb} MB", [], [], None, ranges, n, False))
+    a = torch.randint(0, 255, (M, K), dtype=torch.uint8, device="cuda")
+    out.append(Case("gather-all A", [a], [0], None, [], a.numel(), False))
+    out.append(Case("gather-all A, 128 B records", [a], [0], None, [], a.numel(), False, 128))
+    sfa = torch.empty_strided((M, K // 128), (1, M), dtype=torch.float32, device="cuda")
+    sfa.copy_(torch.randn(M, K // 128, device="cuda"))
+    twin = torch.empty(M, dtype=torch.int32, device="cuda")
+    for tokens in (1, 32, 113):
+        lab = labels(tokens)
+        rows = G * tokens
+        for what, gathered, row_bytes in (
+            ("scales", [1], K // 32),
+            ("A+scales", [0, 1], K + K // 32),
+        ):
+            out.append(
+                Case(
+                    f"decode {tokens} / {what}",
+                    [a, sfa, lab],
+                    gathered,
+                    lab,
+                    [(lab, twin)],
+                    rows * row_bytes + lab.numel() * 4,
+                    True,
+                )
+            )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variant", action="append", default=[], help="NAME=VALUE[,...]")
+    ap.add_argument("--case", default="", help="only the cases whose name contains this")
+    ap.add_argument("--once", action="store_true", help="launch each case once, untimed (ncu)")
+    opt = ap.parse_args()
+    specs = ["", *opt.variant]
+    all_cases = [c for c in cases() if opt.case in c.name]
+    probe = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    probe2 = torch.empty_like(probe)
+    rate = probe.numel() / events_us(lambda: probe2.copy_(probe), 10) / 1e3  # GB/s
+    print(f"plain D2D copy: {rate:.0f} GB/s of data (each byte read and written)\n")
+    head = "| case | bound us | " + " | ".join(s or "as shipped" for s in specs) + " |"
+    print(head)
+    print("|---|---:|" + "---:|" * len(specs))
+    kernels = [(variant_source(s), load(variant_source(s)[0])) for s in specs]
+    if opt.once:
+        for c in all_cases:
+            for (_, threads, rpb, chunk), fn in kernels:
+                c.launch(fn, threads, rpb, chunk)
+        probe2.copy_(probe)
+        torch.cuda.synchronize()
+        return
+    for c in all_cases:
+        bound = c.moved / rate / 1e3
+        cells = []
+        for (_, threads, rpb, chunk), fn in kernels:
+            us = c.time(fn, threads, rpb, chunk)
+            cells.append(f"{us:.1f} ({bound / us:.2f}x)")
+        print(f"| {c.name} | {bound:.1f} | " + " | ".join(cells) + " |")
+    print("\n(x) = bound / time: the kernel's rate against the plain copy's")
+
+
+if __name__ == "__main__":
+    main()
