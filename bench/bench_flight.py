@@ -9,6 +9,8 @@ expert (A is always 36,864 rows: every expert padded to 128). For each:
   (host copy before the kernel); for (ii) the HBM bound of copying those rows (their bytes at the
   plain D2D rate measured here), the floor it sets ((plain + bound) / plain: no recorder that
   copies those rows before the kernel steps faster) and the added time against the bound;
+* the step with two empty one-thread kernels around the GEMM (the floor of any recorder that
+  launches a snapshot before the kernel and a marker after it);
 * eager host time per call, unhooked and recorded (the call signature cache warm);
 
 then the copy throughput of each tier: the snapshot kernel's D2D against a plain D2D copy of the
@@ -94,6 +96,25 @@ def _graph_ms(fn: Callable[..., Any], args: tuple, kwargs: dict, iters: int) -> 
     return best
 
 
+def _with_empty_nodes(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` between two one-thread kernels (kdump's done-marker kernel reading and writing one
+    word): in a graph, the step of any recorder that launches a snapshot before the kernel and a
+    marker after it costs at least this much."""
+    from kdump.record import gather
+
+    mark = gather.get_kernel(torch.cuda.current_device())[3]
+    word = torch.zeros(2, dtype=torch.int64, device="cuda")
+
+    def wrapped(*a: Any, **k: Any) -> Any:
+        stream = torch.cuda.current_stream().cuda_stream
+        gather.launch_mark(mark, word.data_ptr(), word.data_ptr() + 8, stream)
+        out = fn(*a, **k)
+        gather.launch_mark(mark, word.data_ptr(), word.data_ptr() + 8, stream)
+        return out
+
+    return wrapped
+
+
 def _eager_host_us(fn: Callable[..., Any], args: tuple, kwargs: dict, iters: int) -> float:
     for _ in range(3):
         fn(*args, **kwargs)
@@ -175,16 +196,17 @@ def main() -> None:
     d2d = _d2d_gbs(256 << 20)
     print(f"plain D2D: {d2d:.0f} GB/s (HBM bound below uses it)\n")
     print(
-        "| N | K | tok/exp | plain ms | (i) held | (i) not held | (ii) held | (ii) not held | "
-        "rows MB | HBM bound ms | (ii) floor | (ii) held added / bound | eager us plain | "
-        "eager us rec |"
+        "| N | K | tok/exp | plain ms | 2 empty nodes | (i) held | (i) not held | (ii) held | "
+        "(ii) not held | rows MB | HBM bound ms | (ii) floor | (ii) held added / bound | "
+        "eager us plain | eager us rec |"
     )
-    print("|" + "---|" * 14)
+    print("|" + "---|" * 15)
     facts: dict = {}
     for n, k in SHAPES:
         for tokens in TOKENS:
             args, kwargs = _case(n, k, tokens)
             plain = _graph_ms(fn, args, kwargs, opt.iters)
+            nodes = _graph_ms(_with_empty_nodes(fn), args, kwargs, opt.iters)
             plain_h = _eager_host_us(fn, args, kwargs, opt.iters)
             res = {}
             with _ScalesOnly():
@@ -200,6 +222,7 @@ def main() -> None:
             added = res["ii", True][0] - plain
             cells = [
                 f"{plain:.3f}",
+                f"{nodes:.3f} ({nodes / plain:.3f}x)",
                 *(
                     f"{res[c, h][0]:.3f} ({res[c, h][0] / plain:.2f}x)"
                     for c in ("i", "ii")

@@ -415,6 +415,37 @@ def test_gpu_unchanged_output_compare_finds_a_late_difference(tmp_path, monkeypa
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("on_device", [True, False], ids=["device-copies", "over-budget"])
+def test_gpu_watched_outputs_are_compared_with_device_copies(tmp_path, monkeypatch, on_device):
+    """Outputs named before the call get a device copy of their spans (when the free device
+    memory allows it) and are compared with it on the device after the call: an unchanged one
+    shares its input's blob, a change in the last byte is found, the copies are freed after."""
+    from kdump.bundle import attach_outputs, input_tensors, tensors
+    from kdump.bundle.writer import open_spool
+
+    if not on_device:  # no free memory share: the comparison goes through the host
+        monkeypatch.setattr(tensors, "DEVICE_COPY_SHARE", 1 << 62)
+    same = torch.randn(1 << 20, device="cuda")
+    moved = torch.randint(0, 255, (5 << 20,), dtype=torch.uint8, device="cuda")
+    before = [same.cpu(), moved.cpu()]
+    path = tmp_path / "watched.kdump"
+    sink = open_spool(path)
+    call = capture_call("m:f", [same, moved], sink=sink, watch=[0, 1])
+    assert sorted(call.inputs.device_copies) == ([0, 1] if on_device else [])
+    moved[-1] += 1  # only the last byte differs
+    attach_outputs(call, input_tensors(call, [same, moved], {}), [0, 1], sink=sink)
+    assert call.inputs.device_copies == {}
+    save_calls(path, [call], spool=sink)
+    loaded = load_bundle(path)
+    got = loaded.calls[0]
+    assert torch.equal(got.materialize("cpu").tensors[0], before[0])
+    assert torch.equal(got.materialize("cpu").tensors[1], before[1])
+    outs = got.materialize_outputs("cpu")
+    assert torch.equal(outs[0], before[0]) and torch.equal(outs[1], moved.cpu())
+    assert len(loaded.manifest.blobs) == 3  # the unchanged output shares its input's blob
+
+
+@pytest.mark.gpu
 def test_gpu_sync_recording_stages_large_spans_into_the_store(tmp_path) -> None:
     import sys
     import types

@@ -579,6 +579,14 @@ def _same_device(src: torch.Tensor, snapshot: torch.Tensor, after: Any) -> bool:
     return True
 
 
+def same_as_device_copies(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
+    """For each (device span, device copy made before the call) pair: whether they hold the same
+    bytes, compared on the device after the work queued on the caller's streams (False where the
+    device cannot say: the span is then written)."""
+    streams = _caller_streams([src for src, _ in pairs])
+    return [_equal_on_device(src, copy, streams[src.device]) for src, copy in pairs]
+
+
 def same_on_device(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
     """For each (device span, host snapshot) pair: whether they hold the same bytes (the spans
     compared in parallel, after the work queued on the caller's streams)."""

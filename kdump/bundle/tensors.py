@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -59,6 +59,9 @@ class Captured:
     # (SHA-256, fast check) of each storage's bytes where the capture already hashed them (a
     # capture written straight into its bundle file); empty or None where not yet known.
     digests: list[tuple[str, str] | None] = field(default_factory=list)
+    # Device copies of the spans a call may write in place, made before it (storage index ->
+    # uint8 device tensor): its outputs are compared with them on the device. Never stored.
+    device_copies: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def digest(self, idx: int) -> tuple[str, str] | None:
         return self.digests[idx] if idx < len(self.digests) else None
@@ -208,10 +211,65 @@ class Sink(Protocol):
 SINK_MIN = 8 << 20  # a capture of fewer bytes stays in memory unless its sink is already in use
 
 
+# Device copies for the output compare (`capture`'s `watch`): spans from this size (comparing a
+# smaller span through the host costs little), within this share of the device's free memory
+# and at most DEVICE_COPY_MAX bytes per call (a recorded program keeps its memory).
+DEVICE_COPY_MIN = 64 << 10
+DEVICE_COPY_SHARE = 4
+DEVICE_COPY_MAX = 2 << 30
+
+
+def _device_copies(
+    tensors: Sequence[torch.Tensor],
+    storages: Sequence[StorageRecord],
+    records: Sequence[TensorRecord],
+    first: Sequence[int],
+    watch: Collection[int],
+) -> dict[int, torch.Tensor]:
+    """Device copies of the watched tensors' storage spans (those a call may write in place),
+    queued on the caller's stream before the call, so that the comparison after it runs on the
+    device instead of copying the span to the host a second time. Only within a share of the
+    free device memory; none during stream capture, for spans seen through lazy conj / neg
+    views, or when the device refuses (the comparison then goes through the host, as before)."""
+    want = sorted(
+        {
+            records[k].storage
+            for k in watch
+            if 0 <= k < len(records)
+            and storages[records[k].storage].device != "cpu"
+            and storages[records[k].storage].span_nbytes >= DEVICE_COPY_MIN
+        }
+    )
+    if not want or torch.cuda.is_current_stream_capturing():
+        return {}
+    out: dict[int, torch.Tensor] = {}
+    budget: dict[torch.device, int] = {}
+    try:
+        for i in want:
+            t = tensors[first[i]]
+            if _has_lazy_bits(t):
+                continue
+            dev = t.device
+            if dev not in budget:
+                free, _ = torch.cuda.mem_get_info(dev)
+                cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+                budget[dev] = min((free + cached) // DEVICE_COPY_SHARE, DEVICE_COPY_MAX)
+            st = storages[i]
+            if st.span_nbytes > budget[dev]:
+                continue
+            budget[dev] -= st.span_nbytes
+            with torch.cuda.device(dev):
+                out[i] = _byte_view(t, st.span_start, st.span_nbytes).clone()
+    except (RuntimeError, torch.cuda.OutOfMemoryError):
+        pass  # the copies made so far still serve; the rest compare through the host
+    return out
+
+
 def capture(
     tensors: Sequence[torch.Tensor],
     unchanged_from: Captured | None = None,
     sink: Sink | None = None,
+    watch: Collection[int] = (),
 ) -> Captured:
     """Snapshot the storage spans that `tensors` cover, as CPU bytes.
 
@@ -220,9 +278,11 @@ def capture(
     (comparing is cheaper than copying into fresh memory: outputs a call left unchanged).
     With `sink` (and at least SINK_MIN bytes, or a sink already written to), the spans go straight
     from the tensors' memory into the sink's file, hashed on the way, and the snapshot's bytes
-    are views of that file.
+    are views of that file. `watch`: indices of the tensors the call may write in place (their
+    device spans are also copied on the device, for `_unchanged`).
     """
     storages, records, first = _grouped(tensors)
+    kept = _device_copies(tensors, storages, records, first, watch) if watch else {}
     earlier: dict[tuple[str, int, int, int], int] = {}
     if unchanged_from is not None:
         for i, old in enumerate(unchanged_from.storages):
@@ -230,7 +290,9 @@ def capture(
             earlier.setdefault(key, i)
     if sink is not None and (sink.active or sum(st.span_nbytes for st in storages) >= SINK_MIN):
         firsts = {idx: tensors[k] for idx, k in enumerate(first)}
-        return _capture_into(sink, list(storages), list(records), firsts, unchanged_from, earlier)
+        got = _capture_into(sink, list(storages), list(records), firsts, unchanged_from, earlier)
+        got.device_copies = kept
+        return got
     data: list[torch.Tensor] = []
     digests: list[tuple[str, str] | None] = []
     pending_sync: set[torch.device] = set()
@@ -264,7 +326,13 @@ def capture(
         torch.cuda.current_stream(dev).synchronize()
     for idx in lazy:
         _resolve_lazy_bits(data[idx], tensors[first[idx]])
-    return Captured(storages=list(storages), tensors=list(records), data=data, digests=digests)
+    return Captured(
+        storages=list(storages),
+        tensors=list(records),
+        data=data,
+        digests=digests,
+        device_copies=kept,
+    )
 
 
 _memmove = ctypes.memmove
@@ -326,10 +394,17 @@ def _unchanged(
     }
     device = [i for i in matches if views[i].device.type != "cpu"]
     if device:
-        from kdump.bundle.spool import same_on_device
+        from kdump.bundle.spool import same_as_device_copies, same_on_device
 
-        pairs = [(views[i], earlier.data[matches[i]]) for i in device]
-        same.update(i for i, ok in zip(device, same_on_device(pairs)) if ok)
+        kept = earlier.device_copies
+        copied = [i for i in device if matches[i] in kept]
+        if copied:
+            pairs = [(views[i], kept[matches[i]]) for i in copied]
+            same.update(i for i, ok in zip(copied, same_as_device_copies(pairs)) if ok)
+        staged = [i for i in device if matches[i] not in kept]
+        if staged:
+            pairs = [(views[i], earlier.data[matches[i]]) for i in staged]
+            same.update(i for i, ok in zip(staged, same_on_device(pairs)) if ok)
     return same
 
 

@@ -85,11 +85,13 @@ def capture_call(
     meta: dict[str, Any] | None = None,
     sink: Spool | StoreSpool | None = None,
     encoded: tuple[list[Any], list[torch.Tensor]] | None = None,
+    watch: Sequence[int] = (),
 ) -> CallRecord:
     """Snapshot a call's arguments (before the call runs). With `sink` (a `Spool` for the bundle
     `save_calls` will write), a large snapshot is written straight into that bundle's file.
     `encoded` is what `argtree.encode_all([*args, *kwargs.values()], tensors)` gave, where the
-    caller has walked the arguments already."""
+    caller has walked the arguments already. `watch`: the tensor-table indices of the tensors
+    the call may write in place (`attach_outputs` will compare them; see `capture`)."""
     kwargs = kwargs or {}
     if encoded is None:
         tensors: list[torch.Tensor] = []
@@ -105,7 +107,7 @@ def capture_call(
         args=args_tree,
         kwargs=kwargs_tree,
         names=list(names) if names is not None else None,
-        inputs=capture(tensors, sink=sink),
+        inputs=capture(tensors, sink=sink, watch=watch),
         meta=dict(meta or {}),
     )
 
@@ -129,7 +131,10 @@ def attach_outputs(
     idx = sorted(set(indices))
     extra: list[torch.Tensor] = [live[i] for i in idx]
     ret_tree = argtree.encode(returned, extra) if returned is not None else None
-    call.outputs = capture(extra, unchanged_from=call.inputs, sink=sink)
+    try:
+        call.outputs = capture(extra, unchanged_from=call.inputs, sink=sink)
+    finally:
+        call.inputs.device_copies.clear()  # device memory the comparison no longer needs
     call.inplace = [(i, k) for k, i in enumerate(idx)]
     call.returned = ret_tree
 

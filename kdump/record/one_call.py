@@ -60,8 +60,18 @@ def dump_call(
             if capturing:
                 raise UsageError("dump_call cannot read tensors during CUDA-graph capture")
             meta.update(capturing=False, stream=stream)
+            # the tensors compared after the call (device ones are also copied on the device)
+            before = argtree.tensors_in(*args, *kwargs.values())
+            watch = output_indices("default", spec, names, before, args, kwargs)
             call = capture_call(
-                target, args, kwargs, called_as=target, names=pos, meta=meta, sink=spool
+                target,
+                args,
+                kwargs,
+                called_as=target,
+                names=pos,
+                meta=meta,
+                sink=spool,
+                watch=watch,
             )
     except Exception as exc:
         log(f"dump_call: cannot capture {target} ({type(exc).__name__}: {exc}); calling it anyway")

@@ -422,6 +422,8 @@ class SyncRecorder:
                 meta=meta,
                 sink=sink,
                 encoded=(trees, tensors),
+                # the tensors `_attach_outputs` compares after the call
+                watch=output_indices(self.cfg.outputs, st.spec, names, tensors, args, kwargs),
             )
             return call, tensors
         # Graph capture: no data can be read. Keep the layout of every tensor in the meta.
