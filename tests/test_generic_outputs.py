@@ -147,3 +147,30 @@ def test_kdump_record_then_wrong_function_mismatches(usermod: Path, tmp_path: Pa
     wrong = subprocess.run(replay, env=env, capture_output=True, text=True, timeout=300)
     assert wrong.returncode == 1, wrong.stdout + wrong.stderr
     assert "out differs from the recorded output" in wrong.stdout
+
+
+def test_outputs_to_compare_are_named_before_the_call(
+    usermod: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tensors a call may write in place are named to the capture before the call (their
+    device spans get a device copy to compare with after it): a dumped call and dump_call name
+    them; a call snapshot only in case it raises names none (its outputs are never taken)."""
+    import usermod as um
+
+    from kdump.bundle import tensors as tensors_mod
+
+    watched: list[list[int]] = []
+    real = tensors_mod._device_copies
+
+    def spy(*a: object) -> dict:
+        watched.append(sorted(a[-1]))  # type: ignore[call-overload]
+        return real(*a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tensors_mod, "_device_copies", spy)
+    x, out = _inputs()
+    with kdump.recording("usermod:affine", out=tmp_path / "rec", calls=[0], on_exception=True):
+        um.affine(x, out)  # call 0: dumped, both tensors may be written
+        um.affine(x, out)  # call 1: snapshot in case it raises
+    assert watched == [[0, 1]]
+    kdump.dump_call(tmp_path / "one.kdump", um.scale_, x)
+    assert watched == [[0, 1], [0]]

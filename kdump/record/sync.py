@@ -422,8 +422,11 @@ class SyncRecorder:
                 meta=meta,
                 sink=sink,
                 encoded=(trees, tensors),
-                # the tensors `_attach_outputs` compares after the call
-                watch=output_indices(self.cfg.outputs, st.spec, names, tensors, args, kwargs),
+                # the tensors `_attach_outputs` compares after the call (a call snapshot only in
+                # case it raises gets no outputs: nothing to compare)
+                watch=output_indices(self.cfg.outputs, st.spec, names, tensors, args, kwargs)
+                if plan == "dump"
+                else (),
             )
             return call, tensors
         # Graph capture: no data can be read. Keep the layout of every tensor in the meta.
