@@ -197,28 +197,30 @@ def mixed_call(nbytes: int, device: str) -> list[torch.Tensor]:
     return out
 
 
-def sha_all(tensors: list[torch.Tensor]) -> None:
+def byte_views(tensors: list[torch.Tensor]) -> list[memoryview]:
+    """The bytes of contiguous CPU tensors, without a copy."""
     from kdump.bundle.spool import cpu_view
+
+    return [cpu_view(t.reshape(-1).view(torch.uint8)) for t in tensors]
+
+
+def sha_all(tensors: list[torch.Tensor]) -> None:
     from kdump.bundle.store import pool, sha256_hex
 
-    views = [cpu_view(t.reshape(-1).view(torch.uint8)) for t in tensors]
-    list(pool().map(sha256_hex, views))
+    list(pool().map(sha256_hex, byte_views(tensors)))
 
 
 def sha_serial(tensors: list[torch.Tensor]) -> None:
-    from kdump.bundle.spool import cpu_view
     from kdump.bundle.store import sha256_hex
 
-    for t in tensors:
-        sha256_hex(cpu_view(t.reshape(-1).view(torch.uint8)))
+    for view in byte_views(tensors):
+        sha256_hex(view)
 
 
 def raw_write(path: Path, tensors: list[torch.Tensor]) -> None:
-    from kdump.bundle.spool import cpu_view
-
     with open(path, "wb") as f:
-        for t in tensors:
-            f.write(cpu_view(t.reshape(-1).view(torch.uint8)))
+        for view in byte_views(tensors):
+            f.write(view)
 
 
 def write_rate(work: Path, mb: float, repeat: int, device: str) -> dict[str, float]:
@@ -238,9 +240,7 @@ def write_rate(work: Path, mb: float, repeat: int, device: str) -> dict[str, flo
         for h, t in zip(host, tensors):
             h.copy_(t, non_blocking=True)
         torch.cuda.synchronize()
-        with open(work / "raw.bin", "wb") as f:
-            for h in host:
-                f.write(memoryview(h.view(torch.uint8).reshape(-1).numpy()))
+        raw_write(work / "raw.bin", host)
 
     sides: dict[str, Callable[[], object]] = {
         "dump_call": lambda: kdump.dump_call(work / "d.kdump", fn, *args),

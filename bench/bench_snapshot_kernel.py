@@ -27,6 +27,7 @@ import argparse
 import ctypes
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,6 +37,8 @@ from kdump.record import gather
 
 G, BLOCK, K = 288, 128, 4096
 M = G * BLOCK
+# A loaded build: (kd_snapshot, threads per block, rows per gather block, plain-copy chunk bytes)
+Kernel = tuple[Any, int, int, int]
 
 
 def variant_source(spec: str) -> tuple[str, int, int, int]:
@@ -77,6 +80,7 @@ def load(src: str) -> Any:
 
 
 def launch(fn: Any, p: gather.SnapParams, threads: int, grid: int) -> None:
+    """gather.launch with the build's own block size (gather.launch uses the shipped one)."""
     from kdump.nvrtc import check, driver
 
     d = driver()
@@ -160,21 +164,19 @@ class Case:
             if rule is not None:
                 p.rule, p.rule_n = rule.data_ptr(), rule.numel()
 
-    def launch(self, fn: Any, threads: int, rows_per_block: int, chunk: int) -> None:
-        self.time(fn, threads, rows_per_block, chunk, once=True)
-
-    def time(
-        self, fn: Any, threads: int, rows_per_block: int, chunk: int, once: bool = False
-    ) -> float:
+    def step(self, kernel: Kernel) -> Callable[[], None]:
+        """One launch of this case with `kernel`'s build (its block size, rows per block and
+        copy chunk: gather.grid_for's rule with that build's constants)."""
+        fn, threads, rows_per_block, chunk = kernel
         p = self.p
         if self.plan is not None:
             p.gather_blocks = -(-self.plan.rows // rows_per_block)
         chunks = sum(-(-int(p.copies[c].nbytes) // chunk) for c in range(int(p.n_copies)))
         grid = max(1, int(p.gather_blocks) + min(chunks, gather.MAX_COPY_BLOCKS))
-        step = lambda: launch(fn, p, threads, grid)  # noqa: E731
-        if once:
-            step()
-            return 0.0
+        return lambda: launch(fn, p, threads, grid)
+
+    def time(self, kernel: Kernel) -> float:
+        step = self.step(kernel)
         return graph_us(step) if self.graph else events_us(step, 10)
 
 
@@ -236,19 +238,22 @@ def main() -> None:
     head = "| case | bound us | " + " | ".join(s or "as shipped" for s in specs) + " |"
     print(head)
     print("|---|---:|" + "---:|" * len(specs))
-    kernels = [(variant_source(s), load(variant_source(s)[0])) for s in specs]
+    kernels: list[Kernel] = []
+    for spec in specs:
+        src, threads, rows_per_block, chunk = variant_source(spec)
+        kernels.append((load(src), threads, rows_per_block, chunk))
     if opt.once:
         for c in all_cases:
-            for (_, threads, rpb, chunk), fn in kernels:
-                c.launch(fn, threads, rpb, chunk)
+            for kernel in kernels:
+                c.step(kernel)()
         probe2.copy_(probe)
         torch.cuda.synchronize()
         return
     for c in all_cases:
         bound = c.moved / rate / 1e3
         cells = []
-        for (_, threads, rpb, chunk), fn in kernels:
-            us = c.time(fn, threads, rpb, chunk)
+        for kernel in kernels:
+            us = c.time(kernel)
             cells.append(f"{us:.1f} ({bound / us:.2f}x)")
         print(f"| {c.name} | {bound:.1f} | " + " | ".join(cells) + " |")
     print("\n(x) = bound / time: the kernel's rate against the plain copy's")
