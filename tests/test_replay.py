@@ -240,6 +240,9 @@ def test_overread_attributed_to_tensor_by_halo(tmp_path: Path) -> None:
     [v] = replay([tmp_path / "o.kdump"], repeat=1)
     mem = [f for f in v.findings if f.kind == "memory"]
     assert mem and mem[0].details["tensors"] == ["x"] and mem[0].details["side"] == "after"
-    assert mem[0].details["by_up_to"] == 64 and mem[0].details["evidence"] == "halo pass"
-    assert "reads past the end of x (by up to 64 bytes)" in mem[0].message
+    assert mem[0].details["bytes"] == 32 and mem[0].details["evidence"] == "halo differential"
+    assert mem[0].details["outputs"] == ["out[15:16]"]  # one row of 8 float32 past x
+    assert "reads past the end of x: out[15:16] follow the poison after x, 32 bytes" in (
+        mem[0].message
+    )
     assert v.exit_code == ExitCode.MEMORY_FINDING

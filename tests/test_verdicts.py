@@ -167,8 +167,10 @@ def test_overread_attributed_without_reference(tmp_path: Path) -> None:
     )
     [v] = replay([path], device="cpu", repeat=1)
     assert v.exit_code == ExitCode.MEMORY_FINDING, v.headline()
-    assert v.headline().startswith("memory: reads past the end of x (by up to 64 bytes)")
-    assert "evidence: the halo pass" in v.headline()
+    assert v.headline().startswith(
+        "memory: reads past the end of x: out[15:16] follow the poison after x, 32 bytes"
+    )
+    assert "evidence: the halo differential" in v.headline()
 
 
 def test_no_oracle_is_never_plain_clean(tmp_path: Path) -> None:
