@@ -264,3 +264,154 @@ def test_render_fits_80_columns_and_escapes(tmp_path: Path, capsys) -> None:
     assert code == ExitCode.CANNOT_RUN  # the escape makes the target unimportable
     assert "\x1b" not in out and "\\x1b" in out
     assert max(len(line) for line in out.splitlines()) <= 80
+
+
+def _tail_bundle(path: Path, fn: str, produced_tail: torch.Tensor | None) -> Path:
+    """A call of `fn` recorded the way `kdump record` records a generic target (x and out both
+    recorded as outputs); production read `produced_tail` past the end of x (None: in bounds)."""
+    x = torch.randn(256)
+
+    def produce(x: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(torch.cat([x[4:], produced_tail if produced_tail is not None else x[:4]]) * 2)
+
+    return _one(path, f"targets.replay_targets:{fn}", [x, torch.empty(256)], ["x", "out"],
+                [0, 1], produce)  # fmt: skip
+
+
+def test_cpu_overread_named_with_elements_and_bytes(tmp_path: Path) -> None:
+    """The issue's tail.kdump: a read of 4 float32 past x is the verdict (exit 4), with the
+    elements and the distance; the production mismatch is its symptom, not a finding."""
+    path = _tail_bundle(tmp_path / "tail.kdump", "tail_overread", torch.full((4,), 1e23))
+    [v] = replay([path], device="cpu", repeat=3)
+    assert v.exit_code == ExitCode.MEMORY_FINDING, v.headline()
+    assert [f.kind for f in v.findings] == ["memory"], [f.message for f in v.findings]
+    [mem] = v.findings
+    assert mem.message.startswith(
+        "reads past the end of x: out[252:256] follow the poison after x, 16 bytes"
+    )
+    assert "symptom: out differs from the recorded output (production) only there" in mem.message
+    assert mem.details["tensors"] == ["x"] and mem.details["side"] == "after"
+    assert mem.details["bytes"] == 16 and mem.details["outputs"] == ["out[252:256]"]
+    assert mem.details["elements"] == 4
+    steps = {s.name: s for s in v.steps}
+    assert steps["eager/halo differential"].status == "fail"
+    assert steps["eager/halo x after"].message == mem.message.split(" (evidence")[0]
+    assert "eager/halo x before" not in steps  # only the side read is a step
+    # the repeats see the same halos: no nondeterminism
+    assert all(s.status == "ok" for s in v.steps if s.name.endswith(" vs run 1"))
+
+
+def test_cpu_overread_in_the_cli_table_verdict_and_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _tail_bundle(tmp_path / "tail.kdump", "tail_overread", torch.full((4,), 1e23))
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", str(path), "--device", "cpu"])
+    assert exc.value.code == ExitCode.MEMORY_FINDING
+    text = " ".join(capsys.readouterr().out.split())
+    assert "eager/halo x after FAIL reads past the end of x: out[252:256] follow the poison" in text
+    assert "verdict: memory: reads past the end of x: out[252:256]" in text
+    assert "(exit 4)" in text
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", str(path), "--device", "cpu", "--json"])
+    assert exc.value.code == ExitCode.MEMORY_FINDING
+    doc = json.loads(capsys.readouterr().out)
+    [verdict] = doc["verdicts"]
+    assert doc["exit_code"] == 4 and verdict["exit_code"] == 4
+    [mem] = verdict["findings"]
+    assert mem["kind"] == "memory" and mem["details"]["bytes"] == 16
+    assert mem["details"]["outputs"] == ["out[252:256]"]
+    assert verdict["headline"].startswith("memory: reads past the end of x: out[252:256]")
+
+
+def test_cpu_inbounds_twin_is_clean(tmp_path: Path) -> None:
+    path = _tail_bundle(tmp_path / "in.kdump", "tail_inbounds", None)
+    [v] = replay([path], device="cpu", repeat=3)
+    assert v.exit_code == 0, v.headline()
+    step = next(s for s in v.steps if s.name == "eager/halo differential")
+    assert step.status == "ok" and "no output element follows the halo poison" in step.message
+
+
+def test_cpu_read_before_the_start_is_named(tmp_path: Path) -> None:
+    x = torch.randn(8, 16)
+    path = _one(
+        tmp_path / "h.kdump",
+        "targets.replay_targets:head_overread",
+        [x, torch.empty(8, 16)],
+        ["x", "out"],
+        [1],
+        lambda x, out: out.copy_(torch.cat([torch.zeros(2), x.flatten()[:-2]]).view(8, 16) * 2),
+    )
+    [v] = replay([path], device="cpu", repeat=1)
+    assert v.exit_code == ExitCode.MEMORY_FINDING, v.headline()
+    [mem] = v.findings
+    assert mem.details["side"] == "before" and mem.details["bytes"] == 8
+    assert mem.message.startswith(
+        "reads before the start of x: 2 elements of out from out[0, 0] to out[0, 1] follow the "
+        "poison before x, 8 bytes"
+    )
+
+
+def test_cpu_overread_named_in_sequence(tmp_path: Path) -> None:
+    """A call replayed after the earlier calls of its target (in the same buffers) gets the
+    differential too."""
+    from targets import replay_targets
+
+    calls = []
+    for _ in range(2):
+        x = torch.randn(256)
+        out = torch.empty(256)
+        call = capture_call(
+            "targets.replay_targets:tail_overread", [x, out], {}, names=["x", "out"]
+        )
+        live = input_tensors(call, [x, out], {})
+        replay_targets.tail_inbounds(x, out)  # production happened to read finite bytes
+        attach_outputs(call, live, [1])
+        calls.append(call)
+    save_calls(tmp_path / "s.kdump", calls)
+    [v] = replay([tmp_path / "s.kdump"], calls=[1], device="cpu", repeat=1)
+    assert any(s.name == "eager/call 0 (in sequence)" for s in v.steps)
+    assert v.exit_code == ExitCode.MEMORY_FINDING, v.headline()
+    assert v.headline().startswith("memory: reads past the end of x: out[252:256]")
+    assert [f.kind for f in v.findings] == ["memory"], [f.message for f in v.findings]
+
+
+def test_cpu_nondeterminism_is_not_an_overread(tmp_path: Path) -> None:
+    x = torch.randn(16, 8)
+    path = _one(
+        tmp_path / "n.kdump",
+        "targets.replay_targets:noisy",
+        [x, torch.empty(16, 8)],
+        ["x", "out"],
+        [1],
+        lambda x, out: out.copy_(x),
+    )
+    [v] = replay([path], device="cpu", repeat=3)
+    assert "memory" not in {f.kind for f in v.findings}, v.headline()
+    step = next(s for s in v.steps if s.name == "eager/halo differential")
+    assert step.status == "ok" and "not with the halo poison" in step.message
+    assert v.exit_code == ExitCode.MISMATCH
+
+
+def test_cpu_overread_without_halo_is_a_mismatch(tmp_path: Path) -> None:
+    """--halo 0 places no halo and runs no differential: what remains is the mismatch."""
+    path = _tail_bundle(tmp_path / "tail.kdump", "tail_overread", torch.full((4,), 1e23))
+    [v] = replay([path], device="cpu", repeat=1, halo=0)
+    assert not any("halo" in s.name for s in v.steps)
+    assert "memory" not in {f.kind for f in v.findings}
+
+
+def test_cpu_overread_and_a_wrong_result_elsewhere_are_both_reported(tmp_path: Path) -> None:
+    """A mismatch outside the elements read from a halo stays a mismatch finding (exit 4 wins)."""
+    x = torch.randn(256)
+
+    def produce(x: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(torch.cat([x[4:], torch.zeros(4)]) * 2)
+        out[0] += 5.0  # production computed element 0 differently
+
+    path = _one(tmp_path / "w.kdump", "targets.replay_targets:tail_overread",
+                [x, torch.empty(256)], ["x", "out"], [1], produce)  # fmt: skip
+    [v] = replay([path], device="cpu", repeat=1)
+    kinds = sorted(f.kind for f in v.findings)
+    assert kinds == ["memory", "mismatch"], [f.message for f in v.findings]
+    assert v.exit_code == ExitCode.MEMORY_FINDING

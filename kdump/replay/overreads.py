@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kdump.bundle import MaterializedCall
-from kdump.bundle.tensors import Allocation, TensorRecord
+from kdump.bundle.tensors import Allocation, TensorRecord, dtype_from_name
 from kdump.replay import halo
 from kdump.replay.compare import _as_int, _expand_mask, default_tolerance
 from kdump.replay.session import Session
@@ -236,20 +236,23 @@ def _reach(
     moves: Callable[[dict[str, torch.Tensor]], bool],
 ) -> int | None:
     """The smallest N such that changing only the halo bytes farther than N from the span
-    moves no output element that follows the poison (bisection over the halo's bytes)."""
-    lo, hi = 0, halo.halo_bytes(a, side)  # changing every byte beyond lo moves something
+    moves no output element that follows the poison: a bisection in whole elements of the
+    storage's dtype (a NaN stays NaN when only its low bytes change)."""
+    unit = max((dtype_from_name(r.dtype).itemsize for r in tensors if r.storage == a.storage),
+               default=1)  # fmt: skip
+    lo, hi = 0, -(-halo.halo_bytes(a, side) // unit)  # changing every unit beyond lo moves one
     while hi - lo > 1:
         mid = (lo + hi) // 2
         halo.fill(allocs, tensors)
-        halo.fill_beyond(a, side, mid, byte)
-        got = run(f"{trial} beyond {mid} bytes")
+        halo.fill_beyond(a, side, mid * unit, byte)
+        got = run(f"{trial} beyond {mid * unit} bytes")
         if got is None:
             return None
         if moves(got):
             lo = mid
         else:
             hi = mid
-    return hi
+    return min(hi * unit, halo.halo_bytes(a, side))
 
 
 def report(s: Session, d: Differential, step: str, symptoms: list[str]) -> None:
