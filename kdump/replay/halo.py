@@ -6,9 +6,10 @@ encodings (all-ones bytes) for float and FP8 storages, a marked pattern (0x7F by
 positive value, an impossible label) for integers. An out-of-bounds read shows as NaN or garbage in
 outputs; an out-of-bounds write changes a halo byte, which `check` names by argument and offset.
 
-A second poison (`variant` 1: 0x4B bytes, a large finite value in every float format, 1.3e7 in
-float32; 0x40 for integers) lets the replay run the call again with other halo bytes: output
-elements that follow the change read a halo (kdump.replay.overreads).
+A second poison (`variant` 1: 0x4B bytes, finite in every float format: 1.3e7 in float32 and
+bfloat16, 14.6 in float16, 5.5 / 14 in FP8; 0x40 for integers) lets the replay run the call
+again with other halo bytes: output elements that follow the change read a halo
+(kdump.replay.overreads).
 """
 
 from __future__ import annotations
