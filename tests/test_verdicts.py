@@ -418,3 +418,63 @@ def test_cpu_overread_and_a_wrong_result_elsewhere_are_both_reported(tmp_path: P
     kinds = sorted(f.kind for f in v.findings)
     assert kinds == ["memory", "mismatch"], [f.message for f in v.findings]
     assert v.exit_code == ExitCode.MEMORY_FINDING
+
+
+class _Replayed:
+    """Stands in for a captured CUDA graph on the CPU: a replay runs the same call on the same
+    buffers (a graph's pointers are fixed at capture; only memory contents change)."""
+
+    def __init__(self, fn, mc) -> None:
+        self.fn, self.mc = fn, mc
+
+    def replay(self) -> None:
+        self.fn(*self.mc.args, **self.mc.kwargs)
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graph chain on the CPU, in this process: what it does around the capture (halos,
+    differential, verdicts) is tested here; the capture itself on the GPU."""
+    from kdump.replay import graph
+
+    def capture_graph(s, mc, fn, reset):
+        fn(*mc.args, **mc.kwargs)  # the warm-up
+        reset()
+        return _Replayed(fn, mc)
+
+    monkeypatch.setattr(graph, "capture_graph", capture_graph)
+    monkeypatch.setattr(graph, "require_graphs", lambda device: None)
+
+
+def test_graph_chain_names_overread_at_eager_and_every_replay(
+    tmp_path: Path, cpu_graphs: None
+) -> None:
+    path = _tail_bundle(tmp_path / "tail.kdump", "tail_overread", torch.full((4,), 1e23))
+    other = _tail_bundle(tmp_path / "next.kdump", "tail_overread", torch.full((4,), 7.0))
+    [v] = replay([path], mode="graph", device="cpu", isolate=False, then=(f"{other}:0",))
+    steps = "\n".join(f"{st.name} {st.status} {st.message}" for st in v.steps)
+    assert v.exit_code == ExitCode.MEMORY_FINDING, f"{v.headline()}\n{steps}"
+    # one finding for the one over-read, however many replays show it
+    assert [f.kind for f in v.findings] == ["memory"], [f.message for f in v.findings]
+    assert v.findings[0].step == "graph/eager"
+    assert v.headline().startswith(
+        "memory: reads past the end of x: out[252:256] follow the poison after x, 16 bytes"
+    )
+    by_name = {st.name: st for st in v.steps}
+    for step in ("graph/eager", "graph/replay identical", "graph/replay 1 (recorded next.kdump:0)"):
+        assert by_name[f"{step}/halo x after"].status == "fail", steps
+        assert by_name[f"{step}/halo x after"].message.endswith("16 bytes")
+    # the replay against the eager run and the fresh oracle agree: the same poison was read
+    assert by_name["graph/replay identical vs eager"].status == "ok", steps
+    assert by_name["graph/replay identical vs fresh eager"].status == "ok", steps
+
+
+def test_graph_chain_inbounds_and_atomics_stay_clean(tmp_path: Path, cpu_graphs: None) -> None:
+    for path in (
+        _tail_bundle(tmp_path / "in.kdump", "tail_inbounds", None),
+        _rowsum_bundle(tmp_path / "a.kdump"),
+    ):
+        [v] = replay([path], mode="graph", device="cpu", isolate=False)
+        assert v.exit_code == 0, v.headline()
+        diffs = [st for st in v.steps if st.name.endswith("/halo differential")]
+        assert len(diffs) == 2 and all(st.status == "ok" for st in diffs), diffs

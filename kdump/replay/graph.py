@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -98,8 +98,7 @@ def recorded_phases(s: Session) -> list[Phase]:
 
 def run_graph(req: Request, progress: Progress) -> Verdict:
     s = Session(req, progress)
-    if s.device.type != "cuda":
-        raise CannotRunError("graph mode needs a CUDA GPU; on this machine use --mode eager")
+    require_graphs(s.device)
     mc = s.materialize()
     allocs = mc.materialized.allocations
     bound = s.spec.bind(mc.args, mc.kwargs)
@@ -190,19 +189,10 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
     s.restore(mc, pristine)
     s.progress("begin", "graph/capture")
     t0 = time.perf_counter()
-    graph = torch.cuda.CUDAGraph()
     try:
-        side = torch.cuda.Stream(s.device)
-        side.wait_stream(torch.cuda.current_stream(s.device))
-        with torch.cuda.stream(side):
-            fn(*mc.args, **mc.kwargs)
-        torch.cuda.current_stream(s.device).wait_stream(side)
-        torch.cuda.synchronize(s.device)
-        s.restore(mc, pristine)
-        poison_outputs(s, mc, outputs)
-        with torch.cuda.graph(graph):
-            fn(*mc.args, **mc.kwargs)
-        torch.cuda.synchronize(s.device)
+        graph = capture_graph(
+            s, mc, fn, lambda: (s.restore(mc, pristine), poison_outputs(s, mc, outputs))
+        )
     except Exception as exc:
         text = (
             f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
@@ -242,12 +232,12 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
         inputs = [a.span.clone() for a in allocs] if fresh else []
         if save_dir:
             _save_pending(s, mc, save_dir, step, phase)
-        torch.cuda.synchronize(s.device)
+        sync(s.device)
         s.progress("begin", step)
         t = time.perf_counter()
         try:
             graph.replay()
-            torch.cuda.synchronize(s.device)
+            sync(s.device)
         except Exception as exc:
             lines = str(exc).strip().splitlines()
             text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
@@ -266,7 +256,7 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
             s.progress("begin", trial)
             try:
                 graph.replay()
-                torch.cuda.synchronize(s.device)
+                sync(s.device)
             except Exception as exc:
                 lines = str(exc).strip().splitlines()
                 text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
@@ -310,6 +300,39 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
         if oracle_dir is not None:
             oracle_dir.cleanup()
     return s.verdict
+
+
+class Replayable(Protocol):
+    def replay(self) -> None: ...
+
+
+def require_graphs(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise CannotRunError("graph mode needs a CUDA GPU; on this machine use --mode eager")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def capture_graph(
+    s: Session, mc: MaterializedCall, fn: Callable[..., Any], reset: Callable[[], object]
+) -> Replayable:
+    """Warm up on a side stream, `reset()` the buffers, capture one call in a CUDA graph. Every
+    buffer (halos included) was allocated before: the graph reads them at every replay."""
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream(s.device)
+    side.wait_stream(torch.cuda.current_stream(s.device))
+    with torch.cuda.stream(side):
+        fn(*mc.args, **mc.kwargs)
+    torch.cuda.current_stream(s.device).wait_stream(side)
+    torch.cuda.synchronize(s.device)
+    reset()
+    with torch.cuda.graph(graph):
+        fn(*mc.args, **mc.kwargs)
+    torch.cuda.synchronize(s.device)
+    return graph
 
 
 def _pending_path(save_dir: str, step: str) -> Path:
