@@ -478,3 +478,42 @@ def test_graph_chain_inbounds_and_atomics_stay_clean(tmp_path: Path, cpu_graphs:
         assert v.exit_code == 0, v.headline()
         diffs = [st for st in v.steps if st.name.endswith("/halo differential")]
         assert len(diffs) == 2 and all(st.status == "ok" for st in diffs), diffs
+
+
+def test_where_names_the_elements_read() -> None:
+    from kdump.replay.overreads import where
+
+    m = torch.zeros(256, dtype=torch.bool)
+    m[252:] = True
+    assert where("out", m) == "out[252:256]"
+    m[100] = True
+    assert where("out", m) == "5 elements of out in out[100:256]"
+    rows = torch.zeros(64, 32, dtype=torch.bool)
+    rows[56:] = True
+    assert where("out", rows) == "out[56:64]"
+    rows[:] = False
+    rows[63, 30:] = True
+    assert where("out", rows) == "2 elements of out from out[63, 30] to out[63, 31]"
+
+
+def test_differs_follows_the_tolerance_policy() -> None:
+    from kdump.replay.overreads import differs
+
+    a = torch.randn(64) * 100
+    noisy = a * (1 + 1e-7 * torch.randn(64))  # reordered sums: not a read
+    assert not differs(a, noisy, None).any()
+    b = a.clone()
+    b[-4:] = 1.3e7  # the second poison read into one run cannot widen the tolerance
+    assert differs(a, b, None).nonzero().flatten().tolist() == [60, 61, 62, 63]
+    n = a.clone()
+    n[3] = float("nan")
+    m = n.clone()
+    m.view(torch.int32)[3] = -1  # another NaN payload: still NaN in both
+    assert not differs(n, m, None).any()
+    mask = torch.ones(64, dtype=torch.bool)
+    mask[60:] = False
+    assert not differs(a, b, mask).any()  # elements the spec does not judge
+    i = torch.arange(8)
+    j = i.clone()
+    j[7] = 0x40404040
+    assert differs(i, j, None).nonzero().flatten().tolist() == [7]

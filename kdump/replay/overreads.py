@@ -126,13 +126,15 @@ def differential(
     prefix: str,
 ) -> Differential | None:
     """The halo differential of a run whose outputs are `first` (halos at the first poison).
-    Adds its steps; the caller reports `reads` (report_overreads) once the mismatch verdicts
+    Adds its steps; the caller reports `reads` (`report`) once the mismatch verdicts
     know which failures they explain. None when a run failed."""
     allocs = mc.materialized.allocations
     tensors = s.call.tensors
     step = f"{prefix}/halo differential"
 
-    def changed(got: dict[str, torch.Tensor], within: dict[str, torch.Tensor] | None = None):
+    def changed(
+        got: dict[str, torch.Tensor], within: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
         out = {}
         for name, t in first.items():
             # Never bitwise: what a halo feeds differs grossly (NaN / 1.3e7), atomics do not.
