@@ -348,7 +348,7 @@ class Session:
             if not ag.ok and (rest := _outside(explained, name, mask, got)) is not None:
                 ok = agree(got, baseline[name], rest, bitwise=self.req.options.bitwise)
                 if ok.ok:
-                    text += f" — {SYMPTOM}"
+                    text = f"{name} differs {SYMPTOM}: {ag.message}"
                     ag = Agreement(True, False, ag.metrics, ag.message)
             out[name] = ag
             self.step(
@@ -394,7 +394,9 @@ class Session:
                 self.step(
                     f"{step} vs reference",
                     "ok" if cmp.ok else "fail",
-                    f"{name}: {cmp.message}" + f" — {SYMPTOM}" * symptom,
+                    f"{name} differs {SYMPTOM}: {cmp.message}"
+                    if symptom
+                    else f"{name}: {cmp.message}",
                     **cmp.metrics,
                 )
                 if symptom and symptoms is not None:
@@ -425,7 +427,7 @@ class Session:
             self.step(
                 f"{step} vs recorded",
                 "ok" if ag.ok else "fail",
-                f"{name} {verb}: {ag.message}{setup}" + f" — {SYMPTOM}" * symptom,
+                f"{name} {verb}{f' {SYMPTOM}' * symptom}: {ag.message}{setup}",
                 bitwise=ag.exact,
                 **_plain(ag.metrics),
             )
