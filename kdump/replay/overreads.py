@@ -69,23 +69,29 @@ class Differential:
 
 
 def differs(
-    a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None, bitwise: bool = False
+    a: torch.Tensor,
+    b: torch.Tensor,
+    mask: torch.Tensor | None,
+    bitwise: bool = False,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Meaningful elements of `a` and `b` that differ under the tolerance policy: integers (and
     everything with `bitwise`) bit for bit, floats beyond the dtype tolerance of reordered sums
-    (float atomics are not a read), NaN equal to NaN whatever its payload."""
+    (float atomics are not a read), NaN equal to NaN whatever its payload. `scale`: the
+    outputs' magnitude, when `a` and `b` are a few elements picked from them."""
     m = _expand_mask(mask, a)
     if a.shape != b.shape or a.dtype != b.dtype:
         return m
     b = b.to(a.device)
     neq = _as_int(a) != _as_int(b)
-    if bitwise or not a.dtype.is_floating_point:
-        return neq & m
+    if bitwise or not a.dtype.is_floating_point or not bool(neq.any()):
+        return neq & m  # bit-identical (the common case) needs no tolerance
     fa, fb = a.float(), b.float()
     tol = default_tolerance(a.dtype)
     # The absolute part scales with the outputs' magnitude; the smaller of the two, so that
     # the second poison (1.3e7) read into one run cannot widen the tolerance.
-    scale = min(_magnitude(fa, m), _magnitude(fb, m))
+    if scale is None:
+        scale = min(magnitude(fa, m), magnitude(fb, m))
     atol = max(tol.atol, tol.rtol * scale)
     finite = torch.isfinite(fa) & torch.isfinite(fb)
     close = finite & ((fa - fb).abs() <= atol + tol.rtol * fb.abs())
@@ -93,9 +99,12 @@ def differs(
     return neq & ~close & ~same & m
 
 
-def _magnitude(t: torch.Tensor, m: torch.Tensor) -> float:
-    v = t[m & torch.isfinite(t)]
-    return float(v.abs().max()) if v.numel() else 0.0
+def magnitude(t: torch.Tensor, m: torch.Tensor) -> float:
+    """The largest finite magnitude among the elements of `m` (0 without any)."""
+    if not t.numel():
+        return 0.0
+    keep = m & torch.isfinite(t)
+    return float(torch.where(keep, t.abs(), torch.zeros_like(t)).max())
 
 
 def where(name: str, mask: torch.Tensor) -> str:
@@ -132,15 +141,11 @@ def differential(
     tensors = s.call.tensors
     step = f"{prefix}/halo differential"
 
-    def changed(
-        got: dict[str, torch.Tensor], within: dict[str, torch.Tensor] | None = None
-    ) -> dict[str, torch.Tensor]:
+    def changed(got: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
         for name, t in first.items():
             # Never bitwise: what a halo feeds differs grossly (NaN / 1.3e7), atomics do not.
             d = differs(t, got[name], masks.get(name))
-            if within is not None:
-                d &= within.get(name, torch.zeros_like(d))
             if bool(d.any()):
                 out[name] = d
         return out
@@ -180,6 +185,24 @@ def differential(
         )
         result = Differential(follow)
         explained = {n: torch.zeros_like(d) for n, d in follow.items()}
+        # The trials below only ask about these elements: compare just them.
+        picks = {n: d.reshape(-1).nonzero().flatten() for n, d in follow.items()}
+        scales = {
+            n: magnitude(first[n].float(), _expand_mask(masks.get(n), first[n])) for n in follow
+        }
+
+        def moved_at(got: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            out = {}
+            for n, idx in picks.items():
+                d = differs(
+                    first[n].reshape(-1)[idx], got[n].reshape(-1)[idx], None, scale=scales[n]
+                )
+                if bool(d.any()):
+                    full = torch.zeros(follow[n].numel(), dtype=torch.bool, device=d.device)
+                    full[idx[d]] = True
+                    out[n] = full.view(follow[n].shape)
+            return out
+
         for a in allocs:
             names = tuple(n for n, rec in zip(mc.tensor_names, tensors) if rec.storage == a.storage)
             byte = halo.fill_byte(tensors, a.storage, variant=1)
@@ -192,11 +215,11 @@ def differential(
                 got = run(trial)
                 if got is None:
                     return None
-                hit = changed(got, follow)
+                hit = moved_at(got)
                 if not hit:
                     continue
                 reach = _reach(
-                    allocs, tensors, a, side, byte, run, trial, lambda g: bool(changed(g, follow))
+                    allocs, tensors, a, side, byte, run, trial, lambda g: bool(moved_at(g))
                 )
                 if reach is None:
                     return None
