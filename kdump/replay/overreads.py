@@ -1,11 +1,11 @@
 """Out-of-bounds reads named by the halo differential, on any device, in eager and graph mode.
 
 Every storage sits between poisoned halos (kdump.replay.halo). After a run the call runs once more
-with the second poison in every halo: output elements that change read a halo, unless a third run
-with the first poison changes them too (nondeterminism, not a read). One run per storage and side
+with the second poison in every halo: output elements that change read a halo, unless a run
+repeating either poison changes them too (nondeterminism, not a read). One run per storage and side
 with only that halo changed names the argument read out of bounds (which memcheck may miss: TMA
 loads), and runs that change only the halo bytes beyond the nearest N bound how far the read went
-(to the byte). The elements found are excluded from the mismatch and repeat verdicts of the same
+(to the element). The elements found are excluded from the mismatch and repeat verdicts of the same
 run: the over-read is the verdict, a production mismatch there its symptom.
 """
 
@@ -141,9 +141,11 @@ def differential(
     tensors = s.call.tensors
     step = f"{prefix}/halo differential"
 
-    def changed(got: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def changed(
+        got: dict[str, torch.Tensor], base: dict[str, torch.Tensor] = first
+    ) -> dict[str, torch.Tensor]:
         out = {}
-        for name, t in first.items():
+        for name, t in base.items():
             # Never bitwise: what a halo feeds differs grossly (NaN / 1.3e7), atomics do not.
             d = differs(t, got[name], masks.get(name))
             if bool(d.any()):
@@ -159,14 +161,23 @@ def differential(
         if not moved:
             s.step(step, "ok", "no output element follows the halo poison (NaN / 1.3e7)")
             return Differential()
+        # Controls: each poison once more. What a read of a halo returns repeats with its
+        # poison; a race or other nondeterminism does not (it moves in one of them).
         halo.fill(allocs, tensors)
         again = run(f"{prefix}/halo control")
         if again is None:
             return None
-        noise = changed(again)
+        halo.fill(allocs, tensors, variant=1)
+        other_again = run(f"{prefix}/halo control, second poison")
+        if other_again is None:
+            return None
+        noise = [changed(again), changed(other_again, other)]
         follow = {}
         for name, d in moved.items():
-            keep = d & ~noise[name] if name in noise else d
+            keep = d.clone()
+            for n in noise:
+                if name in n:
+                    keep &= ~n[name]
             if bool(keep.any()):
                 follow[name] = keep
         if not follow:
