@@ -188,6 +188,40 @@ def test_halo_detects_stray_write_and_names_argument() -> None:
     assert "guard after d (first 16 bytes past its end)" in v.describe()
 
 
+def test_halo_poisons_and_the_second_poison_on_the_cpu() -> None:
+    """Every CPU storage gets halos before (a view's unrecorded prefix included) and after its
+    span; the second poison is finite in every float format and differs for integers;
+    fill_beyond leaves the bytes nearest the span as they are."""
+    base = torch.randn(40)
+    x = base[8:]  # a view: 32 bytes of its storage before the span are not recorded
+    labels = torch.arange(16, dtype=torch.int32)
+    cap = capture([x, labels])
+    mat = materialize(cap.storages, cap.tensors, lambda i: cap.data[i], "cpu", Placement(halo=64))
+    halo.fill(mat.allocations, cap.tensors)
+    fx, fl = mat.allocations
+    assert fx.prefix == 32 and fx.span_offset >= 64 + 32
+    assert bool((fx.buffer[: fx.span_offset] == 0xFF).all())
+    assert bool((fx.buffer[fx.span_offset + fx.span_nbytes :] == 0xFF).all())
+    assert bool((fl.buffer[fl.span_offset + fl.span_nbytes :] == 0x7F).all())
+    assert torch.equal(mat.tensors[0], x) and torch.equal(mat.tensors[1], labels)
+    halo.fill(mat.allocations, cap.tensors, variant=1)
+    after = fx.buffer[fx.span_offset + fx.span_nbytes :][:4].view(torch.float32)
+    assert float(after) == pytest.approx(1.33e7, rel=1e-2)
+    for dt in (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+        word = torch.full((dt.itemsize,), halo.FLOAT_FILL_B, dtype=torch.uint8).view(dt)
+        assert bool(torch.isfinite(word.float()).all()), dt
+    assert bool((fl.buffer[: fl.span_offset] == 0x40).all())
+    halo.fill(mat.allocations, cap.tensors)
+    halo.fill_beyond(fx, "after", 16, halo.FLOAT_FILL_B)
+    end = fx.span_offset + fx.span_nbytes
+    assert bool((fx.buffer[end : end + 16] == 0xFF).all())
+    assert bool((fx.buffer[end + 16 :] == halo.FLOAT_FILL_B).all())
+    halo.fill_beyond(fx, "before", 8, halo.FLOAT_FILL_B)
+    assert bool((fx.buffer[fx.span_offset - 8 : fx.span_offset] == 0xFF).all())
+    assert bool((fx.buffer[: fx.span_offset - 8] == halo.FLOAT_FILL_B).all())
+    assert torch.equal(mat.tensors[0], x)  # the spans never change
+
+
 def test_graph_restart_logic_picks_crashed_replay() -> None:
     v = Verdict("b", 0, "t", "graph")
     v.steps.append(Step("graph/replay 2 (all empty)", "error", "x"))
@@ -240,6 +274,9 @@ def test_overread_attributed_to_tensor_by_halo(tmp_path: Path) -> None:
     [v] = replay([tmp_path / "o.kdump"], repeat=1)
     mem = [f for f in v.findings if f.kind == "memory"]
     assert mem and mem[0].details["tensors"] == ["x"] and mem[0].details["side"] == "after"
-    assert mem[0].details["by_up_to"] == 64 and mem[0].details["evidence"] == "halo pass"
-    assert "reads past the end of x (by up to 64 bytes)" in mem[0].message
+    assert mem[0].details["bytes"] == 32 and mem[0].details["evidence"] == "halo differential"
+    assert mem[0].details["outputs"] == ["out[15:16]"]  # one row of 8 float32 past x
+    assert "reads past the end of x: out[15:16] follow the poison after x, 32 bytes" in (
+        mem[0].message
+    )
     assert v.exit_code == ExitCode.MEMORY_FINDING

@@ -44,12 +44,14 @@ def _record(path: Path, fn: str, env_vars: dict[str, str] | None = None) -> Path
 
 
 def _pids(tmp_path: Path) -> list[int]:
+    """The pid of every call of a target, in order (the tests replay with halo=0: one run per
+    bundle, no halo differential)."""
     return [int(p) for p in (tmp_path / "pids").read_text().split()]
 
 
 def test_clean_bundles_share_one_worker(tmp_path: Path) -> None:
     paths = [_record(tmp_path / f"b{i}.kdump", "scale_noting_pid") for i in range(4)]
-    verdicts = replay(paths, device="cpu", repeat=1)
+    verdicts = replay(paths, device="cpu", repeat=1, halo=0)
     assert [v.exit_code for v in verdicts] == [0, 0, 0, 0], [v.headline() for v in verdicts]
     pids = _pids(tmp_path)
     assert len(pids) == 4 and len(set(pids)) == 1 and pids[0] != os.getpid()
@@ -58,7 +60,7 @@ def test_clean_bundles_share_one_worker(tmp_path: Path) -> None:
 def test_a_crash_still_isolates_and_its_worker_is_replaced(tmp_path: Path) -> None:
     names = ["scale_noting_pid", "crash_noting_pid", "scale_noting_pid", "scale_noting_pid"]
     paths = [_record(tmp_path / f"b{i}.kdump", fn) for i, fn in enumerate(names)]
-    verdicts = replay(paths, device="cpu", repeat=1)
+    verdicts = replay(paths, device="cpu", repeat=1, halo=0)
     assert [v.exit_code for v in verdicts] == [0, ExitCode.KERNEL_ERROR, 0, 0]
     crash = verdicts[1]
     assert crash.bundle == str(paths[1])
@@ -72,7 +74,7 @@ def test_different_library_settings_get_their_own_worker(tmp_path: Path) -> None
     a = _record(tmp_path / "a.kdump", "scale_noting_pid", {"DG_JIT_NVCC": "1"})
     b = _record(tmp_path / "b.kdump", "scale_noting_pid", {"DG_JIT_NVCC": "0"})
     a2 = _record(tmp_path / "a2.kdump", "scale_noting_pid", {"DG_JIT_NVCC": "1"})
-    verdicts = replay([a, b, a2], device="cpu", repeat=1)
+    verdicts = replay([a, b, a2], device="cpu", repeat=1, halo=0)
     assert [v.exit_code for v in verdicts] == [0, 0, 0]
     pa, pb, pa2 = _pids(tmp_path)
     assert pa != pb and pa2 == pa
@@ -88,7 +90,7 @@ def test_a_worker_with_a_finding_is_not_reused(tmp_path: Path) -> None:
     out.copy_(x * 3.0)  # recorded output that the target does not produce: a mismatch
     attach_outputs(call, live, [1])
     save_calls(bad, [call])
-    verdicts = replay([bad, good], device="cpu", repeat=1)
+    verdicts = replay([bad, good], device="cpu", repeat=1, halo=0)
     assert [v.exit_code for v in verdicts] == [ExitCode.MISMATCH, 0]
     p_bad, p_good = _pids(tmp_path)
     assert p_bad != p_good

@@ -15,8 +15,8 @@ import torch
 
 from kdump.bundle import Call, MaterializedCall
 from kdump.replay import oracle
-from kdump.replay.compare import distinct_results
-from kdump.replay.overreads import attribute_overreads, unexplained_nans
+from kdump.replay.compare import _expand_mask, distinct_results
+from kdump.replay.overreads import Differential, differential, report
 from kdump.replay.session import Progress, Request, Session, poison_outputs
 from kdump.replay.verdict import Verdict
 
@@ -59,6 +59,15 @@ def run_eager(req: Request, progress: Progress) -> Verdict:
         s.step(step, "ok", "earlier call of the same target, in the same buffers")
     runs: list[dict[str, torch.Tensor]] = []
     reproduced: dict[str, bool] = {}
+    explained: dict[str, torch.Tensor] = {}  # output elements read from a halo
+
+    def run_once(trial: str) -> dict[str, torch.Tensor] | None:
+        s.restore(mc, pristine)
+        poison_outputs(s, mc, outputs)
+        if s.run_kernel(fn, mc, trial) is None:
+            return None
+        return {name: mc.tensors[idx].clone() for name, idx in outputs.items()}
+
     for r in range(1, max(1, req.repeat) + 1):
         step = f"eager/run {r}"
         s.restore(mc, pristine)  # every run sees the recorded inputs, at the same addresses
@@ -73,13 +82,22 @@ def run_eager(req: Request, progress: Progress) -> Verdict:
         actual = {name: mc.tensors[idx].clone() for name, idx in outputs.items()}
         runs.append(actual)
         if r == 1:
-            reproduced = s.compare_outputs(step, bound, outputs, actual, expected, recorded)
+            diff: Differential | None = Differential()
+            if s.placement().halo and outputs:
+                masks = {name: s.spec.meaningful(bound, name) for name in outputs}
+                diff = differential(s, mc, actual, masks, run_once, "eager")
+                if diff is None:
+                    return s.verdict  # a run with the second poison failed (its finding says how)
+                explained = diff.follow
+            symptoms: list[str] = []
+            reproduced = s.compare_outputs(
+                step, bound, outputs, actual, expected, recorded, explained, symptoms
+            )
             s.compare_returned(step)
-            if s.placement().halo:
-                _halo_pass(s, mc, fn, outputs, bound, pristine, expected, recorded)
+            report(s, diff, step, symptoms)
             continue
-        s.compare_runs(step, bound, actual, runs[0], "run 1")
-    _judge_repeats(s, bound, runs)
+        s.compare_runs(step, bound, actual, runs[0], "run 1", explained)
+    _judge_repeats(s, bound, runs, explained)
     if prelude and runs and outputs:
         _fresh_oracle(s, mc, outputs, pristine, runs[0], reproduced)
     if not outputs and not s.call.has_returned:
@@ -87,12 +105,20 @@ def run_eager(req: Request, progress: Progress) -> Verdict:
     return s.verdict
 
 
-def _judge_repeats(s: Session, bound: dict, runs: list[dict[str, torch.Tensor]]) -> None:
-    """Repeats that disagree beyond tolerance: nondeterminism, counted in distinct results."""
+def _judge_repeats(
+    s: Session,
+    bound: dict,
+    runs: list[dict[str, torch.Tensor]],
+    explained: dict[str, torch.Tensor],
+) -> None:
+    """Repeats that disagree beyond tolerance: nondeterminism, counted in distinct results.
+    Elements read from a halo (`explained`) are the over-read's, never nondeterminism."""
     if len(runs) < 2:
         return
     for name in runs[0]:
         mask = s.spec.meaningful(bound, name)
+        if name in explained:
+            mask = _expand_mask(mask, runs[0][name]) & ~explained[name]
         results = [r[name] for r in runs]
         k = distinct_results(results, mask, bitwise=s.req.options.bitwise)
         if k < 2:
@@ -112,35 +138,6 @@ def _judge_repeats(s: Session, bound: dict, runs: list[dict[str, torch.Tensor]])
             f"({first_bad.message.split(': ', 1)[-1]})",
             {"output": name, "distinct": k, "runs": len(runs), **first_bad.metrics},
         )
-
-
-def _halo_pass(
-    s: Session,
-    mc: MaterializedCall,
-    fn,
-    outputs: dict[str, int],
-    bound: dict,
-    pristine: list[torch.Tensor],
-    expected: dict[str, torch.Tensor] | None,
-    recorded: dict[int, torch.Tensor],
-) -> None:
-    known: dict[str, list[torch.Tensor]] = {}
-    for name, idx in outputs.items():
-        known[name] = [t for t in ((expected or {}).get(name), recorded.get(idx)) if t is not None]
-
-    def count() -> int:
-        return unexplained_nans(s, mc, outputs, bound, known)
-
-    nan_seen = count()
-    if not nan_seen:
-        return
-
-    def run(step: str) -> bool:
-        s.restore(mc, pristine)
-        poison_outputs(s, mc, outputs)
-        return s.run_kernel(fn, mc, step) is not None
-
-    attribute_overreads(s, mc, run, count, outputs, "eager", "eager/run 1", nan_seen)
 
 
 def _fresh_oracle(

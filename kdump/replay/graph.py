@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -26,7 +27,7 @@ from kdump.bundle import Call, MaterializedCall, capture_call, load_bundle, save
 from kdump.bundle.tensors import capture
 from kdump.errors import CannotRunError, UsageError
 from kdump.replay import oracle
-from kdump.replay.overreads import attribute_overreads, unexplained_nans
+from kdump.replay.overreads import Differential, differential, report
 from kdump.replay.session import Progress, Request, Session, poison_outputs
 from kdump.replay.verdict import Verdict
 
@@ -97,8 +98,7 @@ def recorded_phases(s: Session) -> list[Phase]:
 
 def run_graph(req: Request, progress: Progress) -> Verdict:
     s = Session(req, progress)
-    if s.device.type != "cuda":
-        raise CannotRunError("graph mode needs a CUDA GPU; on this machine use --mode eager")
+    require_graphs(s.device)
     mc = s.materialize()
     allocs = mc.materialized.allocations
     bound = s.spec.bind(mc.args, mc.kwargs)
@@ -128,20 +128,44 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
             return None
         return {k: v.clone() for k, v in s.spec.reference(bound).items()}
 
-    def check(
+    masks = {name: s.spec.meaningful(bound, name) for name in outputs}
+
+    def outputs_now() -> dict[str, torch.Tensor]:
+        return {name: mc.tensors[idx].clone() for name, idx in outputs.items()}
+
+    def judge(
         step: str,
+        rerun: Callable[[str], dict[str, torch.Tensor] | None],
         expected: dict[str, torch.Tensor] | None,
         recorded: dict[int, torch.Tensor] | None,
         baseline: dict[str, torch.Tensor] | None,
-    ) -> dict[str, bool]:
-        actual = {name: mc.tensors[idx].clone() for name, idx in outputs.items()}
-        reproduced = s.compare_outputs(step, bound, outputs, actual, expected, recorded or {})
+    ) -> tuple[dict[str, torch.Tensor], dict[str, bool]] | None:
+        """Guards, the halo differential (`rerun` runs the step again with the halos as they
+        are), then the comparisons; None when a run of the differential failed."""
+        s.check_halos(mc, step)
+        actual = outputs_now()
+        diff: Differential | None = Differential()
+        if s.placement().halo and outputs:
+            diff = differential(s, mc, actual, masks, rerun, step)
+            if diff is None:
+                return None
+        symptoms: list[str] = []
+        reproduced = s.compare_outputs(
+            step, bound, outputs, actual, expected, recorded or {}, diff.follow, symptoms
+        )
         if expected is None and baseline is not None:
-            for name, ag in s.compare_runs(step, bound, actual, baseline, "eager").items():
+            for name, ag in s.compare_runs(
+                step, bound, actual, baseline, "eager", diff.follow
+            ).items():
                 if not ag.ok:
                     s.finding("mismatch", step, f"{name} differs from the eager run: {ag.message}")
-        s.check_halos(mc, step)
-        return reproduced
+        report(s, diff, step, symptoms)
+        return actual, reproduced
+
+    def eager_again(trial: str) -> dict[str, torch.Tensor] | None:
+        s.restore(mc, pristine)
+        poison_outputs(s, mc, outputs)
+        return outputs_now() if s.run_kernel(fn, mc, trial) is not None else None
 
     # (1) eager
     expected = expected_now()
@@ -151,28 +175,24 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
         if dt is None:
             return s.verdict
         s.step("graph/eager", "ok", "", dt)
-        check("graph/eager", expected, s.call.materialize_outputs(s.device), None)
+        judged = judge(
+            "graph/eager", eager_again, expected, s.call.materialize_outputs(s.device), None
+        )
+        if judged is None:
+            return s.verdict
+        baseline = judged[0]
     else:
         s.run_kernel(fn, mc, "graph/eager (again)")
-    baseline = {name: mc.tensors[idx].clone() for name, idx in outputs.items()}
+        baseline = outputs_now()
 
     # (2) warm-up on a side stream, then capture
     s.restore(mc, pristine)
     s.progress("begin", "graph/capture")
     t0 = time.perf_counter()
-    graph = torch.cuda.CUDAGraph()
     try:
-        side = torch.cuda.Stream(s.device)
-        side.wait_stream(torch.cuda.current_stream(s.device))
-        with torch.cuda.stream(side):
-            fn(*mc.args, **mc.kwargs)
-        torch.cuda.current_stream(s.device).wait_stream(side)
-        torch.cuda.synchronize(s.device)
-        s.restore(mc, pristine)
-        poison_outputs(s, mc, outputs)
-        with torch.cuda.graph(graph):
-            fn(*mc.args, **mc.kwargs)
-        torch.cuda.synchronize(s.device)
+        graph = capture_graph(
+            s, mc, fn, lambda: (s.restore(mc, pristine), poison_outputs(s, mc, outputs))
+        )
     except Exception as exc:
         text = (
             f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
@@ -204,22 +224,20 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
     fresh = req.options.wants_fresh_oracle(s.spec.has_reference()) and bool(outputs)
     oracle_dir = tempfile.TemporaryDirectory(prefix="kdump-oracle-") if fresh else None
     oracles: dict[str, tuple[Path, dict[str, bool]]] = {}
-    halo_done = False
 
     def replay(step: str, phase: Phase | None) -> bool:
-        nonlocal halo_done
         prepare(phase)
         exp = expected_now()
         poison_outputs(s, mc, outputs)
         inputs = [a.span.clone() for a in allocs] if fresh else []
         if save_dir:
             _save_pending(s, mc, save_dir, step, phase)
-        torch.cuda.synchronize(s.device)
+        sync(s.device)
         s.progress("begin", step)
         t = time.perf_counter()
         try:
             graph.replay()
-            torch.cuda.synchronize(s.device)
+            sync(s.device)
         except Exception as exc:
             lines = str(exc).strip().splitlines()
             text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
@@ -230,36 +248,31 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
         s.step(step, "ok", "", time.perf_counter() - t)
         n_before = len(s.verdict.findings)
         recorded = phase.recorded_outputs if phase else None
-        reproduced = check(step, exp, recorded, baseline if phase is None else None)
-        replayed = {idx: mc.tensors[idx].clone() for idx in outputs.values()} if fresh else {}
-        if s.placement().halo and not halo_done:
-            known = {
-                name: [
-                    t for t in ((exp or {}).get(name), (recorded or {}).get(idx)) if t is not None
-                ]
-                for name, idx in outputs.items()
-            }
 
-            def count() -> int:
-                return unexplained_nans(s, mc, outputs, bound, known)
+        def again(trial: str) -> dict[str, torch.Tensor] | None:
+            # The graph reads the halos placed before capture: only their bytes change.
+            prepare(phase)
+            poison_outputs(s, mc, outputs)
+            s.progress("begin", trial)
+            try:
+                graph.replay()
+                sync(s.device)
+            except Exception as exc:
+                lines = str(exc).strip().splitlines()
+                text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+                s.step(trial, "error", text)
+                s.finding("kernel_error", trial, f"replay crashed with other halo bytes: {text}")
+                return None
+            return outputs_now()
 
-            def again(trial: str) -> bool:
-                prepare(phase)
-                poison_outputs(s, mc, outputs)
-                s.progress("begin", trial)
-                try:
-                    graph.replay()
-                    torch.cuda.synchronize(s.device)
-                except Exception:
-                    return False
-                return True
-
-            nan_seen = count()
-            if nan_seen:
-                halo_done = True
-                attribute_overreads(s, mc, again, count, outputs, step, step, nan_seen)
+        judged = judge(step, again, exp, recorded, baseline if phase is None else None)
+        if judged is None:
+            _keep_pending(save_dir, step)
+            return False
+        actual, reproduced = judged
+        replayed = {idx: actual[name] for name, idx in outputs.items()} if fresh else {}
         if oracle_dir is not None:
-            # After the halo pass: saving writes the replay's inputs back into the buffers.
+            # After the halo differential: saving writes the replay's inputs back into the buffers.
             path = Path(oracle_dir.name, f"{len(oracles)}.kdump")
             oracles[step] = (oracle.save_inputs(s, mc, inputs, replayed, path), reproduced)
         if len(s.verdict.findings) > n_before:
@@ -287,6 +300,39 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
         if oracle_dir is not None:
             oracle_dir.cleanup()
     return s.verdict
+
+
+class Replayable(Protocol):
+    def replay(self) -> None: ...
+
+
+def require_graphs(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise CannotRunError("graph mode needs a CUDA GPU; on this machine use --mode eager")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def capture_graph(
+    s: Session, mc: MaterializedCall, fn: Callable[..., Any], reset: Callable[[], object]
+) -> Replayable:
+    """Warm up on a side stream, `reset()` the buffers, capture one call in a CUDA graph. Every
+    buffer (halos included) was allocated before: the graph reads them at every replay."""
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream(s.device)
+    side.wait_stream(torch.cuda.current_stream(s.device))
+    with torch.cuda.stream(side):
+        fn(*mc.args, **mc.kwargs)
+    torch.cuda.current_stream(s.device).wait_stream(side)
+    torch.cuda.synchronize(s.device)
+    reset()
+    with torch.cuda.graph(graph):
+        fn(*mc.args, **mc.kwargs)
+    torch.cuda.synchronize(s.device)
+    return graph
 
 
 def _pending_path(save_dir: str, step: str) -> Path:

@@ -5,6 +5,11 @@ places each storage inside a larger allocation whose halo before and after holds
 encodings (all-ones bytes) for float and FP8 storages, a marked pattern (0x7F bytes: a huge
 positive value, an impossible label) for integers. An out-of-bounds read shows as NaN or garbage in
 outputs; an out-of-bounds write changes a halo byte, which `check` names by argument and offset.
+
+A second poison (`variant` 1: 0x4B bytes, finite in every float format: 1.3e7 in float32 and
+bfloat16, 14.6 in float16, 5.5 / 14 in FP8; 0x40 for integers) lets the replay run the call
+again with other halo bytes: output elements that follow the change read a halo
+(kdump.replay.overreads).
 """
 
 from __future__ import annotations
@@ -18,21 +23,39 @@ from kdump.bundle.tensors import Allocation, TensorRecord, dtype_from_name
 
 FLOAT_FILL = 0xFF
 INT_FILL = 0x7F
+# The second poison of the differential: finite in float32/16, bfloat16 and both FP8 formats.
+FLOAT_FILL_B = 0x4B
+INT_FILL_B = 0x40
 
 
-def fill_byte(tensors: Sequence[TensorRecord], storage: int) -> int:
+def fill_byte(tensors: Sequence[TensorRecord], storage: int, variant: int = 0) -> int:
+    floating = True
     for rec in tensors:
         if rec.storage == storage:
-            dt = dtype_from_name(rec.dtype)
-            return FLOAT_FILL if dt.is_floating_point else INT_FILL
-    return FLOAT_FILL
+            floating = dtype_from_name(rec.dtype).is_floating_point
+            break
+    if variant:
+        return FLOAT_FILL_B if floating else INT_FILL_B
+    return FLOAT_FILL if floating else INT_FILL
 
 
-def fill(allocations: Sequence[Allocation], tensors: Sequence[TensorRecord]) -> None:
+def fill(
+    allocations: Sequence[Allocation], tensors: Sequence[TensorRecord], variant: int = 0
+) -> None:
+    """Every halo with poison `variant` (0: NaN / 0x7F, the default; 1: the second poison)."""
     for a in allocations:
-        byte = fill_byte(tensors, a.storage)
+        byte = fill_byte(tensors, a.storage, variant)
         a.buffer[: a.span_offset].fill_(byte)
         a.buffer[a.span_offset + a.span_nbytes :].fill_(byte)
+
+
+def fill_beyond(a: Allocation, side: str, nbytes: int, byte: int) -> None:
+    """Fill the halo bytes on `side` that lie more than `nbytes` from the span (the nearest
+    `nbytes` keep what they hold)."""
+    if side == "before":
+        a.buffer[: max(0, a.span_offset - nbytes)].fill_(byte)
+    else:
+        a.buffer[a.span_offset + a.span_nbytes + nbytes :].fill_(byte)
 
 
 @dataclass(frozen=True)
@@ -91,30 +114,6 @@ def check(
             out.append(HaloViolation(a.storage, who, "after", int(diff[0, 0]), int(diff.shape[0])))
     # Writes running past an end are the common bug: report those first, nearest first.
     return sorted(out, key=lambda v: (v.side != "after", abs(v.offset)))
-
-
-def neutralize(allocations: Sequence[Allocation]) -> None:
-    """Zero every halo (a benign value in every format)."""
-    for a in allocations:
-        a.buffer[: a.span_offset].zero_()
-        a.buffer[a.span_offset + a.span_nbytes :].zero_()
-
-
-def poison_side(a: Allocation, side: str) -> None:
-    if side == "before":
-        a.buffer[: a.span_offset].fill_(FLOAT_FILL)
-    else:
-        a.buffer[a.span_offset + a.span_nbytes :].fill_(FLOAT_FILL)
-
-
-def poison_near(a: Allocation, side: str, nbytes: int) -> None:
-    """Poison only the `nbytes` halo bytes nearest the span on `side` (the rest stays as is)."""
-    if side == "before":
-        start = max(0, a.span_offset - nbytes)
-        a.buffer[start : a.span_offset].fill_(FLOAT_FILL)
-    else:
-        end = a.span_offset + a.span_nbytes
-        a.buffer[end : end + nbytes].fill_(FLOAT_FILL)
 
 
 def halo_bytes(a: Allocation, side: str) -> int:

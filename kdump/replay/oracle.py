@@ -79,7 +79,13 @@ def run_fresh(s: Session, bundles: dict[str, Path]) -> dict[str, FreshResult]:
 
 def read_fresh(v: Verdict) -> FreshResult:
     """The oracle child's judgement of the in-sequence result."""
-    bad = [f for f in v.findings if f.kind != "mismatch"]
+    # An over-read the oracle's own halo differential names is the in-sequence replay's to
+    # report (its fresh run read the same poison): the comparison still stands.
+    bad = [
+        f
+        for f in v.findings
+        if f.kind != "mismatch" and f.details.get("evidence") != "halo differential"
+    ]
     if bad:
         return FreshResult(False, False, 0, 0.0, f"the fresh eager run failed: {bad[0].message}")
     steps = [st for st in v.steps if st.name.endswith(" vs recorded")]

@@ -1,119 +1,331 @@
-"""Out-of-bounds reads named by the halo pass, on any target and in eager and graph mode.
+"""Out-of-bounds reads named by the halo differential, on any device, in eager and graph mode.
 
-When an output holds NaN where neither the recorded output nor the reference has one, the call is
-re-run with every halo neutralised (zero): NaNs that stay are not from the halos. Otherwise one
-run per input storage and side with only that halo poisoned names the tensor read out of bounds
-(which memcheck may miss: TMA loads), and runs with only the nearest bytes poisoned bound how far.
+Every storage sits between poisoned halos (kdump.replay.halo). After a run the call runs once more
+with the second poison in every halo: output elements that change read a halo, unless a run
+repeating either poison changes them too (nondeterminism, not a read). One run per storage and side
+with only that halo changed names the argument read out of bounds (which memcheck may miss: TMA
+loads), and runs that change only the halo bytes beyond the nearest N bound how far the read went
+(to the element). The elements found are excluded from the mismatch and repeat verdicts of the same
+run: the over-read is the verdict, a production mismatch there its symptom.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from kdump.bundle import MaterializedCall
+from kdump.bundle.tensors import Allocation, TensorRecord, dtype_from_name
 from kdump.replay import halo
+from kdump.replay.compare import _as_int, _expand_mask, default_tolerance
 from kdump.replay.session import Session
 
-# Nearest-bytes poisoned when bounding the distance of an over-read.
-_REACH = (64, 256, 1024, 4096, 16384, 65536)
+# run(step) restores the inputs, poisons the outputs, runs the call once with the halos as they
+# are and returns the outputs (None: it failed, a finding already says how).
+Run = Callable[[str], "dict[str, torch.Tensor] | None"]
 
 
-def _human(n: int) -> str:
-    return f"{n // 1024} KiB" if n >= 1024 and n % 1024 == 0 else f"{n} bytes"
+def human_bytes(n: int) -> str:
+    return f"{n // 1024} KiB" if n >= 1024 and n % 1024 == 0 else f"{n} byte" + "s" * (n != 1)
 
 
-def unexplained_nans(
+@dataclass(frozen=True)
+class Overread:
+    """Output elements that follow the poison of one halo."""
+
+    storage: int
+    names: tuple[str, ...]  # the arguments viewing that storage
+    side: str  # "after" | "before"
+    nbytes: int  # the farthest halo byte read, counted from the span's end (or start)
+    where: tuple[str, ...]  # per output, its elements that follow: "out[252:256]"
+    elements: int
+
+    def describe(self) -> str:
+        who = " / ".join(self.names) or f"storage {self.storage}"
+        if self.side == "after":
+            return (
+                f"reads past the end of {who}: {', '.join(self.where)} follow the poison after "
+                f"{who}, {human_bytes(self.nbytes)}"
+            )
+        return (
+            f"reads before the start of {who}: {', '.join(self.where)} follow the poison before "
+            f"{who}, {human_bytes(self.nbytes)}"
+        )
+
+
+@dataclass
+class Differential:
+    """What the halo differential of one run found."""
+
+    follow: dict[str, torch.Tensor] = field(default_factory=dict)  # output -> elements read
+    reads: list[Overread] = field(default_factory=list)
+    unattributed: tuple[str, ...] = ()  # outputs' elements no single halo explains
+
+    @property
+    def found(self) -> bool:
+        return bool(self.follow)
+
+
+def differs(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    mask: torch.Tensor | None,
+    bitwise: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Meaningful elements of `a` and `b` that differ under the tolerance policy: integers (and
+    everything with `bitwise`) bit for bit, floats beyond the dtype tolerance of reordered sums
+    (float atomics are not a read), NaN equal to NaN whatever its payload. `scale`: the
+    outputs' magnitude, when `a` and `b` are a few elements picked from them."""
+    m = _expand_mask(mask, a)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return m
+    b = b.to(a.device)
+    neq = _as_int(a) != _as_int(b)
+    if bitwise or not a.dtype.is_floating_point or not bool(neq.any()):
+        return neq & m  # bit-identical (the common case) needs no tolerance
+    fa, fb = a.float(), b.float()
+    tol = default_tolerance(a.dtype)
+    # The absolute part scales with the outputs' magnitude; the smaller of the two, so that
+    # the second poison (1.3e7) read into one run cannot widen the tolerance.
+    if scale is None:
+        scale = min(magnitude(fa, m), magnitude(fb, m))
+    atol = max(tol.atol, tol.rtol * scale)
+    finite = torch.isfinite(fa) & torch.isfinite(fb)
+    close = finite & ((fa - fb).abs() <= atol + tol.rtol * fb.abs())
+    same = (torch.isnan(fa) & torch.isnan(fb)) | (torch.isinf(fa) & (fa == fb))
+    return neq & ~close & ~same & m
+
+
+def magnitude(t: torch.Tensor, m: torch.Tensor) -> float:
+    """The largest finite magnitude among the elements of `m` (0 without any)."""
+    if not t.numel():
+        return 0.0
+    keep = m & torch.isfinite(t)
+    return float(torch.where(keep, t.abs(), torch.zeros_like(t)).max())
+
+
+def where(name: str, mask: torch.Tensor) -> str:
+    """The elements of `mask` as an index expression: out[252:256], out[63:64] (whole rows), or
+    the first and last when they are scattered."""
+    flat = mask.reshape(-1).nonzero().flatten()
+    n = int(flat.numel())
+    lo, hi = int(flat[0]), int(flat[-1])
+    if mask.dim() <= 1:
+        if hi - lo + 1 == n:
+            return f"{name}[{lo}:{hi + 1}]"
+        return f"{n} elements of {name} in {name}[{lo}:{hi + 1}]"
+    rows = mask.reshape(mask.shape[0], -1).any(1).nonzero().flatten()
+    r0, r1 = int(rows[0]), int(rows[-1]) + 1
+    if bool(mask[r0:r1].all()):
+        return f"{name}[{r0}:{r1}]"
+    first = [int(c) for c in mask.nonzero()[0]]
+    last = [int(c) for c in mask.nonzero()[-1]]
+    return f"{n} elements of {name} from {name}{first} to {name}{last}"
+
+
+def differential(
     s: Session,
     mc: MaterializedCall,
-    outputs: dict[str, int],
-    bound: dict,
-    known: dict[str, torch.Tensor],
-) -> int:
-    """NaNs in the meaningful output elements where no oracle (`known`: name -> tensor the
-    recorded output or the reference) has a NaN."""
-    n = 0
-    for name, idx in outputs.items():
-        t = mc.tensors[idx]
-        if not t.dtype.is_floating_point:
-            continue
-        bad = torch.isnan(t)
-        mask = s.spec.meaningful(bound, name)
-        if mask is not None:
-            bad &= mask.to(t.device).bool().expand(t.shape)
-        for other in known.get(name, ()):
-            if other.shape == t.shape:
-                bad &= ~torch.isnan(other.to(t.device).float())
-        n += int(bad.sum())
-    return n
-
-
-def attribute_overreads(
-    s: Session,
-    mc: MaterializedCall,
-    run: Callable[[str], bool],
-    count: Callable[[], int],
-    outputs: dict[str, int],
+    first: dict[str, torch.Tensor],
+    masks: dict[str, torch.Tensor | None],
+    run: Run,
     prefix: str,
-    blame: str,
-    nan_seen: int,
-) -> bool:
-    """Run the halo pass; `run(step)` restores the inputs, poisons the outputs and runs the call
-    once (False: it failed), `count()` counts unexplained NaNs. Returns True when a tensor was
-    named (a memory finding on step `blame`)."""
+) -> Differential | None:
+    """The halo differential of a run whose outputs are `first` (halos at the first poison).
+    Adds its steps; the caller reports `reads` (`report`) once the mismatch verdicts
+    know which failures they explain. None when a run failed."""
     allocs = mc.materialized.allocations
-    found = False
+    tensors = s.call.tensors
+    step = f"{prefix}/halo differential"
 
-    def trial(step: str) -> int | None:
-        return count() if run(step) else None
+    def changed(
+        got: dict[str, torch.Tensor], base: dict[str, torch.Tensor] = first
+    ) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in base.items():
+            # Never bitwise: what a halo feeds differs grossly (NaN / 1.3e7), atomics do not.
+            d = differs(t, got[name], masks.get(name))
+            if bool(d.any()):
+                out[name] = d
+        return out
 
     try:
-        halo.neutralize(allocs)
-        baseline = trial(f"{prefix}/halo neutral")
-        if baseline is None or baseline >= nan_seen:
-            return False
-        out_storages = {s.call.tensors[i].storage for i in outputs.values()}
+        halo.fill(allocs, tensors, variant=1)
+        other = run(step)
+        if other is None:
+            return None
+        moved = changed(other)
+        if not moved:
+            s.step(step, "ok", "no output element follows the halo poison (NaN / 1.3e7)")
+            return Differential()
+        # Controls: each poison once more. What a read of a halo returns repeats with its
+        # poison; a race or other nondeterminism does not (it moves in one of them).
+        halo.fill(allocs, tensors)
+        again = run(f"{prefix}/halo control")
+        if again is None:
+            return None
+        halo.fill(allocs, tensors, variant=1)
+        other_again = run(f"{prefix}/halo control, second poison")
+        if other_again is None:
+            return None
+        noise = [changed(again), changed(other_again, other)]
+        follow = {}
+        for name, d in moved.items():
+            keep = d.clone()
+            for n in noise:
+                if name in n:
+                    keep &= ~n[name]
+            if bool(keep.any()):
+                follow[name] = keep
+        if not follow:
+            s.step(
+                step,
+                "ok",
+                "outputs change from run to run, not with the halo poison: "
+                + ", ".join(where(n, d) for n, d in moved.items()),
+            )
+            return Differential()
+        s.step(
+            step,
+            "fail",
+            f"{', '.join(where(n, d) for n, d in follow.items())} change with the halo poison "
+            "(NaN / 1.3e7), not between two runs with the same poison",
+        )
+        result = Differential(follow)
+        explained = {n: torch.zeros_like(d) for n, d in follow.items()}
+        # The trials below only ask about these elements: compare just them.
+        picks = {n: d.reshape(-1).nonzero().flatten() for n, d in follow.items()}
+        scales = {
+            n: magnitude(first[n].float(), _expand_mask(masks.get(n), first[n])) for n in follow
+        }
+
+        def moved_at(got: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            out = {}
+            for n, idx in picks.items():
+                d = differs(
+                    first[n].reshape(-1)[idx], got[n].reshape(-1)[idx], None, scale=scales[n]
+                )
+                if bool(d.any()):
+                    full = torch.zeros(follow[n].numel(), dtype=torch.bool, device=d.device)
+                    full[idx[d]] = True
+                    out[n] = full.view(follow[n].shape)
+            return out
+
         for a in allocs:
-            if a.storage in out_storages:
-                continue
-            names = [
-                n for n, rec in zip(mc.tensor_names, s.call.tensors) if rec.storage == a.storage
-            ]
-            for side in ("before", "after"):
-                step = f"{prefix}/halo {'/'.join(names)} {side}"
-                halo.neutralize(allocs)
-                halo.poison_side(a, side)
-                n = trial(step)
-                if n is None:
-                    return found
-                if n <= baseline:
+            names = tuple(n for n, rec in zip(mc.tensor_names, tensors) if rec.storage == a.storage)
+            byte = halo.fill_byte(tensors, a.storage, variant=1)
+            for side in ("after", "before"):
+                if not halo.halo_bytes(a, side):
                     continue
-                reach = halo.halo_bytes(a, side)
-                for k in _REACH:
-                    if k >= reach:
-                        break
-                    halo.neutralize(allocs)
-                    halo.poison_near(a, side, k)
-                    m = trial(f"{step} {k} bytes")
-                    if m is not None and m > baseline:
-                        reach = k
-                        break
-                where = "past the end of" if side == "after" else "before the start of"
-                who = " / ".join(names)
-                msg = (
-                    f"reads {where} {who} (by up to {_human(reach)}): NaN from its poisoned halo "
-                    f"reached {n - baseline} output element(s) (evidence: the halo pass)"
+                trial = f"{prefix}/halo {'/'.join(names)} {side}"
+                halo.fill(allocs, tensors)
+                halo.fill_beyond(a, side, 0, byte)
+                got = run(trial)
+                if got is None:
+                    return None
+                hit = moved_at(got)
+                if not hit:
+                    continue
+                reach = _reach(
+                    allocs, tensors, a, side, byte, run, trial, lambda g: bool(moved_at(g))
                 )
-                s.step(step, "fail", msg)
-                s.finding(
-                    "memory",
-                    blame,
-                    msg,
-                    {"tensors": names, "side": side, "by_up_to": reach, "evidence": "halo pass"},
+                if reach is None:
+                    return None
+                read = Overread(
+                    a.storage,
+                    names,
+                    side,
+                    reach,
+                    tuple(where(n, d) for n, d in hit.items()),
+                    sum(int(d.sum()) for d in hit.values()),
                 )
-                found = True
-        return found
+                result.reads.append(read)
+                for n, d in hit.items():
+                    explained[n] |= d
+                s.step(trial, "fail", read.describe())
+        left = {n: follow[n] & ~explained[n] for n in follow}
+        result.unattributed = tuple(where(n, d) for n, d in left.items() if bool(d.any()))
+        if result.unattributed:
+            s.step(
+                f"{prefix}/halo (every one)",
+                "fail",
+                f"{', '.join(result.unattributed)} follow the halo poison, but no single halo "
+                "explains them",
+            )
+        return result
     finally:
-        halo.fill(allocs, s.call.tensors)
+        halo.fill(allocs, tensors)
         s.guards = halo.snapshot(allocs)
+
+
+def _reach(
+    allocs: Sequence[Allocation],
+    tensors: Sequence[TensorRecord],
+    a: Allocation,
+    side: str,
+    byte: int,
+    run: Run,
+    trial: str,
+    moves: Callable[[dict[str, torch.Tensor]], bool],
+) -> int | None:
+    """The smallest N such that changing only the halo bytes farther than N from the span
+    moves no output element that follows the poison: a bisection in whole elements of the
+    storage's dtype (a NaN stays NaN when only its low bytes change)."""
+    unit = max((dtype_from_name(r.dtype).itemsize for r in tensors if r.storage == a.storage),
+               default=1)  # fmt: skip
+    lo, hi = 0, -(-halo.halo_bytes(a, side) // unit)  # changing every unit beyond lo moves one
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        halo.fill(allocs, tensors)
+        halo.fill_beyond(a, side, mid * unit, byte)
+        got = run(f"{trial} beyond {mid * unit} bytes")
+        if got is None:
+            return None
+        if moves(got):
+            lo = mid
+        else:
+            hi = mid
+    return min(hi * unit, halo.halo_bytes(a, side))
+
+
+def report(s: Session, d: Differential, step: str, symptoms: list[str]) -> None:
+    """Memory findings for what `d` found; `symptoms`: the failures of the same run that only the
+    elements read from a halo show (never findings of their own). Each halo read is named once
+    per replay (graph mode replays the same over-read every time)."""
+    for r in d.reads:
+        if (r.storage, r.side) in s.overreads_named:
+            continue
+        s.overreads_named.add((r.storage, r.side))
+        msg = f"{r.describe()} (evidence: the halo differential)"
+        if symptoms:
+            msg += f"; symptom: {'; '.join(symptoms)}"
+        s.finding(
+            "memory",
+            step,
+            msg,
+            {
+                "tensors": list(r.names),
+                "side": r.side,
+                "bytes": r.nbytes,
+                "outputs": list(r.where),
+                "elements": r.elements,
+                "evidence": "halo differential",
+                "symptoms": list(symptoms),
+            },
+        )
+    if d.unattributed and not d.reads:
+        msg = (
+            f"reads outside its arguments: {', '.join(d.unattributed)} follow the halo poison, "
+            "but no single halo explains them (evidence: the halo differential)"
+        )
+        if symptoms:
+            msg += f"; symptom: {'; '.join(symptoms)}"
+        s.finding(
+            "memory",
+            step,
+            msg,
+            {"outputs": list(d.unattributed), "evidence": "halo differential"},
+        )

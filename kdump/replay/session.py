@@ -18,7 +18,14 @@ from kdump.kernels.generic import GenericSpec
 from kdump.kernels.registry import choose_backend
 from kdump.kernels.spec import Backend, KernelSpec, Tolerance
 from kdump.replay import halo
-from kdump.replay.compare import Agreement, agree, compare_to_reference, poison
+from kdump.replay.compare import (
+    Agreement,
+    Comparison,
+    _expand_mask,
+    agree,
+    compare_to_reference,
+    poison,
+)
 from kdump.replay.options import ReplayOptions
 from kdump.replay.verdict import Finding, Step, Verdict
 
@@ -123,6 +130,8 @@ class Session:
             device=str(self.device),
         )
         self.backend: Backend = choose_backend(req.backend, self.spec, self.device)
+        # (storage, side) of the halo reads already reported (kdump.replay.overreads)
+        self.overreads_named: set[tuple[int, str]] = set()
         self.verdict.backend = self.backend.name
         progress(
             "meta",
@@ -326,22 +335,26 @@ class Session:
         actual: dict[str, torch.Tensor],
         baseline: dict[str, torch.Tensor],
         label: str,
+        explained: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, Agreement]:
         """Every output against `baseline` (another run of the same inputs) under the tolerance
-        policy; returns the agreements (the caller decides what a disagreement means)."""
+        policy; returns the agreements (the caller decides what a disagreement means). Outputs
+        that disagree only at `explained` elements (read from a halo) agree, said in the step."""
         out: dict[str, Agreement] = {}
         for name, got in actual.items():
-            ag = agree(
-                got,
-                baseline[name],
-                self.spec.meaningful(bound, name),
-                bitwise=self.req.options.bitwise,
-            )
+            mask = self.spec.meaningful(bound, name)
+            ag = agree(got, baseline[name], mask, bitwise=self.req.options.bitwise)
+            text = f"{name}: {ag.message}"
+            if not ag.ok and (rest := _outside(explained, name, mask, got)) is not None:
+                ok = agree(got, baseline[name], rest, bitwise=self.req.options.bitwise)
+                if ok.ok:
+                    text = f"{name} differs {SYMPTOM}: {ag.message}"
+                    ag = Agreement(True, False, ag.metrics, ag.message)
             out[name] = ag
             self.step(
                 f"{step} vs {label}",
                 "ok" if ag.ok else "fail",
-                f"{name}: {ag.message}",
+                text,
                 **_plain(ag.metrics),
             )
             if ag.note:
@@ -356,10 +369,13 @@ class Session:
         actual: dict[str, torch.Tensor],
         expected: dict[str, torch.Tensor] | None,
         recorded: dict[int, torch.Tensor],
+        explained: dict[str, torch.Tensor] | None = None,
+        symptoms: list[str] | None = None,
     ) -> dict[str, bool]:
         """Outputs against the reference (spec tolerance) and the recorded output (the tolerance
         policy on the recording's setup, the spec's tolerance on another). Returns, per output
-        compared with its recording, whether it reproduces production."""
+        compared with its recording, whether it reproduces production. A failure only at
+        `explained` elements (read from a halo) is no finding: it goes to `symptoms`."""
         tol = self.spec.tolerance(bound)
         same_setup = self.same_setup_as_recording()
         reproduced: dict[str, bool] = {}
@@ -368,13 +384,24 @@ class Session:
             got = actual[name]
             if expected is not None and name in expected and self.backend.name != "reference":
                 cmp = compare_to_reference(got, expected[name], mask, tol)
+                symptom = not cmp.ok and _only_at(
+                    explained,
+                    name,
+                    mask,
+                    got,
+                    lambda m, g=got, e=expected[name]: compare_to_reference(g, e, m, tol),
+                )
                 self.step(
                     f"{step} vs reference",
                     "ok" if cmp.ok else "fail",
-                    f"{name}: {cmp.message}",
+                    f"{name} differs {SYMPTOM}: {cmp.message}"
+                    if symptom
+                    else f"{name}: {cmp.message}",
                     **cmp.metrics,
                 )
-                if not cmp.ok:
+                if symptom and symptoms is not None:
+                    symptoms.append(f"{name} differs from the reference only there")
+                elif not cmp.ok:
                     self.finding(
                         "mismatch",
                         step,
@@ -384,23 +411,31 @@ class Session:
             if idx not in recorded:
                 continue
             rec = recorded[idx]
-            if same_setup:
-                ag = agree(got, rec, mask, bitwise=self.req.options.bitwise)
-            else:
-                ag = agree(got, rec, mask, tol=self.tolerance_for(bound, got))
+
+            def against(
+                m: torch.Tensor | None, got: torch.Tensor = got, rec: torch.Tensor = rec
+            ) -> Agreement:
+                if same_setup:
+                    return agree(got, rec, m, bitwise=self.req.options.bitwise)
+                return agree(got, rec, m, tol=self.tolerance_for(bound, got))
+
+            ag = against(mask)
             reproduced[name] = ag.ok
+            symptom = not ag.ok and _only_at(explained, name, mask, got, against)
             setup = "" if same_setup else " (setup differs from the recording)"
             verb = "reproduces production" if ag.ok else "differs from production"
             self.step(
                 f"{step} vs recorded",
                 "ok" if ag.ok else "fail",
-                f"{name} {verb}: {ag.message}{setup}",
+                f"{name} {verb}{f' {SYMPTOM}' * symptom}: {ag.message}{setup}",
                 bitwise=ag.exact,
                 **_plain(ag.metrics),
             )
             if ag.note:
                 self.note(f"{name}: {ag.note}")
-            if not ag.ok:
+            if symptom and symptoms is not None:
+                symptoms.append(f"{name} differs from the recorded output (production) only there")
+            elif not ag.ok:
                 self.finding(
                     "mismatch",
                     step,
@@ -485,6 +520,33 @@ def _same_tree(got: Any, rec: Any, path: str, problems: list[str], options: Any)
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+SYMPTOM = "only where a halo was read (a symptom of the over-read)"
+
+
+def _outside(
+    explained: dict[str, torch.Tensor] | None,
+    name: str,
+    mask: torch.Tensor | None,
+    like: torch.Tensor,
+) -> torch.Tensor | None:
+    """The meaningful elements of output `name` not read from a halo (None: none were)."""
+    if not explained or name not in explained:
+        return None
+    return _expand_mask(mask, like) & ~explained[name].to(like.device)
+
+
+def _only_at(
+    explained: dict[str, torch.Tensor] | None,
+    name: str,
+    mask: torch.Tensor | None,
+    like: torch.Tensor,
+    check: Callable[[torch.Tensor], Agreement | Comparison],
+) -> bool:
+    """True when a failing comparison passes without the elements read from a halo."""
+    rest = _outside(explained, name, mask, like)
+    return rest is not None and check(rest).ok
 
 
 def _plain(metrics: dict[str, Any]) -> dict[str, Any]:

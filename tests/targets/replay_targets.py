@@ -40,3 +40,28 @@ def overread(x: torch.Tensor, out: torch.Tensor) -> None:
 
 def exits(x: torch.Tensor, out: torch.Tensor) -> None:
     os._exit(3)  # a library that ends the process without a signal
+
+
+def _raw_floats(x: torch.Tensor, before: int, count: int) -> torch.Tensor:
+    """`count` float32 starting `before` elements ahead of x's first one, through a raw pointer
+    (no bounds: what a kernel with a wrong extent sees)."""
+    import ctypes
+
+    ptr = x.data_ptr() - 4 * before
+    return torch.frombuffer((ctypes.c_float * count).from_address(ptr), dtype=torch.float32)
+
+
+def tail_overread(x: torch.Tensor, out: torch.Tensor) -> None:
+    """out[i] = 2 * x[i + 4]: the last 4 elements come from the 16 bytes past the end of x."""
+    out.copy_(_raw_floats(x, 0, x.numel() + 4)[4:].view(x.shape) * 2.0)
+
+
+def tail_inbounds(x: torch.Tensor, out: torch.Tensor) -> None:
+    """tail_overread's shapes, in bounds: the last 4 elements wrap round to x's first ones."""
+    flat = x.reshape(-1)
+    out.copy_(torch.cat([flat[4:], flat[:4]]).view(x.shape) * 2.0)
+
+
+def head_overread(x: torch.Tensor, out: torch.Tensor) -> None:
+    """out[i] = 2 * x[i - 2]: the first 2 elements come from the 8 bytes before the start of x."""
+    out.copy_(_raw_floats(x, 2, x.numel())[: x.numel()].view(x.shape) * 2.0)

@@ -1,7 +1,9 @@
-"""A planted TMA bug for replay tests: its descriptor claims one row more than the tensor has, so
-the last block's bulk tensor load reads one row past the end of `x` (memcheck does not see it).
+"""A planted TMA bug for replay tests: its descriptor claims more rows than the tensor has, so
+the last block's bulk tensor load reads rows past the end of `x` (memcheck does not see it).
 
-out[r, :] = 2 * x[r + 1, :]; the last output row is fed from the row past x.
+shifted_double: out[r, :] = 2 * x[r + 1, :]; the last output row is fed from the row past x.
+shifted_double_8rows: out[r, :] = 2 * x[r + 8, :]; the last 8 rows (a whole box) from past x.
+doubled: out = 2 * x through the same kernel with an exact descriptor (the in-bounds twin).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ SOURCE = r"""
 struct __align__(64) TmaDesc { unsigned long long v[16]; };
 
 extern "C" __global__ void shifted_double(const __grid_constant__ TmaDesc tmap, float* out,
-                                          int rows) {
+                                          int rows, int shift) {
     __shared__ __align__(128) float tile[8][32];
     __shared__ __align__(8) unsigned long long bar;
     const unsigned bar_addr = static_cast<unsigned>(__cvta_generic_to_shared(&bar));
@@ -34,7 +36,7 @@ extern "C" __global__ void shifted_double(const __grid_constant__ TmaDesc tmap, 
             "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
             " [%0], [%1, {%2, %3}], [%4];"
             :: "r"(tile_addr), "l"(reinterpret_cast<unsigned long long>(&tmap)), "r"(0),
-               "r"(8 * b + 1), "r"(bar_addr)
+               "r"(8 * b + shift), "r"(bar_addr)
             : "memory");
     }
     __syncthreads();
@@ -70,6 +72,19 @@ def _function(arch: str) -> Any:
 
 
 def shifted_double(x: torch.Tensor, out: torch.Tensor) -> None:
+    _launch(x, out, 1)
+
+
+def shifted_double_8rows(x: torch.Tensor, out: torch.Tensor) -> None:
+    _launch(x, out, BOX_ROWS)
+
+
+def doubled(x: torch.Tensor, out: torch.Tensor) -> None:
+    _launch(x, out, 0)
+
+
+def _launch(x: torch.Tensor, out: torch.Tensor, shift: int) -> None:
+    """Box loads start `shift` rows down; the descriptor claims `shift` rows more than x has."""
     from cuda.bindings import driver
 
     rows, cols = x.shape
@@ -82,7 +97,7 @@ def shifted_double(x: torch.Tensor, out: torch.Tensor) -> None:
             driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
             2,
             x.data_ptr(),
-            [u64(cols), u64(rows + 1)],  # the bug: one row more than x has
+            [u64(cols), u64(rows + shift)],  # the bug: `shift` rows more than x has
             [u64(cols * 4)],
             [u32(cols), u32(BOX_ROWS)],
             [u32(1), u32(1)],
@@ -94,8 +109,12 @@ def shifted_double(x: torch.Tensor, out: torch.Tensor) -> None:
     )
     out_ptr = ctypes.c_uint64(out.data_ptr())
     n_rows = ctypes.c_int(rows)
-    params = (ctypes.c_void_p * 3)(
-        tmap.getPtr(), ctypes.addressof(out_ptr), ctypes.addressof(n_rows)
+    n_shift = ctypes.c_int(shift)
+    params = (ctypes.c_void_p * 4)(
+        tmap.getPtr(),
+        ctypes.addressof(out_ptr),
+        ctypes.addressof(n_rows),
+        ctypes.addressof(n_shift),
     )
     stream = torch.cuda.current_stream(x.device).cuda_stream
     blocks = (rows + BOX_ROWS - 1) // BOX_ROWS
