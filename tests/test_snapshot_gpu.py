@@ -181,11 +181,44 @@ def test_graph_replays_rotate_device_slots_and_keep_each_replays_rows(tmp_path, 
         (bundle,) = res.bundles
         _check_rows(bundle, a, sfa, labels)
         (s,) = read_journal(j.path).having(SlotState.COMPLETE)
-        assert s.token == replay and s.finished
+        # one site: its done marker is the previous replay's, written by this replay's snapshot
+        assert s.token == replay and s.markers[2] == replay - 1 and not s.finished
         _, rows, _, token, pos, *_ = _RECORD.unpack(s.call_record)
         assert token == replay and rows == sum(sizes)
         positions.append(pos)
     assert len(set(positions)) == 4  # each replay its own device slot, picked on the device
+
+
+def test_graph_sites_mark_each_other_done_with_one_node_each(tmp_path, shm):
+    """Two sites in one capture: the second's snapshot writes the first's done marker, the
+    first's at the next replay the second's; the graph holds one kernel node per site plus the
+    recorded kernels (no done-marker node)."""
+    j, dc = _devcopies(shm)
+    dc.tier.held = False  # no side branch: the captured graph is the main stream's nodes only
+    a, sfa, labels = _operands([5, 9, 0, 64])
+    b, sfb, labels_b = _operands([1, 2, 3, 4], seed=9)
+    d = torch.zeros(a.shape[0], 8, device="cuda")
+    ia, ib = j.pin_next(), j.pin_next()
+    slot_a, views_a, plan_a, _ = _reserve(j, dc, a, sfa, labels, index=ia)
+    slot_b, views_b, plan_b, _ = _reserve(j, dc, b, sfb, labels_b, index=ib)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        dc.copy(slot_a, views_a, 0, plan_a, labels, 0, True, None, 7)()
+        d.add_(labels.view(-1, 1).float())  # the first "kernel"
+        dc.copy(slot_b, views_b, 1, plan_b, labels_b, 1, True, None, 7)()
+        d.add_(labels_b.view(-1, 1).float())  # the second
+        graph.capture_end()
+    for replay in (1, 2, 3):
+        graph.replay()
+        torch.cuda.synchronize()
+        by_index = {r.index: r for r in read_journal(j.path).having(SlotState.COMPLETE)}
+        ra, rb = by_index[ia], by_index[ib]
+        assert ra.markers == (replay, replay, replay) and ra.finished, ra.markers
+        assert rb.markers == (replay, replay, replay - 1) and not rb.finished, rb.markers
+    assert int(dc.counters[0]) == int(dc.counters[1]) == 3
 
 
 def test_overwritten_device_slot_is_marked_missing(tmp_path, shm):

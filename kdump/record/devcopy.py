@@ -12,7 +12,11 @@ slot as ONE D2H copy, followed by an 8-byte copy of the call's token into `post`
 * no salvage process holds it: both run on the call's stream before the call; the host tier is
   then the only thing that survives a crash.
 
-`done` is the token copied after the call (on the side stream when held). Without the kernel
+`done` is the token copied after the call by a one-thread kernel on the call's stream; for a
+capture site the next snapshot of its chain (the next site captured on the same stream, or the
+first site at the next replay) writes it instead, so a recorded graph call adds one node, not
+two. The newest call of a chain therefore reads as not finished until a later replay runs: its
+kernel may or may not have returned. Without the kernel
 (no NVRTC, or it failed) the same layout is filled by torch copies: small arguments D2D into the
 twin, the token into the call record, the same host copies; bulky arguments keep their layouts
 only, and the slot says so (`tiers`, `notes`).
@@ -96,6 +100,9 @@ class DeviceCopies:
         with torch.cuda.device(self.device):
             self.one = torch.ones(1, dtype=torch.int64, device=self.device)
             self._own_counters = torch.zeros(self.max_sites, dtype=torch.int64, device=self.device)
+            # A graph site's chain cell (done marker address, replay counter address), one per
+            # (capture, stream), indexed by the chain's first site: see `_chain_cell`.
+            self._cells = torch.zeros(self.max_sites, 2, dtype=torch.int64, device=self.device)
             self.side = torch.cuda.Stream(self.device)
         self._side_h = int(self.side.cuda_stream)
         self.kernel: Any = None
@@ -120,6 +127,7 @@ class DeviceCopies:
         self._params = gather.SnapParams()
         self._params_plan: Any = self  # the plan `_params` holds (self: none yet)
         self._fb_slot = 0  # the torch fallback's fixed device ring slot size
+        self._chains: dict[tuple[int, int], int] = {}  # (capture id, stream) -> its cell
 
     # -- facts ------------------------------------------------------------------------------------
     @property
@@ -226,10 +234,12 @@ class DeviceCopies:
         call_index: int,
         capturing: bool,
         whole: list[list[int]] | None = None,
+        capture_id: int = 0,
     ) -> Callable[[], None]:
         """Enqueue the slot's copies on the current stream; returns what marks it done after the
         call. `token_index`: the capture site's replay counter (None: an eager call); `whole`:
-        the torch fallback's layout of the plan's storages (`whole_layout`)."""
+        the torch fallback's layout of the plan's storages (`whole_layout`); `capture_id`: the
+        capture a site belongs to (its chain of done markers, with the stream)."""
 
         if self.tier is None:
             return self.direct(slot, views, token_index)
@@ -250,8 +260,12 @@ class DeviceCopies:
             for i, sp in enumerate(spans)
             if sp is not None and sp[1]
         ]
+        chained = self.kernel is not None and capturing and token_index is not None
         if self.kernel is not None:
-            self._launch(slot, views, copies, token_index, plan, rule, call_index, record, main)
+            chain = self._chain_cell(capture_id, main_h, token_index) if chained else 0
+            self._launch(
+                slot, views, copies, token_index, plan, rule, call_index, record, main, chain
+            )
         else:
             self._torch_snapshot(slot, views, copies, token_index, record, whole, call_index, main)
         present = [sp[0] for sp in spans if sp is not None]
@@ -270,8 +284,12 @@ class DeviceCopies:
         self._d2h(trailer + _POST_AT, record + RECORD_COMPLETE_AT, 8, out)
 
         def after() -> None:
-            # The done marker follows the kernel on its own stream, as a kernel node where the
-            # snapshot kernel is loaded (it starts as the recorded kernel ends; a memcpy node
+            # A graph site's done marker is written by the next snapshot of its chain: no node
+            # after the recorded kernel (even an empty one cost 1-2 % of a decode step).
+            if chained:
+                return
+            # Else the done marker follows the kernel on its own stream, as a kernel node where
+            # the snapshot kernel is loaded (it starts as the recorded kernel ends; a memcpy node
             # there waited 2.5-7.5 us on the H200). Landing before the side's `post` is
             # harmless: the slot then reads in flight (post behind pre), and the device twin
             # completes it at salvage.
@@ -316,12 +334,16 @@ class DeviceCopies:
         call_index: int,
         record: int,
         stream: Any,
+        chain: int = 0,
     ) -> None:
         import torch
 
         assert self.tier is not None
         tier = self.tier
         p = self._params
+        p.chain = chain
+        trailer_dev = self._host_dev + slot.offset + self.journal.slot_bytes - _TRAILER_BYTES
+        p.host_done = trailer_dev + _DONE_AT
         if len(copies) > gather.MAX_COPIES:  # rare: the surplus as plain async copies first
             for src, dst, n in copies[gather.MAX_COPIES :]:
                 _ok(_drv().cuMemcpyDtoDAsync(dst, src, n, stream), "cuMemcpyDtoD")
@@ -339,8 +361,7 @@ class DeviceCopies:
         p.rule_n = int(rt.numel()) if plan is not None and rt is not None else 0
         p.token_ptr = tier.counter_addr(token_index) if token_index is not None else 0
         p.record = record
-        p.host_pre = self._host_dev + slot.offset + self.journal.slot_bytes - _TRAILER_BYTES
-        p.host_pre += _PRE_AT
+        p.host_pre = trailer_dev + _PRE_AT
         p.seq = slot.seq
         p.call_index = call_index
         p.slot_index = slot.index
@@ -350,6 +371,19 @@ class DeviceCopies:
         else:
             with torch.cuda.device(self.device):
                 gather.launch(self.kernel, p, stream, grid)
+
+    def _chain_cell(self, capture_id: int, stream: int, token_index: int) -> int:
+        """The device address of the chain cell of the sites captured on `stream` in capture
+        `capture_id`. Each site's snapshot writes the done marker of the call the cell names
+        (the site before it; for the first, the last site of the previous replay: launches of
+        one graph are serialized) and then names itself. Cells are never shared between
+        chains (indexed by the chain's first site's counter, and counters are never reused), so
+        a cell holds nothing stale."""
+        key = (capture_id, stream)
+        cell = self._chains.get(key)
+        if cell is None:
+            cell = self._chains[key] = token_index
+        return int(self._cells.data_ptr()) + 16 * cell
 
     def _plan_params(self, p: gather.SnapParams, plan: gather.Plan | None, views: Any) -> None:
         """The snapshot arguments that follow from the plan (and its signature's addresses)."""

@@ -14,7 +14,8 @@ Outputs are never copied: they are what the kernel writes.
 CUDA graphs: a call made during stream capture gets its own slot for its capture site (capture
 id + position in the capture), pinned outside the ring's rotation; its copies are captured into
 the graph, together with an `add_` on a device-side counter that the graph copies into the
-slot's markers, so every replay refreshes the slot before the kernel and marks it done after.
+slot's markers, so every replay refreshes the slot before the kernel; with the snapshot kernel
+the next snapshot of the site's chain (kdump.record.devcopy) marks it done.
 At most half the ring's slots are pinned (`Journal.pin`); a site over that budget keeps its
 header only, in a rotating slot, marked `site_over_budget`. When a site is made, the last eager
 call of the same target on the same buffers is pinned too (what the buffers held before
@@ -475,7 +476,15 @@ class RingRecorder:
                 if direct:
                     return self._cuda.direct(slot, views, counter)
                 return self._cuda.copy(
-                    slot, views, counter, plan, rule, index, capturing, whole if plan else None
+                    slot,
+                    views,
+                    counter,
+                    plan,
+                    rule,
+                    index,
+                    capturing,
+                    whole if plan else None,
+                    site.capture_id if site is not None else 0,
                 )
 
     def _note_repeat(

@@ -1,4 +1,5 @@
-// The flight recorder's fused snapshot kernel: one launch per recorded call.
+// The flight recorder's fused snapshot kernel: one launch per recorded call (under CUDA graphs the
+// only node the recorder adds: it also writes the done marker of the site before it).
 //
 // Plain byte-range copies (metadata, routing, scalars) go into the journal slot's device twin;
 // row gathers copy only the rows a call can touch (a row rule over labels / masked_m / psum ends)
@@ -61,6 +62,8 @@ struct Params {
   u64 host_pre;    // the host slot's `pre` marker, mapped (0: none)
   u64 seq;         // the journal slot's seq
   u64 call_index;
+  u64 chain;       // a graph site's chain cell (0: none): the done marker of the call before it
+  u64 host_done;   // this slot's `done` marker, mapped (what the next call of the chain writes)
   u32 n_copies;
   u32 n_gathers;
   u32 rule_kind;
@@ -103,7 +106,7 @@ struct Record {
 // The host mirrors (kdump/record/gather.py) rely on these sizes.
 static_assert(sizeof(Copy) == 24, "Copy layout");
 static_assert(sizeof(Gather) == 48, "Gather layout");
-static_assert(sizeof(Params) == 696, "Params layout");
+static_assert(sizeof(Params) == 712, "Params layout");
 static_assert(sizeof(SlotHead) == 64, "SlotHead layout");
 static_assert(sizeof(Record) == 64, "Record layout");
 static_assert(KD_ROWS_PER_BLOCK <= KD_THREADS, "a gather block tests one row per thread");
@@ -355,6 +358,17 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
   // The launch is a chain of dependent memory round trips (the rule, the ring head, the row
   // counter, the rows, the block counter, the publication): every step below overlaps what it
   // can, a recorded graph step pays the chain before its kernel runs.
+  if (p.chain && tid == 32 && blockIdx.x == gridDim.x - 1) {
+    // The done marker of the chain's previous call (the site before this one on the capture's
+    // stream, or the last one of the previous replay): stream order says its kernel returned
+    // before this one started, so no node after the recorded kernel is needed. Its token is
+    // what its own snapshot left in its replay counter.
+    volatile u64* cell = (volatile u64*)p.chain;
+    const u64 done = cell[0], tok = cell[1];
+    if (done && tok) *(volatile u64*)done = *(volatile u64*)tok;
+    cell[0] = p.host_done;
+    cell[1] = p.token_ptr;
+  }
   if (blockIdx.x < p.gather_blocks) {
     // The block's touched rows, compacted in row order (a ballot per warp, then warp offsets):
     // records of a block are in row order, and neighbouring records hold neighbouring rows.
