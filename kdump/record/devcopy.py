@@ -31,7 +31,7 @@ from typing import Any
 
 from kdump import nvrtc
 from kdump.log import log_once
-from kdump.record import gather, pinned
+from kdump.record import cudrv, gather, pinned
 from kdump.record.devring import DeviceTier, DeviceTierError
 from kdump.record.journal import (
     CALL_RECORD_BYTES,
@@ -117,14 +117,23 @@ class DeviceCopies:
                     "copies fill the twin and copy bulky operands whole (no row rule)"
                 )
                 self.notes.append(self.kernel_note)
+        self._params = gather.SnapParams()
         self._host_dev = self._mapped_base()
+        # The per-call driver calls go through ctypes on libcuda where it loads (kdump.record.
+        # cudrv); else through cuda-bindings. Handles are plain ints on the ctypes path.
+        self._cu = cudrv.driver()
+        self._fn_h = cudrv.handle(self.kernel) if self.kernel is not None else 0
+        self._mark_h = cudrv.handle(self.mark) if self.mark is not None else 0
+        self._snap_args = (ctypes.c_void_p * 1)(ctypes.addressof(self._params))
+        self._mark_vals = (ctypes.c_uint64 * 2)()
+        at = ctypes.addressof(self._mark_vals)
+        self._mark_args = (ctypes.c_void_p * 2)(at, at + 8)
         self._streams: dict[int, Any] = {}
         self._slot_events: dict[int, Any] = {}
         self._event_pool: list[Any] = []
         with torch.cuda.device(self.device):  # made now: creating one inside a capture is not
             self._event_pool = [self._event() for _ in range(2)]
         self.forked_in_capture = False
-        self._params = gather.SnapParams()
         self._params_plan: Any = self  # the plan `_params` holds (self: none yet)
         self._fb_slot = 0  # the torch fallback's fixed device ring slot size
         self._chains: dict[tuple[int, int], int] = {}  # (capture id, stream) -> its cell
@@ -203,11 +212,22 @@ class DeviceCopies:
         flags = int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
         return _ok(drv.cuEventCreate(flags), "cuEventCreate")
 
-    def _fork(self, main: Any, side: Any) -> None:
-        drv = _drv()
+    def _record(self, ev: Any, stream: int) -> None:
+        if self._cu is not None:
+            self._cu.record(cudrv.handle(ev), stream)
+        else:
+            _ok(_drv().cuEventRecord(ev, self._stream(stream)), "cuEventRecord")
+
+    def _wait(self, stream: int, ev: Any) -> None:
+        if self._cu is not None:
+            self._cu.wait(stream, cudrv.handle(ev))
+        else:
+            _ok(_drv().cuStreamWaitEvent(self._stream(stream), ev, 0), "cuStreamWaitEvent")
+
+    def _fork(self, main: int, side: int) -> None:
         ev = self._event()
-        _ok(drv.cuEventRecord(ev, main), "cuEventRecord")
-        _ok(drv.cuStreamWaitEvent(side, ev, 0), "cuStreamWaitEvent")
+        self._record(ev, main)
+        self._wait(side, ev)
         self._event_pool.append(ev)  # reusable at once: the wait took the record it needs
 
     def join_capture(self) -> None:
@@ -216,12 +236,17 @@ class DeviceCopies:
         if not self.forked_in_capture:
             return
         self.forked_in_capture = False
-        main = self._stream(current_stream(self._index))
-        self._fork(self._stream(self._side_h), main)
+        self._fork(self._side_h, current_stream(self._index))
 
-    def _d2h(self, host_off: int, dev: int, n: int, stream: Any) -> None:
+    def _d2h(self, host_off: int, dev: int, n: int, stream: int) -> None:
+        if self._cu is not None:
+            self._cu.d2h(self._addr + host_off, dev, n, stream)
+            return
         drv = _drv()
-        _ok(drv.cuMemcpyDtoHAsync(self._addr + host_off, dev, n, stream), "cuMemcpyDtoHAsync")
+        _ok(
+            drv.cuMemcpyDtoHAsync(self._addr + host_off, dev, n, self._stream(stream)),
+            "cuMemcpyDtoHAsync",
+        )
 
     # -- the call ---------------------------------------------------------------------------------
     def copy(
@@ -247,13 +272,12 @@ class DeviceCopies:
         j = self.journal
         sb = j.slot_bytes
         slot.commit(device=True)
-        main_h = current_stream(self._index)
-        main = self._stream(main_h)
+        main = main_h = current_stream(self._index)
         record = tier.twin_addr(slot.index, sb - _TRAILER_BYTES - CALL_RECORD_BYTES)
         if not capturing:
             ev = self._slot_events.get(slot.index)
             if ev is not None:  # the side copy of this slot's previous call has read the twin
-                _ok(_drv().cuStreamWaitEvent(main, ev, 0), "cuStreamWaitEvent")
+                self._wait(main, ev)
         spans = slot.spans
         copies = [
             (views.ptr(i), tier.twin_addr(slot.index, sp[0]), sp[1])
@@ -273,7 +297,7 @@ class DeviceCopies:
         base = slot.offset
         trailer = base + sb - _TRAILER_BYTES
         if self.held:
-            side = self._stream(self._side_h)
+            side = self._side_h
             self._fork(main, side)
             if capturing:
                 self.forked_in_capture = True
@@ -293,10 +317,14 @@ class DeviceCopies:
             # there waited 2.5-7.5 us on the H200). Landing before the side's `post` is
             # harmless: the slot then reads in flight (post behind pre), and the device twin
             # completes it at salvage.
-            cur = self._stream(current_stream(self._index))
+            cur = current_stream(self._index)
             if self.mark is not None:
                 dst = self._host_dev + trailer + _DONE_AT
-                gather.launch_mark(self.mark, record + RECORD_COMPLETE_AT, dst, cur)
+                if self._cu is not None:
+                    self._mark_vals[0], self._mark_vals[1] = record + RECORD_COMPLETE_AT, dst
+                    self._cu.launch(self._mark_h, 1, 1, self._mark_args, cur, gather.MARK_KERNEL)
+                else:
+                    gather.launch_mark(self.mark, record + RECORD_COMPLETE_AT, dst, cur)
             else:
                 self._d2h(trailer + _DONE_AT, record + RECORD_COMPLETE_AT, 8, cur)
             if self.held and not capturing:
@@ -304,11 +332,11 @@ class DeviceCopies:
                 ev = self._slot_events.get(slot.index)
                 if ev is None:
                     ev = self._slot_events[slot.index] = self._event()
-                _ok(_drv().cuEventRecord(ev, self._stream(self._side_h)), "cuEventRecord")
+                self._record(ev, self._side_h)
 
         return after
 
-    def _host_copy(self, slot: Slot, spans: list[Any], p0: int, stream: Any) -> None:
+    def _host_copy(self, slot: Slot, spans: list[Any], p0: int, stream: int) -> None:
         """The twin to the host slot: the payloads' extent and the call record, as one copy when
         they are close, else two (a slot is mostly empty: copying all of it costs PCIe time)."""
         assert self.tier is not None
@@ -333,7 +361,7 @@ class DeviceCopies:
         rule: Any,
         call_index: int,
         record: int,
-        stream: Any,
+        stream: int,
         chain: int = 0,
     ) -> None:
         import torch
@@ -346,7 +374,10 @@ class DeviceCopies:
         p.host_done = trailer_dev + _DONE_AT
         if len(copies) > gather.MAX_COPIES:  # rare: the surplus as plain async copies first
             for src, dst, n in copies[gather.MAX_COPIES :]:
-                _ok(_drv().cuMemcpyDtoDAsync(dst, src, n, stream), "cuMemcpyDtoD")
+                if self._cu is not None:
+                    self._cu.d2d(dst, src, n, stream)
+                else:
+                    _ok(_drv().cuMemcpyDtoDAsync(dst, src, n, self._stream(stream)), "D2D")
             copies = copies[: gather.MAX_COPIES]
         chunks = 0
         for k, (src, dst, n) in enumerate(copies):
@@ -366,7 +397,10 @@ class DeviceCopies:
         p.call_index = call_index
         p.slot_index = slot.index
         grid = max(1, int(p.gather_blocks) + min(chunks, gather.MAX_COPY_BLOCKS))
-        if torch.cuda.current_device() == self._index:
+        here = torch.cuda.current_device() == self._index
+        if self._cu is not None and here:
+            self._cu.launch(self._fn_h, grid, gather.THREADS, self._snap_args, stream, "snapshot")
+        elif here:
             gather.launch(self.kernel, p, stream, grid)
         else:
             with torch.cuda.device(self.device):
@@ -404,7 +438,7 @@ class DeviceCopies:
         record: int,
         whole: list[list[int]] | None,
         call_index: int,
-        main: Any,
+        main: int,
     ) -> None:
         """The fallback without the kernel: the same twin, call record and device ring slot
         header, by torch and driver copies (capturable). Bulky storages are copied whole into a
@@ -422,7 +456,7 @@ class DeviceCopies:
         trailer = slot.offset + self.journal.slot_bytes - _TRAILER_BYTES
         self._d2h(trailer + _PRE_AT, int(token.data_ptr()), 8, main)
         for src, dst, n in copies:
-            _ok(drv.cuMemcpyDtoDAsync(dst, src, n, main), "cuMemcpyDtoDAsync")
+            _ok(drv.cuMemcpyDtoDAsync(dst, src, n, self._stream(main)), "cuMemcpyDtoDAsync")
         mem = tier.mem
         at = record - tier.base
         rec = mem[at : at + CALL_RECORD_BYTES].view(torch.int64)
