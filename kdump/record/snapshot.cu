@@ -347,6 +347,10 @@ __device__ __forceinline__ void bulk_store(void* dst, u32 src, u32 n) {
 // piece before once that store has read it. Every thread of the block calls it.
 __device__ void gather_bulk(const Gather& g, const u32* outer, const u32* inner, u32 count,
                             char* out, u32 rec_bytes, u32 tid, u32* buf, u64* bars) {
+  // The buffers may hold what a staged gather wrote through the generic proxy: order those
+  // writes before the async proxy's loads overwrite them (every writer fences, then the barrier).
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncthreads();
   const u32 w = tid / 32;
   if (w < KD_BULK_WARPS && tid % 32 == 0) {
     const u32 row_bytes = g.cols * g.elem;
@@ -390,6 +394,7 @@ __device__ void gather_bulk(const Gather& g, const u32* outer, const u32* inner,
     asm volatile("fence.proxy.async.global;" ::: "memory");  // the stores before the publication
     for (u32 k = 0; k < KD_BULK_STAGES; ++k)  // every load was waited for: none is pending
       asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(bar0 + 8 * k) : "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // before generic reuse
   }
   __syncthreads();  // the buffers are free again (the staged gathers use them next)
 }
