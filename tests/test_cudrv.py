@@ -1,6 +1,8 @@
 """The ctypes entry points of the recorder's per-call driver calls (kdump.record.cudrv): result
 codes are checked and named, handles of either kind are plain addresses, and a machine without
-libcuda gets None (the cuda-bindings path) instead of an error."""
+libcuda gets None (the cuda-bindings path) instead of an error. Also the device copies' chain
+cells, which carry a graph site's done marker to the next snapshot (the GPU side is
+tests/test_snapshot_gpu.py)."""
 
 from __future__ import annotations
 
@@ -94,3 +96,21 @@ def test_handles_of_either_kind_are_addresses():
 
     assert cudrv.handle(0x99) == 0x99
     assert cudrv.handle(Obj()) == 0x1234
+
+
+def test_graph_sites_share_one_chain_cell_per_capture_and_stream():
+    """The done-marker chain (kdump.record.devcopy): the first site of a (capture, stream) names
+    the cell, later sites of the same pair share it, another capture or stream gets its own."""
+    from types import SimpleNamespace
+
+    from kdump.record.devcopy import DeviceCopies
+
+    base = 0x7000_0000
+    fake = SimpleNamespace(_chains={}, _cells=SimpleNamespace(data_ptr=lambda: base))
+    cell = DeviceCopies._chain_cell
+    assert cell(fake, 1, 0xA, 0) == base  # capture 1 on stream A: site 0 starts the chain
+    assert cell(fake, 1, 0xA, 1) == base  # its next site joins it
+    assert cell(fake, 1, 0xB, 2) == base + 16 * 2  # another stream of the same capture
+    assert cell(fake, 2, 0xA, 3) == base + 16 * 3  # another capture on the first stream
+    assert cell(fake, 1, 0xA, 4) == base
+    assert fake._chains == {(1, 0xA): 0, (1, 0xB): 2, (2, 0xA): 3}
