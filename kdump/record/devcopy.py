@@ -124,10 +124,7 @@ class DeviceCopies:
         self._cu = cudrv.driver()
         self._fn_h = cudrv.handle(self.kernel) if self.kernel is not None else 0
         self._mark_h = cudrv.handle(self.mark) if self.mark is not None else 0
-        self._snap_args = (ctypes.c_void_p * 1)(ctypes.addressof(self._params))
-        self._mark_vals = (ctypes.c_uint64 * 2)()
-        at = ctypes.addressof(self._mark_vals)
-        self._mark_args = (ctypes.c_void_p * 2)(at, at + 8)
+        self._snap_args = (ctypes.c_void_p * 1)(ctypes.addressof(self._params))  # under the lock
         self._streams: dict[int, Any] = {}
         self._slot_events: dict[int, Any] = {}
         self._event_pool: list[Any] = []
@@ -320,9 +317,11 @@ class DeviceCopies:
             cur = current_stream(self._index)
             if self.mark is not None:
                 dst = self._host_dev + trailer + _DONE_AT
-                if self._cu is not None:
-                    self._mark_vals[0], self._mark_vals[1] = record + RECORD_COMPLETE_AT, dst
-                    self._cu.launch(self._mark_h, 1, 1, self._mark_args, cur, gather.MARK_KERNEL)
+                if self._cu is not None:  # own arguments: `after` runs outside the lock
+                    vals = (ctypes.c_uint64 * 2)(record + RECORD_COMPLETE_AT, dst)
+                    at = ctypes.addressof(vals)
+                    args = (ctypes.c_void_p * 2)(at, at + 8)
+                    self._cu.launch(self._mark_h, 1, 1, args, cur, gather.MARK_KERNEL)
                 else:
                     gather.launch_mark(self.mark, record + RECORD_COMPLETE_AT, dst, cur)
             else:
