@@ -269,7 +269,7 @@ class DeviceCopies:
         j = self.journal
         sb = j.slot_bytes
         slot.commit(device=True)
-        main = main_h = current_stream(self._index)
+        main = current_stream(self._index)
         record = tier.twin_addr(slot.index, sb - _TRAILER_BYTES - CALL_RECORD_BYTES)
         if not capturing:
             ev = self._slot_events.get(slot.index)
@@ -283,7 +283,7 @@ class DeviceCopies:
         ]
         chained = self.kernel is not None and capturing and token_index is not None
         if self.kernel is not None:
-            chain = self._chain_cell(capture_id, main_h, token_index) if chained else 0
+            chain = self._chain_cell(capture_id, main, token_index) if chained else 0
             self._launch(
                 slot, views, copies, token_index, plan, rule, call_index, record, main, chain
             )
