@@ -592,6 +592,7 @@ class RingRecorder:
             direct,
             plan,
             whole if plan is not None else None,
+            {},
         )
 
     def _again(self, rep: _Repeat, index: int, tensors: list[Any]) -> Any:
@@ -647,7 +648,9 @@ class RingRecorder:
             rule = None
             if plan is not None and plan.rule_tensor is not None:
                 rule = tensors[plan.rule_tensor]
-            return self._cuda.copy(slot, views, None, plan, rule, index, False, rep.whole)
+            return self._cuda.copy(
+                slot, views, None, plan, rule, index, False, rep.whole, memo=rep.enqueued
+            )
 
     @staticmethod
     def _is_capturing(cuda: list[Any]) -> bool:
@@ -1084,6 +1087,7 @@ class _Repeat:
     direct: bool
     plan: Any
     whole: Any
+    enqueued: dict[int, Any]  # the device copies' per-slot memo (`DeviceCopies.copy`)
 
 
 class _Layout:
