@@ -92,6 +92,8 @@ def main() -> None:
             fn(*args, **kwargs)
         bare_rec = (time.perf_counter() - t) / opt.calls * 1e6
         torch.cuda.synchronize()
+        no_memo = _without_memo(fn, args, kwargs, opt.calls)
+        torch.cuda.synchronize()
         split = _split(fn, args, kwargs, opt.calls)
         torch.cuda.synchronize()
         t = time.perf_counter()
@@ -102,6 +104,12 @@ def main() -> None:
     added = bare_rec - plain
     print(f"added host us per recorded call: {added:.1f} (goal <= 25)")
     print(
+        f"recorded, the device enqueue computed every call (no per-slot memo): {no_memo:.1f} "
+        f"(+{no_memo - plain:.1f})"
+    )
+    total = pstats.Stats(prof).total_calls  # type: ignore[attr-defined]
+    print(f"Python function calls per recorded call (cProfile): {total / opt.calls:.0f}")
+    print(
         "per-call profile, us (wall clocks around each part; the timers add ~0.3 us each): "
         + ", ".join(f"{k} {v:.1f}" for k, v in split.items())
     )
@@ -111,6 +119,26 @@ def main() -> None:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats(key).print_stats(opt.top)
         print(s.getvalue())
+
+
+def _without_memo(fn: Any, args: tuple, kwargs: dict, calls: int) -> float:
+    """Host us per recorded call with `DeviceCopies.copy` given no memo (an eager repeat's
+    enqueue computed in full every call, as before the memo)."""
+    from kdump.record import devcopy
+
+    copy0 = devcopy.DeviceCopies.copy
+
+    def copy(self: Any, *a: Any, memo: Any = None, **k: Any) -> Any:
+        return copy0(self, *a, **k)
+
+    devcopy.DeviceCopies.copy = copy  # type: ignore[method-assign]
+    try:
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn(*args, **kwargs)
+        return (time.perf_counter() - t) / calls * 1e6
+    finally:
+        devcopy.DeviceCopies.copy = copy0  # type: ignore[method-assign]
 
 
 def _split(fn: Any, args: tuple, kwargs: dict, calls: int) -> dict[str, float]:
