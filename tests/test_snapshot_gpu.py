@@ -312,6 +312,55 @@ def test_recorder_end_to_end_on_the_packaged_gemm(tmp_path, shm):
     assert facts["device"]["rows_kept"] > 0
 
 
+@pytest.mark.parametrize("held", [False, True])
+def test_eager_repeats_around_the_ring_use_the_enqueue_memo_and_stay_bitwise(
+    tmp_path, shm, monkeypatch, held
+):
+    """Eager repeats of one call, three times around a 4-slot journal: from the second round on
+    each slot's enqueue comes from the memo (`DeviceCopies.copy`); the flushed bundles are the
+    last four calls, each complete, finished and bitwise the operands' kept rows."""
+    import kdump
+    from kdump.kernels import registry
+    from kdump.kernels.sm120 import api
+    from kdump.record import devcopy
+    from kdump.record.config import RingConfig
+
+    taken = []
+    again = devcopy.DeviceCopies._copy_again
+
+    def spy(self, e, slot, *a):
+        taken.append(slot.index)
+        return again(self, e, slot, *a)
+
+    monkeypatch.setattr(devcopy.DeviceCopies, "_copy_again", spy)
+    spec = registry.spec_for(CONTIG)
+    args, kwargs = spec.generate(
+        seed=3, device="cuda", scale_format="fp32", num_groups=8, n=256, k=512, expected_m=20
+    )
+    ring = RingConfig(slots=4, slot_bytes=1 << 20, journal_dir=shm)
+    target = "kdump.kernels.sm120.api:m_grouped_fp8_gemm_nt_contiguous"
+    with kdump.recording(target, out=tmp_path / "out", mode="ring", ring=ring) as rec:
+        cuda = rec.recorder._cuda
+        assert cuda is not None and cuda.tier is not None and cuda._cu is not None
+        cuda.tier.held = held
+        for _ in range(14):
+            api.m_grouped_fp8_gemm_nt_contiguous(*args, **kwargs)
+        torch.cuda.synchronize()
+        assert rec.recorder.errors == 0 and rec.recorder.fast_calls >= 8
+        rec.flush()
+        written = list(rec.written)
+    assert len(taken) >= 4 and set(taken) <= {0, 1, 2, 3}
+    assert len(written) == 4
+    a, sfa = args[0]
+    labels = args[3]
+    seen = []
+    for bundle in written:
+        facts = _check_rows(bundle, a, sfa, labels)
+        assert facts["finished"] and facts["device"]["rows_kept"] > 0
+        seen.append(facts["call_index"])
+    assert len(set(seen)) == 4 and min(seen) >= 10  # the last four calls
+
+
 def test_graphs_captured_while_recording_replay_after_the_recording_ends(tmp_path, shm):
     """A graph captured inside `kdump.recording` writes into the journal, its device twin and
     ring at every replay: leaving the recording keeps that memory (the files go), so replays
