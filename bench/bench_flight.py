@@ -9,8 +9,9 @@ expert (A is always 36,864 rows: every expert padded to 128). For each:
   (host copy before the kernel); for (ii) the HBM bound of copying those rows (their bytes at the
   plain D2D rate measured here), the floor it sets ((plain + bound) / plain: no recorder that
   copies those rows before the kernel steps faster) and the added time against the bound;
-* the step with two empty one-thread kernels around the GEMM (the floor of any recorder that
-  launches a snapshot before the kernel and a marker after it);
+* the step with one empty one-thread kernel before the GEMM (the floor of any recorder that adds
+  one node per recorded call: the snapshot kernel, which also writes the previous site's done
+  marker) and with two around it (what a snapshot plus a done-marker node would cost);
 * eager host time per call, unhooked and recorded (the call signature cache warm);
 
 then the copy throughput of each tier: the snapshot kernel's D2D against a plain D2D copy of the
@@ -96,10 +97,10 @@ def _graph_ms(fn: Callable[..., Any], args: tuple, kwargs: dict, iters: int) -> 
     return best
 
 
-def _with_empty_nodes(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` between two one-thread kernels (kdump's done-marker kernel reading and writing one
-    word): in a graph, the step of any recorder that launches a snapshot before the kernel and a
-    marker after it costs at least this much."""
+def _with_empty_nodes(fn: Callable[..., Any], count: int = 2) -> Callable[..., Any]:
+    """`fn` after one (`count` 1) or between two one-thread kernels (kdump's done-marker kernel
+    reading and writing one word): in a graph, the step of any recorder that launches a snapshot
+    before the kernel (and a marker after it) costs at least this much."""
     from kdump.record import gather
 
     mark = gather.get_kernel(torch.cuda.current_device())[3]
@@ -109,7 +110,8 @@ def _with_empty_nodes(fn: Callable[..., Any]) -> Callable[..., Any]:
         stream = torch.cuda.current_stream().cuda_stream
         gather.launch_mark(mark, word.data_ptr(), word.data_ptr() + 8, stream)
         out = fn(*a, **k)
-        gather.launch_mark(mark, word.data_ptr(), word.data_ptr() + 8, stream)
+        if count > 1:
+            gather.launch_mark(mark, word.data_ptr(), word.data_ptr() + 8, stream)
         return out
 
     return wrapped
@@ -196,16 +198,18 @@ def main() -> None:
     d2d = _d2d_gbs(256 << 20)
     print(f"plain D2D: {d2d:.0f} GB/s (HBM bound below uses it)\n")
     print(
-        "| N | K | tok/exp | plain ms | 2 empty nodes | (i) held | (i) not held | (ii) held | "
+        "| N | K | tok/exp | plain ms | 1 empty node | 2 empty nodes | (i) held | (i) not held | "
+        "(ii) held | "
         "(ii) not held | rows MB | HBM bound ms | (ii) floor | (ii) held added / bound | "
         "eager us plain | eager us rec |"
     )
-    print("|" + "---|" * 15)
+    print("|" + "---|" * 16)
     facts: dict = {}
     for n, k in SHAPES:
         for tokens in TOKENS:
             args, kwargs = _case(n, k, tokens)
             plain = _graph_ms(fn, args, kwargs, opt.iters)
+            node1 = _graph_ms(_with_empty_nodes(fn, 1), args, kwargs, opt.iters)
             nodes = _graph_ms(_with_empty_nodes(fn), args, kwargs, opt.iters)
             plain_h = _eager_host_us(fn, args, kwargs, opt.iters)
             res = {}
@@ -222,6 +226,7 @@ def main() -> None:
             added = res["ii", True][0] - plain
             cells = [
                 f"{plain:.3f}",
+                f"{node1:.3f} ({node1 / plain:.3f}x)",
                 f"{nodes:.3f} ({nodes / plain:.3f}x)",
                 *(
                     f"{res[c, h][0]:.3f} ({res[c, h][0] / plain:.2f}x)"

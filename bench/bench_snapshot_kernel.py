@@ -5,13 +5,16 @@ the kernel as shipped and for variants of its compile-time constants, all in one
     python bench/bench_snapshot_kernel.py --variant KD_UNROLL=8u --variant min_blocks=4
 
 A variant is comma-separated `NAME=VALUE` pairs: a `#define` of kdump/record/snapshot.cu
-replaced (KD_UNROLL, KD_THREADS, KD_ROWS_PER_BLOCK; KD_CHUNK follows KD_THREADS x 16 x
-KD_UNROLL), or `min_blocks=N` (the kernel's `__launch_bounds__` minimum blocks per SM). The
-host side (gather.py) must agree with KD_THREADS and KD_ROWS_PER_BLOCK: variants of those
-launch with the variant's own grid.
+replaced (KD_UNROLL, KD_THREADS, KD_ROWS_PER_BLOCK, KD_BULK (0: no bulk copies),
+KD_BULK_WARPS, KD_BULK_STAGES, KD_BULK_STAGE; KD_CHUNK follows KD_THREADS x 16 x KD_UNROLL),
+or `min_blocks=N` (the kernel's `__launch_bounds__` minimum blocks per SM). The host side
+(gather.py) must agree with KD_THREADS and KD_ROWS_PER_BLOCK: variants of those launch with
+the variant's own grid.
 
 Cases (the reference decode shape: G = 288 experts padded to 128 rows, M = 36,864, K = 4096):
 - bytes: 64 MB in 16 plain byte ranges (the kernel's copy blocks);
+- gather-all 64 / 256 MB: every row of a [rows, 4096] tensor of that size (the row gather's
+  rate, against a plain copy of the same bytes timed in the same run);
 - gather-all: every row of A [M, 4096] (the kernel's gather blocks at full routing);
 - decode T / scales: the labels rule at T tokens per expert, A's fp32 MN-major scales
   [M, 32] gathered and the labels (147 KB) copied, as a recorded call without activations;
@@ -196,6 +199,9 @@ def cases() -> list[Case]:
         per = n // gather.MAX_COPIES
         ranges = [(src[c * per : (c + 1) * per], dst[c * per : (c + 1) * per]) for c in range(16)]
         out.append(Case(f"bytes {mb} MB", [], [], None, ranges, n, False))
+    for mb in (64, 256):  # every row of an A of that size: the gather's rate at big sizes
+        big = torch.randint(0, 255, ((mb << 20) // K, K), dtype=torch.uint8, device="cuda")
+        out.append(Case(f"gather-all {mb} MB", [big], [0], None, [], big.numel(), False))
     a = torch.randint(0, 255, (M, K), dtype=torch.uint8, device="cuda")
     out.append(Case("gather-all A", [a], [0], None, [], a.numel(), False))
     out.append(Case("gather-all A, 128 B records", [a], [0], None, [], a.numel(), False, 128))
@@ -235,9 +241,9 @@ def main() -> None:
     probe2 = torch.empty_like(probe)
     rate = probe.numel() / events_us(lambda: probe2.copy_(probe), 10) / 1e3  # GB/s
     print(f"plain D2D copy: {rate:.0f} GB/s of data (each byte read and written)\n")
-    head = "| case | bound us | " + " | ".join(s or "as shipped" for s in specs) + " |"
-    print(head)
-    print("|---|---:|" + "---:|" * len(specs))
+    head = "| case | bound us | plain copy us | " + " | ".join(s or "as shipped" for s in specs)
+    print(head + " |")
+    print("|---|---:|---:|" + "---:|" * len(specs))
     kernels: list[Kernel] = []
     for spec in specs:
         src, threads, rows_per_block, chunk = variant_source(spec)
@@ -251,12 +257,22 @@ def main() -> None:
         return
     for c in all_cases:
         bound = c.moved / rate / 1e3
+        plain = "-"
+        if not c.graph:  # a plain copy of the same bytes, the big cases' baseline
+            s1 = torch.empty(c.moved, dtype=torch.uint8, device="cuda")
+            s2 = torch.empty_like(s1)
+            bound = events_us(lambda s1=s1, s2=s2: s2.copy_(s1), 10)
+            plain = f"{bound:.1f}"
+            del s1, s2
         cells = []
         for kernel in kernels:
             us = c.time(kernel)
             cells.append(f"{us:.1f} ({bound / us:.2f}x)")
-        print(f"| {c.name} | {bound:.1f} | " + " | ".join(cells) + " |")
-    print("\n(x) = bound / time: the kernel's rate against the plain copy's")
+        print(f"| {c.name} | {c.moved / rate / 1e3:.1f} | {plain} | " + " | ".join(cells) + " |")
+    print(
+        "\n(x) = a plain copy of the same bytes (big cases; decode cases: the bytes at the 256 MB "
+        "copy's rate) / time"
+    )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,10 @@ memsets) of CUDA-graph replays of the grouped GEMM, without and with the flight 
 torch's profiler (CUPTI), with one replay's timeline (start offsets and durations in µs).
 
     python scripts/profile_flight_step.py [--tokens 1] [--n 512] [--k 4096] [--no-held]
-        [--scales-only] [--memcpy-done] [--backend deep_gemm|packaged]
+        [--scales-only] [--backend deep_gemm|packaged]
+
+(A recorded graph call adds one kernel node, the snapshot: the done marker of a capture site is
+written by the next snapshot of its chain, so there is no marker node to vary.)
 """
 
 from __future__ import annotations
@@ -63,7 +66,6 @@ def main() -> None:
     p.add_argument("--replays", type=int, default=10)
     p.add_argument("--no-held", action="store_true")
     p.add_argument("--scales-only", action="store_true")
-    p.add_argument("--memcpy-done", action="store_true", help="done marker as a memcpy node")
     p.add_argument("--backend", choices=sorted(bench_flight.MODULES), default="deep_gemm")
     opt = p.parse_args()
     fn = bench_flight.gemm(opt.backend)
@@ -91,8 +93,6 @@ def main() -> None:
         if cuda is None or cuda.tier is None:
             raise SystemExit("no device tier")
         cuda.tier.held = not opt.no_held
-        if opt.memcpy_done:
-            cuda.mark = None
         g2 = graph()
         what = "scales only" if opt.scales_only else "with rows"
         held = "not held" if opt.no_held else "held"

@@ -17,6 +17,7 @@ import tempfile
 import time
 import types
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -91,10 +92,26 @@ def main() -> None:
             fn(*args, **kwargs)
         bare_rec = (time.perf_counter() - t) / opt.calls * 1e6
         torch.cuda.synchronize()
+        no_memo = _without_memo(fn, args, kwargs, opt.calls)
+        torch.cuda.synchronize()
+        split = _split(fn, args, kwargs, opt.calls)
+        torch.cuda.synchronize()
         t = time.perf_counter()
     phases["leaving the recording (flush)"] = time.perf_counter() - t
     print(
         f"host us per call: plain {plain:.1f}, recorded {bare_rec:.1f} (under cProfile {host:.1f})"
+    )
+    added = bare_rec - plain
+    print(f"added host us per recorded call: {added:.1f} (goal <= 25)")
+    print(
+        f"recorded, the device enqueue computed every call (no per-slot memo): {no_memo:.1f} "
+        f"(+{no_memo - plain:.1f})"
+    )
+    total = pstats.Stats(prof).total_calls  # type: ignore[attr-defined]
+    print(f"Python function calls per recorded call (cProfile): {total / opt.calls:.0f}")
+    print(
+        "per-call profile, us (wall clocks around each part; the timers add ~0.3 us each): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in split.items())
     )
     for k, v in phases.items():
         print(f"{k}: {v:.2f} s")
@@ -102,6 +119,82 @@ def main() -> None:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats(key).print_stats(opt.top)
         print(s.getvalue())
+
+
+def _without_memo(fn: Any, args: tuple, kwargs: dict, calls: int) -> float:
+    """Host us per recorded call with `DeviceCopies.copy` given no memo (an eager repeat's
+    enqueue computed in full every call, as before the memo)."""
+    from kdump.record import devcopy
+
+    copy0 = devcopy.DeviceCopies.copy
+
+    def copy(self: Any, *a: Any, memo: Any = None, **k: Any) -> Any:
+        return copy0(self, *a, **k)
+
+    devcopy.DeviceCopies.copy = copy  # type: ignore[method-assign]
+    try:
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn(*args, **kwargs)
+        return (time.perf_counter() - t) / calls * 1e6
+    finally:
+        devcopy.DeviceCopies.copy = copy0  # type: ignore[method-assign]
+
+
+def _split(fn: Any, args: tuple, kwargs: dict, calls: int) -> dict[str, float]:
+    """Host us per recorded call in its parts: the repeat decision (`_repeat_key`), the repeat
+    path's bookkeeping (`_again` less the device enqueue), the device enqueue (`DeviceCopies.
+    copy` and the done marker after the call: its driver calls), and the rest (the hook, the
+    trigger, the call itself)."""
+    from kdump.record import devcopy
+    from kdump.record import ring as ring_mod
+
+    acc = dict.fromkeys(("repeat decision", "bookkeeping", "device enqueue", "total"), 0.0)
+    clock = time.perf_counter
+    key0, again0 = ring_mod._repeat_key, ring_mod.RingRecorder._again
+    copy0 = devcopy.DeviceCopies.copy
+
+    def key(*a: Any, **k: Any) -> Any:
+        t = clock()
+        try:
+            return key0(*a, **k)
+        finally:
+            acc["repeat decision"] += clock() - t
+
+    def again(*a: Any, **k: Any) -> Any:
+        t = clock()
+        e = acc["device enqueue"]
+        try:
+            return again0(*a, **k)
+        finally:
+            acc["bookkeeping"] += clock() - t - (acc["device enqueue"] - e)
+
+    def copy(*a: Any, **k: Any) -> Any:
+        t = clock()
+        after = copy0(*a, **k)
+        acc["device enqueue"] += clock() - t
+
+        def timed() -> None:
+            t = clock()
+            after()
+            acc["device enqueue"] += clock() - t
+
+        return timed
+
+    ring_mod._repeat_key, ring_mod.RingRecorder._again = key, again
+    devcopy.DeviceCopies.copy = copy
+    try:
+        t = clock()
+        for _ in range(calls):
+            fn(*args, **kwargs)
+        acc["total"] = clock() - t
+    finally:
+        ring_mod._repeat_key, ring_mod.RingRecorder._again = key0, again0
+        devcopy.DeviceCopies.copy = copy0
+    out = {k: v / calls * 1e6 for k, v in acc.items()}
+    parts = out["repeat decision"] + out["bookkeeping"] + out["device enqueue"]
+    out["rest (hook, trigger, call)"] = out.pop("total") - parts
+    return out
 
 
 if __name__ == "__main__":

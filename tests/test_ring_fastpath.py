@@ -312,6 +312,34 @@ def test_unknown_argument_types_take_the_full_path():
     assert ring_module._fingerprint((0.0,), {}) != ring_module._fingerprint((-0.0,), {})
 
 
+def test_fingerprint_inlines_container_items_as_the_walk_encodes_them():
+    t, u = torch.zeros(2), torch.ones(3)
+    fp, tensors = ring_module._fingerprint(((t, 1, None, True), [u, t, "s"]), {"k": (2.5,)})
+    T, K = ring_module._TENSOR, ring_module._KWARGS
+    assert tensors == [t, u]
+    assert fp == [
+        tuple, 4, T, 0, int, 1, type(None), None, bool, True,
+        list, 3, T, 1, T, 0, str, "s",
+        K, "k", tuple, 1, float, "2.5",
+    ]  # fmt: skip
+    # the depth bound holds for inlined items too: a tensor one level too deep, no key
+    deep: Any = t
+    for _ in range(ring_module._KEY_DEPTH + 1):
+        deep = (deep,)
+    assert ring_module._fingerprint((deep,), {}) is None
+    assert ring_module._fingerprint((deep[0],), {}) is not None
+    # and the item bound: a long flat tuple of ints
+    assert ring_module._fingerprint((tuple(range(ring_module._KEY_ITEMS)),), {}) is None
+
+
+def test_repeat_key_facts_are_the_facts_of_each_tensor():
+    t = torch.zeros(4, 3)[1:].t()
+    c = torch.zeros(2, dtype=torch.complex64).conj()
+    key, tensors = ring_module._repeat_key("x", "x", (t, (c, 1)), {})
+    assert key[3][1][5]  # the conj bit
+    assert key[3] == tuple(ring_module._facts(x) for x in tensors)
+
+
 def _steps(steps: list[tuple[Step, bool | None]]) -> Any:
     """Run a test with STEPS replaced."""
 

@@ -181,11 +181,44 @@ def test_graph_replays_rotate_device_slots_and_keep_each_replays_rows(tmp_path, 
         (bundle,) = res.bundles
         _check_rows(bundle, a, sfa, labels)
         (s,) = read_journal(j.path).having(SlotState.COMPLETE)
-        assert s.token == replay and s.finished
+        # one site: its done marker is the previous replay's, written by this replay's snapshot
+        assert s.token == replay and s.markers[2] == replay - 1 and not s.finished
         _, rows, _, token, pos, *_ = _RECORD.unpack(s.call_record)
         assert token == replay and rows == sum(sizes)
         positions.append(pos)
     assert len(set(positions)) == 4  # each replay its own device slot, picked on the device
+
+
+def test_graph_sites_mark_each_other_done_with_one_node_each(tmp_path, shm):
+    """Two sites in one capture: the second's snapshot writes the first's done marker, the
+    first's at the next replay the second's; the graph holds one kernel node per site plus the
+    recorded kernels (no done-marker node)."""
+    j, dc = _devcopies(shm)
+    dc.tier.held = False  # no side branch: the captured graph is the main stream's nodes only
+    a, sfa, labels = _operands([5, 9, 0, 64])
+    b, sfb, labels_b = _operands([1, 2, 3, 4], seed=9)
+    d = torch.zeros(a.shape[0], 8, device="cuda")
+    ia, ib = j.pin_next(), j.pin_next()
+    slot_a, views_a, plan_a, _ = _reserve(j, dc, a, sfa, labels, index=ia)
+    slot_b, views_b, plan_b, _ = _reserve(j, dc, b, sfb, labels_b, index=ib)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        dc.copy(slot_a, views_a, 0, plan_a, labels, 0, True, None, 7)()
+        d.add_(labels.view(-1, 1).float())  # the first "kernel"
+        dc.copy(slot_b, views_b, 1, plan_b, labels_b, 1, True, None, 7)()
+        d.add_(labels_b.view(-1, 1).float())  # the second
+        graph.capture_end()
+    for replay in (1, 2, 3):
+        graph.replay()
+        torch.cuda.synchronize()
+        by_index = {r.index: r for r in read_journal(j.path).having(SlotState.COMPLETE)}
+        ra, rb = by_index[ia], by_index[ib]
+        assert ra.markers == (replay, replay, replay) and ra.finished, ra.markers
+        assert rb.markers == (replay, replay, replay - 1) and not rb.finished, rb.markers
+    assert int(dc.counters[0]) == int(dc.counters[1]) == 3
 
 
 def test_overwritten_device_slot_is_marked_missing(tmp_path, shm):
@@ -277,6 +310,55 @@ def test_recorder_end_to_end_on_the_packaged_gemm(tmp_path, shm):
     labels = args[3]
     facts = _check_rows(written[0], a, sfa, labels)
     assert facts["device"]["rows_kept"] > 0
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_eager_repeats_around_the_ring_use_the_enqueue_memo_and_stay_bitwise(
+    tmp_path, shm, monkeypatch, held
+):
+    """Eager repeats of one call, three times around a 4-slot journal: from the second round on
+    each slot's enqueue comes from the memo (`DeviceCopies.copy`); the flushed bundles are the
+    last four calls, each complete, finished and bitwise the operands' kept rows."""
+    import kdump
+    from kdump.kernels import registry
+    from kdump.kernels.sm120 import api
+    from kdump.record import devcopy
+    from kdump.record.config import RingConfig
+
+    taken = []
+    again = devcopy.DeviceCopies._copy_again
+
+    def spy(self, e, slot, *a):
+        taken.append(slot.index)
+        return again(self, e, slot, *a)
+
+    monkeypatch.setattr(devcopy.DeviceCopies, "_copy_again", spy)
+    spec = registry.spec_for(CONTIG)
+    args, kwargs = spec.generate(
+        seed=3, device="cuda", scale_format="fp32", num_groups=8, n=256, k=512, expected_m=20
+    )
+    ring = RingConfig(slots=4, slot_bytes=1 << 20, journal_dir=shm)
+    target = "kdump.kernels.sm120.api:m_grouped_fp8_gemm_nt_contiguous"
+    with kdump.recording(target, out=tmp_path / "out", mode="ring", ring=ring) as rec:
+        cuda = rec.recorder._cuda
+        assert cuda is not None and cuda.tier is not None and cuda._cu is not None
+        cuda.tier.held = held
+        for _ in range(14):
+            api.m_grouped_fp8_gemm_nt_contiguous(*args, **kwargs)
+        torch.cuda.synchronize()
+        assert rec.recorder.errors == 0 and rec.recorder.fast_calls >= 8
+        rec.flush()
+        written = list(rec.written)
+    assert len(taken) >= 4 and set(taken) <= {0, 1, 2, 3}
+    assert len(written) == 4
+    a, sfa = args[0]
+    labels = args[3]
+    seen = []
+    for bundle in written:
+        facts = _check_rows(bundle, a, sfa, labels)
+        assert facts["finished"] and facts["device"]["rows_kept"] > 0
+        seen.append(facts["call_index"])
+    assert len(set(seen)) == 4 and min(seen) >= 10  # the last four calls
 
 
 def test_graphs_captured_while_recording_replay_after_the_recording_ends(tmp_path, shm):

@@ -1,5 +1,6 @@
 """The fused snapshot kernel launched directly, bitwise against the reference semantics
-(`gather.reference_gather`) for every path it has: 16-, 4- and 1-byte units of contiguous rows,
+(`gather.reference_gather`) for every path it has: bulk asynchronous copies (sm_90+) and 16-, 4-
+and 1-byte units of contiguous rows,
 strided rows of 8-, 4-, 2- and 1-byte elements and of an odd element size, every row rule, row
 counts that leave a partial block, and plain copies of odd sizes and alignments."""
 
@@ -25,9 +26,10 @@ def _cuda():
         pytest.skip("needs a CUDA device")
 
 
-def _launch(plan: gather.Plan | None, tensors, rule, copies=()):
-    """Run the kernel once on fresh control words; returns (records sorted, call record)."""
-    fn = gather.get_kernel(torch.cuda.current_device())[0]
+def _launch(plan: gather.Plan | None, tensors, rule, copies=(), fn=None):
+    """Run the kernel (the shipped build, or `fn`) once on fresh control words; returns
+    (records sorted, call record)."""
+    fn = fn or gather.get_kernel(torch.cuda.current_device())[0]
     storages = group_storages(tensors)[0] if tensors else []
     p = gather.SnapParams()
     ring = torch.zeros(plan.worst if plan else 256, dtype=torch.uint8, device="cuda")
@@ -61,7 +63,7 @@ def _launch(plan: gather.Plan | None, tensors, rule, copies=()):
     return gather.sort_records(got.reshape(rows, plan.rec_bytes)), rec
 
 
-def _check(tensors, gathered, rule_name, rule, row_dims, alignment=1, tweak=None):
+def _check(tensors, gathered, rule_name, rule, row_dims, alignment=1, tweak=None, fn=None):
     storages, records = group_storages(tensors)
     rule_i = None if rule is None else next(i for i, t in enumerate(tensors) if t is rule)
     plan = gather.make_plan(
@@ -70,7 +72,7 @@ def _check(tensors, gathered, rule_name, rule, row_dims, alignment=1, tweak=None
     assert plan is not None
     if tweak is not None:
         plan = replace(plan, gathers=tuple(replace(g, **tweak) for g in plan.gathers))
-    got, _ = _launch(plan, tensors, rule)
+    got, _ = _launch(plan, tensors, rule, fn=fn)
     spans = []
     for i, s in enumerate(storages):
         t = tensors[next(ti for ti, r in enumerate(records) if r.storage == i)]
@@ -158,6 +160,40 @@ def test_strided_four_byte_rows_staged_in_passes(cols):
     labels = _labels([0, 61, 3], block=100)
     plan = _check([sf, labels], [0], "labels", labels, 1)
     assert plan.gathers[0].cols == cols
+
+
+def test_bulk_copied_rows_of_several_gathers_in_one_launch():
+    # 16-byte aligned contiguous rows take the bulk asynchronous copies on sm_90+: rows shorter
+    # than a stage (48 B), spanning several stages (4096 + 16 B: a last piece of 16 B), and two
+    # such gathers in one launch (each starts its barriers at phase 0 again), under a rule that
+    # leaves uneven counts per block; then every row (full blocks, many pieces per issuer)
+    labels = _labels([0, 1, 128, 77, 5, 128, 2], block=128)
+    m = labels.numel()
+    short, long_ = _bytes((m, 48), 12), _bytes((m, 4112), 13)
+    _check([short, long_, labels], [0, 1], "labels", labels, 1)
+    _check([long_, short], [0, 1], "all", None, 1)
+
+
+def _plain_build():
+    """kd_snapshot compiled without the bulk copies (what devices before sm_90 run)."""
+    from cuda.core import Program, ProgramOptions
+
+    from kdump.nvrtc import check, driver
+
+    src = gather.kernel_source().replace("#define KD_BULK 1", "#define KD_BULK 0")
+    arch = gather.arch_of(torch.cuda.get_device_capability())
+    obj = Program(src, "c++", ProgramOptions(arch=arch, std="c++17")).compile("cubin")
+    module = check(driver().cuModuleLoadData(bytes(obj.code)), "cuModuleLoadData")
+    return check(driver().cuModuleGetFunction(module, b"kd_snapshot"), "get kd_snapshot")
+
+
+def test_plain_build_gathers_the_same_rows():
+    labels = _labels([0, 1, 128, 77, 5], block=128)
+    m = labels.numel()
+    a = _bytes((m, 4096), 14)
+    sf = torch.empty_strided((m, 32), (1, m), dtype=torch.float32, device="cuda")
+    sf.copy_(torch.randn(m, 32, device="cuda"))
+    _check([a, sf, labels], [0, 1], "labels", labels, 1, fn=_plain_build())
 
 
 def test_strided_rows_of_an_element_size_without_a_unit():

@@ -12,7 +12,11 @@ slot as ONE D2H copy, followed by an 8-byte copy of the call's token into `post`
 * no salvage process holds it: both run on the call's stream before the call; the host tier is
   then the only thing that survives a crash.
 
-`done` is the token copied after the call (on the side stream when held). Without the kernel
+`done` is the token copied after the call by a one-thread kernel on the call's stream; for a
+capture site the next snapshot of its chain (the next site captured on the same stream, or the
+first site at the next replay) writes it instead, so a recorded graph call adds one node, not
+two. The newest call of a chain therefore reads as not finished until a later replay runs: its
+kernel may or may not have returned. Without the kernel
 (no NVRTC, or it failed) the same layout is filled by torch copies: small arguments D2D into the
 twin, the token into the call record, the same host copies; bulky arguments keep their layouts
 only, and the slot says so (`tiers`, `notes`).
@@ -23,11 +27,12 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kdump import nvrtc
 from kdump.log import log_once
-from kdump.record import gather, pinned
+from kdump.record import cudrv, gather, pinned
 from kdump.record.devring import DeviceTier, DeviceTierError
 from kdump.record.journal import (
     CALL_RECORD_BYTES,
@@ -41,6 +46,24 @@ RECORD_COMPLETE_AT = 40  # the call record's `complete` word: the token, once th
 _TRAILER_BYTES = TRAILER_BYTES
 _PRE_AT, _POST_AT, _DONE_AT = MARKER_AT["pre"], MARKER_AT["post"], MARKER_AT["done"]
 _ONE_COPY_GAP = 4096  # bytes between the payloads and the call record still copied as one
+
+
+@dataclass(frozen=True)
+class _Enqueue:
+    """What an eager repeat's call into one slot enqueues (`DeviceCopies.copy`'s memo): the
+    snapshot kernel's arguments as bytes (sequence number and call index set per call), its
+    grid, the D2D copies beyond the kernel's table, the D2H copies (host offset, device address,
+    bytes: the twin, then `post`), the done marker's kernel arguments (None: its D2H copy,
+    `done`) and the values they point at."""
+
+    spans: list[Any]
+    params: bytes
+    grid: int
+    surplus: tuple[tuple[int, int, int], ...]
+    host: tuple[tuple[int, int, int], ...]
+    mark_vals: Any
+    mark_args: Any
+    done: tuple[int, int, int]
 
 
 def _drv() -> Any:
@@ -96,6 +119,9 @@ class DeviceCopies:
         with torch.cuda.device(self.device):
             self.one = torch.ones(1, dtype=torch.int64, device=self.device)
             self._own_counters = torch.zeros(self.max_sites, dtype=torch.int64, device=self.device)
+            # A graph site's chain cell (done marker address, replay counter address), one per
+            # (capture, stream), indexed by the chain's first site: see `_chain_cell`.
+            self._cells = torch.zeros(self.max_sites, 2, dtype=torch.int64, device=self.device)
             self.side = torch.cuda.Stream(self.device)
         self._side_h = int(self.side.cuda_stream)
         self.kernel: Any = None
@@ -110,16 +136,23 @@ class DeviceCopies:
                     "copies fill the twin and copy bulky operands whole (no row rule)"
                 )
                 self.notes.append(self.kernel_note)
+        self._params = gather.SnapParams()
         self._host_dev = self._mapped_base()
+        # The per-call driver calls go through ctypes on libcuda where it loads (kdump.record.
+        # cudrv); else through cuda-bindings. Handles are plain ints on the ctypes path.
+        self._cu = cudrv.driver()
+        self._fn_h = cudrv.handle(self.kernel) if self.kernel is not None else 0
+        self._mark_h = cudrv.handle(self.mark) if self.mark is not None else 0
+        self._snap_args = (ctypes.c_void_p * 1)(ctypes.addressof(self._params))  # under the lock
         self._streams: dict[int, Any] = {}
         self._slot_events: dict[int, Any] = {}
         self._event_pool: list[Any] = []
         with torch.cuda.device(self.device):  # made now: creating one inside a capture is not
             self._event_pool = [self._event() for _ in range(2)]
         self.forked_in_capture = False
-        self._params = gather.SnapParams()
         self._params_plan: Any = self  # the plan `_params` holds (self: none yet)
         self._fb_slot = 0  # the torch fallback's fixed device ring slot size
+        self._chains: dict[tuple[int, int], int] = {}  # (capture id, stream) -> its cell
 
     # -- facts ------------------------------------------------------------------------------------
     @property
@@ -195,11 +228,22 @@ class DeviceCopies:
         flags = int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
         return _ok(drv.cuEventCreate(flags), "cuEventCreate")
 
-    def _fork(self, main: Any, side: Any) -> None:
-        drv = _drv()
+    def _record(self, ev: Any, stream: int) -> None:
+        if self._cu is not None:
+            self._cu.record(cudrv.handle(ev), stream)
+        else:
+            _ok(_drv().cuEventRecord(ev, self._stream(stream)), "cuEventRecord")
+
+    def _wait(self, stream: int, ev: Any) -> None:
+        if self._cu is not None:
+            self._cu.wait(stream, cudrv.handle(ev))
+        else:
+            _ok(_drv().cuStreamWaitEvent(self._stream(stream), ev, 0), "cuStreamWaitEvent")
+
+    def _fork(self, main: int, side: int) -> None:
         ev = self._event()
-        _ok(drv.cuEventRecord(ev, main), "cuEventRecord")
-        _ok(drv.cuStreamWaitEvent(side, ev, 0), "cuStreamWaitEvent")
+        self._record(ev, main)
+        self._wait(side, ev)
         self._event_pool.append(ev)  # reusable at once: the wait took the record it needs
 
     def join_capture(self) -> None:
@@ -208,12 +252,17 @@ class DeviceCopies:
         if not self.forked_in_capture:
             return
         self.forked_in_capture = False
-        main = self._stream(current_stream(self._index))
-        self._fork(self._stream(self._side_h), main)
+        self._fork(self._side_h, current_stream(self._index))
 
-    def _d2h(self, host_off: int, dev: int, n: int, stream: Any) -> None:
+    def _d2h(self, host_off: int, dev: int, n: int, stream: int) -> None:
+        if self._cu is not None:
+            self._cu.d2h(self._addr + host_off, dev, n, stream)
+            return
         drv = _drv()
-        _ok(drv.cuMemcpyDtoHAsync(self._addr + host_off, dev, n, stream), "cuMemcpyDtoHAsync")
+        _ok(
+            drv.cuMemcpyDtoHAsync(self._addr + host_off, dev, n, self._stream(stream)),
+            "cuMemcpyDtoHAsync",
+        )
 
     # -- the call ---------------------------------------------------------------------------------
     def copy(
@@ -226,10 +275,15 @@ class DeviceCopies:
         call_index: int,
         capturing: bool,
         whole: list[list[int]] | None = None,
+        capture_id: int = 0,
+        memo: dict[int, _Enqueue] | None = None,
     ) -> Callable[[], None]:
         """Enqueue the slot's copies on the current stream; returns what marks it done after the
         call. `token_index`: the capture site's replay counter (None: an eager call); `whole`:
-        the torch fallback's layout of the plan's storages (`whole_layout`)."""
+        the torch fallback's layout of the plan's storages (`whole_layout`); `capture_id`: the
+        capture a site belongs to (its chain of done markers, with the stream); `memo`: an
+        eager repeat's (one per learned call: same tensors, plan and slot layout) per slot
+        index, filled by the first call into each slot, so later ones skip the arithmetic."""
 
         if self.tier is None:
             return self.direct(slot, views, token_index)
@@ -237,21 +291,30 @@ class DeviceCopies:
         j = self.journal
         sb = j.slot_bytes
         slot.commit(device=True)
-        main_h = current_stream(self._index)
-        main = self._stream(main_h)
-        record = tier.twin_addr(slot.index, sb - _TRAILER_BYTES - CALL_RECORD_BYTES)
+        main = current_stream(self._index)
         if not capturing:
             ev = self._slot_events.get(slot.index)
             if ev is not None:  # the side copy of this slot's previous call has read the twin
-                _ok(_drv().cuStreamWaitEvent(main, ev, 0), "cuStreamWaitEvent")
+                self._wait(main, ev)
+        memo = memo if not capturing and self.kernel is not None and self._cu is not None else None
+        if memo is not None:
+            e = memo.get(slot.index)
+            if e is not None and e.spans == slot.spans and self._here():
+                return self._copy_again(e, slot, plan, call_index, main)
+        record = tier.twin_addr(slot.index, sb - _TRAILER_BYTES - CALL_RECORD_BYTES)
         spans = slot.spans
         copies = [
             (views.ptr(i), tier.twin_addr(slot.index, sp[0]), sp[1])
             for i, sp in enumerate(spans)
             if sp is not None and sp[1]
         ]
+        chained = self.kernel is not None and capturing and token_index is not None
+        grid = 0
         if self.kernel is not None:
-            self._launch(slot, views, copies, token_index, plan, rule, call_index, record, main)
+            chain = self._chain_cell(capture_id, main, token_index) if chained else 0
+            grid = self._launch(
+                slot, views, copies, token_index, plan, rule, call_index, record, main, chain
+            )
         else:
             self._torch_snapshot(slot, views, copies, token_index, record, whole, call_index, main)
         present = [sp[0] for sp in spans if sp is not None]
@@ -259,26 +322,53 @@ class DeviceCopies:
         base = slot.offset
         trailer = base + sb - _TRAILER_BYTES
         if self.held:
-            side = self._stream(self._side_h)
+            side = self._side_h
             self._fork(main, side)
             if capturing:
                 self.forked_in_capture = True
             out = side
         else:
             out = main
-        self._host_copy(slot, spans, p0, out)
-        self._d2h(trailer + _POST_AT, record + RECORD_COMPLETE_AT, 8, out)
+        host = self._host_copies(slot, spans, p0)
+        host.append((trailer + _POST_AT, record + RECORD_COMPLETE_AT, 8))
+        for dst, src, n in host:
+            self._d2h(dst, src, n, out)
+        if memo is not None and grid and token_index is None and self._here():
+            vals = (ctypes.c_uint64 * 2)(
+                record + RECORD_COMPLETE_AT, self._host_dev + trailer + _DONE_AT
+            )
+            at = ctypes.addressof(vals)
+            memo[slot.index] = _Enqueue(
+                list(spans),
+                bytes(self._params),
+                grid,
+                tuple(copies[gather.MAX_COPIES :]),
+                tuple(host),
+                vals,
+                (ctypes.c_void_p * 2)(at, at + 8) if self.mark is not None else None,
+                (trailer + _DONE_AT, record + RECORD_COMPLETE_AT, 8),
+            )
 
         def after() -> None:
-            # The done marker follows the kernel on its own stream, as a kernel node where the
-            # snapshot kernel is loaded (it starts as the recorded kernel ends; a memcpy node
+            # A graph site's done marker is written by the next snapshot of its chain: no node
+            # after the recorded kernel (even an empty one cost 1-2 % of a decode step).
+            if chained:
+                return
+            # Else the done marker follows the kernel on its own stream, as a kernel node where
+            # the snapshot kernel is loaded (it starts as the recorded kernel ends; a memcpy node
             # there waited 2.5-7.5 us on the H200). Landing before the side's `post` is
             # harmless: the slot then reads in flight (post behind pre), and the device twin
             # completes it at salvage.
-            cur = self._stream(current_stream(self._index))
+            cur = current_stream(self._index)
             if self.mark is not None:
                 dst = self._host_dev + trailer + _DONE_AT
-                gather.launch_mark(self.mark, record + RECORD_COMPLETE_AT, dst, cur)
+                if self._cu is not None:  # own arguments: `after` runs outside the lock
+                    vals = (ctypes.c_uint64 * 2)(record + RECORD_COMPLETE_AT, dst)
+                    at = ctypes.addressof(vals)
+                    args = (ctypes.c_void_p * 2)(at, at + 8)
+                    self._cu.launch(self._mark_h, 1, 1, args, cur, gather.MARK_KERNEL)
+                else:
+                    gather.launch_mark(self.mark, record + RECORD_COMPLETE_AT, dst, cur)
             else:
                 self._d2h(trailer + _DONE_AT, record + RECORD_COMPLETE_AT, 8, cur)
             if self.held and not capturing:
@@ -286,24 +376,70 @@ class DeviceCopies:
                 ev = self._slot_events.get(slot.index)
                 if ev is None:
                     ev = self._slot_events[slot.index] = self._event()
-                _ok(_drv().cuEventRecord(ev, self._stream(self._side_h)), "cuEventRecord")
+                self._record(ev, self._side_h)
 
         return after
 
-    def _host_copy(self, slot: Slot, spans: list[Any], p0: int, stream: Any) -> None:
-        """The twin to the host slot: the payloads' extent and the call record, as one copy when
-        they are close, else two (a slot is mostly empty: copying all of it costs PCIe time)."""
+    def _host_copies(self, slot: Slot, spans: list[Any], p0: int) -> list[tuple[int, int, int]]:
+        """The twin to the host slot, as (host offset, device address, bytes) D2H copies: the
+        payloads' extent and the call record, as one copy when they are close, else two (a slot
+        is mostly empty: copying all of it costs PCIe time)."""
         assert self.tier is not None
         sb = self.journal.slot_bytes
         record_at = sb - _TRAILER_BYTES - CALL_RECORD_BYTES
         end = max((sp[0] + sp[1] for sp in spans if sp is not None), default=p0)
         twin = self.tier.twin_addr(slot.index)
         if record_at - end <= _ONE_COPY_GAP:
-            self._d2h(slot.offset + p0, twin + p0, record_at + CALL_RECORD_BYTES - p0, stream)
-            return
+            return [(slot.offset + p0, twin + p0, record_at + CALL_RECORD_BYTES - p0)]
+        out = []
         if end > p0:
-            self._d2h(slot.offset + p0, twin + p0, end - p0, stream)
-        self._d2h(slot.offset + record_at, twin + record_at, CALL_RECORD_BYTES, stream)
+            out.append((slot.offset + p0, twin + p0, end - p0))
+        out.append((slot.offset + record_at, twin + record_at, CALL_RECORD_BYTES))
+        return out
+
+    def _here(self) -> bool:
+        import torch
+
+        return torch.cuda.current_device() == self._index
+
+    def _copy_again(
+        self, e: _Enqueue, slot: Slot, plan: gather.Plan | None, call_index: int, main: int
+    ) -> Callable[[], None]:
+        """`copy` for an eager call into a slot `e` was made for: the same driver calls in the
+        same order, from the kept kernel arguments (only the sequence number and the call index
+        differ) and copy lists. The caller checked the slot's wait, the kernel and the driver."""
+        cu = self._cu
+        p = self._params
+        ctypes.memmove(ctypes.addressof(p), e.params, len(e.params))
+        p.seq = slot.seq
+        p.call_index = call_index
+        self._params_plan = plan
+        for src, dst, n in e.surplus:
+            cu.d2d(dst, src, n, main)
+        cu.launch(self._fn_h, e.grid, gather.THREADS, self._snap_args, main, "snapshot")
+        held = self.held
+        out = main
+        if held:
+            out = self._side_h
+            self._fork(main, out)
+        addr = self._addr
+        for dst, src, n in e.host:
+            cu.d2h(addr + dst, src, n, out)
+
+        def after() -> None:
+            cur = current_stream(self._index)
+            if e.mark_args is not None:
+                cu.launch(self._mark_h, 1, 1, e.mark_args, cur, gather.MARK_KERNEL)
+            else:
+                dst, src, n = e.done
+                cu.d2h(addr + dst, src, n, cur)
+            if held:
+                ev = self._slot_events.get(slot.index)
+                if ev is None:
+                    ev = self._slot_events[slot.index] = self._event()
+                self._record(ev, self._side_h)
+
+        return after
 
     def _launch(
         self,
@@ -315,16 +451,24 @@ class DeviceCopies:
         rule: Any,
         call_index: int,
         record: int,
-        stream: Any,
-    ) -> None:
+        stream: int,
+        chain: int = 0,
+    ) -> int:
+        """Enqueue the snapshot kernel; returns its grid."""
         import torch
 
         assert self.tier is not None
         tier = self.tier
         p = self._params
+        p.chain = chain
+        trailer_dev = self._host_dev + slot.offset + self.journal.slot_bytes - _TRAILER_BYTES
+        p.host_done = trailer_dev + _DONE_AT
         if len(copies) > gather.MAX_COPIES:  # rare: the surplus as plain async copies first
             for src, dst, n in copies[gather.MAX_COPIES :]:
-                _ok(_drv().cuMemcpyDtoDAsync(dst, src, n, stream), "cuMemcpyDtoD")
+                if self._cu is not None:
+                    self._cu.d2d(dst, src, n, stream)
+                else:
+                    _ok(_drv().cuMemcpyDtoDAsync(dst, src, n, self._stream(stream)), "D2D")
             copies = copies[: gather.MAX_COPIES]
         chunks = 0
         for k, (src, dst, n) in enumerate(copies):
@@ -339,17 +483,33 @@ class DeviceCopies:
         p.rule_n = int(rt.numel()) if plan is not None and rt is not None else 0
         p.token_ptr = tier.counter_addr(token_index) if token_index is not None else 0
         p.record = record
-        p.host_pre = self._host_dev + slot.offset + self.journal.slot_bytes - _TRAILER_BYTES
-        p.host_pre += _PRE_AT
+        p.host_pre = trailer_dev + _PRE_AT
         p.seq = slot.seq
         p.call_index = call_index
         p.slot_index = slot.index
         grid = max(1, int(p.gather_blocks) + min(chunks, gather.MAX_COPY_BLOCKS))
-        if torch.cuda.current_device() == self._index:
+        here = self._here()
+        if self._cu is not None and here:
+            self._cu.launch(self._fn_h, grid, gather.THREADS, self._snap_args, stream, "snapshot")
+        elif here:
             gather.launch(self.kernel, p, stream, grid)
         else:
             with torch.cuda.device(self.device):
                 gather.launch(self.kernel, p, stream, grid)
+        return grid
+
+    def _chain_cell(self, capture_id: int, stream: int, token_index: int) -> int:
+        """The device address of the chain cell of the sites captured on `stream` in capture
+        `capture_id`. Each site's snapshot writes the done marker of the call the cell names
+        (the site before it; for the first, the last site of the previous replay: launches of
+        one graph are serialized) and then names itself. Cells are never shared between
+        chains (indexed by the chain's first site's counter, and counters are never reused), so
+        a cell holds nothing stale."""
+        key = (capture_id, stream)
+        cell = self._chains.get(key)
+        if cell is None:
+            cell = self._chains[key] = token_index
+        return int(self._cells.data_ptr()) + 16 * cell
 
     def _plan_params(self, p: gather.SnapParams, plan: gather.Plan | None, views: Any) -> None:
         """The snapshot arguments that follow from the plan (and its signature's addresses)."""
@@ -370,7 +530,7 @@ class DeviceCopies:
         record: int,
         whole: list[list[int]] | None,
         call_index: int,
-        main: Any,
+        main: int,
     ) -> None:
         """The fallback without the kernel: the same twin, call record and device ring slot
         header, by torch and driver copies (capturable). Bulky storages are copied whole into a
@@ -388,7 +548,7 @@ class DeviceCopies:
         trailer = slot.offset + self.journal.slot_bytes - _TRAILER_BYTES
         self._d2h(trailer + _PRE_AT, int(token.data_ptr()), 8, main)
         for src, dst, n in copies:
-            _ok(drv.cuMemcpyDtoDAsync(dst, src, n, main), "cuMemcpyDtoDAsync")
+            _ok(drv.cuMemcpyDtoDAsync(dst, src, n, self._stream(main)), "cuMemcpyDtoDAsync")
         mem = tier.mem
         at = record - tier.base
         rec = mem[at : at + CALL_RECORD_BYTES].view(torch.int64)

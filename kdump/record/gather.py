@@ -396,6 +396,8 @@ class SnapParams(ctypes.Structure):
         ("host_pre", ctypes.c_uint64),
         ("seq", ctypes.c_uint64),
         ("call_index", ctypes.c_uint64),
+        ("chain", ctypes.c_uint64),
+        ("host_done", ctypes.c_uint64),
         ("n_copies", ctypes.c_uint32),
         ("n_gathers", ctypes.c_uint32),
         ("rule_kind", ctypes.c_uint32),

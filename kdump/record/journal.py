@@ -56,7 +56,9 @@ where the host or the torch fallback does), the replay number for a slot refresh
 CUDA graph (a device-side counter the graph increments, copied by the graph itself). A slot whose
 `post` is 0 or differs from `pre` holds no consistent payloads (they were being copied at the
 crash): it reads as in flight. Otherwise it is complete, and `done == post` says the kernel
-finished; `done < post` that it was running (or queued) when the process died.
+finished; `done < post` that it was running (or queued) when the process died, or, for a
+CUDA-graph site, that no later recorded call of its graph had started yet (the next snapshot of
+the site's chain writes its `done`: kdump.record.devcopy).
 
 Device payloads are copied on the call's stream, so the stream order (markers, payloads, kernel,
 marker) replaces the payload checksum there.

@@ -14,7 +14,8 @@ Outputs are never copied: they are what the kernel writes.
 CUDA graphs: a call made during stream capture gets its own slot for its capture site (capture
 id + position in the capture), pinned outside the ring's rotation; its copies are captured into
 the graph, together with an `add_` on a device-side counter that the graph copies into the
-slot's markers, so every replay refreshes the slot before the kernel and marks it done after.
+slot's markers, so every replay refreshes the slot before the kernel; with the snapshot kernel
+the next snapshot of the site's chain (kdump.record.devcopy) marks it done.
 At most half the ring's slots are pinned (`Journal.pin`); a site over that budget keeps its
 header only, in a rotating slot, marked `site_over_budget`. When a site is made, the last eager
 call of the same target on the same buffers is pinned too (what the buffers held before
@@ -475,7 +476,15 @@ class RingRecorder:
                 if direct:
                     return self._cuda.direct(slot, views, counter)
                 return self._cuda.copy(
-                    slot, views, counter, plan, rule, index, capturing, whole if plan else None
+                    slot,
+                    views,
+                    counter,
+                    plan,
+                    rule,
+                    index,
+                    capturing,
+                    whole if plan else None,
+                    site.capture_id if site is not None else 0,
                 )
 
     def _note_repeat(
@@ -583,6 +592,7 @@ class RingRecorder:
             direct,
             plan,
             whole if plan is not None else None,
+            {},
         )
 
     def _again(self, rep: _Repeat, index: int, tensors: list[Any]) -> Any:
@@ -638,7 +648,9 @@ class RingRecorder:
             rule = None
             if plan is not None and plan.rule_tensor is not None:
                 rule = tensors[plan.rule_tensor]
-            return self._cuda.copy(slot, views, None, plan, rule, index, False, rep.whole)
+            return self._cuda.copy(
+                slot, views, None, plan, rule, index, False, rep.whole, memo=rep.enqueued
+            )
 
     @staticmethod
     def _is_capturing(cuda: list[Any]) -> bool:
@@ -901,6 +913,7 @@ _KWARGS = object()  # `_fingerprint`: the keyword arguments follow
 # or a time a call could carry.
 _SENTINEL = 7_319_846_250_183_746_000
 _LEAVES = frozenset({type(None), bool, int, str})  # exact types: equal values encode equally
+_INLINE_LEAVES = frozenset({type(None), bool, int})  # `_walk`'s leaves without a length check
 # A repeat key's bounds (argtree.encode cuts deeper or larger trees with placeholders, and the
 # keys are kept): beyond them a call takes the full path.
 _KEY_DEPTH = 16
@@ -958,7 +971,22 @@ def _walk(v: Any, out: list[Any], tensors: list[Any], at: dict[int, int], depth:
         return True
     if tp is tuple or tp is list:
         out += (tp, len(v))
+        inline = depth < _KEY_DEPTH  # what `_walk(x, ..., depth + 1)` checks first
         for x in v:  # a loop, not all(): a generator per container costs a microsecond
+            # Tensors and non-string leaves inline, as `_walk` would encode them: a call per
+            # item was a third of the walk for DeepGEMM's (tensor, scales) pairs.
+            tx = type(x)
+            if inline and len(out) <= _KEY_ITEMS:
+                if tx in _TENSOR_TYPES:
+                    i = at.get(id(x))
+                    if i is None:
+                        i = at[id(x)] = len(tensors)
+                        tensors.append(x)
+                    out += (_TENSOR, i)
+                    continue
+                if tx in _INLINE_LEAVES:
+                    out += (tx, x)
+                    continue
             if not _walk(x, out, tensors, at, depth + 1):
                 break
         else:
@@ -1000,13 +1028,30 @@ def _repeat_key(
     if seen is None:
         return None
     structure, tensors = seen
-    return (target, called_as, tuple(structure), tuple(_facts(t) for t in tensors)), tensors
+    facts = []
+    for t in tensors:  # `_facts`, inline: a call and a generator step per tensor saved
+        p = t.data_ptr()
+        facts.append(
+            (
+                p,
+                t.shape,
+                t.stride(),
+                t.dtype,
+                t.storage_offset(),
+                t.is_conj(),
+                t.is_neg(),
+                t.requires_grad,
+                None if p else t.device,
+            )
+        )
+    return (target, called_as, tuple(structure), tuple(facts)), tensors
 
 
 def _facts(t: Any) -> tuple[Any, ...]:
     """What the recorded layout of a tensor depends on besides its version: `_signature`'s facts,
     the lazy conj / neg bits and requires_grad (`.data =` and `requires_grad_` change them
-    without bumping the version); the device where the address does not tell it."""
+    without bumping the version); the device where the address does not tell it. (`_repeat_key`
+    has a copy of it inline; a test keeps the two equal.)"""
     p = t.data_ptr()
     return (
         p,
@@ -1042,6 +1087,7 @@ class _Repeat:
     direct: bool
     plan: Any
     whole: Any
+    enqueued: dict[int, Any]  # the device copies' per-slot memo (`DeviceCopies.copy`)
 
 
 class _Layout:

@@ -567,7 +567,8 @@ def _from_twin(
         meta=m,
         payloads=payloads,
         reason="the host copy had not run: payloads from the device twin",
-        # the done marker follows the kernel on its stream, the host copy runs beside it
+        # the done marker follows the kernel on its stream (for a graph site: the next snapshot
+        # of its chain), the host copy runs beside it
         finished=rec.markers[2] == token,
         token=token,
         spans=rec.spans,

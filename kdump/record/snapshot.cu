@@ -1,4 +1,5 @@
-// The flight recorder's fused snapshot kernel: one launch per recorded call.
+// The flight recorder's fused snapshot kernel: one launch per recorded call (under CUDA graphs the
+// only node the recorder adds: it also writes the done marker of the site before it).
 //
 // Plain byte-range copies (metadata, routing, scalars) go into the journal slot's device twin;
 // row gathers copy only the rows a call can touch (a row rule over labels / masked_m / psum ends)
@@ -22,6 +23,16 @@ typedef unsigned int u32;
 #define KD_UNROLL 4u  // loads in flight per thread before its stores
 #define KD_CHUNK 16384ull  // bytes of a plain copy per block step (KD_THREADS x 16 x KD_UNROLL)
 #define KD_STAGE_WORDS 4096  // shared-memory words staging a block's strided 4-byte rows
+// Contiguous row gathers on sm_90+ go through shared memory with bulk asynchronous copies
+// (cp.async.bulk, the TMA's 1-D form): KD_BULK_WARPS issuing threads (lane 0 of the first warps),
+// each with KD_BULK_STAGES buffers of KD_BULK_STAGE bytes, so a block keeps WARPS x STAGES row
+// pieces in flight with a few registers. KD_BULK 0: the plain loads and stores everywhere.
+#define KD_BULK 1
+#define KD_BULK_WARPS 4
+#define KD_BULK_STAGES 4
+#define KD_BULK_STAGE 2048  // bytes, a multiple of 16
+#define KD_BULK_BYTES (KD_BULK_WARPS * KD_BULK_STAGES * KD_BULK_STAGE)
+#define KD_BUF_WORDS (KD_BULK_BYTES / 4 > KD_STAGE_WORDS ? KD_BULK_BYTES / 4 : KD_STAGE_WORDS)
 
 #define RULE_ALL 0
 #define RULE_LABELS 1
@@ -61,6 +72,8 @@ struct Params {
   u64 host_pre;    // the host slot's `pre` marker, mapped (0: none)
   u64 seq;         // the journal slot's seq
   u64 call_index;
+  u64 chain;       // a graph site's chain cell (0: none): the done marker of the call before it
+  u64 host_done;   // this slot's `done` marker, mapped (what the next call of the chain writes)
   u32 n_copies;
   u32 n_gathers;
   u32 rule_kind;
@@ -103,11 +116,12 @@ struct Record {
 // The host mirrors (kdump/record/gather.py) rely on these sizes.
 static_assert(sizeof(Copy) == 24, "Copy layout");
 static_assert(sizeof(Gather) == 48, "Gather layout");
-static_assert(sizeof(Params) == 696, "Params layout");
+static_assert(sizeof(Params) == 712, "Params layout");
 static_assert(sizeof(SlotHead) == 64, "SlotHead layout");
 static_assert(sizeof(Record) == 64, "Record layout");
 static_assert(KD_ROWS_PER_BLOCK <= KD_THREADS, "a gather block tests one row per thread");
 static_assert(KD_CHUNK == KD_THREADS * 16 * KD_UNROLL, "a plain-copy step is one unrolled round");
+static_assert(KD_BULK_STAGE % 16 == 0 && KD_BULK_WARPS * 32 <= KD_THREADS, "bulk gather shape");
 
 __device__ __forceinline__ u64 slot_pos(const Params& p, u64 head) {
   // A slot never wraps around the end: skip to the next lap instead.
@@ -297,14 +311,107 @@ __device__ void gather_strided_staged(const Gather& g, const u32* outer, const u
   }
 }
 
+#if KD_BULK && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KD_HAVE_BULK 1
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  return (u32)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 n, u32 bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(n)
+               : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(dst), "l"(src), "r"(n), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void bulk_wait(u32 bar, u32 parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n"
+      "wait_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra wait_%=;\n}" ::"r"(bar), "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void bulk_store(void* dst, u32 src, u32 n) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src),
+               "r"(n)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// The contiguous rows of one gather by bulk copies: piece j (row j / per_row, piece j % per_row
+// of KD_BULK_STAGE bytes) belongs to issuer j % KD_BULK_WARPS, which loads it into its buffer
+// (j / WARPS) % STAGES, waits for it, stores it to its record, and reloads the buffer of the
+// piece before once that store has read it. Every thread of the block calls it.
+__device__ void gather_bulk(const Gather& g, const u32* outer, const u32* inner, u32 count,
+                            char* out, u32 rec_bytes, u32 tid, u32* buf, u64* bars) {
+  // The buffers may hold what a staged gather wrote through the generic proxy: order those
+  // writes before the async proxy's loads overwrite them (every writer fences, then the barrier).
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncthreads();
+  const u32 w = tid / 32;
+  if (w < KD_BULK_WARPS && tid % 32 == 0) {
+    const u32 row_bytes = g.cols * g.elem;
+    const u32 per_row = (row_bytes + KD_BULK_STAGE - 1) / KD_BULK_STAGE;
+    const u32 total = count * per_row;
+    const u32 mine = total > w ? (total - w + KD_BULK_WARPS - 1) / KD_BULK_WARPS : 0;
+    const u32 base = smem_addr(buf) + w * KD_BULK_STAGES * KD_BULK_STAGE;
+    const u32 bar0 = smem_addr(bars + w * KD_BULK_STAGES);
+    // Fresh barriers per call (phase 0; one arrival each: the issuer's expect_tx), retired at
+    // its end, so the next gather of the launch starts at phase 0 again.
+    for (u32 k = 0; k < KD_BULK_STAGES; ++k)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + 8 * k) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    // piece k of this issuer: j = w + k * WARPS
+#define KD_PIECE(k, q, at, n)                                   \
+  const u32 j_##q = w + (k) * KD_BULK_WARPS;                     \
+  const u32 q = j_##q / per_row;                                 \
+  const u32 at = (j_##q - q * per_row) * KD_BULK_STAGE;          \
+  const u32 n = row_bytes - at < KD_BULK_STAGE ? row_bytes - at : KD_BULK_STAGE;
+    for (u32 k = 0; k < mine && k < KD_BULK_STAGES; ++k) {
+      KD_PIECE(k, q, at, n)
+      bulk_load(base + k * KD_BULK_STAGE, row_at(g, outer, inner, q) + at, n, bar0 + 8 * k);
+    }
+    for (u32 k = 0; k < mine; ++k) {
+      const u32 s = k % KD_BULK_STAGES;
+      bulk_wait(bar0 + 8 * s, (k / KD_BULK_STAGES) & 1);
+      {
+        KD_PIECE(k, q, at, n)
+        bulk_store(out + (u64)q * rec_bytes + g.rec_off + at, base + s * KD_BULK_STAGE, n);
+      }
+      // the previous piece's store has read its buffer once at most this one is pending
+      if (k >= 1 && k - 1 + KD_BULK_STAGES < mine) {
+        asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+        const u32 r = k - 1 + KD_BULK_STAGES, rs = (k - 1) % KD_BULK_STAGES;
+        KD_PIECE(r, q, at, n)
+        bulk_load(base + rs * KD_BULK_STAGE, row_at(g, outer, inner, q) + at, n, bar0 + 8 * rs);
+      }
+    }
+#undef KD_PIECE
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.global;" ::: "memory");  // the stores before the publication
+    for (u32 k = 0; k < KD_BULK_STAGES; ++k)  // every load was waited for: none is pending
+      asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(bar0 + 8 * k) : "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // before generic reuse
+  }
+  __syncthreads();  // the buffers are free again (the staged gathers use them next)
+}
+#endif
+
 __device__ void gather_one(const Gather& g, const u32* outer, const u32* inner, u32 count,
-                           char* out, u32 rec_bytes, u32 tid, u32* stage) {
+                           char* out, u32 rec_bytes, u32 tid, u32* stage, u64* bars) {
   const u64 row_bytes = (u64)g.cols * g.elem;
   if (contiguous(g)) {
     // Units of 16 or 4 bytes when every row start, record offset and the row length allow them.
     const u64 mis = (u64)g.src | (u64)g.outer_stride | (u64)g.inner_stride | (u64)g.rec_off |
                     (u64)rec_bytes | (u64)out | row_bytes;
     if (row_bytes * count < (1ull << 32)) {
+#ifdef KD_HAVE_BULK
+      if ((mis & 15) == 0 && count) return gather_bulk(g, outer, inner, count, out, rec_bytes, tid,
+                                                       stage, bars);
+#endif
       if ((mis & 15) == 0)
         return gather_contiguous<uint4>(g, outer, inner, count, out, rec_bytes, tid);
       if ((mis & 3) == 0)
@@ -346,7 +453,8 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
   __shared__ u32 s_rows[KD_ROWS_PER_BLOCK];
   __shared__ u32 s_outer[KD_ROWS_PER_BLOCK];
   __shared__ u32 s_inner[KD_ROWS_PER_BLOCK];
-  __shared__ u32 s_stage[KD_STAGE_WORDS];
+  __shared__ __align__(128) u32 s_stage[KD_BUF_WORDS];  // the staged and the bulk gathers' buffer
+  __shared__ __align__(8) u64 s_bars[KD_BULK_WARPS * KD_BULK_STAGES];
   __shared__ bool s_last;
   __shared__ u64 s_head;
   Record* rec = (Record*)p.record;
@@ -355,6 +463,17 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
   // The launch is a chain of dependent memory round trips (the rule, the ring head, the row
   // counter, the rows, the block counter, the publication): every step below overlaps what it
   // can, a recorded graph step pays the chain before its kernel runs.
+  if (p.chain && tid == 32 && blockIdx.x == gridDim.x - 1) {
+    // The done marker of the chain's previous call (the site before this one on the capture's
+    // stream, or the last one of the previous replay): stream order says its kernel returned
+    // before this one started, so no node after the recorded kernel is needed. Its token is
+    // what its own snapshot left in its replay counter.
+    volatile u64* cell = (volatile u64*)p.chain;
+    const u64 done = cell[0], tok = cell[1];
+    if (done && tok) *(volatile u64*)done = *(volatile u64*)tok;
+    cell[0] = p.host_done;
+    cell[1] = p.token_ptr;
+  }
   if (blockIdx.x < p.gather_blocks) {
     // The block's touched rows, compacted in row order (a ballot per warp, then warp offsets):
     // records of a block are in row order, and neighbouring records hold neighbouring rows.
@@ -393,7 +512,7 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
       h[3] = 0;
     }
     for (u32 gi = 0; gi < p.n_gathers; ++gi)
-      gather_one(p.gathers[gi], s_outer, s_inner, count, out, p.rec_bytes, tid, s_stage);
+      gather_one(p.gathers[gi], s_outer, s_inner, count, out, p.rec_bytes, tid, s_stage, s_bars);
   } else {
     // Copy blocks take KD_CHUNK-byte chunks of the plain copies, round robin.
     const u32 copy_blocks = gridDim.x - p.gather_blocks;

@@ -1,0 +1,129 @@
+"""The CUDA driver entry points of the flight recorder's per-call path, called through ctypes on
+libcuda itself.
+
+cuda-bindings wraps every handle in an object and returns a result enum per call: on the H200
+host a recorded eager call spent about a third of its added host time in nine such calls. Here a
+call is one ctypes foreign call on plain integers (stream, event and function handles as their
+addresses), its result an int checked against 0. libcuda is already loaded by torch; without it
+(`available()` False) callers keep the cuda-bindings path. No compiled code of kdump's own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+from kdump.nvrtc import LaunchError
+
+_u = ctypes.c_uint
+_p = ctypes.c_void_p
+_sz = ctypes.c_size_t
+_u64 = ctypes.c_uint64
+
+# name -> (symbol in libcuda, argument types); every one returns a CUresult (int)
+_SIGNATURES: dict[str, tuple[str, list[Any]]] = {
+    "launch": ("cuLaunchKernel", [_p, _u, _u, _u, _u, _u, _u, _u, _p, _p, _p]),
+    "d2h": ("cuMemcpyDtoHAsync_v2", [_p, _u64, _sz, _p]),
+    "d2d": ("cuMemcpyDtoDAsync_v2", [_u64, _u64, _sz, _p]),
+    "record": ("cuEventRecord", [_p, _p]),
+    "wait": ("cuStreamWaitEvent", [_p, _p, _u]),
+}
+
+_lock = threading.Lock()
+_fns: dict[str, Any] | None = None
+_failed = False
+
+
+def _load() -> dict[str, Any] | None:
+    global _fns, _failed
+    with _lock:
+        if _fns is not None or _failed:
+            return _fns
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            fns = {}
+            for name, (symbol, argtypes) in _SIGNATURES.items():
+                f = getattr(lib, symbol)
+                f.argtypes, f.restype = argtypes, ctypes.c_int
+                fns[name] = f
+            err = lib.cuGetErrorName
+            err.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+            err.restype = ctypes.c_int
+            fns["error_name"] = err
+        except (OSError, AttributeError):
+            _failed = True
+            return None
+        _fns = fns
+        return fns
+
+
+def available() -> bool:
+    """Whether libcuda's entry points are callable here."""
+    return _load() is not None
+
+
+def _raise(code: int, what: str) -> None:
+    fns = _load()
+    name = ctypes.c_char_p()
+    if fns is not None and fns["error_name"](code, ctypes.byref(name)) == 0 and name.value:
+        raise LaunchError(f"{what} failed: {name.value.decode()}")
+    raise LaunchError(f"{what} failed: CUDA error {code}")
+
+
+def handle(h: Any) -> int:
+    """The address of a driver handle: an int, or a cuda-bindings object (CUstream, CUevent,
+    CUfunction)."""
+    return h if isinstance(h, int) else int(h)
+
+
+class Driver:
+    """Bound entry points (`_load` must have succeeded); each method raises LaunchError on a
+    failed call."""
+
+    def __init__(self) -> None:
+        fns = _load()
+        if fns is None:
+            raise LaunchError("libcuda.so.1 is not loadable")
+        self._launch = fns["launch"]
+        self._d2h = fns["d2h"]
+        self._d2d = fns["d2d"]
+        self._record = fns["record"]
+        self._wait = fns["wait"]
+
+    def launch(self, fn: int, grid: int, threads: int, args: Any, stream: int, what: str) -> None:
+        """cuLaunchKernel of a 1-D grid; `args` the kernel's void* array (a ctypes array)."""
+        r = self._launch(fn, grid, 1, 1, threads, 1, 1, 0, stream, args, None)
+        if r:
+            _raise(r, f"cuLaunchKernel({what})")
+
+    def d2h(self, dst: int, src: int, n: int, stream: int) -> None:
+        r = self._d2h(dst, src, n, stream)
+        if r:
+            _raise(r, "cuMemcpyDtoHAsync")
+
+    def d2d(self, dst: int, src: int, n: int, stream: int) -> None:
+        r = self._d2d(dst, src, n, stream)
+        if r:
+            _raise(r, "cuMemcpyDtoDAsync")
+
+    def record(self, event: int, stream: int) -> None:
+        r = self._record(event, stream)
+        if r:
+            _raise(r, "cuEventRecord")
+
+    def wait(self, stream: int, event: int) -> None:
+        r = self._wait(stream, event, 0)
+        if r:
+            _raise(r, "cuStreamWaitEvent")
+
+
+_driver: Driver | None = None
+
+
+def driver() -> Driver | None:
+    """The bound entry points, or None where libcuda cannot be loaded."""
+    global _driver
+    if _driver is None and available():
+        _driver = Driver()
+    return _driver
