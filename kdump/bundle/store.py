@@ -172,6 +172,16 @@ class Pieces:
     digests: tuple[tuple[str, str], ...]
 
 
+def span_digests(view: memoryview) -> tuple[str, str] | Pieces:
+    """The digests of a span's bytes as the writer names them: one blob's, or (a span larger
+    than the piece size) each piece's, hashed in parallel on the pool. Not for pool workers."""
+    piece = piece_bytes()
+    if len(view) <= piece:
+        return blob_digests(view)
+    jobs = [pool().submit(blob_digests, view[lo:hi]) for lo, hi in piece_cuts(len(view), piece)]
+    return Pieces(piece, tuple(j.result() for j in jobs))
+
+
 class ProcessPool:
     """A thread pool of the process, made on first use and again in a forked child (whose copy of
     the parent's pool has no threads)."""

@@ -587,7 +587,8 @@ def pack(
     aligns: dict[str, int] = {}
     for c in m.calls:
         for st in (*c.storages, *(c.outputs.storages if c.outputs else ())):
-            aligns.setdefault(st.blob, st.alignment)
+            for sha, begin, _ in st.piece_spans():  # pieces lie back to back, as written
+                aligns.setdefault(sha, (st.alignment + begin) % ALIGN_MOD)
     views = {
         sha: (bundle.blob_bytes(sha), aligns.get(sha, 0)) for sha, b in m.blobs.items() if b.nbytes
     }
@@ -772,10 +773,10 @@ def save_entries(
     aligns: dict[str, int] = {}
     for c in calls:
         for st in (*c.storages, *(c.outputs.storages if c.outputs else ())):
-            if st.source in (Source.BLOB, Source.SPARSE):
-                if st.blob not in data:
-                    raise UsageError(f"storage names blob {st.blob[:12]}…, which is not given")
-                aligns.setdefault(st.blob, st.alignment)
+            for sha, begin, _ in st.piece_spans():
+                if sha not in data:
+                    raise UsageError(f"storage names blob {sha[:12]}…, which is not given")
+                aligns.setdefault(sha, (st.alignment + begin) % ALIGN_MOD)
     blobs: dict[str, BlobRecord] = {}
     views: dict[str, tuple[memoryview, int]] = {}
     for sha in aligns:
