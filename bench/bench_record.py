@@ -223,6 +223,107 @@ def raw_write(path: Path, tensors: list[torch.Tensor]) -> None:
             f.write(view)
 
 
+def pieces_of(tensors: list[torch.Tensor]) -> list[memoryview]:
+    """The byte views of `tensors` cut where the writer cuts them (KDUMP_PIECE_BYTES)."""
+    from kdump.bundle.store import piece_bytes, piece_cuts
+
+    piece = piece_bytes()
+    return [v[lo:hi] for v in byte_views(tensors) for lo, hi in piece_cuts(len(v), piece)]
+
+
+def _pwrite_all(fd: int, view: memoryview, at: int) -> None:
+    from kdump.bundle.spool import pwrite_all
+
+    for lo in range(0, len(view), 1 << 20):  # the writer's pass chunk
+        pwrite_all(fd, view[lo : lo + (1 << 20)], at + lo)
+
+
+def _offsets(views: list[memoryview]) -> list[int]:
+    out, pos = [], 0
+    for v in views:
+        out.append(pos)
+        pos += len(v)
+    return out
+
+
+def one_writer(path: Path, views: list[memoryview]) -> None:
+    """One thread writes every piece, in order, into one file."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for v, at in zip(views, _offsets(views)):
+            _pwrite_all(fd, v, at)
+    finally:
+        os.close(fd)
+
+
+def parallel_one_fd(path: Path, views: list[memoryview]) -> None:
+    """The pool writes the pieces at their offsets into one file through one descriptor."""
+    from kdump.bundle.store import pool
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        jobs = [pool().submit(_pwrite_all, fd, v, at) for v, at in zip(views, _offsets(views))]
+        for j in jobs:
+            j.result()
+    finally:
+        os.close(fd)
+
+
+def parallel_files(folder: Path, views: list[memoryview]) -> None:
+    """The pool writes each piece into a file of its own (what the shared store does)."""
+    from kdump.bundle.store import pool
+
+    folder.mkdir(exist_ok=True)
+
+    def one(i: int, v: memoryview) -> None:
+        fd = os.open(folder / f"{i}.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _pwrite_all(fd, v, 0)
+        finally:
+            os.close(fd)
+
+    for j in [pool().submit(one, i, v) for i, v in enumerate(views)]:
+        j.result()
+
+
+def parallel_hash_write(path: Path, views: list[memoryview]) -> None:
+    """What the writer does: each piece hashed and written in one pass by a pool worker."""
+    from kdump.bundle.spool import hash_write
+    from kdump.bundle.store import pool
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        offs = _offsets(views)
+        for j in [pool().submit(hash_write, fd, v, at) for v, at in zip(views, offs)]:
+            j.result()
+    finally:
+        os.close(fd)
+
+
+def write_apart(work: Path, mb: float, repeat: int) -> dict[str, float]:
+    """The parallel write measured on its own against one writer of the same bytes."""
+    tensors = mixed_call(int(mb * 1e6), "cpu")
+    views = pieces_of(tensors)
+    sides: dict[str, Callable[[], object]] = {
+        "one writer, one file": lambda: one_writer(work / "w1.bin", views),
+        "pool, one descriptor, pwrite at offsets": lambda: parallel_one_fd(work / "wp.bin", views),
+        "pool, a file per piece": lambda: parallel_files(work / "wf", views),
+        "pool, hash + write in one pass (the writer)": lambda: parallel_hash_write(
+            work / "wh.bin", views
+        ),
+    }
+
+    def clean() -> None:
+        for p in ("w1.bin", "wp.bin", "wh.bin"):
+            (work / p).unlink(missing_ok=True)
+        shutil.rmtree(work / "wf", ignore_errors=True)
+
+    times = median_time(repeat, sides, between=clean)
+    times["bytes"] = float(sum(len(v) for v in views))
+    times["pieces"] = float(len(views))
+    return times
+
+
 def write_rate(work: Path, mb: float, repeat: int, device: str) -> dict[str, float]:
     from safetensors.torch import save_file
 
@@ -344,7 +445,8 @@ def cpu_parts(work: Path, args: argparse.Namespace) -> list[str]:
             )
         ),
         "",
-        f"dump_call = {w['save_file'] / w['dump_call']:.2f}× save_file (goal ≥ 0.8×)",
+        f"dump_call = {w['save_file'] / w['dump_call']:.2f}× save_file (goal on the H200 host: "
+        "≥ 0.9×)",
     ]
     # The floor of any writer that names blobs by SHA-256: hashing every byte and writing it
     # once, spread perfectly over the cores (never below the one write or the hashing pool's
@@ -357,8 +459,27 @@ def cpu_parts(work: Path, args: argparse.Namespace) -> list[str]:
     )
     lines.append(
         f"floor on this machine ({cores} cores): {floor:.3f} s, so at best "
-        f"{w['save_file'] / floor:.2f}× save_file"
+        f"{w['save_file'] / floor:.2f}× save_file; dump_call = "
+        f"{floor / w['dump_call']:.2f}× the floor (goal ≥ 0.9×)"
     )
+    from kdump.bundle.store import HASH_THREADS, piece_bytes
+
+    a = write_apart(work, args.mb, args.repeat)
+    one = a["one writer, one file"]
+    lines += [
+        "",
+        f"The write alone: the same {a['bytes'] / 1e6:.0f} MB in {a['pieces']:.0f} pieces "
+        f"(piece size {piece_bytes() >> 20} MiB, pool of {HASH_THREADS}), median of "
+        f"{args.repeat}:",
+        "",
+        "| what | seconds | MB/s | speed vs one writer |",
+        "|---|---:|---:|---:|",
+        *(
+            f"| {k} | {a[k]:.3f} | {a['bytes'] / a[k] / 1e6:.0f} | {one / a[k]:.2f}× |"
+            for k in a
+            if k not in ("bytes", "pieces")
+        ),
+    ]
     return lines
 
 
@@ -378,7 +499,7 @@ def gpu_part(work: Path, args: argparse.Namespace) -> list[str]:
             for k in ("pinned copy + raw write", "dump_call")
         ),
         "",
-        f"GPU dump_call = {base / g['dump_call']:.2f}× pinned copy + raw write (goal ≥ 0.8×)",
+        f"GPU dump_call = {base / g['dump_call']:.2f}× pinned copy + raw write (goal ≥ 0.9×)",
     ]
 
 

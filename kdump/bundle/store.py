@@ -22,7 +22,7 @@ try:  # optional: without it blobs are checked by their SHA-256 name (slower, sa
 except ImportError:  # pragma: no cover - depends on the environment
     _xxhash = None
 
-HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
+HASH_THREADS = max(1, min(16, os.cpu_count() or 1))  # one per core: pieces hash in parallel
 
 
 TEMP_SUFFIX = ".tmp"
