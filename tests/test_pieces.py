@@ -280,3 +280,43 @@ def test_outputs_capture_with_input_pieces(tmp_path: Path) -> None:
     c = load_bundle(path).calls[0]
     assert c.output_storages[0].source is Source.PIECES
     assert torch.equal(c.outputs["args[0]"], x)
+
+
+@pytest.mark.gpu
+def test_gpu_dump_call_writes_device_spans_in_pieces(tmp_path: Path) -> None:
+    """Each piece of a device span staged, hashed and written by a worker of its own, after the
+    work queued on the caller's stream; an unchanged output shares its input's pieces."""
+    import kdump
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x = _rand(5 * MIB // 4 + 3, seed=11).cuda()
+        x.mul_(-1)  # produced on a side stream, not synchronised
+        out = torch.zeros(3 * MIB // 4, device="cuda")
+        before = x.cpu()
+
+        def fn(a: torch.Tensor, o: torch.Tensor) -> None:
+            o.add_(1)
+
+        path = tmp_path / "g.kdump"
+        kdump.dump_call(path, fn, x, out)
+    b = load_bundle(path)
+    b.verify()
+    c = b.calls[0]
+    assert [st.source for st in c.storages] == [Source.PIECES, Source.PIECES]
+    got = c.materialize("cpu").tensors
+    assert torch.equal(got[0], before) and torch.equal(got[1], torch.zeros(3 * MIB // 4))
+    outs = c.outputs
+    assert torch.equal(outs["o"], torch.ones(3 * MIB // 4))
+    unchanged = next(st for st in c.output_storages if st.base_ptr == x.data_ptr())
+    assert unchanged.pieces == c.storages[0].pieces
+
+
+@pytest.mark.gpu
+def test_gpu_sync_recording_into_the_store_in_pieces(tmp_path: Path) -> None:
+    capdir = tmp_path / "cap"
+    sink = StoreSpool(lambda: BlobStore(capdir), 16 << 10)
+    x = _rand(3 * MIB // 4 + 5, seed=12).cuda()
+    [(view, named)] = sink.put([x.view(torch.uint8)], [0])
+    assert isinstance(named, Pieces) and len(named.digests) == 4
+    assert bytes(view.numpy()) == _bits(x.cpu())

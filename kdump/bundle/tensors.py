@@ -206,7 +206,7 @@ class Sink(Protocol):
 
     def put(
         self, sources: Sequence[torch.Tensor], aligns: Sequence[int], records: int = 0
-    ) -> list[tuple[torch.Tensor, tuple[str, str]]]: ...
+    ) -> list[tuple[torch.Tensor, Any]]: ...  # digests: a pair, or a store.Pieces
 
 
 SINK_MIN = 8 << 20  # a capture of fewer bytes stays in memory unless its sink is already in use
