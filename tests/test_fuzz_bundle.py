@@ -716,3 +716,18 @@ def test_corrupt_piece_is_a_checksum_error(bases: Path, tmp_path: Path) -> None:
     assert info.value.kind is BundleErrorKind.CHECKSUM
     with pytest.raises(BundleError, match="checksum mismatch"):
         load_bundle(bad).verify()
+
+
+def test_generator_fields_are_escaped_in_the_error(bases: Path, tmp_path: Path) -> None:
+    """A campaign finding: a string version or seed reached the message raw (an ESC byte)."""
+
+    def version(m: dict[str, Any]) -> None:
+        m["calls"][0]["storages"][1]["generator"].update(version="\x1b" * 30)
+
+    def seed(m: dict[str, Any]) -> None:
+        m["calls"][0]["storages"][1]["generator"].update(seed="\x1b[31m")
+
+    for edit in (version, seed):
+        path = _edit_manifest(bases / "slim.kdump", tmp_path / "g.kdump", edit)
+        err = _rejects(path, BundleErrorKind.SCHEMA)
+        assert "\x1b" not in str(err)
