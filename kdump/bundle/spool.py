@@ -129,22 +129,28 @@ class _Digester:
         return self.sha.hexdigest(), self.fast.hexdigest() if self.fast is not None else ""
 
 
-PASS_CHUNK = 1 << 20  # hashed, then written, while it is in the worker's cache
+PASS_CHUNK = 1 << 20  # hashed while it is in the worker's cache
+# Written in groups of this many bytes, right after they were hashed (mostly still in cache): the
+# page cache keeps what one write brings in as large folios where the file system can (ext4 and
+# XFS on recent kernels); a file written in 1 MiB writes mapped at about half the speed on load.
+PASS_WRITE = 16 << 20
 
 
 def hash_write(fd: int, view: memoryview, at: int) -> Digests:
-    """Hash `view` and write it to `fd` at offset `at` in one pass over its bytes: each chunk is
-    hashed (SHA-256 and the fast check) and then written while it is in cache. One pool worker
-    runs it per piece; hashlib, xxhash and os.pwrite release the GIL."""
+    """Hash `view` and write it to `fd` at offset `at` in one pass over its bytes: each group is
+    hashed (SHA-256 and the fast check, chunk by chunk) and then written while it is in cache.
+    One pool worker runs it per piece; hashlib, xxhash and os.pwrite release the GIL."""
     algo = fast_checksum()
     sha = hashlib.sha256()
     fast = hasher(algo) if algo.value != "sha256" else None
-    for lo in range(0, len(view), PASS_CHUNK):
-        part = view[lo : lo + PASS_CHUNK]
-        sha.update(part)
-        if fast is not None:
-            fast.update(part)
-        pwrite_all(fd, part, at + lo)
+    for lo in range(0, len(view), PASS_WRITE):
+        group = view[lo : lo + PASS_WRITE]
+        for j in range(0, len(group), PASS_CHUNK):
+            part = group[j : j + PASS_CHUNK]
+            sha.update(part)
+            if fast is not None:
+                fast.update(part)
+        pwrite_all(fd, group, at + lo)
     return sha.hexdigest(), fast.hexdigest() if fast is not None else ""
 
 
