@@ -165,7 +165,8 @@ ONE_WRITE_MAX = 1 << 20
 STORE_MIN = 16 << 10
 
 # Below this many bytes hashing on the calling thread beats handing blobs to the pool, and
-# hashing before writing beats the pipelined writer (which builds the manifest twice).
+# hashing before writing beats the spooled writer (which builds the manifest twice: once for
+# the header's reserved space).
 INLINE_HASH_MAX = 8 << 20
 
 
