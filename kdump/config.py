@@ -58,6 +58,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "default",
     ),
     EnvVar("KDUMP_FLUSH_SIGNAL", "signal name that flushes pending bundles, e.g. USR1"),
+    # -- writing bundles
+    EnvVar(
+        "KDUMP_PIECE_BYTES",
+        "storages larger than this are written as pieces of this size, each a blob hashed and "
+        "written by its own pool worker (a multiple of 1M, at least 1M; suffixes K, M, G)",
+        "64M",
+    ),
     # -- replay
     EnvVar(
         "KDUMP_CONFIG",

@@ -276,6 +276,6 @@ def test_evicting_a_large_sync_bundle_frees_its_store_blobs(tmp_path):
     folder = rec.written[0].parent
     kept = sorted(p.name for p in (folder / "blobs").rglob("*") if p.is_file())
     call = load_bundle(rec.written[0]).calls[0]
-    used = {st.blob for st in (*call.storages, *call.output_storages)}
+    used = {sha for st in (*call.storages, *call.output_storages) for sha in st.blobs}
     assert set(kept) == used  # the evicted bundles' own blobs are gone, the shared x is kept
     assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]

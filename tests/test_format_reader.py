@@ -41,8 +41,8 @@ def read_container(path: Path) -> tuple[dict[str, Any], bytes, dict[str, Any]]:
     header = json.loads(raw[8 : 8 + n].decode("utf-8"))
     data = raw[8 + n :]
     manifest = json.loads(header["__metadata__"]["kdump.manifest"])
-    if manifest["format"] != "kdump" or manifest["version"] not in (1, 2, 3, 4):
-        raise FormatError("not a kdump v1 to v4 manifest")
+    if manifest["format"] != "kdump" or manifest["version"] not in (1, 2, 3, 4, 5):
+        raise FormatError("not a kdump v1 to v5 manifest")
     return header, data, manifest
 
 
@@ -198,6 +198,19 @@ def span_bytes(path: Path, header: dict, data: bytes, manifest: dict, st: dict) 
         return bytes(out)
     if source == "synthetic" and manifest["version"] >= 4:
         return synthetic_bytes(st)
+    if source == "pieces" and manifest["version"] >= 5:
+        if st["blob"] != "" or len(st["pieces"]) < 2:
+            raise FormatError("malformed pieces")
+        parts = []
+        for sha, n in st["pieces"]:
+            piece = read_blob(path, header, data, manifest, sha)
+            if n <= 0 or len(piece) != n:
+                raise FormatError("piece size")
+            parts.append(piece)
+        out = b"".join(parts)
+        if len(out) != st["span_nbytes"]:
+            raise FormatError("pieces do not add up to the span")
+        return out
     raise FormatError("unknown storage source")
 
 
@@ -350,7 +363,7 @@ def test_independent_reader_rejects_unknown_source(tmp_path: Path) -> None:
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + n])
     manifest = json.loads(header["__metadata__"]["kdump.manifest"])
-    assert manifest["version"] == 4 and manifest["calls"][0]["storages"][0]["source"] == "blob"
+    assert manifest["version"] == 5 and manifest["calls"][0]["storages"][0]["source"] == "blob"
     manifest["calls"][0]["storages"][0]["source"] = "compressed"
     header["__metadata__"]["kdump.manifest"] = json.dumps(manifest)
     text = json.dumps(header).encode()
@@ -444,3 +457,27 @@ def test_independent_reader_reads_sparse_and_synthetic(tmp_path: Path) -> None:
     for a, b in zip(got, ours):
         assert _bits(a) == _bits(b)
     assert _bits(got[0])[:128] == data[:128] and set(_bits(got[0])[128:1024]) == {0}
+
+
+@pytest.mark.parametrize("stored", [False, True])
+def test_independent_reader_reads_pieces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stored: bool
+) -> None:
+    """§5.2 "pieces": a storage larger than the piece size is its pieces' blobs, in order."""
+    from kdump import capture_call, save_calls
+    from kdump.bundle import BlobStore
+
+    monkeypatch.setenv("KDUMP_PIECE_BYTES", "1M")
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(3 * 1024 * 1024 // 4 + 999, generator=g)  # 3 pieces and a short one
+    rec = capture_call("m:f", [big[5:], torch.arange(10)], {})
+    capdir = tmp_path / "cap"
+    kw = {"store": BlobStore(capdir)} if stored else {}
+    path = save_calls(capdir / "c.kdump", [rec], **kw)
+    _, _, manifest = read_container(path)
+    st = manifest["calls"][0]["storages"][0]
+    assert st["source"] == "pieces" and st["blob"] == ""
+    assert [n for _, n in st["pieces"]] == [1 << 20] * 3 + [(big.numel() - 5) * 4 - (3 << 20)]
+    _, _, got = read_call(path, 0)
+    assert _bits(got[0]) == _bits(big[5:]) and got[0].storage_offset() == 5
+    assert torch.equal(got[1], torch.arange(10))

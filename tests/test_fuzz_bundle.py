@@ -88,6 +88,7 @@ def bases(tmp_path_factory: pytest.TempPathFactory) -> Path:
     store = folder / "store_rich"
     save_calls(store / BUNDLE_NAME, calls, store=BlobStore(store))
     _slim_base(folder / "slim.kdump")
+    _pieces_base(folder / "pieces.kdump")
     return folder
 
 
@@ -113,8 +114,40 @@ def _slim_base(path: Path) -> Path:
     return save_entries(path, [replace(entry, storages=(sparse, synth))], {sparse.blob: held})
 
 
+PIECE = 1000  # the pieces of the fuzz base are small: the format sets no least piece size
+
+
+def _pieces_base(path: Path) -> Path:
+    """A version-5 bundle whose first storage is 3 pieces and a short one (the first and third
+    equal: one blob), and whose outputs share those pieces (what the writer makes of a storage
+    larger than the piece size)."""
+    from kdump.bundle.store import sha256_hex
+    from kdump.bundle.writer import _entries, save_entries
+
+    x = _rand(3 * PIECE // 4 + 50, seed=9)
+    x[3 + PIECE // 2 : 3 + 3 * PIECE // 4] = x[3 : 3 + PIECE // 4]  # piece 2 repeats piece 0
+    rec = capture_call("m:f", [x[3:], torch.arange(12)], {})
+    live = input_tensors(rec, [x[3:], torch.arange(12)], {})
+    attach_outputs(rec, live, [0])
+    raw = bytes(rec.inputs.data[0].numpy())
+    parts = [raw[lo : lo + PIECE] for lo in range(0, len(raw), PIECE)]
+    pieces = tuple((sha256_hex(p), len(p)) for p in parts)
+    small = sha256_hex(bytes(rec.inputs.data[1].numpy()))
+    [entry] = _entries([rec], [pieces, small, pieces])
+    data = {sha256_hex(p): p for p in parts}
+    data[small] = bytes(rec.inputs.data[1].numpy())
+    return save_entries(path, [entry], data)
+
+
 def _file_bases(bases: Path) -> list[str]:
-    return ["rich.kdump", "single.kdump", "slim.kdump", *[p.name for p in CAPTURES], "rich.kdump"]
+    return [
+        "rich.kdump",
+        "single.kdump",
+        "slim.kdump",
+        "pieces.kdump",
+        *[p.name for p in CAPTURES],
+        "rich.kdump",
+    ]
 
 
 def test_campaign(bases: Path, tmp_path: Path) -> None:
@@ -209,7 +242,8 @@ def test_repro_script_sample(bases: Path, tmp_path: Path) -> None:
 
 
 def test_unmutated_bases_load(bases: Path) -> None:
-    for name in ["rich.kdump", "single.kdump", "slim.kdump", f"store_rich/{BUNDLE_NAME}"]:
+    names = ["rich.kdump", "single.kdump", "slim.kdump", "pieces.kdump"]
+    for name in [*names, f"store_rich/{BUNDLE_NAME}"]:
         b = load_bundle(bases / name)
         b.verify()
         for call in b.calls:
@@ -563,3 +597,137 @@ def test_sparse_range_count_is_a_limit(bases: Path, tmp_path: Path) -> None:
         _sparse(m).update(ranges=[[i, i + 1] for i in range(0, 2 * 1_000_001, 2)])
 
     _rejects(_edit_manifest(path, tmp_path / "n.kdump", many), BundleErrorKind.LIMIT)
+
+
+def _pieced(m: dict[str, Any]) -> dict[str, Any]:
+    return m["calls"][0]["storages"][0]
+
+
+def _shift(m: dict[str, Any]) -> None:
+    """Piece sizes that still add up to the span, each but the last off by one from its blob."""
+    p = _pieced(m)["pieces"]
+    p[0][1] -= 1
+    p[1][1] += 1
+
+
+_HOSTILE_PIECES = [
+    ("pieces short of the span", lambda m: _pieced(m)["pieces"].pop(), "schema"),
+    (
+        "pieces past the span",
+        lambda m: _pieced(m)["pieces"].append(list(_pieced(m)["pieces"][0])),
+        "schema",
+    ),
+    (
+        "piece size 0",
+        lambda m: _pieced(m)["pieces"].insert(1, [_pieced(m)["pieces"][0][0], 0]),
+        "schema",
+    ),
+    ("piece size negative", lambda m: _pieced(m)["pieces"][0].__setitem__(1, -PIECE), "schema"),
+    ("piece size bool", lambda m: _pieced(m)["pieces"][0].__setitem__(1, True), "schema"),
+    ("piece size float", lambda m: _pieced(m)["pieces"][0].__setitem__(1, 1000.0), "schema"),
+    ("piece size huge", lambda m: _pieced(m)["pieces"][0].__setitem__(1, 1 << 80), "schema"),
+    ("piece sizes off their blobs", _shift, "missing-blob"),
+    (
+        "piece blob unknown",
+        lambda m: _pieced(m)["pieces"][0].__setitem__(0, "ab" * 32),
+        "missing-blob",
+    ),
+    ("piece blob not hex", lambda m: _pieced(m)["pieces"][0].__setitem__(0, "zz" * 32), "schema"),
+    ("piece blob not a string", lambda m: _pieced(m)["pieces"][0].__setitem__(0, 7), "schema"),
+    ("piece not a pair", lambda m: _pieced(m)["pieces"][0].append(1), "schema"),
+    ("piece an object", lambda m: _pieced(m)["pieces"].__setitem__(0, {"blob": "x"}), "schema"),
+    ("pieces not a list", lambda m: _pieced(m).update(pieces={"0": 1}), "schema"),
+    (
+        "one piece",
+        lambda m: _pieced(m).update(pieces=_pieced(m)["pieces"][:1], span_nbytes=PIECE),
+        "schema",
+    ),
+    ("pieces missing", lambda m: _pieced(m).pop("pieces"), "schema"),
+    (
+        "pieces name a blob too",
+        lambda m: _pieced(m).update(blob=_pieced(m)["pieces"][0][0]),
+        "schema",
+    ),
+    ("pieces on a blob storage", lambda m: _pieced(m).update(source="blob"), "schema"),
+    ("pieces on a sparse storage", lambda m: _pieced(m).update(source="sparse"), "schema"),
+    ("pieces in version 4", lambda m: m.update(version=4), "schema"),  # pieces came with 5
+    (
+        "kind of version 5 in version 4",
+        lambda m: (m.update(version=4), _pieced(m).pop("pieces")),
+        "unknown-source",
+    ),
+    (
+        "pieces of absurd size",
+        lambda m: _pieced(m).update(
+            pieces=[[_pieced(m)["pieces"][0][0], 1 << 59]] * 2,
+            span_nbytes=1 << 60,
+            storage_nbytes=1 << 60,
+        ),
+        "missing-blob",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "edit", "kind"), _HOSTILE_PIECES, ids=[c[0] for c in _HOSTILE_PIECES]
+)
+def test_hostile_pieced_storages_are_refused(
+    bases: Path, tmp_path: Path, name: str, edit: Any, kind: str
+) -> None:
+    path = _edit_manifest(bases / "pieces.kdump", tmp_path / "h.kdump", edit)
+    _rejects(path, BundleErrorKind(kind), Limits(max_load_bytes=FUZZ_LOAD_BYTES))
+
+
+def test_piece_count_is_a_limit(bases: Path, tmp_path: Path) -> None:
+    path = bases / "pieces.kdump"
+    err = _rejects(path, BundleErrorKind.LIMIT, Limits(max_pieces=3))
+    assert "pieces" in str(err)
+
+    def many(m: dict[str, Any]) -> None:  # a million and one pieces: refused before any is read
+        sha = _pieced(m)["pieces"][0][0]
+        _pieced(m).update(pieces=[[sha, 1]] * 1_000_001, span_nbytes=1_000_001)
+
+    _rejects(_edit_manifest(path, tmp_path / "n.kdump", many), BundleErrorKind.LIMIT)
+
+
+def test_pieced_storage_loads_and_shares_its_blobs(bases: Path) -> None:
+    b = load_bundle(bases / "pieces.kdump")
+    st = b.calls[0].storages[0]
+    assert st.source.value == "pieces" and len(st.pieces) == 4
+    assert len(b.blobs) == 4  # 3 distinct pieces (two equal) and the small storage
+    x = b.calls[0].materialize("cpu").tensors[0]
+    assert x.storage_offset() == 3
+    assert torch.equal(x[: PIECE // 4], x[PIECE // 2 : 3 * PIECE // 4])
+    assert torch.equal(b.calls[0].outputs["args[0]"], x)
+
+
+def test_corrupt_piece_is_a_checksum_error(bases: Path, tmp_path: Path) -> None:
+    src = bases / "pieces.kdump"
+    header, manifest, data = split(src.read_bytes())
+    sha = manifest["calls"][0]["storages"][0]["pieces"][1][0]
+    b, _ = header[sha]["data_offsets"]
+    data = bytearray(data)
+    data[b + 17] ^= 0x40
+    bad = tmp_path / "bad.kdump"
+    bad.write_bytes(join(header, json.dumps(manifest), bytes(data)))
+    bundle = load_bundle(bad)
+    with pytest.raises(BundleError, match=f"checksum mismatch in blob {sha[:12]}") as info:
+        bundle.calls[0].materialize("cpu")
+    assert info.value.kind is BundleErrorKind.CHECKSUM
+    with pytest.raises(BundleError, match="checksum mismatch"):
+        load_bundle(bad).verify()
+
+
+def test_generator_fields_are_escaped_in_the_error(bases: Path, tmp_path: Path) -> None:
+    """A campaign finding: a string version or seed reached the message raw (an ESC byte)."""
+
+    def version(m: dict[str, Any]) -> None:
+        m["calls"][0]["storages"][1]["generator"].update(version="\x1b" * 30)
+
+    def seed(m: dict[str, Any]) -> None:
+        m["calls"][0]["storages"][1]["generator"].update(seed="\x1b[31m")
+
+    for edit in (version, seed):
+        path = _edit_manifest(bases / "slim.kdump", tmp_path / "g.kdump", edit)
+        err = _rejects(path, BundleErrorKind.SCHEMA)
+        assert "\x1b" not in str(err)

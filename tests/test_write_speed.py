@@ -32,7 +32,7 @@ def test_facts_are_recollected_in_a_new_process(monkeypatch) -> None:
 def test_small_and_large_inline_bundles_round_trip(tmp_path) -> None:
     gen = torch.Generator(device="cpu").manual_seed(7)
     small = torch.randn(64, 33, generator=gen, device="cpu")
-    n = writer.INLINE_HASH_MAX // 4 + 1024  # just over the pipelined writer's threshold
+    n = writer.INLINE_HASH_MAX // 4 + 1024  # just over the spooled writer's threshold
     large = torch.randn(n, generator=gen, device="cpu")
     for name, tensors in (("small", [small, small[3:]]), ("large", [large, small])):
         path = save_calls(tmp_path / f"{name}.kdump", [capture_call("m:f", tensors)])

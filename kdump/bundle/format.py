@@ -14,8 +14,8 @@ from enum import Enum
 from typing import Any
 
 FORMAT_NAME = "kdump"
-FORMAT_VERSION = 4  # what this writer writes
-SUPPORTED_VERSIONS = (1, 2, 3, 4)  # what this reader reads
+FORMAT_VERSION = 5  # what this writer writes
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5)  # what this reader reads
 MANIFEST_KEY = "kdump.manifest"
 MAX_HEADER = 100 * 1000 * 1000  # safetensors' own cap
 STORE_DIRNAME = "blobs"
@@ -54,6 +54,7 @@ class Limits:
     max_string: int = 1 << 20
     max_load_bytes: int = DEFAULT_MAX_LOAD_BYTES
     max_ranges: int = 1_000_000  # byte ranges of the sparse storages of one call part together
+    max_pieces: int = 1_000_000  # pieces of the pieced storages of one call part together
 
 
 # Every dtype a bundle may hold, by its stable name in the format, with its size in bytes.
@@ -89,6 +90,11 @@ class Source(str, Enum):
     MISSING = "missing"  # device data the recorder could not keep (salvage); stats if known
     SPARSE = "sparse"  # only listed byte ranges are held (the blob: them, concatenated); rest zero
     SYNTHETIC = "synthetic"  # produced by kdump's generator from a seed and the stats
+    PIECES = "pieces"  # the span is its pieces' blobs, concatenated in order (version 5)
+
+
+# The storages whose bytes are held in the bundle (the others are re-created from records).
+HELD_SOURCES = (Source.BLOB, Source.SPARSE, Source.PIECES)
 
 
 @dataclass(frozen=True)
@@ -144,13 +150,34 @@ class StorageRecord:
     # sparse: the held [start, end) byte ranges, relative to the span's start (sorted, disjoint)
     ranges: tuple[tuple[int, int], ...] = ()
     generator: GeneratorRecord | None = None  # synthetic: how the bytes are produced
+    # pieces: (blob, nbytes) of each piece, in order; they add up to the span
+    pieces: tuple[tuple[str, int], ...] = ()
 
     @property
     def held_nbytes(self) -> int:
-        """Bytes of the span its blob holds (sparse: the ranges; no blob: 0)."""
+        """Bytes of the span its blobs hold (sparse: the ranges; no blob: 0)."""
         if self.source is Source.SPARSE:
             return sum(e - b for b, e in self.ranges)
-        return self.span_nbytes if self.source is Source.BLOB else 0
+        return self.span_nbytes if self.source in (Source.BLOB, Source.PIECES) else 0
+
+    @property
+    def blobs(self) -> tuple[str, ...]:
+        """The blobs the storage's bytes are in, in order (none for a storage without bytes)."""
+        if self.source is Source.PIECES:
+            return tuple(sha for sha, _ in self.pieces)
+        return (self.blob,) if self.source in (Source.BLOB, Source.SPARSE) else ()
+
+    def piece_spans(self) -> tuple[tuple[str, int, int], ...]:
+        """(blob, begin, end) inside the span of each of the storage's blobs: its pieces, or
+        its one blob over the whole span (sparse: over the held ranges' bytes)."""
+        if self.source is not Source.PIECES:
+            return tuple((sha, 0, self.held_nbytes) for sha in self.blobs)
+        out = []
+        pos = 0
+        for sha, n in self.pieces:
+            out.append((sha, pos, pos + n))
+            pos += n
+        return tuple(out)
 
     @property
     def span_ptr(self) -> int:
@@ -271,6 +298,8 @@ def storage_json(st: StorageRecord) -> dict[str, Any]:
     if st.generator is not None:
         g = st.generator
         out["generator"] = {"name": g.name, "version": g.version, "seed": g.seed}
+    if st.source is Source.PIECES:
+        out["pieces"] = [[sha, n] for sha, n in st.pieces]
     return out
 
 

@@ -86,9 +86,10 @@ def describe_call(call: Call) -> dict[str, Any]:
                 "storage": rec.storage,
                 "storage_span": [st.span_start, st.span_start + st.span_nbytes],
                 "storage_nbytes": st.storage_nbytes,
-                # blob / sparse / synthetic / by-reference / missing, and the bytes held of it
+                # blob / pieces / sparse / synthetic / by-reference / missing, and the bytes held
                 "source": st.source.value,
                 "held_bytes": st.held_nbytes,
+                "pieces": len(st.pieces),  # blobs a pieced storage is split into (else 0)
             }
         )
     aliasing = aliasing_groups(call)

@@ -41,7 +41,14 @@ _STORAGE_FIELDS = {1: {"device", "blob", *_STORAGE_INTS}}
 _STORAGE_FIELDS[2] = _STORAGE_FIELDS[1] | {"source"}
 _STORAGE_FIELDS[3] = _STORAGE_FIELDS[2] | {"stats"}
 _STORAGE_FIELDS[4] = _STORAGE_FIELDS[3] | {"ranges", "generator"}
-_SINCE = {Source.BY_REFERENCE: 3, Source.MISSING: 3, Source.SPARSE: 4, Source.SYNTHETIC: 4}
+_STORAGE_FIELDS[5] = _STORAGE_FIELDS[4] | {"pieces"}
+_SINCE = {
+    Source.BY_REFERENCE: 3,
+    Source.MISSING: 3,
+    Source.SPARSE: 4,
+    Source.SYNTHETIC: 4,
+    Source.PIECES: 5,
+}
 _STATS_FLOATS = ("min", "max", "mean", "std")
 E = TypeVar("E", bound=Enum)
 _BLOB_FIELDS = {"nbytes", "where", "checksum", "digest"}
@@ -256,6 +263,7 @@ class _Parser:
         self.count(len(raw), self.limits.max_storages, where, "storages")
         out = []
         ranges_left = self.limits.max_ranges  # shared by the part's sparse storages
+        pieces_left = self.limits.max_pieces  # and its pieced storages' pieces
         for j, s in enumerate(raw):
             if not isinstance(s, dict) or not all(
                 is_int(s.get(k)) and s[k] >= 0 for k in _STORAGE_INTS
@@ -264,7 +272,7 @@ class _Parser:
             if not isinstance(s.get("device"), str) or not isinstance(s.get("blob"), str):
                 raise self.fail(where, f"storage {j} lacks its device or blob")
             self.string(s["device"], where, f"storage {j}'s device")
-            # A data-less storage (by-reference, missing, synthetic) names no blob: "".
+            # A storage without one blob (by-reference, missing, synthetic, pieces) names "".
             if not _is_sha(s["blob"]) and not (
                 s["blob"] == "" and s.get("source", "blob") not in ("blob", "sparse")
             ):
@@ -292,8 +300,14 @@ class _Parser:
                 raise self.fail(where, f"storage {j}: ranges belong to sparse storages (only)")
             if ("generator" in s) != (source is Source.SYNTHETIC):
                 raise self.fail(where, f"storage {j}: a generator belongs to synthetic storages")
+            if ("pieces" in s) != (source is Source.PIECES):
+                raise self.fail(where, f"storage {j}: pieces belong to pieced storages (only)")
             ranges: tuple[tuple[int, int], ...] = ()
+            pieces: tuple[tuple[str, int], ...] = ()
             generator = None
+            if source is Source.PIECES:
+                pieces = self.pieces(s["pieces"], s["span_nbytes"], where, j, pieces_left)
+                pieces_left -= len(pieces)
             if source is Source.SPARSE:
                 ranges = self.ranges(s["ranges"], s["span_nbytes"], where, j, ranges_left)
                 ranges_left -= len(ranges)
@@ -306,8 +320,49 @@ class _Parser:
                     stats=stats,
                     ranges=ranges,
                     generator=generator,
+                    pieces=pieces,
                 )
             )
+        return tuple(out)
+
+    def pieces(
+        self, raw: Any, span: int, where: str, j: int, left: int
+    ) -> tuple[tuple[str, int], ...]:
+        """A pieced storage's pieces: [blob, nbytes] pairs, each non-empty, adding up to the
+        span exactly; no more of them than the part's budget (checked before they are read)."""
+        if not isinstance(raw, list):
+            raise self.fail(where, f"storage {j}: pieces is not a list")
+        if len(raw) > left:
+            raise self.fail(
+                where,
+                f"storage {j}: {len(raw)} pieces, over the limit of {self.limits.max_pieces} "
+                "per call part",
+                K.LIMIT,
+            )
+        if len(raw) < 2:
+            raise self.fail(where, f"storage {j}: a pieced storage has at least two pieces")
+        out: list[tuple[str, int]] = []
+        total = 0
+        for p in raw:
+            if not (
+                isinstance(p, list)
+                and len(p) == 2
+                and isinstance(p[0], str)
+                and _is_sha(p[0])
+                and is_int(p[1])
+                and p[1] > 0
+            ):
+                raise self.fail(
+                    where, f"storage {j}: a piece is not a [SHA-256, positive size] pair"
+                )
+            total += p[1]
+            if total > span:
+                raise self.fail(
+                    where, f"storage {j}: its pieces hold more than the {span}-byte span"
+                )
+            out.append((p[0], p[1]))
+        if total != span:
+            raise self.fail(where, f"storage {j}: its pieces hold {total} bytes, the span {span}")
         return tuple(out)
 
     def ranges(

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from kdump.bundle import argtree
 from kdump.bundle.format import (
     ALIGN_MOD,
+    HELD_SOURCES,
     STORE_DIRNAME,
     BlobRecord,
     CallEntry,
@@ -108,7 +109,7 @@ class Call:
         return [
             names[i]
             for i, t in enumerate(self.tensors)
-            if self.storages[t.storage].source not in (Source.BLOB, Source.SPARSE)
+            if self.storages[t.storage].source not in HELD_SOURCES
         ]
 
     def materialize(
@@ -382,12 +383,58 @@ class Bundle:
         return torch.frombuffer(memoryview(m)[lead:], dtype=torch.uint8)
 
     def _mappable(self, st: StorageRecord) -> bool:
-        """Whether a page-aligned map puts `st`'s blob at its recorded address alignment."""
-        info = self.blobs.get(st.blob)
-        if info is None or info.nbytes == 0:
-            return False
-        start = self.data_start + self.inline[st.blob][0] if info.where is Where.INLINE else 0
-        return start % ALIGN_MOD == st.alignment
+        """Whether a page-aligned map puts `st`'s bytes at its recorded address alignment, in one
+        run of the file (a pieced storage: its pieces inline, back to back, in order)."""
+        return self._file_run(st) is not None
+
+    def _file_run(self, st: StorageRecord) -> tuple[str, int] | None:
+        """(the first blob, its data-section offset) of a blob or pieced storage whose bytes lie
+        in one run of one file at the recorded alignment; None otherwise."""
+        if st.source is Source.BLOB:
+            info = self.blobs.get(st.blob)
+            if info is None or info.nbytes == 0:
+                return None
+            start = self.data_start + self.inline[st.blob][0] if info.where is Where.INLINE else 0
+            return (st.blob, start) if start % ALIGN_MOD == st.alignment else None
+        if st.source is not Source.PIECES:
+            return None
+        first = None
+        end = -1
+        for sha, _ in st.pieces:
+            info = self.blobs.get(sha)
+            if info is None or info.where is not Where.INLINE:
+                return None
+            b, e = self.inline[sha]
+            if first is None:
+                first = b
+            elif b != end:
+                return None
+            end = e
+        assert first is not None  # the parser requires two pieces or more
+        start = self.data_start + first
+        return (st.pieces[0][0], start) if start % ALIGN_MOD == st.alignment else None
+
+    def _private_run(self, st: StorageRecord) -> torch.Tensor | None:
+        """A pieced storage's span as one private copy-on-write map of its run of the file."""
+        import torch
+
+        run = self._file_run(st)
+        if run is None:
+            return None
+        start = run[1]
+        if self._file is None:
+            self._file = open(self.path, "rb")  # noqa: SIM115
+        lead = start % mmap.ALLOCATIONGRANULARITY
+        try:
+            m = mmap.mmap(
+                self._file.fileno(),
+                lead + st.span_nbytes,
+                access=mmap.ACCESS_COPY,
+                offset=start - lead,
+            )
+        except (OSError, ValueError) as exc:
+            raise BundleError(f"{self.path}: cannot map a pieced storage ({exc})", K.TRUNCATED)
+        return torch.frombuffer(memoryview(m)[lead:], dtype=torch.uint8)
 
     def verify_tensor(self, sha: str, data: torch.Tensor) -> None:
         """Check the bytes handed out for blob `sha` (a contiguous CPU uint8 tensor)."""
@@ -457,35 +504,48 @@ class Bundle:
         )
 
         def fill(batch: Sequence[tuple[int, torch.Tensor]]) -> None:
+            jobs = []
             for i, dest in batch:
-                if storages[i].source is not Source.BLOB:
-                    dest.copy_(self.recreate_span(storages[i], i))
-            jobs = [(storages[i].blob, d) for i, d in batch if storages[i].source is Source.BLOB]
+                st = storages[i]
+                if st.source is Source.BLOB:
+                    jobs.append((st.blob, dest))
+                elif st.source is Source.PIECES:  # each piece copied (and checked) apart
+                    jobs.extend((sha, dest[b:e]) for sha, b, e in st.piece_spans())
+                else:
+                    dest.copy_(self.recreate_span(st, i))
             self._run(self.copy_blob_into, jobs, sum(d.numel() for _, d in jobs))
 
         handed: list[tuple[str, torch.Tensor]] = []
 
         def view_span(i: int) -> torch.Tensor | None:
-            if storages[i].source is not Source.BLOB or not self._mappable(storages[i]):
+            st = storages[i]
+            if st.source is Source.PIECES:
+                view = self._private_run(st)
+                if view is not None:
+                    handed.extend((sha, view[b:e]) for sha, b, e in st.piece_spans())
+                return view
+            if st.source is not Source.BLOB or not self._mappable(st):
                 return None
-            view = self.private_view(storages[i].blob)
+            view = self.private_view(st.blob)
             if view is not None:
-                handed.append((storages[i].blob, view))
+                handed.append((st.blob, view))
             return view
 
         if torch.device(device).type != "cpu":  # verify in parallel first, then copy one by one
             todo = sorted(
-                {s.blob for s in storages if s.source is Source.BLOB and self._needs_check(s.blob)}
+                {
+                    sha
+                    for s in storages
+                    if s.source in (Source.BLOB, Source.PIECES)
+                    for sha in s.blobs
+                    if self._needs_check(sha)
+                }
             )
             self._run(self.verify_blob, [(sha,) for sha in todo], 1 << 62)
         mat = materialize(
             storages,
             tensors,
-            lambda i: (
-                self.read_blob(storages[i].blob)
-                if storages[i].source is Source.BLOB
-                else self.recreate_span(storages[i], i)
-            ),
+            lambda i: self.span_bytes(storages[i], i),
             device,
             placement,
             fill_spans=fill,
@@ -503,12 +563,29 @@ class Bundle:
             return self.read_blob(st.blob)
         return self.recreate_span(st, index)
 
+    def pieces_bytes(self, st: StorageRecord) -> torch.Tensor:
+        """A pieced storage's span (CPU uint8): a private map of the file where its pieces lie
+        back to back, else a copy; every piece verified."""
+        view = self._private_run(st)
+        if view is not None:
+            once = [(sha, view[b:e]) for sha, b, e in st.piece_spans() if self._needs_check(sha)]
+            self._run(self.verify_tensor, once, sum(v.numel() for _, v in once))
+            return view
+        import torch
+
+        out = torch.empty(st.span_nbytes, dtype=torch.uint8)
+        jobs = [(sha, out[b:e]) for sha, b, e in st.piece_spans()]
+        self._run(self.copy_blob_into, jobs, st.span_nbytes)
+        return out
+
     def recreate_span(self, st: StorageRecord, index: int) -> torch.Tensor:
         """The span bytes (CPU uint8) of a storage not held whole as a blob: a sparse one's
         ranges from its blob (verified), zeros elsewhere; a synthetic one from kdump's generator;
         a by-reference or missing one from its stats with the seed `index`."""
         import torch
 
+        if st.source is Source.PIECES:
+            return self.pieces_bytes(st)
         if st.source is Source.SPARSE:
             out = torch.zeros(st.span_nbytes, dtype=torch.uint8)
             held = self.read_blob(st.blob)

@@ -30,22 +30,26 @@ from kdump.bundle import bytecmp
 from kdump.bundle.format import ALIGN_MOD, STORE_DIRNAME
 from kdump.bundle.store import (
     BlobStore,
+    Pieces,
     ProcessPool,
     blob_digests,
     fast_checksum,
     hasher,
     open_temp,
+    piece_bytes,
+    piece_cuts,
     pool,
 )
 from kdump.errors import BundleError
 from kdump.errors import BundleErrorKind as K
 
 Digests = tuple[str, str]  # (SHA-256 name, fast check digest or "")
+Named = Digests | Pieces  # a span's digests: one blob's, or one per piece (a large span)
 
 # A call holding fewer bytes than this is snapshot in memory and written in one go (a temporary
 # file and a mapping per call cost more than copying a few MiB).
 SPOOL_MIN = 8 << 20
-WRITE_CHUNK = 16 << 20  # one write job: big enough to amortise the call, small enough to share
+WRITE_CHUNK = 16 << 20  # one read of a move inside the file
 HASH_CHUNK = 1 << 20  # the SHA-256 and the fast check read the same chunk while it is in cache
 FAST_APART = 4 << 20  # pieces from this size get their fast check on another thread
 STAGE_CHUNK = 16 << 20  # pinned staging buffer per device copy (two per span being copied)
@@ -125,23 +129,44 @@ class _Digester:
         return self.sha.hexdigest(), self.fast.hexdigest() if self.fast is not None else ""
 
 
-def _hash_cpu(view: memoryview) -> Digests:
-    d = _Digester()
-    for lo in range(0, len(view), WRITE_CHUNK):
-        d.update(view[lo : lo + WRITE_CHUNK])
-    return d.digests()
+PASS_CHUNK = 1 << 20  # hashed while it is in the worker's cache
+# Written in groups of this many bytes, right after they were hashed (mostly still in cache): the
+# page cache keeps what one write brings in as large folios where the file system can (ext4 and
+# XFS on recent kernels); a file written in 1 MiB writes mapped at about half the speed on load.
+PASS_WRITE = 16 << 20
+
+
+def hash_write(fd: int, view: memoryview, at: int) -> Digests:
+    """Hash `view` and write it to `fd` at offset `at` in one pass over its bytes: each group is
+    hashed (SHA-256 and the fast check, chunk by chunk) and then written while it is in cache.
+    One pool worker runs it per piece; hashlib, xxhash and os.pwrite release the GIL."""
+    algo = fast_checksum()
+    sha = hashlib.sha256()
+    fast = hasher(algo) if algo.value != "sha256" else None
+    for lo in range(0, len(view), PASS_WRITE):
+        group = view[lo : lo + PASS_WRITE]
+        for j in range(0, len(group), PASS_CHUNK):
+            part = group[j : j + PASS_CHUNK]
+            sha.update(part)
+            if fast is not None:
+                fast.update(part)
+        pwrite_all(fd, group, at + lo)
+    return sha.hexdigest(), fast.hexdigest() if fast is not None else ""
 
 
 class _Region:
     """One span written (or being written) into the file, relative to the data section."""
 
-    __slots__ = ("alias", "digests", "nbytes", "start")
+    __slots__ = ("alias", "digests", "nbytes", "piece", "start")
 
-    def __init__(self, start: int, nbytes: int) -> None:
+    def __init__(self, start: int, nbytes: int, piece: bool = False) -> None:
         self.start = start
         self.nbytes = nbytes
         self.digests: Digests | None = None
         self.alias: _Region | None = None  # the earlier region with the same bytes (not kept)
+        # One piece of a span written in pieces: it keeps its place even when an earlier region
+        # holds the same bytes (the span's snapshot is one run of the file), and is then a gap.
+        self.piece = piece
 
     @property
     def end(self) -> int:
@@ -171,79 +196,98 @@ class Spool:
     def data_start(self) -> int:
         return self._reserved
 
-    def _open(self, records: int) -> int:
+    def _open(self, records: int, header: int = 0) -> int:
         if self._done:
             raise BundleError(f"{self.path}: the bundle was already finished or abandoned")
         if self._fd is None:
             fd, tmp = open_temp(self.path)
             self._fd, self._tmp = fd, tmp
-            self._reserved = round_up(RESERVE_MIN + RESERVE_PER_RECORD * records, ALIGN_MOD)
+            want = header or RESERVE_MIN + RESERVE_PER_RECORD * records
+            self._reserved = round_up(want, ALIGN_MOD)
         return self._fd
+
+    def reserve(self, header: int) -> None:
+        """Make the file with `header` bytes reserved for the header (an upper bound the caller
+        knows, length prefix included), before the first `put`."""
+        self._open(0, header)
 
     # -- spans ------------------------------------------------------------------------------------
     def put(
         self, sources: Sequence[torch.Tensor], aligns: Sequence[int], records: int = 0
-    ) -> list[tuple[torch.Tensor, Digests]]:
+    ) -> list[tuple[torch.Tensor, Named]]:
         """Write each source span (a contiguous uint8 tensor, CPU or CUDA) into the file; for each,
-        a CPU uint8 tensor of the bytes as written (a private view of the file) and the digests.
-        Sources with the same bytes are written once. Returns when every byte is in the file."""
+        a CPU uint8 tensor of the bytes as written (a private view of the file) and the digests
+        (`Pieces` for a span larger than the piece size: each piece hashed and written by a pool
+        worker of its own). Sources with the same bytes are written once. Returns when every
+        byte is in the file."""
         fd = self._open(records)
-        regions: list[_Region] = []
-        jobs: list[_CpuJob | Future[Digests] | None] = []
+        piece = piece_bytes()
+        spans: list[list[_Region]] = []
+        jobs: list[tuple[_Region, Future[Digests]]] = []
         # CPU sources written, by size and edge bytes: equal bytes have equal names, so a source
         # is compared with the earlier ones that could be equal instead of being written twice.
-        firsts: dict[tuple[int, bytes], list[tuple[torch.Tensor, _Region]]] = {}
+        firsts: dict[tuple[int, bytes], list[tuple[torch.Tensor, list[_Region]]]] = {}
         # Device sources likewise, by device and size, compared on the device: one found equal
         # only after both were written would leave its bytes in the file as a hole.
-        dev_firsts: dict[tuple[Any, int], list[tuple[torch.Tensor, _Region]]] = {}
+        dev_firsts: dict[tuple[Any, int], list[tuple[torch.Tensor, list[_Region]]]] = {}
         streams = _caller_streams(sources)
-        for src, align in zip(sources, aligns):
-            n = src.numel()
-            twin = None
-            if src.device.type == "cpu":
-                key = _edge_key(src)
-                twin = next((r for s, r in firsts.get(key, ()) if _same(s, src)), None)
-            elif n >= DEVICE_DEDUP_MIN:
-                after = streams[src.device]
-                dkey = (src.device, n)
-                twin = next(
-                    (r for s, r in dev_firsts.get(dkey, ()) if _equal_on_device(s, src, after)),
-                    None,
-                )
-            if twin is not None:
-                region = _Region(twin.start, n)
-                region.alias = twin
-                regions.append(region)
-                jobs.append(None)
-                continue
-            start = aligned(self._pos, n, align, self.min_aligned)
-            region = _Region(start, n)
-            self._pos = start + n
-            regions.append(region)
-            at = self._reserved + start
-            if src.device.type == "cpu":
-                firsts.setdefault(key, []).append((src, region))
-                jobs.append(_CpuJob(fd, src, at))
-            else:
-                if n >= DEVICE_DEDUP_MIN:
-                    dev_firsts.setdefault((src.device, n), []).append((src, region))
-                jobs.append(pool().submit(_write_device, fd, src, at, streams[src.device]))
-        errors: list[BaseException] = []
-        for region, job in zip(regions, jobs):
-            if job is None:
-                continue
-            try:
-                region.digests = job.result()
-            except BaseException as exc:  # wait for every job before reporting: they share fd
-                errors.append(exc)
+        try:
+            for src, align in zip(sources, aligns):
+                n = src.numel()
+                twin = None
+                if src.device.type == "cpu":
+                    key = _edge_key(src)
+                    twin = next((r for s, r in firsts.get(key, ()) if _same(s, src)), None)
+                elif n >= DEVICE_DEDUP_MIN:
+                    after = streams[src.device]
+                    dkey = (src.device, n)
+                    twin = next(
+                        (r for s, r in dev_firsts.get(dkey, ()) if _equal_on_device(s, src, after)),
+                        None,
+                    )
+                if twin is not None:
+                    regions = []
+                    for t in twin:
+                        region = _Region(t.start, t.nbytes)
+                        region.alias = t
+                        regions.append(region)
+                    spans.append(regions)
+                    continue
+                start = aligned(self._pos, n, align, self.min_aligned)
+                self._pos = start + n
+                cuts = piece_cuts(n, piece)
+                regions = [_Region(start + lo, hi - lo, len(cuts) > 1) for lo, hi in cuts]
+                spans.append(regions)
+                at = self._reserved + start
+                if src.device.type == "cpu":
+                    firsts.setdefault(key, []).append((src, regions))
+                    view = cpu_view(src)
+                    for (lo, hi), r in zip(cuts, regions):
+                        jobs.append((r, pool().submit(hash_write, fd, view[lo:hi], at + lo)))
+                else:
+                    if n >= DEVICE_DEDUP_MIN:
+                        dev_firsts.setdefault((src.device, n), []).append((src, regions))
+                    for (lo, hi), r in zip(cuts, regions):
+                        job = pool().submit(
+                            _write_device, fd, src[lo:hi], at + lo, streams[src.device]
+                        )
+                        jobs.append((r, job))
+        finally:
+            errors: list[BaseException] = []
+            for region, job in jobs:
+                try:
+                    region.digests = job.result()
+                except BaseException as exc:  # wait for every job before reporting: they share fd
+                    errors.append(exc)
         if errors:
             raise errors[0]
-        self._dedup(regions)
-        return self._views(regions)
+        self._dedup([r for regions in spans for r in regions])
+        return self._views(spans, piece)
 
     def _dedup(self, regions: list[_Region]) -> None:
         """Regions whose bytes turned out to equal an earlier region's (device spans: compared
-        by name after hashing) point to it; trailing ones are given back to the file."""
+        by name after hashing) point to it; trailing ones are given back to the file. Pieces
+        keep their place (`_Region.piece`)."""
         known: dict[str, _Region] = {
             r.digests[0]: r for r in self._regions if r.alias is None and r.digests
         }
@@ -253,29 +297,37 @@ class Spool:
                 continue
             assert r.digests is not None
             first = known.get(r.digests[0])
-            if first is not None and first.nbytes == r.nbytes:
+            if first is not None and first.nbytes == r.nbytes and not r.piece:
                 r.alias = first
-            else:
+            elif first is None:
                 known[r.digests[0]] = r
         self._regions.extend(regions)
         live_end = max((r.end for r in self._regions if r.alias is None), default=0)
         self._pos = live_end
 
-    def _views(self, regions: Sequence[_Region]) -> list[tuple[torch.Tensor, Digests]]:
+    def _views(
+        self, spans: Sequence[Sequence[_Region]], piece: int
+    ) -> list[tuple[torch.Tensor, Named]]:
         assert self._fd is not None
         total = self._reserved + self._pos
         mm = mmap.mmap(self._fd, total, access=mmap.ACCESS_COPY) if self._pos else None
-        out = []
-        for r in regions:
-            kept = r.alias or r
-            assert r.digests is not None
-            if r.nbytes == 0 or mm is None:
-                out.append((torch.empty(0, dtype=torch.uint8), r.digests))
+        out: list[tuple[torch.Tensor, Named]] = []
+        for regions in spans:
+            first = regions[0].alias or regions[0]  # pieces of a span lie back to back
+            nbytes = sum(r.nbytes for r in regions)
+            named: Named
+            if len(regions) == 1:
+                assert regions[0].digests is not None
+                named = regions[0].digests
+            else:
+                named = Pieces(piece, tuple(r.digests for r in regions))  # type: ignore[misc]
+            if nbytes == 0 or mm is None:
+                out.append((torch.empty(0, dtype=torch.uint8), named))
                 continue
             t = torch.frombuffer(
-                mm, dtype=torch.uint8, count=kept.nbytes, offset=self._reserved + kept.start
+                mm, dtype=torch.uint8, count=nbytes, offset=self._reserved + first.start
             )
-            out.append((t, r.digests))
+            out.append((t, named))
         return out
 
     # -- the end ----------------------------------------------------------------------------------
@@ -292,9 +344,13 @@ class Spool:
             assert r.digests is not None
             if keep is not None and r.digests[0] not in keep:
                 continue
+            if r.digests[0] in layout:  # a piece equal to an earlier blob: padding
+                pads.append((pos, r.end))
+                pos = r.end
+                continue
             if r.start > pos:
                 pads.append((pos, r.start))
-            layout.setdefault(r.digests[0], (r.start, r.end))
+            layout[r.digests[0]] = (r.start, r.end)
             pos = r.end
         self._length = pos
         return layout, pads, pos
@@ -375,52 +431,66 @@ class StoreSpool:
 
     def put(
         self, sources: Sequence[torch.Tensor], aligns: Sequence[int], records: int = 0
-    ) -> list[tuple[torch.Tensor, Digests]]:
+    ) -> list[tuple[torch.Tensor, Named]]:
         store = self._store()
         self._active = True
-        out: list[tuple[torch.Tensor, Digests] | None] = [None] * len(sources)
+        piece = piece_bytes()
+        out: list[tuple[torch.Tensor, Named] | None] = [None] * len(sources)
         streams = _caller_streams(sources)
-        jobs: list[tuple[int, int, str, _CpuJob | Future[Digests]]] = []
+        # (source, piece size, descriptor, temporary, job): one file per piece, hashed while
+        # written by one pool worker.
+        jobs: list[tuple[int, int, int, str, Future[Digests]]] = []
         try:
             for i, src in enumerate(sources):
                 if src.numel() < max(self.min_blob, 1):
                     host = src.clone() if src.device.type == "cpu" else src.cpu()
                     out[i] = (host, blob_digests(cpu_view(host)))
                     continue
-                fd, tmp = open_temp(store.root / STORE_DIRNAME / "spool")
-                try:
-                    if src.device.type == "cpu":
-                        job: _CpuJob | Future[Digests] = _CpuJob(fd, src, 0)
-                    else:
-                        job = pool().submit(_write_device, fd, src, 0, streams[src.device])
-                except BaseException:
-                    os.close(fd)
-                    os.unlink(tmp)
-                    raise
-                jobs.append((i, fd, tmp, job))
+                view = cpu_view(src) if src.device.type == "cpu" else None
+                for lo, hi in piece_cuts(src.numel(), piece):
+                    fd, tmp = open_temp(store.root / STORE_DIRNAME / "spool")
+                    try:
+                        if view is not None:
+                            job = pool().submit(hash_write, fd, view[lo:hi], 0)
+                        else:
+                            job = pool().submit(
+                                _write_device, fd, src[lo:hi], 0, streams[src.device]
+                            )
+                    except BaseException:
+                        os.close(fd)
+                        os.unlink(tmp)
+                        raise
+                    jobs.append((i, hi - lo, fd, tmp, job))
         finally:  # every job started is waited for, and every file closed
             errors: list[BaseException] = []
-            for i, fd, tmp, job in jobs:
-                n = sources[i].numel()
+            done: dict[int, list[tuple[int, Digests, mmap.mmap | None]]] = {}
+            for i, n, fd, tmp, job in jobs:
                 try:
                     digests = job.result()
                     mapped = mmap.mmap(fd, n, access=mmap.ACCESS_COPY)
-                    view = torch.frombuffer(mapped, dtype=torch.uint8, count=n)
                 except BaseException as exc:
                     errors.append(exc)
                     os.close(fd)
                     with contextlib.suppress(OSError):
                         os.unlink(tmp)
                     continue
-                os.close(fd)
                 try:
                     if store.adopt(digests[0], tmp, n):
                         self.created[digests[0]] = n
-                    out[i] = (view, digests)
+                    done.setdefault(i, []).append((fd, digests, mapped))
                 except BaseException as exc:
+                    os.close(fd)
                     errors.append(exc)
                     with contextlib.suppress(OSError):
                         os.unlink(tmp)
+            try:
+                if not errors:
+                    for i, parts in done.items():
+                        out[i] = _joined(parts, piece)
+            finally:
+                for parts in done.values():
+                    for fd, _, _ in parts:
+                        os.close(fd)
             if errors:
                 raise errors[0]
         return out  # type: ignore[return-value]
@@ -466,24 +536,67 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return n == b.numel() and bytecmp.same(a.data_ptr(), b.data_ptr(), n)
 
 
-class _CpuJob:
-    """A CPU span written at file offset `at` in chunks on the write pool while the hashing pool
-    hashes it: both read the argument's memory; nothing is copied in user space."""
+def _joined(
+    parts: Sequence[tuple[int, Digests, mmap.mmap | None]], piece: int
+) -> tuple[torch.Tensor, Named]:
+    """One span's snapshot from its pieces' store files (descriptor, digests, private map): the
+    map of a single piece, or the pieces' files mapped back to back into one reserved range of
+    addresses (a copy where the system refuses that)."""
+    if len(parts) == 1:
+        _, digests, mapped = parts[0]
+        assert mapped is not None
+        return torch.frombuffer(mapped, dtype=torch.uint8), digests
+    named = Pieces(piece, tuple(d for _, d, _ in parts))
+    sizes = [len(m) for _, _, m in parts if m is not None]
+    total = sum(sizes)
+    joined = _map_back_to_back([fd for fd, _, _ in parts], sizes, total)
+    if joined is None:
+        copy = torch.empty(total, dtype=torch.uint8)
+        pos = 0
+        for (_, _, m), n in zip(parts, sizes):
+            assert m is not None
+            ctypes.memmove(copy.data_ptr() + pos, _address(memoryview(m)), n)
+            pos += n
+        return copy, named
+    return torch.frombuffer(joined, dtype=torch.uint8, count=total), named
 
-    def __init__(self, fd: int, src: torch.Tensor, at: int) -> None:
-        view = cpu_view(src)
-        self.writes = [
-            io_pool().submit(pwrite_all, fd, view[lo : lo + WRITE_CHUNK], at + lo)
-            for lo in range(0, len(view), WRITE_CHUNK)
+
+_PROT = mmap.PROT_READ | mmap.PROT_WRITE
+_MAP_FIXED = 0x10  # Linux
+
+
+def _map_back_to_back(fds: Sequence[int], sizes: Sequence[int], total: int) -> mmap.mmap | None:
+    """An anonymous map of `total` bytes whose parts are replaced by private maps of the files
+    `fds` (all but the last a whole number of pages long), in order: one range of addresses that
+    reads as the files concatenated; unmapping it unmaps them all. None where it cannot be made."""
+    import sys
+
+    if not sys.platform.startswith("linux") or any(n % mmap.PAGESIZE for n in sizes[:-1]):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.mmap
+        fn.restype = ctypes.c_void_p
+        fn.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
         ]
-        self.digests = pool().submit(_hash_cpu, view)
-
-    def result(self) -> Digests:
-        for w in self.writes:
-            w.exception()  # wait for all before raising: they share the descriptor
-        for w in self.writes:
-            w.result()
-        return self.digests.result()
+        reserved = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        base = _address(memoryview(reserved))
+        pos = 0
+        for fd, n in zip(fds, sizes):
+            got = fn(base + pos, n, _PROT, mmap.MAP_PRIVATE | _MAP_FIXED, fd, 0)
+            if got != base + pos:
+                reserved.close()
+                return None
+            pos += n
+        return reserved
+    except (OSError, AttributeError, ValueError):
+        return None
 
 
 def _caller_streams(sources: Sequence[torch.Tensor]) -> dict[torch.device, Any]:

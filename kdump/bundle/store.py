@@ -11,6 +11,7 @@ import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -21,7 +22,7 @@ try:  # optional: without it blobs are checked by their SHA-256 name (slower, sa
 except ImportError:  # pragma: no cover - depends on the environment
     _xxhash = None
 
-HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
+HASH_THREADS = max(1, min(16, os.cpu_count() or 1))  # one per core: pieces hash in parallel
 
 
 TEMP_SUFFIX = ".tmp"
@@ -128,6 +129,57 @@ def blob_digests(data: memoryview | bytes) -> tuple[str, str]:
     """A new blob's name (SHA-256) and its fast check digest ("" when that is the name)."""
     fast = _xxhash.xxh3_128_hexdigest(data) if _xxhash is not None else ""
     return sha256_hex(data), fast
+
+
+PIECE_UNIT = 1 << 20  # a piece size is a multiple of this (pieces then keep their alignment)
+_piece_cache: tuple[str | None, int] = ("", 0)
+
+
+def piece_bytes() -> int:
+    """The piece size (KDUMP_PIECE_BYTES): a storage larger than this is written in pieces."""
+    global _piece_cache
+    from kdump import config
+
+    raw = config.get("KDUMP_PIECE_BYTES")
+    if raw == _piece_cache[0]:
+        return _piece_cache[1]
+    from kdump.errors import UsageError
+    from kdump.record.triggers import parse_bytes
+
+    n = parse_bytes(raw or "64M")
+    if n < PIECE_UNIT or n % PIECE_UNIT:
+        raise UsageError(
+            f"KDUMP_PIECE_BYTES={raw}: the piece size is a multiple of 1M, at least 1M"
+        )
+    _piece_cache = (raw, n)
+    return n
+
+
+def piece_cuts(nbytes: int, piece: int) -> list[tuple[int, int]]:
+    """[begin, end) of each piece of a span of `nbytes` (one piece unless it is larger than
+    `piece`)."""
+    if nbytes <= piece:
+        return [(0, nbytes)]
+    return [(lo, min(lo + piece, nbytes)) for lo in range(0, nbytes, piece)]
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """The (SHA-256, fast check) digests of a span written in pieces of `size` bytes, one per
+    piece, in order (a plain pair of strings is the digests of a span written as one blob)."""
+
+    size: int
+    digests: tuple[tuple[str, str], ...]
+
+
+def span_digests(view: memoryview) -> tuple[str, str] | Pieces:
+    """The digests of a span's bytes as the writer names them: one blob's, or (a span larger
+    than the piece size) each piece's, hashed in parallel on the pool. Not for pool workers."""
+    piece = piece_bytes()
+    if len(view) <= piece:
+        return blob_digests(view)
+    jobs = [pool().submit(blob_digests, view[lo:hi]) for lo, hi in piece_cuts(len(view), piece)]
+    return Pieces(piece, tuple(j.result() for j in jobs))
 
 
 class ProcessPool:

@@ -82,9 +82,9 @@ def refusal(name: object, version: object, seed: object, dtype: object) -> str |
     if not isinstance(name, str) or name not in GENERATORS:
         return f"generator {str(name)[:40]!r} is unknown (this kdump knows {sorted(GENERATORS)})"
     if not _is_int(version) or version not in GENERATORS[name]:
-        return f"generator {name} version {str(version)[:20]} is unknown here; upgrade kdump-gpu"
+        return f"generator {name} version {repr(version)[:20]} is unknown here; upgrade kdump-gpu"
     if not _is_int(seed) or not 0 <= seed < SEED_LIMIT:
-        return f"generator seed {str(seed)[:30]} is not an integer in [0, 2^64)"
+        return f"generator seed {repr(seed)[:30]} is not an integer in [0, 2^64)"
     if dtype not in DTYPES:
         return f"generator {name} cannot produce dtype {str(dtype)[:40]!r}"
     return None

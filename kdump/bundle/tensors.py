@@ -12,7 +12,7 @@ import contextlib
 import ctypes
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -57,13 +57,14 @@ class Captured:
     tensors: list[TensorRecord]
     data: list[torch.Tensor]  # one contiguous CPU uint8 tensor per storage
     # (SHA-256, fast check) of each storage's bytes where the capture already hashed them (a
-    # capture written straight into its bundle file); empty or None where not yet known.
-    digests: list[tuple[str, str] | None] = field(default_factory=list)
+    # capture written straight into its bundle file; `kdump.bundle.store.Pieces` for a span
+    # written in pieces); empty or None where not yet known.
+    digests: list[Any] = field(default_factory=list)
     # Device copies of the spans a call may write in place, made before it (storage index ->
     # uint8 device tensor): its outputs are compared with them on the device. Never stored.
     device_copies: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def digest(self, idx: int) -> tuple[str, str] | None:
+    def digest(self, idx: int) -> Any:
         return self.digests[idx] if idx < len(self.digests) else None
 
     @property
@@ -205,7 +206,7 @@ class Sink(Protocol):
 
     def put(
         self, sources: Sequence[torch.Tensor], aligns: Sequence[int], records: int = 0
-    ) -> list[tuple[torch.Tensor, tuple[str, str]]]: ...
+    ) -> list[tuple[torch.Tensor, Any]]: ...  # digests: a pair, or a store.Pieces
 
 
 SINK_MIN = 8 << 20  # a capture of fewer bytes stays in memory unless its sink is already in use

@@ -143,6 +143,16 @@ def _validate_part(
     limits: Limits,
 ) -> None:
     for j, st in enumerate(storages):
+        if st.source is Source.PIECES:
+            for k, (sha, n) in enumerate(st.pieces):
+                blob = blobs.get(sha)
+                if blob is None or blob.nbytes != n:
+                    raise BundleError(
+                        f"{where}: storage {j} piece {k} needs {n} bytes from blob {sha[:12]}…, "
+                        "which the bundle does not hold",
+                        K.MISSING_BLOB,
+                    )
+            continue
         if st.source not in (Source.BLOB, Source.SPARSE):
             continue  # no bytes: a replay re-creates it (stats, generator)
         blob = blobs.get(st.blob)

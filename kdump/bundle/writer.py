@@ -34,7 +34,16 @@ from kdump.bundle.format import (
 )
 from kdump.bundle.header_cache import HeaderCache
 from kdump.bundle.spool import Spool, StoreSpool, cpu_view
-from kdump.bundle.store import BlobStore, atomic_write, blob_digests, fast_checksum, pool
+from kdump.bundle.store import (
+    BlobStore,
+    Pieces,
+    atomic_write,
+    blob_digests,
+    fast_checksum,
+    piece_bytes,
+    piece_cuts,
+    pool,
+)
 from kdump.bundle.tensors import Captured, capture
 from kdump.errors import BundleError, UsageError
 from kdump.errors import BundleErrorKind as K
@@ -156,7 +165,8 @@ ONE_WRITE_MAX = 1 << 20
 STORE_MIN = 16 << 10
 
 # Below this many bytes hashing on the calling thread beats handing blobs to the pool, and
-# hashing before writing beats the pipelined writer (which builds the manifest twice).
+# hashing before writing beats the spooled writer (which builds the manifest twice: once for
+# the header's reserved space).
 INLINE_HASH_MAX = 8 << 20
 
 
@@ -209,23 +219,42 @@ def _aligned(pos: int, nbytes: int, align: int) -> int:
     return pos + (align - pos) % ALIGN_MOD if nbytes >= ALIGNED_BLOB_MIN else pos
 
 
-def _entries(calls: Sequence[CallRecord], shas: Sequence[str]) -> tuple[CallEntry, ...]:
-    """The manifest records of `calls`, their storages named by `shas` (in capture order)."""
+def _entries(
+    calls: Sequence[CallRecord], shas: Sequence[str | tuple[tuple[str, int], ...]]
+) -> tuple[CallEntry, ...]:
+    """The manifest records of `calls`, their storages named by `shas` (in capture order): a
+    blob's name, or the (name, size) of each piece of a storage written in pieces."""
     it = iter(shas)
 
-    def named(cap: Captured) -> tuple[StorageRecord, ...]:
-        # The constructor, not dataclasses.replace: this runs for every storage of every bundle.
-        return tuple(
-            StorageRecord(
+    def one(st: StorageRecord) -> StorageRecord:
+        name = next(it)
+        if isinstance(name, tuple):
+            return StorageRecord(
                 st.device,
                 st.base_ptr,
                 st.storage_nbytes,
                 st.span_start,
                 st.span_nbytes,
-                next(it),
-                st.source,
+                "",
+                Source.PIECES,
                 st.stats,
+                pieces=name,
             )
+        # The constructor, not dataclasses.replace: this runs for every storage of every bundle.
+        return StorageRecord(
+            st.device,
+            st.base_ptr,
+            st.storage_nbytes,
+            st.span_start,
+            st.span_nbytes,
+            name,
+            st.source,
+            st.stats,
+        )
+
+    def named(cap: Captured) -> tuple[StorageRecord, ...]:
+        return tuple(
+            one(st)
             if st.source is Source.BLOB
             else replace(st, blob=next(it))
             if st.source is Source.SPARSE
@@ -313,7 +342,9 @@ def save_calls(
     """
     path = path if isinstance(path, Path) else Path(path)
     # One pass over the storages that hold bytes (other kinds hold none; a sparse one holds its
-    # ranges, concatenated): this runs for every bundle a recorder writes.
+    # ranges, concatenated): this runs for every bundle a recorder writes. A blob storage larger
+    # than the piece size becomes one view per piece (each its own blob), and `counts` says how
+    # many views each storage has.
     held: list[tuple[StorageRecord, torch.Tensor, Digests | None]] = []
     views: list[memoryview] = []
     aligns: list[int] = []
@@ -321,8 +352,10 @@ def save_calls(
     sizes: list[int] = []
     wheres: list[Where] = []
     addresses: list[int] = []  # where each view's bytes start
+    counts: list[int] = []
     seen: dict[int, tuple[memoryview, int]] = {}  # by snapshot (an unchanged output shares one)
     blob, sparse, to_store, to_inline = Source.BLOB, Source.SPARSE, Where.STORE, Where.INLINE
+    piece = piece_bytes()
     for call in calls:
         for cap in (call.inputs, call.outputs):
             if cap is None:
@@ -338,30 +371,54 @@ def save_calls(
                     got = seen[id(d)] = (view, d.data_ptr() if len(view) else 0)
                 view = got[0]
                 n = len(view)
+                align = (st.base_ptr + st.span_start) % ALIGN_MOD  # st.alignment
+                # A span hashed whole already (a plain pair) stays one blob; one hashed in pieces
+                # of another size (the setting changed) is hashed again.
+                if st.source is blob and n > piece and not isinstance(dig, tuple):
+                    cuts = piece_cuts(n, piece)
+                    parts: list[Digests | None] = [None] * len(cuts)
+                    if isinstance(dig, Pieces) and dig.size == piece:
+                        parts = list(dig.digests)
+                    counts.append(len(cuts))
+                    for (lo, hi), part in zip(cuts, parts):
+                        held.append((st, d[lo:hi], part))
+                        views.append(view[lo:hi])
+                        aligns.append((align + lo) % ALIGN_MOD)
+                        known.append(part)
+                        sizes.append(hi - lo)
+                        wheres.append(
+                            to_store if store is not None and hi - lo >= inline_below else to_inline
+                        )
+                        addresses.append(got[1] + lo)
+                    continue
+                if isinstance(dig, Pieces):
+                    dig = None
+                counts.append(1)
                 held.append((st, d, dig))
                 views.append(view)
-                aligns.append((st.base_ptr + st.span_start) % ALIGN_MOD)  # st.alignment
+                aligns.append(align)
                 known.append(dig)
                 sizes.append(n)
                 wheres.append(to_store if store is not None and n >= inline_below else to_inline)
                 addresses.append(got[1])
     created = _utc_now()
-    make_manifest = _manifest_maker(calls, sizes, wheres, env, info, created=created)
+    make_manifest = _manifest_maker(calls, sizes, wheres, env, info, created=created, counts=counts)
     if isinstance(spool, Spool) and spool.active:
         if store is None:
-            done = _finish_spool(spool, path, held, known, make_manifest)
+            done = _finish_spool(spool, path, held, aligns, known, make_manifest)
             if progress is not None:  # its bytes went to the file as they were captured
                 progress(sum(len(v) for v in views))
             return done
         spool.abort()  # the blobs go to the store: its file was only the snapshot's memory
     small = sum(len(v) for v in views) < INLINE_HASH_MAX
-    if (
-        store is None
-        and not small
-        and not all(known)
-        and _write_pipelined(path, views, aligns, make_manifest, progress)
-    ):
-        return path
+    if store is None and not small and not all(known):
+        # Hashed and written in one pass, each piece by a pool worker, into a new spool.
+        sink = open_spool(path)
+        sink.reserve(8 + _header_bound(views, make_manifest))
+        done = _finish_spool(sink, path, held, aligns, known, make_manifest)
+        if progress is not None:
+            progress(sum(len(v) for v in views))
+        return done
     digests = _hash_all(views, known, addresses)
     inline: dict[str, tuple[memoryview, int]] = {}
     stored: dict[str, memoryview] = {}
@@ -426,10 +483,27 @@ def _manifest_maker(
     env: dict[str, Any] | None,
     info: dict[str, Any] | None,
     created: str | None = None,
+    counts: Sequence[int] | None = None,
 ) -> Callable[[Sequence[Digests]], dict[str, Any]]:
-    """The manifest of `calls` given the digests of their blob storages (in capture order)."""
+    """The manifest of `calls` given the digests of their blobs (in capture order; `counts`:
+    how many blobs each storage that holds bytes has, where one was written in pieces)."""
     created = created if created is not None else _utc_now()
     algo = fast_checksum()
+    pieced = counts is not None and any(k > 1 for k in counts)
+
+    def names(digests: Sequence[Digests]) -> list[str | tuple[tuple[str, int], ...]]:
+        if not pieced:
+            return [sha for sha, _ in digests]
+        assert counts is not None
+        out: list[str | tuple[tuple[str, int], ...]] = []
+        pos = 0
+        for k in counts:
+            if k == 1:
+                out.append(digests[pos][0])
+            else:
+                out.append(tuple((digests[j][0], sizes[j]) for j in range(pos, pos + k)))
+            pos += k
+        return out
 
     def make_manifest(digests: Sequence[Digests]) -> dict[str, Any]:
         blobs: dict[str, BlobRecord] = {}
@@ -443,30 +517,53 @@ def _manifest_maker(
                 env=env or {},
                 info=info or {},
                 blobs=blobs,
-                calls=_entries(calls, [sha for sha, _ in digests]),
+                calls=_entries(calls, names(digests)),
             )
         )
 
     return make_manifest
 
 
+def _header_bound(
+    views: Sequence[memoryview], make_manifest: Callable[[Sequence[Digests]], dict[str, Any]]
+) -> int:
+    """An upper bound of the padded header of a bundle of `views` (every blob unique and fully
+    padded: de-duplication only shortens it), so its space is reserved before the blobs are
+    hashed."""
+    placeholder = [(f"{i:064x}", "0" * 32) for i in range(len(views))]
+    upper: dict[str, tuple[int, int]] = {}
+    pads = []
+    off = 0
+    for (name, _), view in zip(placeholder, views):
+        pads.append((off, off + ALIGN_MOD - 1))
+        off += ALIGN_MOD - 1
+        upper[name] = (off, off + len(view))
+        off += len(view)
+    raw = _header_json(make_manifest(placeholder), upper, pads)
+    return _padded_size(len(raw), map(len, views))
+
+
 def _finish_spool(
     spool: Spool,
     path: Path,
     held: Sequence[tuple[StorageRecord, torch.Tensor, Digests | None]],
+    aligns: Sequence[int],
     known: Sequence[Digests | None],
     make_manifest: Callable[[Sequence[Digests]], dict[str, Any]],
+    records: int = 0,
 ) -> Path:
-    """Complete a spooled bundle: blobs captured in memory (small parts) join the file, then the
-    header names them all."""
+    """Complete a spooled bundle: blobs not in its file yet (captured in memory, or all of them
+    for a bundle written from memory) join it, each hashed and written in one pass by a pool
+    worker; then the header names them all."""
     if spool.path != path:
         raise UsageError(f"the spool was opened for {spool.path}, not {path}")
     try:
         missing = [i for i, dig in enumerate(known) if dig is None]
         digests: list[Digests | None] = list(known)
         if missing:
-            put = spool.put([held[i][1] for i in missing], [held[i][0].alignment for i in missing])
+            put = spool.put([held[i][1] for i in missing], [aligns[i] for i in missing], records)
             for i, (_, dig) in zip(missing, put):
+                assert isinstance(dig, tuple)  # each is one piece at most
                 digests[i] = dig
         final = [d for d in digests if d is not None]
         layout, pads, _ = spool.layout({sha for sha, _ in final})
@@ -491,7 +588,8 @@ def pack(
     aligns: dict[str, int] = {}
     for c in m.calls:
         for st in (*c.storages, *(c.outputs.storages if c.outputs else ())):
-            aligns.setdefault(st.blob, st.alignment)
+            for sha, begin, _ in st.piece_spans():  # pieces lie back to back, as written
+                aligns.setdefault(sha, (st.alignment + begin) % ALIGN_MOD)
     views = {
         sha: (bundle.blob_bytes(sha), aligns.get(sha, 0)) for sha, b in m.blobs.items() if b.nbytes
     }
@@ -585,68 +683,6 @@ def _padded_size(raw_len: int, sizes: Iterable[int]) -> int:
     return raw_len + (-(8 + raw_len)) % unit
 
 
-def _write_pipelined(
-    path: Path,
-    views: Sequence[memoryview],
-    aligns: Sequence[int],
-    make_manifest: Callable[[Sequence[Digests]], dict[str, Any]],
-    progress: Progress | None = None,
-) -> bool:
-    """Write an inline bundle while its blobs are still being hashed (False: header too big).
-
-    The header goes first in the file but names blobs by their hashes, so its space is reserved
-    from an upper bound (every blob unique and fully padded: de-duplication only shortens it) and
-    the real header is padded with spaces to that size. Blobs are written in order while the
-    shared pool hashes them all; a blob whose hash repeats an earlier one is overwritten by the
-    next.
-    """
-    placeholder = [(f"{i:064x}", "0" * 32) for i in range(len(views))]
-    upper: dict[str, tuple[int, int]] = {}
-    upper_pads = []
-    off = 0
-    for (name, _), view in zip(placeholder, views):
-        upper_pads.append((off, off + ALIGN_MOD - 1))
-        off += ALIGN_MOD - 1
-        upper[name] = (off, off + len(view))
-        off += len(view)
-    raw_upper = _header_json(make_manifest(placeholder), upper, upper_pads)
-    reserved = _padded_size(len(raw_upper), map(len, views))
-    if reserved > MAX_HEADER:
-        return False
-    data_start = 8 + reserved
-
-    def write(f: BinaryIO) -> None:
-        layout: dict[str, tuple[int, int]] = {}
-        pads: list[tuple[int, int]] = []
-        digests: list[Digests] = []
-        pos = 0
-        futures = _submit_once(views)
-        for view, align, fut in zip(views, aligns, futures):
-            if fut.done() and fut.result()[0] in layout:
-                digests.append(fut.result())
-                continue
-            start = _aligned(pos, len(view), align)
-            f.seek(data_start + start)
-            _write_view(f, view, progress)
-            digests.append(fut.result())
-            sha = digests[-1][0]
-            if sha not in layout:
-                if start > pos:
-                    pads.append((pos, start))
-                layout[sha] = (start, start + len(view))
-                pos = start + len(view)
-        f.truncate(data_start + pos)
-        raw = _header_json(make_manifest(digests), layout, pads)
-        if len(raw) > reserved:  # cannot happen: dedup only removes entries and digits
-            raise BundleError("internal error: bundle header outgrew its reserved space", K.LIMIT)
-        f.seek(0)
-        f.write(struct.pack("<Q", reserved))
-        f.write(raw + b" " * (reserved - len(raw)))
-
-    atomic_write(path, write)
-    return True
-
-
 Progress = Callable[[int], None]  # told the bytes of blob data written, as they are
 PROGRESS_CHUNK = 64 << 20  # a blob is written in pieces of this size when progress is reported
 
@@ -738,10 +774,10 @@ def save_entries(
     aligns: dict[str, int] = {}
     for c in calls:
         for st in (*c.storages, *(c.outputs.storages if c.outputs else ())):
-            if st.source in (Source.BLOB, Source.SPARSE):
-                if st.blob not in data:
-                    raise UsageError(f"storage names blob {st.blob[:12]}…, which is not given")
-                aligns.setdefault(st.blob, st.alignment)
+            for sha, begin, _ in st.piece_spans():
+                if sha not in data:
+                    raise UsageError(f"storage names blob {sha[:12]}…, which is not given")
+                aligns.setdefault(sha, (st.alignment + begin) % ALIGN_MOD)
     blobs: dict[str, BlobRecord] = {}
     views: dict[str, tuple[memoryview, int]] = {}
     for sha in aligns:

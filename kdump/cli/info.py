@@ -109,6 +109,8 @@ def _render(rep: dict) -> None:
                 source = t.get("source", "blob")
                 if source == "sparse":
                     source = f"sparse ({human_bytes(t.get('held_bytes', 0))} held)"
+                elif source == "pieces":
+                    source = f"{t.get('pieces', 0)} pieces"
                 row.append(m(source))
             table.add_row(*row)
         con.print(table)

@@ -639,7 +639,7 @@ class Resolved:
     stats: Stats | None = None
     note: str = ""
     static: bool = False  # the bytes came from the static region
-    digests: tuple[str, str] | None = None  # of `data`, where already known
+    digests: Any = None  # of `data` (a pair, or kdump.bundle.store.Pieces), where already known
 
 
 class Region:
@@ -666,7 +666,7 @@ class Region:
         # One salvage writes a bundle per call, and each names the same weights: their bytes
         # are copied and hashed once (keyed by span and lazy bits), and a blob the first
         # bundle's check read back from the shared store is not read again.
-        self._shared: dict[tuple[int, int, str], tuple[Any, tuple[str, str]]] = {}
+        self._shared: dict[tuple[int, int, str], tuple[Any, Any]] = {}
         self.verified: set[str] = set()
 
     def _entry(self, i: int) -> EntryRecord | None:
@@ -751,15 +751,16 @@ class Region:
             return Resolved(self._view[offset : offset + n], Source.BLOB, static=True)
         return Resolved(None, Source.BY_REFERENCE, self._stats(e), e.reason, static=True)
 
-    def shared_bytes(self, data: memoryview, lazy: dict | None) -> tuple[Any, tuple[str, str]]:
-        """The uint8 tensor of a static span (lazy bits applied) and its digests, made once."""
+    def shared_bytes(self, data: memoryview, lazy: dict | None) -> tuple[Any, Any]:
+        """The uint8 tensor of a static span (lazy bits applied) and its digests (per piece for
+        a span larger than the piece size: `kdump.bundle.store.span_digests`), made once."""
         key = (_address(data), len(data), json.dumps(lazy, sort_keys=True) if lazy else "")
         got = self._shared.get(key)
         if got is None:
-            from kdump.bundle.store import blob_digests
+            from kdump.bundle.store import span_digests
 
             t = resolve_lazy(private_bytes(data), lazy)
-            got = self._shared[key] = (t, blob_digests(memoryview(t.numpy())))
+            got = self._shared[key] = (t, span_digests(memoryview(t.numpy())))
         return got
 
     def close(self) -> None:

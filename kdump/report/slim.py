@@ -326,7 +326,7 @@ def _needed(
         st = call.storages[rec.storage]
         kind = roles.kind[i]
         mask = None
-        if not roles.kept[i] and st.source is Source.BLOB:
+        if not roles.kept[i] and st.source in (Source.BLOB, Source.PIECES):
             if kind == "activation":
                 mask = routing.rows
             elif kind == "weight":
@@ -349,6 +349,13 @@ def _needed(
 # Tiers 2 and 3: statistics and synthetic storages
 
 
+def _span_raw(bundle: Bundle, st: StorageRecord) -> Any:
+    """The span bytes of a blob or pieced storage, indexable by byte (not verified again)."""
+    if st.source is Source.PIECES:
+        return memoryview(bundle.pieces_bytes(st).numpy())
+    return bundle.blob_bytes(st.blob)
+
+
 _STATS_CHUNK = 16 << 20  # bytes converted to float64 at once (bounded memory for any weight)
 
 
@@ -361,7 +368,7 @@ def _stats(
 
     dt = dtype_from_name(dtype)
     size = dt.itemsize
-    raw = bundle.read_blob(st.blob)
+    raw = bundle.read_blob(st.blob) if st.source is Source.BLOB else bundle.pieces_bytes(st)
     n, mean, m2 = 0, 0.0, 0.0
     lo, hi = math.inf, -math.inf
     step = _STATS_CHUNK - _STATS_CHUNK % size
@@ -464,8 +471,9 @@ class _Slimmer:
             c = plan.call.entry
             if state.outputs and c.outputs is not None:
                 for st in c.outputs.storages:
-                    if st.source is Source.BLOB:
-                        data[st.blob] = self.bundle.blob_bytes(st.blob)
+                    if st.source in (Source.BLOB, Source.PIECES):
+                        for sha in st.blobs:
+                            data[sha] = self.bundle.blob_bytes(sha)
             outputs = c.outputs if state.outputs else None
             entries.append(replace(c, storages=tuple(storages), outputs=outputs))
         info = {**self.bundle.info, "slim": summary}
@@ -483,9 +491,12 @@ class _Slimmer:
         data: dict[str, bytes | memoryview] = {}
         for c in self.bundle.calls:
             for st in c.storages:
-                if st.source is Source.BLOB and st.blob not in data:
-                    self.bundle.verify_blob(st.blob)  # a slimmed bundle launders no corruption
-                    data[st.blob] = self.bundle.blob_bytes(st.blob)
+                if st.source not in (Source.BLOB, Source.PIECES):
+                    continue
+                for sha in st.blobs:
+                    if sha not in data:
+                        self.bundle.verify_blob(sha)  # a slimmed bundle launders no corruption
+                        data[sha] = self.bundle.blob_bytes(sha)
         return _State([list(c.storages) for c in self.bundle.calls], data, True)
 
     def tier1(self, state: _State) -> tuple[_State, list[Replaced]]:
@@ -496,10 +507,12 @@ class _Slimmer:
             plan.needed = _needed(self.bundle, plan.call, plan.spec, plan.roles)
             for j, ranges in sorted(plan.needed.items()):
                 st = storages[k][j]
-                raw = self.bundle.blob_bytes(st.blob)
+                raw = _span_raw(self.bundle, st)
                 held = b"".join(bytes(raw[b:e]) for b, e in ranges)
                 sha = sha256_hex(held)
-                storages[k][j] = replace(st, source=Source.SPARSE, blob=sha, ranges=tuple(ranges))
+                storages[k][j] = replace(
+                    st, source=Source.SPARSE, blob=sha, ranges=tuple(ranges), pieces=()
+                )
                 data[sha] = held
                 done.append(self.replaced(plan, j, "sparse", len(held)))
         return self.pruned(storages, data, state.outputs), done
@@ -524,7 +537,7 @@ class _Slimmer:
                     # An output's prior contents without a finite value (a NaN fill): zeros.
                     empty = sha256_hex(b"")
                     storages[k][j] = replace(
-                        st, source=Source.SPARSE, blob=empty, ranges=(), stats=None
+                        st, source=Source.SPARSE, blob=empty, ranges=(), stats=None, pieces=()
                     )
                     data[empty] = b""
                     done.append(self.replaced(plan, j, "zeros", 0))
@@ -534,7 +547,13 @@ class _Slimmer:
                 stats, seed = made
                 gen = GeneratorRecord(DEFAULT_GENERATOR, DEFAULT_VERSION, seed)
                 storages[k][j] = replace(
-                    st, source=Source.SYNTHETIC, blob="", ranges=(), stats=stats, generator=gen
+                    st,
+                    source=Source.SYNTHETIC,
+                    blob="",
+                    ranges=(),
+                    stats=stats,
+                    generator=gen,
+                    pieces=(),
                 )
                 done.append(self.replaced(plan, j, "synthetic", 0, seed))
         return self.pruned(storages, data, False), done
@@ -543,10 +562,11 @@ class _Slimmer:
         """Statistics and seed of storage j's synthetic data. Storages of several calls that
         held one blob (a layer's weights) get the same ones, so they stay equal."""
         orig = plan.call.storages[j]
-        key = (orig.blob, dtype)
-        if orig.source is Source.BLOB and key in self.synthetic_of:
+        key = (",".join(orig.blobs), dtype)  # a blob's name, or its pieces' names
+        held = orig.source in (Source.BLOB, Source.PIECES)
+        if held and key in self.synthetic_of:
             return self.synthetic_of[key]
-        if orig.source is Source.BLOB:
+        if held:
             stats = _stats(self.bundle, orig, dtype, plan.needed.get(j))
         elif _usable(orig.stats, dtype):
             stats = orig.stats  # a storage recorded by its statistics alone keeps them
@@ -555,7 +575,7 @@ class _Slimmer:
         if stats is None:
             return None
         made = (stats, _seed(self.opts.seed, len(self.synthetic_of)))
-        if orig.source is Source.BLOB:
+        if held:
             self.synthetic_of[key] = made
         return made
 
@@ -565,9 +585,7 @@ class _Slimmer:
         data: dict[str, bytes | memoryview],
         outputs: bool,
     ) -> _State:
-        used = {
-            st.blob for part in storages for st in part if st.source in (Source.BLOB, Source.SPARSE)
-        }
+        used = {sha for part in storages for st in part for sha in st.blobs}
         return _State(storages, {k: v for k, v in data.items() if k in used}, outputs)
 
     def replaced(
