@@ -371,7 +371,8 @@ def _add_report(
     if tool == "memcheck":
         v.notes.append(
             "memcheck does not see TMA loads past an allocation on older drivers "
-            "(compute-sanitizer before 2026.2): the halo pass of eager/graph mode covers those"
+            "(compute-sanitizer before 2026.2): the halo differential of eager and graph mode "
+            "covers those"
         )
 
 
