@@ -396,6 +396,30 @@ def test_cpu_nondeterminism_is_not_an_overread(tmp_path: Path) -> None:
     assert v.exit_code == ExitCode.MISMATCH
 
 
+def test_noise_that_follows_the_poison_for_a_while_is_not_an_overread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A last element that changes on the second-poison run, its control, and the first
+    single-halo trial (x after), and on no run with the first poison, reads like a halo read
+    until the trial repeats: a read follows its poison every time, noise does not."""
+    x = torch.randn(16, 8)
+    path = _one(tmp_path / "n.kdump", "targets.replay_targets:scripted_noise",
+                [x, torch.empty(16, 8)], ["x", "out"], [1], lambda x, out: out.copy_(x))  # fmt: skip
+    calls = tmp_path / "calls"
+    monkeypatch.setenv("KDUMP_TEST_CALLS", str(calls))
+    # runs: 0 the first, 1 the second poison, 2-3 the controls, 4 the first trial (x after),
+    # 5 the same with the first poison, 6 the trial again
+    monkeypatch.setenv("KDUMP_TEST_FLIPS", "1,3,4")
+    [v] = replay([path], device="cpu", repeat=1)
+    shown = "\n".join(f"{s.name} {s.status} {s.message}" for s in v.steps)
+    assert len(calls.read_text().split()) >= 7, shown
+    steps = {s.name: s for s in v.steps}
+    assert steps["eager/halo differential"].status == "fail", shown
+    assert "memory" not in {f.kind for f in v.findings}, shown
+    assert "nondeterminism" in steps["eager/halo (every one)"].message, shown
+    assert v.exit_code == ExitCode.CLEAN, shown
+
+
 def test_cpu_overread_without_halo_is_a_mismatch(tmp_path: Path) -> None:
     """--halo 0 places no halo and runs no differential: what remains is the mismatch."""
     path = _tail_bundle(tmp_path / "tail.kdump", "tail_overread", torch.full((4,), 1e23))

@@ -230,17 +230,19 @@ def differential(
                 hit = moved_at(got)
                 if not hit:
                     continue
-                # The same operations with the first poison's byte: what still moves follows
-                # the work done before the run (block scheduling, a race), not the halo's value.
-                halo.fill(allocs, tensors)
-                halo.fill_beyond(a, side, 0, same)
-                plain = run(f"{trial}, first poison")
-                if plain is None:
-                    return None
-                for n, d in moved_at(plain).items():
-                    if n in hit:
-                        hit[n] = hit[n] & ~d
-                hit = {n: d for n, d in hit.items() if bool(d.any())}
+                # A read of the halo follows its poison's value: the same operations with the
+                # first poison's byte leave the elements where they were, and the second
+                # poison moves them again. What fails either follows the work done before the
+                # run (block scheduling, the order of atomics), not the halo.
+                for fill, label, keep in ((same, "first poison", False), (byte, "again", True)):
+                    halo.fill(allocs, tensors)
+                    halo.fill_beyond(a, side, 0, fill)
+                    got = run(f"{trial}, {label}")
+                    if got is None:
+                        return None
+                    hit = _narrow(hit, moved_at(got), keep)
+                    if not hit:
+                        break
                 if not hit:
                     continue
                 reach = _reach(
@@ -284,6 +286,22 @@ def differential(
     finally:
         halo.fill(allocs, tensors)
         s.guards = halo.snapshot(allocs)
+
+
+def _narrow(
+    hit: dict[str, torch.Tensor], moved: dict[str, torch.Tensor], keep: bool
+) -> dict[str, torch.Tensor]:
+    """The elements of `hit` that moved again (`keep`) or that stayed (not `keep`)."""
+    out = {}
+    for n, d in hit.items():
+        m = moved.get(n)
+        if keep:
+            d = d & m if m is not None else torch.zeros_like(d)
+        elif m is not None:
+            d = d & ~m
+        if bool(d.any()):
+            out[n] = d
+    return out
 
 
 def _reach(

@@ -65,3 +65,20 @@ def tail_inbounds(x: torch.Tensor, out: torch.Tensor) -> None:
 def head_overread(x: torch.Tensor, out: torch.Tensor) -> None:
     """out[i] = 2 * x[i - 2]: the first 2 elements come from the 8 bytes before the start of x."""
     out.copy_(_raw_floats(x, 2, x.numel())[: x.numel()].view(x.shape) * 2.0)
+
+
+
+def scripted_noise(x: torch.Tensor, out: torch.Tensor) -> None:
+    """out = x, except on the calls (counted in this process) that KDUMP_TEST_FLIPS lists
+    ("1,3,4"): there the last element is off by 1000. Each call appends its number to the
+    file KDUMP_TEST_CALLS names."""
+    global _scripted_calls
+    n, _scripted_calls = _scripted_calls, _scripted_calls + 1
+    with open(os.environ["KDUMP_TEST_CALLS"], "a") as f:
+        f.write(f"{n}\n")
+    out.copy_(x)
+    if str(n) in os.environ.get("KDUMP_TEST_FLIPS", "").split(","):
+        out.view(-1)[-1] += 1000.0
+
+
+_scripted_calls = 0
