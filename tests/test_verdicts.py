@@ -403,8 +403,9 @@ def test_noise_that_follows_the_poison_for_a_while_is_not_an_overread(
     single-halo trial (x after), and on no run with the first poison, reads like a halo read
     until the trial repeats: a read follows its poison every time, noise does not."""
     x = torch.randn(16, 8)
-    path = _one(tmp_path / "n.kdump", "targets.replay_targets:scripted_noise",
-                [x, torch.empty(16, 8)], ["x", "out"], [1], lambda x, out: out.copy_(x))  # fmt: skip
+    target = "targets.replay_targets:scripted_noise"
+    path = _one(tmp_path / "n.kdump", target, [x, torch.empty(16, 8)], ["x", "out"], [1],
+                lambda x, out: out.copy_(x))  # fmt: skip
     calls = tmp_path / "calls"
     monkeypatch.setenv("KDUMP_TEST_CALLS", str(calls))
     # runs: 0 the first, 1 the second poison, 2-3 the controls, 4 the first trial (x after),
