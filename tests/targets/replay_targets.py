@@ -67,7 +67,6 @@ def head_overread(x: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(_raw_floats(x, 2, x.numel())[: x.numel()].view(x.shape) * 2.0)
 
 
-
 def scripted_noise(x: torch.Tensor, out: torch.Tensor) -> None:
     """out = x, except on the calls (counted in this process) that KDUMP_TEST_FLIPS lists
     ("1,3,4"): there the last element is off by 1000. Each call appends its number to the
