@@ -69,16 +69,20 @@ def touch(tensors: list[torch.Tensor]) -> int:
 
 
 def best_of(
-    repeat: int, fns: dict[str, Callable[[], object]], between: Callable[[], object] | None = None
+    repeat: int,
+    fns: dict[str, Callable[[], object]],
+    between: Callable[[], object] | None = None,
+    warmup: int = 0,
 ) -> dict[str, float]:
     """Run the functions alternately `repeat` times; the median time of each. `between` runs,
-    untimed, after each function."""
+    untimed, after each function; `warmup` rounds run first, untimed."""
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeat):
+    for r in range(warmup + repeat):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
-            times[name].append(time.perf_counter() - t0)
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
             if between is not None:
                 between()
     return {k: statistics.median(v) for k, v in times.items()}

@@ -34,6 +34,7 @@ from kdump.bundle.store import (
     ProcessPool,
     blob_digests,
     fast_checksum,
+    file_writer,
     hasher,
     open_temp,
     piece_bytes,
@@ -136,6 +137,25 @@ PASS_CHUNK = 1 << 20  # hashed while it is in the worker's cache
 PASS_WRITE = 16 << 20
 
 
+def hash_only(view: memoryview) -> Digests:
+    """The digests of `view` (SHA-256 and the fast check), chunk by chunk."""
+    algo = fast_checksum()
+    sha = hashlib.sha256()
+    fast = hasher(algo) if algo.value != "sha256" else None
+    for j in range(0, len(view), PASS_CHUNK):
+        part = view[j : j + PASS_CHUNK]
+        sha.update(part)
+        if fast is not None:
+            fast.update(part)
+    return sha.hexdigest(), fast.hexdigest() if fast is not None else ""
+
+
+def write_groups(fd: int, view: memoryview, at: int) -> None:
+    """Write `view` to `fd` at `at` in PASS_WRITE groups (the file writer's job)."""
+    for lo in range(0, len(view), PASS_WRITE):
+        pwrite_all(fd, view[lo : lo + PASS_WRITE], at + lo)
+
+
 def hash_write(fd: int, view: memoryview, at: int) -> Digests:
     """Hash `view` and write it to `fd` at offset `at` in one pass over its bytes: each group is
     hashed (SHA-256 and the fast check, chunk by chunk) and then written while it is in cache.
@@ -224,6 +244,7 @@ class Spool:
         piece = piece_bytes()
         spans: list[list[_Region]] = []
         jobs: list[tuple[_Region, Future[Digests]]] = []
+        writes: list[Future[None]] = []
         # CPU sources written, by size and edge bytes: equal bytes have equal names, so a source
         # is compared with the earlier ones that could be equal instead of being written twice.
         firsts: dict[tuple[int, bytes], list[tuple[torch.Tensor, list[_Region]]]] = {}
@@ -260,10 +281,14 @@ class Spool:
                 spans.append(regions)
                 at = self._reserved + start
                 if src.device.type == "cpu":
+                    # Each piece is hashed by a pool worker while the file's one writer writes
+                    # the span in file order: the hashing spreads over the cores and overlaps
+                    # the write, which one file cannot spread.
                     firsts.setdefault(key, []).append((src, regions))
                     view = cpu_view(src)
+                    writes.append(file_writer().submit(write_groups, fd, view, at))
                     for (lo, hi), r in zip(cuts, regions):
-                        jobs.append((r, pool().submit(hash_write, fd, view[lo:hi], at + lo)))
+                        jobs.append((r, pool().submit(hash_only, view[lo:hi])))
                 else:
                     if n >= DEVICE_DEDUP_MIN:
                         dev_firsts.setdefault((src.device, n), []).append((src, regions))
@@ -278,6 +303,11 @@ class Spool:
                 try:
                     region.digests = job.result()
                 except BaseException as exc:  # wait for every job before reporting: they share fd
+                    errors.append(exc)
+            for w in writes:
+                try:
+                    w.result()
+                except BaseException as exc:
                     errors.append(exc)
         if errors:
             raise errors[0]

@@ -131,6 +131,29 @@ def blob_digests(data: memoryview | bytes) -> tuple[str, str]:
     return sha256_hex(data), fast
 
 
+def fast_digest(data: memoryview | bytes) -> str:
+    """The fast check digest alone ("" without xxhash)."""
+    return _xxhash.xxh3_128_hexdigest(data) if _xxhash is not None else ""
+
+
+def same_as_digests(view: memoryview, digests: tuple[str, str] | Pieces) -> bool | None:
+    """Whether `view` holds the bytes that were written under `digests`, by their fast check
+    digests (xxh3-128; each piece's on the pool): one read of `view` instead of a compare
+    with a second copy. None when the digests carry no fast check or the sizes cannot match.
+    On a pool worker (whose pool could be waiting on this very call) None as well."""
+    if threading.current_thread().name.startswith("kdump-hash"):
+        return None
+    if isinstance(digests, Pieces):
+        cuts = piece_cuts(len(view), digests.size)
+        if len(cuts) != len(digests.digests) or any(not f for _, f in digests.digests):
+            return None
+        jobs = [pool().submit(fast_digest, view[lo:hi]) for lo, hi in cuts]
+        return all(j.result() == f for j, (_, f) in zip(jobs, digests.digests))
+    if not digests[1] or _xxhash is None:
+        return None
+    return fast_digest(view) == digests[1]
+
+
 PIECE_UNIT = 1 << 20  # a piece size is a multiple of this (pieces then keep their alignment)
 _piece_cache: tuple[str | None, int] = ("", 0)
 
@@ -186,8 +209,9 @@ class ProcessPool:
     """A thread pool of the process, made on first use and again in a forked child (whose copy of
     the parent's pool has no threads)."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, threads: int = HASH_THREADS) -> None:
         self._prefix = prefix
+        self._threads = threads
         self._pool: ThreadPoolExecutor | None = None
         self._pid = 0
         self._lock = threading.Lock()
@@ -195,13 +219,16 @@ class ProcessPool:
     def __call__(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None or self._pid != os.getpid():
-                self._pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix=self._prefix)
+                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix=self._prefix)
                 self._pid = os.getpid()
             return self._pool
 
 
 # The process's one hashing / copying pool (hashlib and xxhash release the GIL).
 pool = ProcessPool("kdump-hash")
+# The one thread that writes into a bundle file: buffered writes into one file are serialised
+# by the file system, so more writers only wait for each other (and hold hashing threads).
+file_writer = ProcessPool("kdump-write", threads=1)
 
 
 class BlobStore:

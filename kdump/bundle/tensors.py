@@ -198,6 +198,27 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return n == b.numel() and bytecmp.same(a.data_ptr(), b.data_ptr(), n)
 
 
+def _same_as_written(written: torch.Tensor, live: torch.Tensor, digests: Any) -> bool:
+    """Whether the CPU span `live` still holds the bytes of its snapshot `written`. A large
+    span written into a file (its digests known) is compared by its fast check digests after
+    the first piece by memcmp (a changed output usually differs early): reading the live bytes
+    once, on the pool, instead of them and a map of the file (xxh3-128: a change that keeps
+    the digest is not a concern for bytes a kernel wrote)."""
+    n = live.numel()
+    if n != written.numel():
+        return False
+    if digests is None or n < bytecmp.SPLIT_MIN:
+        return _same_bytes(written, live)
+    first = min(n, bytecmp.PIECE)
+    if bytecmp.memcmp(written.data_ptr(), live.data_ptr(), first) != 0:
+        return False
+    from kdump.bundle.spool import cpu_view
+    from kdump.bundle.store import same_as_digests
+
+    same = same_as_digests(cpu_view(live), digests)
+    return _same_bytes(written, live) if same is None else same
+
+
 class Sink(Protocol):
     """Where a capture can write storage spans as it reads them (kdump.bundle.spool.Spool)."""
 
@@ -391,7 +412,8 @@ def _unchanged(
     same = {
         i
         for i, j in matches.items()
-        if views[i].device.type == "cpu" and _same_bytes(earlier.data[j], views[i])
+        if views[i].device.type == "cpu"
+        and _same_as_written(earlier.data[j], views[i], earlier.digest(j))
     }
     device = [i for i in matches if views[i].device.type != "cpu"]
     if device:
