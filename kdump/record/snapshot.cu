@@ -106,8 +106,11 @@ struct Record {
   u64 seq;
   u64 token;
   u64 pos;  // ~0: no gather
-  u32 done_blocks;  // scratch of the launch (reset by the last block)
-  u32 row_counter;  // scratch of the launch (reset by the last block)
+  // Scratch of the launch, one 64-bit word (reset by the last block): the low half counts the
+  // blocks done, the high half the rows placed. One word for both, so the last block's atomic
+  // returns the call's row count with no further read.
+  u32 done_blocks;
+  u32 row_counter;
   u64 complete;
   u64 call_index;
   u64 head_after;
@@ -457,12 +460,22 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
   __shared__ __align__(8) u64 s_bars[KD_BULK_WARPS * KD_BULK_STAGES];
   __shared__ bool s_last;
   __shared__ u64 s_head;
+  __shared__ u64 s_token;
+  __shared__ u64 s_count;
   Record* rec = (Record*)p.record;
   volatile u64* ctrl = (volatile u64*)p.ctrl;
+  u64* scratch = (u64*)&rec->done_blocks;  // {done_blocks, row_counter}
   const u32 tid = threadIdx.x;
-  // The launch is a chain of dependent memory round trips (the rule, the ring head, the row
-  // counter, the rows, the block counter, the publication): every step below overlaps what it
-  // can, a recorded graph step pays the chain before its kernel runs.
+  // One thread per block reads the ring head and the site's replay counter up front (neither
+  // changes before the last block publishes), so the publication reads nothing: every thread
+  // reading them would queue thousands of requests on one L2 line.
+  if (tid == 0) {
+    s_head = ctrl[0];
+    s_token = p.token_ptr ? *(volatile u64*)p.token_ptr + 1 : p.seq;
+  }
+  // The launch is a chain of dependent memory round trips (the rule and the ring head, the row
+  // counter, the rows, the block counter, the publication's writes): every step below overlaps
+  // what it can, a recorded graph step pays the chain before its kernel runs.
   if (p.chain && tid == 32 && blockIdx.x == gridDim.x - 1) {
     // The done marker of the chain's previous call (the site before this one on the capture's
     // stream, or the last one of the previous replay): stream order says its kernel returned
@@ -479,9 +492,6 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
     // records of a block are in row order, and neighbouring records hold neighbouring rows.
     const u32 warp = tid / 32, lane = tid % 32;
     const u32 r = blockIdx.x * KD_ROWS_PER_BLOCK + tid;
-    // One thread per block reads the ring head (every thread reading it would queue thousands
-    // of requests on one L2 line), while the others read the rule.
-    if (tid == 0) s_head = ctrl[0];
     const bool mine = tid < KD_ROWS_PER_BLOCK && r < p.rows && touched(p, r);
     const u32 ballot = __ballot_sync(0xffffffffu, mine);
     if (lane == 0) s_warp[warp] = __popc(ballot);
@@ -494,7 +504,7 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
     }
     if (tid == 0) {
       ctrl[1] = pos + p.worst;  // what this launch may overwrite (salvage checks older slots)
-      s_base = count ? atomicAdd(&rec->row_counter, count) : 0;
+      s_base = count ? (u32)(atomicAdd(scratch, (u64)count << 32) >> 32) : 0;
     }
     if (mine) {
       const u32 q = below + __popc(ballot & ((1u << lane) - 1u));
@@ -534,17 +544,20 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
   // say it is complete (a reader that sees a mark sees everything before it).
   __threadfence();
   __syncthreads();
-  if (tid == 0) s_last = atomicAdd(&rec->done_blocks, 1u) == gridDim.x - 1;
+  if (tid == 0) {
+    const u64 before = atomicAdd(scratch, 1ull);
+    s_last = (u32)before == gridDim.x - 1;
+    s_count = before >> 32;  // on the last block: every block placed its rows before it counted
+  }
   __syncthreads();
   if (!s_last || tid != 0) return;
-  __threadfence();
   // A graph site's token counts its replays; an eager call's is its journal seq (never 0), so
   // a late marker of a slot's previous occupant never matches the new call's.
-  const u64 token = p.token_ptr ? *(volatile u64*)p.token_ptr + 1 : p.seq;
+  const u64 token = s_token;
   if (p.host_pre) *(volatile u64*)p.host_pre = token;  // the host slot reads in flight until `post`
-  const u64 head = ctrl[0];
+  const u64 head = s_head;
   const u64 pos = slot_pos(p, head);
-  const u32 rows = *(volatile u32*)&rec->row_counter;
+  const u32 rows = (u32)s_count;
   u64 used = 0;
   SlotHead* h = (SlotHead*)((char*)p.ring + (p.ring_bytes ? pos % p.ring_bytes : 0));
   if (p.gather_blocks) {
@@ -565,8 +578,7 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
   rec->pos = p.gather_blocks ? pos : ~0ull;
   rec->call_index = p.call_index;
   rec->head_after = p.gather_blocks ? pos + used : head;
-  rec->row_counter = 0;
-  rec->done_blocks = 0;
+  *scratch = 0;
   rec->token = token;
   __threadfence();
   if (p.gather_blocks) {
