@@ -9,8 +9,8 @@ import re
 import secrets
 import socket
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -136,22 +136,32 @@ def fast_digest(data: memoryview | bytes) -> str:
     return _xxhash.xxh3_128_hexdigest(data) if _xxhash is not None else ""
 
 
-def same_as_digests(view: memoryview, digests: tuple[str, str] | Pieces) -> bool | None:
-    """Whether `view` holds the bytes that were written under `digests`, by their fast check
-    digests (xxh3-128; each piece's on the pool): one read of `view` instead of a compare
-    with a second copy. None when the digests carry no fast check or the sizes cannot match.
-    On a pool worker (whose pool could be waiting on this very call) None as well."""
-    if threading.current_thread().name.startswith("kdump-hash"):
-        return None
-    if isinstance(digests, Pieces):
-        cuts = piece_cuts(len(view), digests.size)
-        if len(cuts) != len(digests.digests) or any(not f for _, f in digests.digests):
-            return None
-        jobs = [pool().submit(fast_digest, view[lo:hi]) for lo, hi in cuts]
-        return all(j.result() == f for j, (_, f) in zip(jobs, digests.digests))
-    if not digests[1] or _xxhash is None:
-        return None
-    return fast_digest(view) == digests[1]
+def same_as_digests(
+    items: Sequence[tuple[memoryview, tuple[str, str] | Pieces]],
+) -> list[bool | None]:
+    """For each (view, digests): whether `view` holds the bytes that were written under
+    `digests`, by their fast check digests (xxh3-128), every piece and every blob on the pool
+    at once: one read of the views instead of a compare with a second copy. None where the
+    digests carry no fast check or the sizes cannot match, and for every item on a pool worker
+    (whose pool could be waiting on this very call)."""
+    if _xxhash is None or threading.current_thread().name.startswith("kdump-hash"):
+        return [None] * len(items)
+    jobs: list[list[tuple[Future[str], str]] | None] = []
+    for view, digests in items:
+        if isinstance(digests, Pieces):
+            cuts = piece_cuts(len(view), digests.size)
+            parts = list(zip(cuts, digests.digests))
+            if len(cuts) != len(digests.digests) or any(not f for _, (_, f) in parts):
+                jobs.append(None)
+                continue
+            jobs.append(
+                [(pool().submit(fast_digest, view[lo:hi]), f) for (lo, hi), (_, f) in parts]
+            )
+        elif digests[1]:
+            jobs.append([(pool().submit(fast_digest, view), digests[1])])
+        else:
+            jobs.append(None)
+    return [None if js is None else all(j.result() == f for j, f in js) for js in jobs]
 
 
 PIECE_UNIT = 1 << 20  # a piece size is a multiple of this (pieces then keep their alignment)

@@ -198,25 +198,37 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return n == b.numel() and bytecmp.same(a.data_ptr(), b.data_ptr(), n)
 
 
-def _same_as_written(written: torch.Tensor, live: torch.Tensor, digests: Any) -> bool:
-    """Whether the CPU span `live` still holds the bytes of its snapshot `written`. A large
-    span written into a file (its digests known) is compared by its fast check digests after
-    the first piece by memcmp (a changed output usually differs early): reading the live bytes
-    once, on the pool, instead of them and a map of the file (xxh3-128: a change that keeps
-    the digest is not a concern for bytes a kernel wrote)."""
-    n = live.numel()
-    if n != written.numel():
-        return False
-    if digests is None or n < bytecmp.SPLIT_MIN:
-        return _same_bytes(written, live)
-    first = min(n, bytecmp.PIECE)
-    if bytecmp.memcmp(written.data_ptr(), live.data_ptr(), first) != 0:
-        return False
+def _same_as_written(
+    earlier: Captured, views: Sequence[torch.Tensor], pairs: Sequence[tuple[int, int]]
+) -> list[bool]:
+    """For each (storage i, snapshot j): whether the CPU span `views[i]` still holds the bytes
+    of its snapshot `earlier.data[j]`. Large spans written into a file (their digests known)
+    are compared by memcmp over the first piece (a changed output usually differs early), then
+    by their fast check digests, all spans' pieces on the pool at once: the live bytes are read
+    once instead of them and a map of the file (xxh3-128: a change that keeps the digest is no
+    concern for bytes a kernel wrote). Others by memcmp."""
     from kdump.bundle.spool import cpu_view
     from kdump.bundle.store import same_as_digests
 
-    same = same_as_digests(cpu_view(live), digests)
-    return _same_bytes(written, live) if same is None else same
+    out: list[bool | None] = []
+    by_digest: list[int] = []
+    for i, j in pairs:
+        written, live, digests = earlier.data[j], views[i], earlier.digest(j)
+        n = live.numel()
+        if n != written.numel():
+            out.append(False)
+        elif digests is None or n < bytecmp.SPLIT_MIN:
+            out.append(_same_bytes(written, live))
+        elif bytecmp.memcmp(written.data_ptr(), live.data_ptr(), bytecmp.PIECE) != 0:
+            out.append(False)
+        else:
+            out.append(None)
+            by_digest.append(len(out) - 1)
+    items = [(cpu_view(views[pairs[k][0]]), earlier.digest(pairs[k][1])) for k in by_digest]
+    for k, ok in zip(by_digest, same_as_digests(items)):
+        i, j = pairs[k]
+        out[k] = _same_bytes(earlier.data[j], views[i]) if ok is None else ok
+    return [bool(x) for x in out]
 
 
 class Sink(Protocol):
@@ -409,12 +421,8 @@ def _unchanged(
     compared through staging buffers as they arrive, without writing them again)."""
     if earlier is None or not matches:
         return set()
-    same = {
-        i
-        for i, j in matches.items()
-        if views[i].device.type == "cpu"
-        and _same_as_written(earlier.data[j], views[i], earlier.digest(j))
-    }
+    cpu = [(i, j) for i, j in matches.items() if views[i].device.type == "cpu"]
+    same = {i for (i, _), ok in zip(cpu, _same_as_written(earlier, views, cpu)) if ok}
     device = [i for i in matches if views[i].device.type != "cpu"]
     if device:
         from kdump.bundle.spool import same_as_device_copies, same_on_device
