@@ -98,7 +98,10 @@ def main() -> None:
         torch.cuda.synchronize()
         t = time.perf_counter()
     phases["leaving the recording (flush)"] = time.perf_counter() - t
-    floor = _floor(module.m_grouped_fp8_gemm_nt_contiguous, args, kwargs, opt.calls, plain)
+    try:
+        floor = _floor(module.m_grouped_fp8_gemm_nt_contiguous, args, kwargs, opt.calls, plain)
+    except Exception as exc:  # the floor is a side measurement: report, keep the profile
+        floor = {f"not measured ({type(exc).__name__}: {exc})": float("nan")}
     print(
         f"host us per call: plain {plain:.1f}, recorded {bare_rec:.1f} (under cProfile {host:.1f})"
     )

@@ -32,6 +32,10 @@ typedef unsigned int u32;
 #define KD_BULK_STAGES 4
 #define KD_BULK_STAGE 2048  // bytes, a multiple of 16
 #define KD_BULK_BYTES (KD_BULK_WARPS * KD_BULK_STAGES * KD_BULK_STAGE)
+// KD_PACKED 1: the block and row counters are one 64-bit word and the head / replay counter are
+// read up front, so the last block publishes without reading; 0: separate 32-bit counters read
+// back by the last block behind a fence (the layout before; kept to compare the two in one run).
+#define KD_PACKED 1
 #define KD_BUF_WORDS (KD_BULK_BYTES / 4 > KD_STAGE_WORDS ? KD_BULK_BYTES / 4 : KD_STAGE_WORDS)
 
 #define RULE_ALL 0
@@ -504,7 +508,11 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
     }
     if (tid == 0) {
       ctrl[1] = pos + p.worst;  // what this launch may overwrite (salvage checks older slots)
+#if KD_PACKED
       s_base = count ? (u32)(atomicAdd(scratch, (u64)count << 32) >> 32) : 0;
+#else
+      s_base = count ? atomicAdd(&rec->row_counter, count) : 0;
+#endif
     }
     if (mine) {
       const u32 q = below + __popc(ballot & ((1u << lane) - 1u));
@@ -545,12 +553,20 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
   __threadfence();
   __syncthreads();
   if (tid == 0) {
+#if KD_PACKED
     const u64 before = atomicAdd(scratch, 1ull);
     s_last = (u32)before == gridDim.x - 1;
     s_count = before >> 32;  // on the last block: every block placed its rows before it counted
+#else
+    s_last = atomicAdd(&rec->done_blocks, 1u) == gridDim.x - 1;
+#endif
   }
   __syncthreads();
   if (!s_last || tid != 0) return;
+#if !KD_PACKED
+  __threadfence();
+  s_count = *(volatile u32*)&rec->row_counter;
+#endif
   // A graph site's token counts its replays; an eager call's is its journal seq (never 0), so
   // a late marker of a slot's previous occupant never matches the new call's.
   const u64 token = s_token;
