@@ -244,3 +244,9 @@ class UnknownTargetError(UsageError):
 
 class UntrustedTargetError(UsageError):
     """A bundle names a target that is neither a registered plug-in's nor allowed by the user."""
+
+
+def error_line(exc: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"

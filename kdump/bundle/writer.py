@@ -228,18 +228,11 @@ def _entries(
 
     def one(st: StorageRecord) -> StorageRecord:
         name = next(it)
+        pieces: tuple[tuple[str, int], ...] = ()
         if isinstance(name, tuple):
-            return StorageRecord(
-                st.device,
-                st.base_ptr,
-                st.storage_nbytes,
-                st.span_start,
-                st.span_nbytes,
-                "",
-                Source.PIECES,
-                st.stats,
-                pieces=name,
-            )
+            blob, pieces, source = "", name, Source.PIECES
+        else:
+            blob, source = name, st.source
         # The constructor, not dataclasses.replace: this runs for every storage of every bundle.
         return StorageRecord(
             st.device,
@@ -247,9 +240,10 @@ def _entries(
             st.storage_nbytes,
             st.span_start,
             st.span_nbytes,
-            name,
-            st.source,
+            blob,
+            source,
             st.stats,
+            pieces=pieces,
         )
 
     def named(cap: Captured) -> tuple[StorageRecord, ...]:

@@ -25,7 +25,7 @@ import torch
 
 from kdump.bundle import Call, MaterializedCall, capture_call, load_bundle, save_calls
 from kdump.bundle.tensors import capture
-from kdump.errors import CannotRunError, UsageError
+from kdump.errors import CannotRunError, UsageError, error_line
 from kdump.replay import oracle
 from kdump.replay.overreads import Differential, differential, report
 from kdump.replay.session import Progress, Request, Session, poison_outputs
@@ -194,9 +194,7 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
             s, mc, fn, lambda: (s.restore(mc, pristine), poison_outputs(s, mc, outputs))
         )
     except Exception as exc:
-        text = (
-            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        )
+        text = error_line(exc)
         if s.backend.name == "reference":
             # The torch reference synchronises with the host (data-dependent shapes): it was
             # never meant to run inside a graph. Not a finding about the kernel.
@@ -239,8 +237,7 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
             graph.replay()
             sync(s.device)
         except Exception as exc:
-            lines = str(exc).strip().splitlines()
-            text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+            text = error_line(exc)
             s.step(step, "error", text, time.perf_counter() - t)
             s.finding("kernel_error", step, f"replay crashed: {text}")
             _keep_pending(save_dir, step)
@@ -258,8 +255,7 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
                 graph.replay()
                 sync(s.device)
             except Exception as exc:
-                lines = str(exc).strip().splitlines()
-                text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+                text = error_line(exc)
                 s.step(trial, "error", text)
                 s.finding("kernel_error", trial, f"replay crashed with other halo bytes: {text}")
                 return None

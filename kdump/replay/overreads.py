@@ -338,13 +338,12 @@ def report(s: Session, d: Differential, step: str, symptoms: list[str]) -> None:
     """Memory findings for what `d` found; `symptoms`: the failures of the same run that only the
     elements read from a halo show (never findings of their own). Each halo read is named once
     per replay (graph mode replays the same over-read every time)."""
+    suffix = f"; symptom: {'; '.join(symptoms)}" if symptoms else ""
     for r in d.reads:
         if (r.storage, r.side) in s.overreads_named:
             continue
         s.overreads_named.add((r.storage, r.side))
-        msg = f"{r.describe()} (evidence: the halo differential)"
-        if symptoms:
-            msg += f"; symptom: {'; '.join(symptoms)}"
+        msg = f"{r.describe()} (evidence: the halo differential){suffix}"
         s.finding(
             "memory",
             step,
@@ -362,10 +361,8 @@ def report(s: Session, d: Differential, step: str, symptoms: list[str]) -> None:
     if d.unattributed and not d.reads:
         msg = (
             f"reads outside its arguments: {', '.join(d.unattributed)} follow the halo poison, "
-            "but no single halo explains them (evidence: the halo differential)"
+            f"but no single halo explains them (evidence: the halo differential){suffix}"
         )
-        if symptoms:
-            msg += f"; symptom: {'; '.join(symptoms)}"
         s.finding(
             "memory",
             step,

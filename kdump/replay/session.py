@@ -12,7 +12,7 @@ import torch
 
 from kdump.bundle import Bundle, Call, MaterializedCall, load_bundle
 from kdump.bundle.tensors import Placement
-from kdump.errors import CannotRunError, ExitCode, KdumpError, UsageError
+from kdump.errors import CannotRunError, ExitCode, KdumpError, UsageError, error_line
 from kdump.kernels import registry
 from kdump.kernels.generic import GenericSpec
 from kdump.kernels.registry import choose_backend
@@ -308,13 +308,12 @@ class Session:
                 torch.cuda.synchronize(self.device)
         except Exception as exc:
             dt = time.perf_counter() - t0
-            lines = str(exc).strip().splitlines()
-            text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+            text = error_line(exc)
             self.step(step, "error", text, dt)
             # A backend's typed error (cannot run here, contract, kdump bug) keeps its exit code.
             kind = _KIND_OF_CODE.get(int(exc.exit_code)) if isinstance(exc, KdumpError) else None
             if kind is not None:
-                self.finding(kind, step, lines[0] if lines else text, {"error": text})
+                self.finding(kind, step, text.split(": ", 1)[1] or text, {"error": text})
             else:
                 self.finding("kernel_error", step, _describe_error(text), {"error": text})
             return None
