@@ -43,7 +43,7 @@ from bench_bundle import best_of as median_time  # alternating runs, median of e
 from bench_bundle import machine
 
 # Piece sizes dump_call is also timed at beside the default (KDUMP_PIECE_BYTES).
-PIECE_CHOICES = ("16M", "32M")
+PIECE_CHOICES = ("32M", "64M")
 
 
 def remover(*paths: Path) -> Callable[[], None]:

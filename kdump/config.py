@@ -62,8 +62,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "KDUMP_PIECE_BYTES",
         "storages larger than this are written as pieces of this size, each a blob hashed and "
-        "written by its own pool worker (a multiple of 1M, at least 1M; suffixes K, M, G)",
-        "64M",
+        "hashed by its own pool worker (a multiple of 1M, at least 1M; suffixes K, M, G)",
+        "16M",
     ),
     # -- replay
     EnvVar(

@@ -140,7 +140,10 @@ def _floor(fn: Any, args: tuple, kwargs: dict, calls: int, plain: float) -> dict
     from kdump.record import cudrv, gather
 
     sig = inspect.Signature(
-        [inspect.Parameter(f"a{i}", inspect.Parameter.POSITIONAL_OR_KEYWORD) for i in range(8)]
+        [
+            inspect.Parameter(f"a{i}", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)
+            for i in range(8)
+        ]
         + [inspect.Parameter("kw", inspect.Parameter.VAR_KEYWORD)]
     )
 

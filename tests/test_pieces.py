@@ -66,7 +66,7 @@ def test_piece_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(UsageError, match="KDUMP_PIECE_BYTES"):
             piece_bytes()
     monkeypatch.delenv("KDUMP_PIECE_BYTES")
-    assert piece_bytes() == 64 * MIB
+    assert piece_bytes() == 16 * MIB
     assert piece_cuts(5, 4) == [(0, 4), (4, 5)] and piece_cuts(4, 4) == [(0, 4)]
 
 

@@ -179,7 +179,8 @@ def piece_bytes() -> int:
     from kdump.errors import UsageError
     from kdump.record.triggers import parse_bytes
 
-    n = parse_bytes(raw or "64M")
+    assert raw is not None  # declared with a default
+    n = parse_bytes(raw)
     if n < PIECE_UNIT or n % PIECE_UNIT:
         raise UsageError(
             f"KDUMP_PIECE_BYTES={raw}: the piece size is a multiple of 1M, at least 1M"
