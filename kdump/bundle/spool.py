@@ -137,17 +137,31 @@ PASS_CHUNK = 1 << 20  # hashed while it is in the worker's cache
 PASS_WRITE = 16 << 20
 
 
+class _Hashes:
+    """SHA-256 and the fast check of bytes fed in order, chunk by chunk (each chunk while it is
+    in the worker's cache)."""
+
+    def __init__(self) -> None:
+        algo = fast_checksum()
+        self.sha = hashlib.sha256()
+        self.fast = hasher(algo) if algo.value != "sha256" else None
+
+    def update(self, view: memoryview) -> None:
+        for j in range(0, len(view), PASS_CHUNK):
+            part = view[j : j + PASS_CHUNK]
+            self.sha.update(part)
+            if self.fast is not None:
+                self.fast.update(part)
+
+    def digests(self) -> Digests:
+        return self.sha.hexdigest(), self.fast.hexdigest() if self.fast is not None else ""
+
+
 def hash_only(view: memoryview) -> Digests:
-    """The digests of `view` (SHA-256 and the fast check), chunk by chunk."""
-    algo = fast_checksum()
-    sha = hashlib.sha256()
-    fast = hasher(algo) if algo.value != "sha256" else None
-    for j in range(0, len(view), PASS_CHUNK):
-        part = view[j : j + PASS_CHUNK]
-        sha.update(part)
-        if fast is not None:
-            fast.update(part)
-    return sha.hexdigest(), fast.hexdigest() if fast is not None else ""
+    """The digests of `view` (SHA-256 and the fast check)."""
+    h = _Hashes()
+    h.update(view)
+    return h.digests()
 
 
 def write_groups(fd: int, view: memoryview, at: int) -> None:
@@ -158,20 +172,14 @@ def write_groups(fd: int, view: memoryview, at: int) -> None:
 
 def hash_write(fd: int, view: memoryview, at: int) -> Digests:
     """Hash `view` and write it to `fd` at offset `at` in one pass over its bytes: each group is
-    hashed (SHA-256 and the fast check, chunk by chunk) and then written while it is in cache.
+    hashed and then written while it is in cache (a file of its own: the store's pieces).
     One pool worker runs it per piece; hashlib, xxhash and os.pwrite release the GIL."""
-    algo = fast_checksum()
-    sha = hashlib.sha256()
-    fast = hasher(algo) if algo.value != "sha256" else None
+    h = _Hashes()
     for lo in range(0, len(view), PASS_WRITE):
         group = view[lo : lo + PASS_WRITE]
-        for j in range(0, len(group), PASS_CHUNK):
-            part = group[j : j + PASS_CHUNK]
-            sha.update(part)
-            if fast is not None:
-                fast.update(part)
+        h.update(group)
         pwrite_all(fd, group, at + lo)
-    return sha.hexdigest(), fast.hexdigest() if fast is not None else ""
+    return h.digests()
 
 
 class _Region:
