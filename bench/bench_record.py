@@ -345,8 +345,8 @@ def parallel_hash_write(path: Path, views: list[memoryview]) -> None:
 def hash_beside_one_writer(path: Path, views: list[memoryview]) -> None:
     """What the bundle writer does: each piece hashed by a pool worker while the file's one
     writer thread writes the pieces in file order."""
-    from kdump.bundle.spool import hash_only, write_groups
-    from kdump.bundle.store import file_writer, pool
+    from kdump.bundle.spool import file_writer, hash_only, write_groups
+    from kdump.bundle.store import pool
 
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:

@@ -34,7 +34,6 @@ from kdump.bundle.store import (
     ProcessPool,
     blob_digests,
     fast_checksum,
-    file_writer,
     hasher,
     open_temp,
     piece_bytes,
@@ -76,6 +75,10 @@ io_pool = ProcessPool("kdump-write")
 # The fast checks beside the SHA-256 (`_Digester`): a pool of their own, so that one never waits
 # behind a span's queued writes.
 check_pool = ProcessPool("kdump-check")
+# The one thread that writes CPU spans into a bundle file while the hashing pool hashes their
+# pieces: buffered writes into one file are serialised by the file system, so more writers only
+# wait for each other (and hold hashing threads).
+file_writer = ProcessPool("kdump-file", threads=1)
 
 
 def _address(view: memoryview) -> int:
@@ -101,18 +104,19 @@ class _Digester:
     more have the fast check computed on another thread while SHA-256 runs here (both release
     the GIL): on one thread the fast check added a tenth to the SHA-256's time, and a 600 MB
     span is bound by its hashing. Smaller pieces are checked here, in HASH_CHUNK parts, while
-    they are in cache."""
+    they are in cache. `apart` False: always here (pieces already hashed in parallel)."""
 
-    __slots__ = ("fast", "sha")
+    __slots__ = ("apart", "fast", "sha")
 
-    def __init__(self) -> None:
+    def __init__(self, apart: bool = True) -> None:
         algo = fast_checksum()
         self.sha = hashlib.sha256()
         self.fast = hasher(algo) if algo.value != "sha256" else None
+        self.apart = apart
 
     def update(self, piece: memoryview) -> None:
         fast = self.fast
-        if fast is not None and len(piece) >= FAST_APART:
+        if fast is not None and self.apart and len(piece) >= FAST_APART:
             job = check_pool().submit(fast.update, piece)
             try:
                 for j in range(0, len(piece), HASH_CHUNK):
@@ -130,36 +134,15 @@ class _Digester:
         return self.sha.hexdigest(), self.fast.hexdigest() if self.fast is not None else ""
 
 
-PASS_CHUNK = 1 << 20  # hashed while it is in the worker's cache
 # Written in groups of this many bytes, right after they were hashed (mostly still in cache): the
 # page cache keeps what one write brings in as large folios where the file system can (ext4 and
 # XFS on recent kernels); a file written in 1 MiB writes mapped at about half the speed on load.
 PASS_WRITE = 16 << 20
 
 
-class _Hashes:
-    """SHA-256 and the fast check of bytes fed in order, chunk by chunk (each chunk while it is
-    in the worker's cache)."""
-
-    def __init__(self) -> None:
-        algo = fast_checksum()
-        self.sha = hashlib.sha256()
-        self.fast = hasher(algo) if algo.value != "sha256" else None
-
-    def update(self, view: memoryview) -> None:
-        for j in range(0, len(view), PASS_CHUNK):
-            part = view[j : j + PASS_CHUNK]
-            self.sha.update(part)
-            if self.fast is not None:
-                self.fast.update(part)
-
-    def digests(self) -> Digests:
-        return self.sha.hexdigest(), self.fast.hexdigest() if self.fast is not None else ""
-
-
 def hash_only(view: memoryview) -> Digests:
-    """The digests of `view` (SHA-256 and the fast check)."""
-    h = _Hashes()
+    """The digests of `view` (SHA-256 and the fast check), on the calling thread."""
+    h = _Digester(apart=False)
     h.update(view)
     return h.digests()
 
@@ -174,7 +157,7 @@ def hash_write(fd: int, view: memoryview, at: int) -> Digests:
     """Hash `view` and write it to `fd` at offset `at` in one pass over its bytes: each group is
     hashed and then written while it is in cache (a file of its own: the store's pieces).
     One pool worker runs it per piece; hashlib, xxhash and os.pwrite release the GIL."""
-    h = _Hashes()
+    h = _Digester(apart=False)
     for lo in range(0, len(view), PASS_WRITE):
         group = view[lo : lo + PASS_WRITE]
         h.update(group)

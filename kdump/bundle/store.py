@@ -237,9 +237,6 @@ class ProcessPool:
 
 # The process's one hashing / copying pool (hashlib and xxhash release the GIL).
 pool = ProcessPool("kdump-hash")
-# The one thread that writes into a bundle file: buffered writes into one file are serialised
-# by the file system, so more writers only wait for each other (and hold hashing threads).
-file_writer = ProcessPool("kdump-write", threads=1)
 
 
 class BlobStore:
