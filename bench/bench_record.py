@@ -345,15 +345,18 @@ def parallel_hash_write(path: Path, views: list[memoryview]) -> None:
 def hash_beside_one_writer(path: Path, views: list[memoryview]) -> None:
     """What the bundle writer does: each piece hashed by a pool worker while the file's one
     writer thread writes the pieces in file order."""
-    from kdump.bundle.spool import file_writer, hash_only, write_groups
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kdump.bundle.spool import hash_only, write_groups
     from kdump.bundle.store import pool
 
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         offs = _offsets(views)
-        writes = [file_writer().submit(write_groups, fd, v, at) for v, at in zip(views, offs)]
-        for j in [pool().submit(hash_only, v) for v in views] + writes:
-            j.result()
+        with ThreadPoolExecutor(1) as writer:
+            writes = [writer.submit(write_groups, fd, v, at) for v, at in zip(views, offs)]
+            for j in [pool().submit(hash_only, v) for v in views] + writes:
+                j.result()
     finally:
         os.close(fd)
 

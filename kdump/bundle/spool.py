@@ -20,7 +20,7 @@ import mmap
 import os
 import struct
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +75,6 @@ io_pool = ProcessPool("kdump-write")
 # The fast checks beside the SHA-256 (`_Digester`): a pool of their own, so that one never waits
 # behind a span's queued writes.
 check_pool = ProcessPool("kdump-check")
-# The one thread that writes CPU spans into a bundle file while the hashing pool hashes their
-# pieces: buffered writes into one file are serialised by the file system, so more writers only
-# wait for each other (and hold hashing threads).
-file_writer = ProcessPool("kdump-file", threads=1)
 
 
 def _address(view: memoryview) -> int:
@@ -236,6 +232,11 @@ class Spool:
         spans: list[list[_Region]] = []
         jobs: list[tuple[_Region, Future[Digests]]] = []
         writes: list[Future[None]] = []
+        # One thread writes this file's CPU spans, in file order, while the hashing pool hashes
+        # their pieces: buffered writes into one file are serialised by the file system, so more
+        # writers only wait for each other (and hold hashing threads). Its own per put: writes
+        # into other files (another thread's bundle) still run beside it.
+        writer: ThreadPoolExecutor | None = None
         # CPU sources written, by size and edge bytes: equal bytes have equal names, so a source
         # is compared with the earlier ones that could be equal instead of being written twice.
         firsts: dict[tuple[int, bytes], list[tuple[torch.Tensor, list[_Region]]]] = {}
@@ -277,7 +278,9 @@ class Spool:
                     # the write, which one file cannot spread.
                     firsts.setdefault(key, []).append((src, regions))
                     view = cpu_view(src)
-                    writes.append(file_writer().submit(write_groups, fd, view, at))
+                    if writer is None:
+                        writer = ThreadPoolExecutor(1, thread_name_prefix="kdump-file")
+                    writes.append(writer.submit(write_groups, fd, view, at))
                     for (lo, hi), r in zip(cuts, regions):
                         jobs.append((r, pool().submit(hash_only, view[lo:hi])))
                 else:
@@ -300,6 +303,8 @@ class Spool:
                     w.result()
                 except BaseException as exc:
                     errors.append(exc)
+            if writer is not None:
+                writer.shutdown()
         if errors:
             raise errors[0]
         self._dedup([r for regions in spans for r in regions])
