@@ -188,6 +188,38 @@ def test_large_unchanged_outputs_are_compared_by_their_digests(
     assert torch.equal(b.calls[0].outputs["o"], out)
 
 
+def test_dump_call_after_interpreter_shutdown_began(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An atexit handler's call: no pool takes new work, so the spool hashes and writes, and
+    the output compare hashes, on the calling thread; the bundle is the same."""
+    import concurrent.futures.thread as cft
+
+    import kdump
+
+    x = _rand(20 * MIB // 4, seed=6)
+    out = _rand(18 * MIB // 4, seed=7)
+
+    def fn(a: torch.Tensor, o: torch.Tensor) -> None:
+        o[-1:].add_(1.0)
+
+    monkeypatch.setattr(cft, "_shutdown", True)
+    path = tmp_path / "late.kdump"
+    kdump.dump_call(path, fn, x, out)
+    monkeypatch.setattr(cft, "_shutdown", False)
+    b = load_bundle(path)
+    b.verify()
+    got = b.calls[0]
+    assert torch.equal(got.materialize("cpu").tensors[0], x)
+    assert torch.equal(got.outputs["o"], out)
+    _header, m = _manifest(path)
+    call = m["calls"][0]
+    ins = {st["base_ptr"]: st for st in call["storages"]}
+    outs = {st["base_ptr"]: st for st in call["outputs"]["storages"]}
+    assert outs[x.data_ptr()]["pieces"] == ins[x.data_ptr()]["pieces"]
+    assert outs[out.data_ptr()]["pieces"][-1] != ins[out.data_ptr()]["pieces"][-1]
+
+
 def test_spool_view_is_the_snapshot(tmp_path: Path) -> None:
     """The spool's view of a pieced span is the bytes as written, not the live tensor."""
     x = _rand(3 * MIB // 4 + 5, seed=4)

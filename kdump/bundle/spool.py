@@ -143,6 +143,20 @@ def hash_only(view: memoryview) -> Digests:
     return h.digests()
 
 
+def _submit(submit: Callable[..., Future[Any]], fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    """`submit(fn, *args)`, or `fn` run here where no pool takes new work (after interpreter
+    shutdown began: an atexit flush)."""
+    try:
+        return submit(fn, *args)
+    except RuntimeError:
+        done: Future[Any] = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:
+            done.set_exception(exc)
+        return done
+
+
 def write_groups(fd: int, view: memoryview, at: int) -> None:
     """Write `view` to `fd` at `at` in PASS_WRITE groups (the file writer's job)."""
     for lo in range(0, len(view), PASS_WRITE):
@@ -280,9 +294,9 @@ class Spool:
                     view = cpu_view(src)
                     if writer is None:
                         writer = ThreadPoolExecutor(1, thread_name_prefix="kdump-file")
-                    writes.append(writer.submit(write_groups, fd, view, at))
+                    writes.append(_submit(writer.submit, write_groups, fd, view, at))
                     for (lo, hi), r in zip(cuts, regions):
-                        jobs.append((r, pool().submit(hash_only, view[lo:hi])))
+                        jobs.append((r, _submit(pool().submit, hash_only, view[lo:hi])))
                 else:
                     if n >= DEVICE_DEDUP_MIN:
                         dev_firsts.setdefault((src.device, n), []).append((src, regions))

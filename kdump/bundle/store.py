@@ -146,6 +146,16 @@ def same_as_digests(
     (whose pool could be waiting on this very call)."""
     if _xxhash is None or threading.current_thread().name.startswith("kdump-hash"):
         return [None] * len(items)
+    try:
+        jobs = _digest_jobs(items)
+    except RuntimeError:  # no new work after interpreter shutdown (an atexit flush)
+        return [None] * len(items)
+    return [None if js is None else all(j.result() == f for j, f in js) for js in jobs]
+
+
+def _digest_jobs(
+    items: Sequence[tuple[memoryview, tuple[str, str] | Pieces]],
+) -> list[list[tuple[Future[str], str]] | None]:
     jobs: list[list[tuple[Future[str], str]] | None] = []
     for view, digests in items:
         if isinstance(digests, Pieces):
@@ -161,7 +171,7 @@ def same_as_digests(
             jobs.append([(pool().submit(fast_digest, view), digests[1])])
         else:
             jobs.append(None)
-    return [None if js is None else all(j.result() == f for j, f in js) for js in jobs]
+    return jobs
 
 
 PIECE_UNIT = 1 << 20  # a piece size is a multiple of this (pieces then keep their alignment)
