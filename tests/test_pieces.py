@@ -206,9 +206,12 @@ def test_dump_call_after_interpreter_shutdown_began(
     monkeypatch.setattr(cft, "_shutdown", True)
     path = tmp_path / "late.kdump"
     kdump.dump_call(path, fn, x, out)
-    monkeypatch.setattr(cft, "_shutdown", False)
+    # a bundle written from memory (a flight recorder's flush at exit) and a verified load
+    again = save_calls(tmp_path / "mem.kdump", [capture_call("m:f", [x, out], {})])
+    load_bundle(again).verify()
     b = load_bundle(path)
     b.verify()
+    monkeypatch.setattr(cft, "_shutdown", False)
     got = b.calls[0]
     assert torch.equal(got.materialize("cpu").tensors[0], x)
     assert torch.equal(got.outputs["o"], out)

@@ -29,7 +29,7 @@ from kdump.bundle.format import (
     Where,
 )
 from kdump.bundle.parse import parse_header, parse_manifest, read_header
-from kdump.bundle.store import BlobStore, can_check, hasher, pool
+from kdump.bundle.store import BlobStore, can_check, hasher, pool, submit_or_run
 from kdump.bundle.validate import check_load, default_limits, validate_manifest
 from kdump.errors import BundleError
 from kdump.errors import BundleErrorKind as K
@@ -476,7 +476,7 @@ class Bundle:
             for job in jobs:
                 fn(*job)
             return
-        for fut in [pool().submit(fn, *job) for job in jobs]:
+        for fut in [submit_or_run(pool().submit, fn, *job) for job in jobs]:
             fut.result()
 
     def materialize_records(

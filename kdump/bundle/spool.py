@@ -39,6 +39,7 @@ from kdump.bundle.store import (
     piece_bytes,
     piece_cuts,
     pool,
+    submit_or_run,
 )
 from kdump.errors import BundleError
 from kdump.errors import BundleErrorKind as K
@@ -113,7 +114,7 @@ class _Digester:
     def update(self, piece: memoryview) -> None:
         fast = self.fast
         if fast is not None and self.apart and len(piece) >= FAST_APART:
-            job = check_pool().submit(fast.update, piece)
+            job = submit_or_run(check_pool().submit, fast.update, piece)
             try:
                 for j in range(0, len(piece), HASH_CHUNK):
                     self.sha.update(piece[j : j + HASH_CHUNK])
@@ -141,20 +142,6 @@ def hash_only(view: memoryview) -> Digests:
     h = _Digester(apart=False)
     h.update(view)
     return h.digests()
-
-
-def _submit(submit: Callable[..., Future[Any]], fn: Callable[..., Any], *args: Any) -> Future[Any]:
-    """`submit(fn, *args)`, or `fn` run here where no pool takes new work (after interpreter
-    shutdown began: an atexit flush)."""
-    try:
-        return submit(fn, *args)
-    except RuntimeError:
-        done: Future[Any] = Future()
-        try:
-            done.set_result(fn(*args))
-        except BaseException as exc:
-            done.set_exception(exc)
-        return done
 
 
 def write_groups(fd: int, view: memoryview, at: int) -> None:
@@ -294,15 +281,20 @@ class Spool:
                     view = cpu_view(src)
                     if writer is None:
                         writer = ThreadPoolExecutor(1, thread_name_prefix="kdump-file")
-                    writes.append(_submit(writer.submit, write_groups, fd, view, at))
+                    writes.append(submit_or_run(writer.submit, write_groups, fd, view, at))
                     for (lo, hi), r in zip(cuts, regions):
-                        jobs.append((r, _submit(pool().submit, hash_only, view[lo:hi])))
+                        jobs.append((r, submit_or_run(pool().submit, hash_only, view[lo:hi])))
                 else:
                     if n >= DEVICE_DEDUP_MIN:
                         dev_firsts.setdefault((src.device, n), []).append((src, regions))
                     for (lo, hi), r in zip(cuts, regions):
-                        job = pool().submit(
-                            _write_device, fd, src[lo:hi], at + lo, streams[src.device]
+                        job = submit_or_run(
+                            pool().submit,
+                            _write_device,
+                            fd,
+                            src[lo:hi],
+                            at + lo,
+                            streams[src.device],
                         )
                         jobs.append((r, job))
         finally:
@@ -491,10 +483,10 @@ class StoreSpool:
                     fd, tmp = open_temp(store.root / STORE_DIRNAME / "spool")
                     try:
                         if view is not None:
-                            job = pool().submit(hash_write, fd, view[lo:hi], 0)
+                            job = submit_or_run(pool().submit, hash_write, fd, view[lo:hi], 0)
                         else:
-                            job = pool().submit(
-                                _write_device, fd, src[lo:hi], 0, streams[src.device]
+                            job = submit_or_run(
+                                pool().submit, _write_device, fd, src[lo:hi], 0, streams[src.device]
                             )
                     except BaseException:
                         os.close(fd)
@@ -689,7 +681,7 @@ def _write_device(fd: int, src: torch.Tensor, at: int, after: Any) -> Digests:
     pool while it is hashed here."""
     d = _Digester()
     for lo, piece in _staged(src, after):
-        write = io_pool().submit(pwrite_all, fd, piece, at + lo)
+        write = submit_or_run(io_pool().submit, pwrite_all, fd, piece, at + lo)
         try:
             d.update(piece)
         finally:
@@ -744,5 +736,8 @@ def same_on_device(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[b
     """For each (device span, host snapshot) pair: whether they hold the same bytes (the spans
     compared in parallel, after the work queued on the caller's streams)."""
     streams = _caller_streams([src for src, _ in pairs])
-    jobs = [pool().submit(_same_device, src, snap, streams[src.device]) for src, snap in pairs]
+    jobs = [
+        submit_or_run(pool().submit, _same_device, src, snap, streams[src.device])
+        for src, snap in pairs
+    ]
     return [j.result() for j in jobs]

@@ -136,6 +136,22 @@ def fast_digest(data: memoryview | bytes) -> str:
     return _xxhash.xxh3_128_hexdigest(data) if _xxhash is not None else ""
 
 
+def submit_or_run(
+    submit: Callable[..., Future[Any]], fn: Callable[..., Any], *args: Any
+) -> Future[Any]:
+    """`submit(fn, *args)`, or `fn` run here where no pool takes new work: after interpreter
+    shutdown began (an atexit flush), a pool refuses every new job."""
+    try:
+        return submit(fn, *args)
+    except RuntimeError:
+        done: Future[Any] = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:
+            done.set_exception(exc)
+        return done
+
+
 def same_as_digests(
     items: Sequence[tuple[memoryview, tuple[str, str] | Pieces]],
 ) -> list[bool | None]:
@@ -146,10 +162,7 @@ def same_as_digests(
     (whose pool could be waiting on this very call)."""
     if _xxhash is None or threading.current_thread().name.startswith("kdump-hash"):
         return [None] * len(items)
-    try:
-        jobs = _digest_jobs(items)
-    except RuntimeError:  # no new work after interpreter shutdown (an atexit flush)
-        return [None] * len(items)
+    jobs = _digest_jobs(items)
     return [None if js is None else all(j.result() == f for j, f in js) for js in jobs]
 
 
@@ -165,10 +178,13 @@ def _digest_jobs(
                 jobs.append(None)
                 continue
             jobs.append(
-                [(pool().submit(fast_digest, view[lo:hi]), f) for (lo, hi), (_, f) in parts]
+                [
+                    (submit_or_run(pool().submit, fast_digest, view[lo:hi]), f)
+                    for (lo, hi), (_, f) in parts
+                ]
             )
         elif digests[1]:
-            jobs.append([(pool().submit(fast_digest, view), digests[1])])
+            jobs.append([(submit_or_run(pool().submit, fast_digest, view), digests[1])])
         else:
             jobs.append(None)
     return jobs
@@ -222,7 +238,8 @@ def span_digests(view: memoryview) -> tuple[str, str] | Pieces:
     piece = piece_bytes()
     if len(view) <= piece:
         return blob_digests(view)
-    jobs = [pool().submit(blob_digests, view[lo:hi]) for lo, hi in piece_cuts(len(view), piece)]
+    cuts = piece_cuts(len(view), piece)
+    jobs = [submit_or_run(pool().submit, blob_digests, view[lo:hi]) for lo, hi in cuts]
     return Pieces(piece, tuple(j.result() for j in jobs))
 
 

@@ -43,6 +43,7 @@ from kdump.bundle.store import (
     piece_bytes,
     piece_cuts,
     pool,
+    submit_or_run,
 )
 from kdump.bundle.tensors import Captured, capture
 from kdump.errors import BundleError, UsageError
@@ -208,7 +209,7 @@ def _submit_once(views: Sequence[memoryview]) -> list[Future[Digests]]:
     for v in views:
         key = (_address(v), len(v))
         if key not in jobs:
-            jobs[key] = pool().submit(blob_digests, v)
+            jobs[key] = submit_or_run(pool().submit, blob_digests, v)
         out.append(jobs[key])
     return out
 
