@@ -47,10 +47,10 @@ def is_own_host(tag: str) -> bool:
 
 def atomic_write(
     path: str | os.PathLike[str], content: bytes | memoryview | Callable[[BinaryIO], object]
-) -> Path:
+) -> str | os.PathLike[str]:
     """Write `content` (bytes, or a function that writes to the open file) to a temporary file in
-    the same folder, then rename it over `path`: readers see the old file or the whole new one."""
-    path = path if isinstance(path, Path) else Path(path)
+    the same folder, then rename it over `path`: readers see the old file or the whole new one.
+    Returns `path` as given (no Path is made: this runs once per small recorded call)."""
     fd, tmp = open_temp(path)
     try:
         if not callable(content):
@@ -72,16 +72,17 @@ def atomic_write(
     return path
 
 
-def open_temp(path: Path) -> tuple[int, str]:
+def open_temp(path: str | os.PathLike[str]) -> tuple[int, str]:
     """A new temporary file (read-write descriptor, ordinary permissions) in `path`'s folder,
     named so that `temp_owner` tells who wrote it; the caller renames it over `path` or removes
     it."""
     owner = _PID_HOST[0] if _PID_HOST[1] == os.getpid() else _pid_host()
-    folder = os.path.dirname(os.fspath(path)) or "."  # path.parent: a new Path per file
+    where = os.fspath(path)
+    folder, name = os.path.dirname(where) or ".", os.path.basename(where)  # no Path per file
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
     made = False
     for _ in range(100):
-        tmp = f"{folder}/.{path.name}.{owner}.{secrets.token_hex(6)}{TEMP_SUFFIX}"
+        tmp = f"{folder}/.{name}.{owner}.{secrets.token_hex(6)}{TEMP_SUFFIX}"
         try:
             # Mode 0666 under the umask: an ordinary file (mkstemp would make it 0600).
             return os.open(tmp, flags, 0o666), tmp
@@ -90,7 +91,7 @@ def open_temp(path: Path) -> tuple[int, str]:
         except FileNotFoundError:
             if made:
                 raise
-            path.parent.mkdir(parents=True, exist_ok=True)  # the folder, on first need
+            os.makedirs(folder, exist_ok=True)  # the folder, on first need
             made = True
     raise FileExistsError(f"no free temporary name beside {path}")
 
@@ -143,7 +144,11 @@ def submit_or_run(
     shutdown began (an atexit flush), a pool refuses every new job."""
     try:
         return submit(fn, *args)
-    except RuntimeError:
+    except RuntimeError as exc:
+        # Only the refusal to take work: "can't start new thread" comes after the job was
+        # queued, and running it here too would run it twice.
+        if "cannot schedule new futures" not in str(exc):
+            raise
         done: Future[Any] = Future()
         try:
             done.set_result(fn(*args))
@@ -162,8 +167,23 @@ def same_as_digests(
     (whose pool could be waiting on this very call)."""
     if _xxhash is None or threading.current_thread().name.startswith("kdump-hash"):
         return [None] * len(items)
-    jobs = _digest_jobs(items)
-    return [None if js is None else all(j.result() == f for j, f in js) for js in jobs]
+    out: list[bool | None] = []
+    for js in _digest_jobs(items):
+        if js is None:
+            out.append(None)
+            continue
+        same = True
+        for j, f in js:
+            if not same:
+                j.cancel()  # a span that differed: its later pieces need not be hashed
+            elif j.result() != f:
+                same = False
+        # Every job still running reads the caller's tensor: none may outlive this call.
+        for j, _ in js:
+            if not j.cancelled():
+                j.exception()
+        out.append(same)
+    return out
 
 
 def _digest_jobs(

@@ -220,4 +220,5 @@ class DeviceTier:
 
         torch.cuda.synchronize(self.device)
         host = self.mem.cpu()
-        return atomic_write(path, ctypes.string_at(host.data_ptr(), host.numel()))
+        atomic_write(path, ctypes.string_at(host.data_ptr(), host.numel()))
+        return path

@@ -457,20 +457,12 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
   __shared__ __align__(8) u64 s_bars[KD_BULK_WARPS * KD_BULK_STAGES];
   __shared__ bool s_last;
   __shared__ u64 s_head;
-  __shared__ u64 s_token;
   Record* rec = (Record*)p.record;
   volatile u64* ctrl = (volatile u64*)p.ctrl;
   const u32 tid = threadIdx.x;
-  // One thread per block reads the ring head and the site's replay counter up front (neither
-  // changes before the last block publishes), so the publication reads only the row count:
-  // every thread reading them would queue thousands of requests on one L2 line.
-  if (tid == 0) {
-    s_head = ctrl[0];
-    s_token = p.token_ptr ? *(volatile u64*)p.token_ptr + 1 : p.seq;
-  }
-  // The launch is a chain of dependent memory round trips (the rule and the ring head, the row
-  // counter, the rows, the block counter, the publication's writes): every step below overlaps
-  // what it can, a recorded graph step pays the chain before its kernel runs.
+  // The launch is a chain of dependent memory round trips (the rule, the ring head, the row
+  // counter, the rows, the block counter, the publication): every step below overlaps what it
+  // can, a recorded graph step pays the chain before its kernel runs.
   if (p.chain && tid == 32 && blockIdx.x == gridDim.x - 1) {
     // The done marker of the chain's previous call (the site before this one on the capture's
     // stream, or the last one of the previous replay): stream order says its kernel returned
@@ -487,6 +479,9 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
     // records of a block are in row order, and neighbouring records hold neighbouring rows.
     const u32 warp = tid / 32, lane = tid % 32;
     const u32 r = blockIdx.x * KD_ROWS_PER_BLOCK + tid;
+    // One thread per block reads the ring head (every thread reading it would queue thousands
+    // of requests on one L2 line), while the others read the rule.
+    if (tid == 0) s_head = ctrl[0];
     const bool mine = tid < KD_ROWS_PER_BLOCK && r < p.rows && touched(p, r);
     const u32 ballot = __ballot_sync(0xffffffffu, mine);
     if (lane == 0) s_warp[warp] = __popc(ballot);
@@ -539,17 +534,17 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
   // say it is complete (a reader that sees a mark sees everything before it).
   __threadfence();
   __syncthreads();
-  // (One 64-bit word for both counters, so that the last block's atomic returns the row count
-  // and it publishes without a read, measured 1.5 us slower at the decode shapes on the H200.)
+  // (One 64-bit word for both counters, so that this atomic returns the row count and the
+  // publication reads nothing, measured 1.5-4 us slower at the decode shapes on the H200.)
   if (tid == 0) s_last = atomicAdd(&rec->done_blocks, 1u) == gridDim.x - 1;
   __syncthreads();
   if (!s_last || tid != 0) return;
   __threadfence();
   // A graph site's token counts its replays; an eager call's is its journal seq (never 0), so
   // a late marker of a slot's previous occupant never matches the new call's.
-  const u64 token = s_token;
+  const u64 token = p.token_ptr ? *(volatile u64*)p.token_ptr + 1 : p.seq;
   if (p.host_pre) *(volatile u64*)p.host_pre = token;  // the host slot reads in flight until `post`
-  const u64 head = s_head;
+  const u64 head = ctrl[0];
   const u64 pos = slot_pos(p, head);
   const u32 rows = *(volatile u32*)&rec->row_counter;
   u64 used = 0;
