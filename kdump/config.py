@@ -61,8 +61,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     # -- writing bundles
     EnvVar(
         "KDUMP_PIECE_BYTES",
-        "storages larger than this are written as pieces of this size, each a blob hashed and "
-        "hashed by its own pool worker (a multiple of 1M, at least 1M; suffixes K, M, G)",
+        "storages larger than this are written as pieces of this size, each a blob hashed by "
+        "its own pool worker (a multiple of 1M, at least 1M; suffixes K, M, G)",
         "16M",
     ),
     # -- replay

@@ -29,14 +29,10 @@ def same(a: int, b: int, n: int) -> bool:
         return False
     if n == first:
         return True
-    from kdump.bundle.store import HASH_THREADS, pool
+    from kdump.bundle.store import HASH_THREADS, on_pool_thread, pool
 
     # On a pool thread (or with one thread) the pool could be waiting on this very call.
-    if (
-        n < SPLIT_MIN
-        or HASH_THREADS == 1
-        or threading.current_thread().name.startswith("kdump-hash")
-    ):
+    if n < SPLIT_MIN or HASH_THREADS == 1 or on_pool_thread():
         return memcmp(a + first, b + first, n - first) == 0
     differ = threading.Event()
 

@@ -128,13 +128,17 @@ def hasher(algo: Checksum) -> Any:
 
 def blob_digests(data: memoryview | bytes) -> tuple[str, str]:
     """A new blob's name (SHA-256) and its fast check digest ("" when that is the name)."""
-    fast = _xxhash.xxh3_128_hexdigest(data) if _xxhash is not None else ""
-    return sha256_hex(data), fast
+    return sha256_hex(data), fast_digest(data)
 
 
 def fast_digest(data: memoryview | bytes) -> str:
     """The fast check digest alone ("" without xxhash)."""
     return _xxhash.xxh3_128_hexdigest(data) if _xxhash is not None else ""
+
+
+def on_pool_thread() -> bool:
+    """Whether this thread is one of the hashing pool's: its jobs must not wait on the pool."""
+    return threading.current_thread().name.startswith(POOL_PREFIX)
 
 
 def submit_or_run(
@@ -165,7 +169,7 @@ def same_as_digests(
     at once: one read of the views instead of a compare with a second copy. None where the
     digests carry no fast check or the sizes cannot match, and for every item on a pool worker
     (whose pool could be waiting on this very call)."""
-    if _xxhash is None or threading.current_thread().name.startswith("kdump-hash"):
+    if _xxhash is None or on_pool_thread():
         return [None] * len(items)
     out: list[bool | None] = []
     for js in _digest_jobs(items):
@@ -267,9 +271,8 @@ class ProcessPool:
     """A thread pool of the process, made on first use and again in a forked child (whose copy of
     the parent's pool has no threads)."""
 
-    def __init__(self, prefix: str, threads: int = HASH_THREADS) -> None:
+    def __init__(self, prefix: str) -> None:
         self._prefix = prefix
-        self._threads = threads
         self._pool: ThreadPoolExecutor | None = None
         self._pid = 0
         self._lock = threading.Lock()
@@ -277,13 +280,14 @@ class ProcessPool:
     def __call__(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None or self._pid != os.getpid():
-                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix=self._prefix)
+                self._pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix=self._prefix)
                 self._pid = os.getpid()
             return self._pool
 
 
 # The process's one hashing / copying pool (hashlib and xxhash release the GIL).
-pool = ProcessPool("kdump-hash")
+POOL_PREFIX = "kdump-hash"
+pool = ProcessPool(POOL_PREFIX)
 
 
 class BlobStore:
