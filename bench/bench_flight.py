@@ -103,7 +103,7 @@ def _with_empty_nodes(fn: Callable[..., Any], count: int = 2) -> Callable[..., A
     before the kernel (and a marker after it) costs at least this much."""
     from kdump.record import gather
 
-    mark = gather.get_kernel(torch.cuda.current_device())[3]
+    mark = gather.get_kernel(torch.cuda.current_device()).mark
     word = torch.zeros(2, dtype=torch.int64, device="cuda")
 
     def wrapped(*a: Any, **k: Any) -> Any:
@@ -264,7 +264,7 @@ def _throughput(shm: Path) -> None:
     from kdump.record import gather
     from kdump.record.journal import Journal
 
-    fn = gather.get_kernel(torch.cuda.current_device())[0]
+    fn = gather.get_kernel(torch.cuda.current_device()).snapshot
     stream = torch.cuda.current_stream().cuda_stream
     record = torch.zeros(64, dtype=torch.uint8, device="cuda")
     ctrl = torch.zeros(16, dtype=torch.uint8, device="cuda")

@@ -166,7 +166,7 @@ def _floor(fn: Any, args: tuple, kwargs: dict, calls: int, plain: float) -> dict
     drv = cudrv.driver()
     if drv is None:
         return out
-    _, _, _, mark = gather.get_kernel(torch.cuda.current_device())
+    mark = gather.get_kernel(torch.cuda.current_device()).mark
     fh = cudrv.handle(mark)
     cell = torch.zeros(2, dtype=torch.int64, device="cuda")
     ptrs = (ctypes.c_uint64 * 2)(cell.data_ptr(), cell.data_ptr() + 8)

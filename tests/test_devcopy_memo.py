@@ -5,6 +5,7 @@ or a process without the ctypes driver takes the full computation."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from typing import Any
 
@@ -20,6 +21,9 @@ class _Driver:
     def launch(self, fn: int, grid: int, threads: int, args: Any, stream: int, what: str) -> None:
         if what == "snapshot":
             raw = _used(ctypes.string_at(args[0], ctypes.sizeof(gather.SnapParams)))
+        elif what == "marks":  # a batch of `post` markers: (source, destination) each
+            m = gather.Marks.from_address(args[0])
+            raw = tuple((m.src[k], m.dst[k]) for k in range(m.n))
         else:  # the done marker: two pointers to its source and destination
             raw = tuple(ctypes.c_uint64.from_address(args[k]).value for k in range(2))
         self.log.append(("launch", fn, grid, threads, stream, what, raw))
@@ -95,12 +99,13 @@ def _copies(mark: bool) -> Any:
     dc.tier = _Tier()
     dc.journal = _Journal()
     dc._index = 0
-    dc._slot_events = {}
     dc._event_pool = list(range(1000, 1064))
+    events = iter(range(2000, 3000))
+    dc._batching(16, lambda: next(events))
     dc.kernel = object()
     dc.mark = object() if mark else None
     dc._cu = _Driver()
-    dc._fn_h, dc._mark_h = 11, 12
+    dc._fn_h, dc._mark_h, dc._marks_h = 11, 12, 13
     dc._params = gather.SnapParams()
     dc._snap_args = (ctypes.c_void_p * 1)(ctypes.addressof(dc._params))
     dc._params_plan = dc
@@ -217,3 +222,71 @@ def test_no_memo_inside_a_capture_or_without_the_ctypes_driver(
     dc.copy(_Slot(0, 2, SPANS), _Views(), None, None, None, 2, False, None, memo=memo)()
     assert launched[0] == 3 and "d2h" in launched and launched[-1] == "mark"  # grid: 3 chunks
     assert memo == kept
+
+
+def _held_calls(dc: Any, calls: list[tuple[int, int]], memo: dict | None) -> list[Any]:
+    """Held eager calls, each (slot index, stream); returns the driver log."""
+    for k, (index, stream) in enumerate(calls):
+        # (the autouse fixture's monkeypatch restores the module's own current_stream)
+        devcopy.current_stream = lambda i, s=stream: s  # type: ignore[assignment]
+        slot = _Slot(index, 100 + k, SPANS)
+        after = dc.copy(slot, _Views(), None, None, None, k, False, memo=memo)
+        dc._cu.log.append(("call", index))
+        after()
+    return dc._cu.log
+
+
+@pytest.mark.parametrize("memo", [None, {}])
+def test_held_eager_host_copies_go_to_the_side_stream_a_batch_at_a_time(memo: Any) -> None:
+    dc = _copies(True)
+    dc.tier.held = True
+    assert dc.batch == 4  # a quarter of the 16-slot ring
+    log = _held_calls(dc, [(i % 16, 7) for i in range(24)], memo)
+    # the calls' stream gets the snapshot and the done marker, nothing else while the batch fills
+    ops = [e[5] if e[0] == "launch" else e[0] for e in log]
+    assert ops[:9] == ["snapshot", "call", gather.MARK_KERNEL] * 3
+    assert all(e[4] == dc._side_h for e in log if e[0] == "d2h")
+    marks = [i for i, e in enumerate(log) if e[0] == "launch" and e[5] == "marks"]
+    assert len(marks) == 24 // 4
+    # a batch: the fork from the calls' stream, each slot's twin copy, one marks launch with the
+    # four `post` words, the batch's event
+    k = marks[0]
+    f = next(i for i, e in enumerate(log) if e[0] == "record")
+    fork = log[f][1]
+    assert log[f] == ("record", fork, 7) and log[f + 1] == ("wait", dc._side_h, fork)
+    assert log[f - 1][5] == "snapshot" and log[f - 3] == ("call", 2)  # the fourth call's
+    twins = log[f + 2 : k]
+    assert twins and all(e[0] == "d2h" for e in twins)
+    assert len(twins) % 4 == 0  # the same copies for each of the four slots
+    assert log[k + 1] == ("record", dc._batch_events[0], dc._side_h)
+    posts = log[k][6]
+    assert len(posts) == 4 and len({d for _, d in posts}) == 4
+    # the slot ring's second round: slots 0-3 wait for the first batch once, 4-7 the second
+    waits = [e for e in log if e[0] == "wait" and e[1] == 7]
+    assert waits == [("wait", 7, dc._batch_events[0]), ("wait", 7, dc._batch_events[1])]
+    assert log.index(waits[0]) < log.index(("call", 0), log.index(("call", 15)))
+
+
+def test_held_eager_batches_fork_from_every_stream_and_free_a_queued_slot_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dc = _copies(True)
+    dc.tier.held = True
+    # slot 0 on stream 7, slot 1 on stream 8, then slot 0 again before the batch is full
+    log = _held_calls(dc, [(0, 7), (1, 8), (0, 7)], None)
+    marks = [i for i, e in enumerate(log) if e[0] == "launch" and e[5] == "marks"]
+    assert len(marks) == 1
+    forks = [e for e in log[: marks[0]] if e[0] == "record"]
+    assert [e[2] for e in forks] == [7, 8]  # the side stream waits for both streams' snapshots
+    assert log[marks[0] + 1][0] == "record"
+    # then stream 7 waits for that batch before the third call's snapshot overwrites slot 0
+    assert log[marks[0] + 2] == ("wait", 7, dc._batch_events[0])
+    assert log[marks[0] + 3][5] == "snapshot"
+    # a drain issues what is queued (the third call) and nothing more when the queue is empty
+    n = len(log)
+    monkeypatch.setattr("torch.cuda.device", lambda index: contextlib.nullcontext())
+    dc.drain()
+    assert [e[5] for e in log[n:] if e[0] == "launch"] == ["marks"]
+    n = len(log)
+    dc.drain()
+    assert len(log) == n

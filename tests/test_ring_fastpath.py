@@ -11,6 +11,7 @@ import json
 import struct
 import sys
 import types
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -447,3 +448,44 @@ def test_a_recently_used_template_outlives_newer_keys(tmp_path, monkeypatch):
         assert fast(1) and fast(3) and fast(4) and fast(5)
         assert not fast(2)
         assert r.errors == 0
+
+
+def test_a_lane_takes_exactly_the_calls_whose_repeat_key_is_the_same():
+    """A lane (the repeat path's check without the repeat key) gives the call's tensors where
+    the key would be equal, else None: containers rebuilt per call are fine, other scalar types,
+    container types or lengths, other tensor objects and changed facts are not."""
+    a, s, w, out = torch.zeros(4, 8), torch.ones(4), torch.zeros(2, 8), torch.zeros(4, 2)
+
+    def call(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return args, kwargs
+
+    base = call((a, s), w, out, 1, "nt", flag=True)
+    seen = ring_module._repeat_key("t", "t", *base)
+    refs = tuple(weakref.ref(t) for t in seen[1])
+    rep = types.SimpleNamespace(refs=refs)
+    lane = ring_module._Lane.of(rep, *base, seen)  # type: ignore[arg-type]
+    assert lane is not None
+    same = call((a, s), w, out, 1, "nt", flag=True)  # a new tuple holding the same tensors
+    assert lane.tensors(*same) == seen[1]
+    assert ring_module._repeat_key("t", "t", *same)[0] == seen[0]
+    differ = [
+        call((a, s), w, out, True, "nt", flag=True),  # bool for int
+        call([a, s], w, out, 1, "nt", flag=True),  # list for tuple
+        call((a, s, s), w, out, 1, "nt", flag=True),
+        call((a, s.clone()), w, out, 1, "nt", flag=True),
+        call((a, s), w, out, 1, "tn", flag=True),
+        call((a, s), w, out, 1, "nt", flag=1),
+        call((a, s), w, out, 1, "nt"),
+        call((a, s), w, out, 1, flag=True),
+    ]
+    for args, kwargs in differ:
+        assert lane.tensors(args, kwargs) is None
+        assert ring_module._repeat_key("t", "t", args, kwargs)[0] != seen[0]
+    w.requires_grad_(True)  # a fact of the record, with no version bump
+    assert lane.tensors(*same) is None
+    w.requires_grad_(False)
+    a.data = a.detach().view(8, 4)  # same object and address, other shape
+    assert lane.tensors(*same) is None
+    # deeper arguments keep the repeat key
+    deep = call(((a, s),), w)
+    assert ring_module._Lane.of(rep, *deep, ring_module._repeat_key("t", "t", *deep)) is None

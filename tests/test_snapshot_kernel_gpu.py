@@ -29,7 +29,7 @@ def _cuda():
 def _launch(plan: gather.Plan | None, tensors, rule, copies=(), fn=None):
     """Run the kernel (the shipped build, or `fn`) once on fresh control words; returns
     (records sorted, call record)."""
-    fn = fn or gather.get_kernel(torch.cuda.current_device())[0]
+    fn = fn or gather.get_kernel(torch.cuda.current_device()).snapshot
     storages = group_storages(tensors)[0] if tensors else []
     p = gather.SnapParams()
     ring = torch.zeros(plan.worst if plan else 256, dtype=torch.uint8, device="cuda")
@@ -226,7 +226,7 @@ def test_plain_copies_of_odd_sizes_and_alignments():
 
 
 def test_mark_kernel_copies_a_token_to_mapped_host_memory():
-    _, _, _, mark = gather.get_kernel(torch.cuda.current_device())
+    mark = gather.get_kernel(torch.cuda.current_device()).mark
     src = torch.tensor([0x1234_5678_9ABC_DEF0 - 2**64 // 2], dtype=torch.int64, device="cuda")
     host = torch.zeros(2, dtype=torch.int64, pin_memory=True)
     stream = torch.cuda.current_stream().cuda_stream

@@ -25,7 +25,6 @@ only, and the slot says so (`tiers`, `notes`).
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -95,7 +94,6 @@ class DeviceCopies:
         self.device = torch.device(device)
         index = self.device.index
         self._index = int(index) if index is not None else torch.cuda.current_device()
-        self.lock = threading.Lock()
         self._addr = ctypes.addressof(ctypes.c_char.from_buffer(journal._map))
         size = len(journal._map)
         # Mapped: the snapshot kernel stores the `pre` marker through the device address.
@@ -126,10 +124,12 @@ class DeviceCopies:
         self._side_h = int(self.side.cuda_stream)
         self.kernel: Any = None
         self.mark: Any = None  # kd_mark: the done marker as a kernel node (else a memcpy)
+        self.marks: Any = None  # kd_marks: a batch's `post` markers (else a memcpy each)
         self.kernel_note = ""
         if self.tier is not None:
             try:
-                self.kernel, _, _, self.mark = gather.get_kernel(self.tier.index)
+                k = gather.get_kernel(self.tier.index)
+                self.kernel, self.mark, self.marks = k.snapshot, k.mark, k.marks
             except Exception as exc:
                 self.kernel_note = (
                     f"no snapshot kernel ({type(exc).__name__}: {str(exc)[:300]}): torch "
@@ -143,12 +143,13 @@ class DeviceCopies:
         self._cu = cudrv.driver()
         self._fn_h = cudrv.handle(self.kernel) if self.kernel is not None else 0
         self._mark_h = cudrv.handle(self.mark) if self.mark is not None else 0
+        self._marks_h = cudrv.handle(self.marks) if self.marks is not None else 0
         self._snap_args = (ctypes.c_void_p * 1)(ctypes.addressof(self._params))  # under the lock
         self._streams: dict[int, Any] = {}
-        self._slot_events: dict[int, Any] = {}
         self._event_pool: list[Any] = []
         with torch.cuda.device(self.device):  # made now: creating one inside a capture is not
             self._event_pool = [self._event() for _ in range(2)]
+            self._batching(journal.slot_count, self._event)
         self.forked_in_capture = False
         self._params_plan: Any = self  # the plan `_params` holds (self: none yet)
         self._fb_slot = 0  # the torch fallback's fixed device ring slot size
@@ -199,7 +200,9 @@ class DeviceCopies:
             snapshot = "kernel" if self.kernel is not None else "torch"
         d: dict[str, Any] = {
             "snapshot": snapshot,
-            "host_copy": "side stream" if self.held else "before the call",
+            "host_copy": f"side stream, {self.batch} calls at a time"
+            if self.held
+            else "before the call",
         }
         if self.tier is not None:
             d.update(self.tier.facts())
@@ -293,9 +296,7 @@ class DeviceCopies:
         slot.commit(device=True)
         main = current_stream(self._index)
         if not capturing:
-            ev = self._slot_events.get(slot.index)
-            if ev is not None:  # the side copy of this slot's previous call has read the twin
-                self._wait(main, ev)
+            self._free(slot.index, main)
         memo = memo if not capturing and self.kernel is not None and self._cu is not None else None
         if memo is not None:
             e = memo.get(slot.index)
@@ -321,18 +322,19 @@ class DeviceCopies:
         p0 = min(present) if present else sb - _TRAILER_BYTES - CALL_RECORD_BYTES
         base = slot.offset
         trailer = base + sb - _TRAILER_BYTES
-        if self.held:
-            side = self._side_h
-            self._fork(main, side)
-            if capturing:
-                self.forked_in_capture = True
-            out = side
-        else:
-            out = main
         host = self._host_copies(slot, spans, p0)
         host.append((trailer + _POST_AT, record + RECORD_COMPLETE_AT, 8))
-        for dst, src, n in host:
-            self._d2h(dst, src, n, out)
+        deferred = self.held and not capturing
+        if deferred:
+            self._defer(slot.index, tuple(host), main)
+        else:
+            out = main
+            if self.held:  # in a capture: a side branch of the graph, joined before it ends
+                out = self._side_h
+                self._fork(main, out)
+                self.forked_in_capture = True
+            for dst, src, n in host:
+                self._d2h(dst, src, n, out)
         if memo is not None and grid and token_index is None and self._here():
             vals = (ctypes.c_uint64 * 2)(
                 record + RECORD_COMPLETE_AT, self._host_dev + trailer + _DONE_AT
@@ -371,12 +373,6 @@ class DeviceCopies:
                     gather.launch_mark(self.mark, record + RECORD_COMPLETE_AT, dst, cur)
             else:
                 self._d2h(trailer + _DONE_AT, record + RECORD_COMPLETE_AT, 8, cur)
-            if self.held and not capturing:
-                # the next call into this slot waits until the side copy has read the twin
-                ev = self._slot_events.get(slot.index)
-                if ev is None:
-                    ev = self._slot_events[slot.index] = self._event()
-                self._record(ev, self._side_h)
 
         return after
 
@@ -417,14 +413,12 @@ class DeviceCopies:
         for src, dst, n in e.surplus:
             cu.d2d(dst, src, n, main)
         cu.launch(self._fn_h, e.grid, gather.THREADS, self._snap_args, main, "snapshot")
-        held = self.held
-        out = main
-        if held:
-            out = self._side_h
-            self._fork(main, out)
         addr = self._addr
-        for dst, src, n in e.host:
-            cu.d2h(addr + dst, src, n, out)
+        if self.held:
+            self._defer(slot.index, e.host, main)
+        else:
+            for dst, src, n in e.host:
+                cu.d2h(addr + dst, src, n, main)
 
         def after() -> None:
             cur = current_stream(self._index)
@@ -433,13 +427,91 @@ class DeviceCopies:
             else:
                 dst, src, n = e.done
                 cu.d2h(addr + dst, src, n, cur)
-            if held:
-                ev = self._slot_events.get(slot.index)
-                if ev is None:
-                    ev = self._slot_events[slot.index] = self._event()
-                self._record(ev, self._side_h)
 
         return after
+
+    # -- batched host copies (eager calls, a salvage process holds the tier) ---------------------
+    def _batching(self, slot_count: int, event: Callable[[], Any]) -> None:
+        """The queue of `_defer`: batches of a quarter of the ring (at most one kd_marks
+        launch), and an event per batch in the ring and two more, so a batch's event is recorded
+        again only after its slots were all copied once more."""
+        self.batch = max(1, min(gather.MAX_MARKS, slot_count // 4))
+        self._pending: list[tuple[int, tuple[tuple[int, int, int], ...], int]] = []
+        self._pending_at: set[int] = set()
+        self._slot_batch: dict[int, int] = {}  # slot index -> the batch that copied it last
+        self._batches = 0  # batches issued
+        self._waited: dict[int, int] = {}  # stream -> the newest batch it has waited for
+        self._marks = gather.Marks()
+        self._marks_args = (ctypes.c_void_p * 1)(ctypes.addressof(self._marks))
+        self._batch_events = [event() for _ in range(-(-slot_count // self.batch) + 2)]
+
+    def _defer(self, index: int, host: tuple[tuple[int, int, int], ...], stream: int) -> None:
+        """Queue an eager call's host copies: the twin's payload extent(s), then `post` last.
+        The salvage process holds the twin meanwhile, and salvage completes a slot whose `post`
+        is behind `pre` from it; so the copies go to the side stream `batch` calls at a time,
+        four driver calls and one per copy for the lot instead of five for every call."""
+        self._pending.append((index, host, stream))
+        self._pending_at.add(index)
+        if len(self._pending) >= self.batch:
+            self._issue()
+
+    def _issue(self) -> None:
+        """Enqueue the queued host copies on the side stream behind every stream that queued
+        one (their snapshots wrote the twins), then all their `post` markers with one kernel
+        (or a copy each without it), then the batch's event."""
+        pending = self._pending
+        if not pending:
+            return
+        side = self._side_h
+        for stream in dict.fromkeys(s for _, _, s in pending):
+            self._fork(stream, side)
+        posts = []
+        for _, host, _ in pending:
+            for dst, src, n in host[:-1]:
+                self._d2h(dst, src, n, side)
+            posts.append(host[-1])
+        if self._cu is not None and self._marks_h:
+            m = self._marks
+            m.n = len(posts)
+            for k, (dst, src, _) in enumerate(posts):
+                m.src[k], m.dst[k] = src, self._host_dev + dst
+            self._cu.launch(self._marks_h, 1, gather.MAX_MARKS, self._marks_args, side, "marks")
+        else:
+            for dst, src, n in posts:
+                self._d2h(dst, src, n, side)
+        b = self._batches
+        self._record(self._batch_events[b % len(self._batch_events)], side)
+        for index, _, _ in pending:
+            self._slot_batch[index] = b
+        self._batches = b + 1
+        pending.clear()
+        self._pending_at.clear()
+
+    def _free(self, index: int, stream: int) -> None:
+        """Before an eager call's snapshot overwrites slot `index`'s twin: its last host copy has
+        read it. A queued one is issued now; `stream` waits for the batch that holds it unless it
+        waited for that one or a later one already (the side stream runs batches in order)."""
+        if index in self._pending_at:
+            self._issue()
+        b = self._slot_batch.get(index)
+        if b is not None and self._waited.get(stream, -1) < b:
+            self._wait(stream, self._batch_events[b % len(self._batch_events)])
+            self._waited[stream] = b
+
+    def drain(self, wait: bool = False) -> None:
+        """Issue the queued host copies now (a flush, the start of a capture: under the
+        recorder's lock, like `copy`), and with `wait` until they landed; never raises."""
+        if not self._pending and not wait:
+            return
+        try:
+            import torch
+
+            with torch.cuda.device(self._index):
+                self._issue()
+                if wait:
+                    self.side.synchronize()
+        except Exception as exc:
+            log_once("devcopy-drain", f"flight recorder: queued host copies: {exc}")
 
     def _launch(
         self,

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kdump import config
 from kdump.errors import InternalError
@@ -30,6 +30,8 @@ from kdump.errors import InternalError
 SOURCE_NAME = "snapshot.cu"
 KERNEL = "kd_snapshot"
 MARK_KERNEL = "kd_mark"
+MARKS_KERNEL = "kd_marks"
+MAX_MARKS = 32  # KD_MAX_MARKS in snapshot.cu: the `post` markers one kd_marks launch writes
 MAX_COPIES = 16
 MAX_GATHERS = 4
 ROWS_PER_BLOCK = 128  # KD_ROWS_PER_BLOCK in snapshot.cu
@@ -411,6 +413,26 @@ class SnapParams(ctypes.Structure):
     ]
 
 
+class Marks(ctypes.Structure):
+    """Mirror of Marks in snapshot.cu: n words, each copied from src[k] to dst[k]."""
+
+    _fields_ = [
+        ("n", ctypes.c_uint64),
+        ("src", ctypes.c_uint64 * MAX_MARKS),
+        ("dst", ctypes.c_uint64 * MAX_MARKS),
+    ]
+
+
+class Kernels(NamedTuple):
+    """The snapshot module's functions on one device (`get_kernel`)."""
+
+    snapshot: Any
+    module: Any
+    seconds: float  # what building and loading it took
+    mark: Any  # kd_mark: one done marker
+    marks: Any  # kd_marks: a batch of `post` markers
+
+
 def kernel_source() -> str:
     return importlib.resources.files(__package__).joinpath(SOURCE_NAME).read_text(encoding="utf-8")
 
@@ -455,7 +477,7 @@ def build_cubin(arch: str, use_cache: bool = True) -> bytes:
     return cubin
 
 
-_functions: dict[int, Any] = {}
+_functions: dict[int, Kernels] = {}
 _lock = threading.Lock()
 
 
@@ -465,9 +487,8 @@ def arch_of(cc: tuple[int, int]) -> str:
     return f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
 
 
-def get_kernel(device_index: int) -> Any:
-    """(snapshot kernel, module, seconds it took, mark kernel) for a device, built and loaded
-    once per process."""
+def get_kernel(device_index: int) -> Kernels:
+    """The snapshot module's functions for a device, built and loaded once per process."""
     import torch
 
     from kdump.nvrtc import check as _check
@@ -492,11 +513,13 @@ def get_kernel(device_index: int) -> Any:
                 _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
             module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
             fn = _check(driver.cuModuleGetFunction(module, KERNEL.encode()), f"get {KERNEL}")
-            mark = _check(
-                driver.cuModuleGetFunction(module, MARK_KERNEL.encode()), f"get {MARK_KERNEL}"
+            mark, marks = (
+                _check(driver.cuModuleGetFunction(module, name.encode()), f"get {name}")
+                for name in (MARK_KERNEL, MARKS_KERNEL)
             )
-        _functions[device_index] = (fn, module, time.perf_counter() - t0, mark)
-        return _functions[device_index]
+        k = Kernels(fn, module, time.perf_counter() - t0, mark, marks)
+        _functions[device_index] = k
+        return k
 
 
 COPY_CHUNK = 16384  # KD_CHUNK in snapshot.cu

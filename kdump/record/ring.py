@@ -141,6 +141,7 @@ class RingRecorder:
         self._layouts: dict[Any, _Layout] = {}
         # per repeat key (`_repeat_key`): `_again`; least recently used first
         self._repeats: OrderedDict[Any, _Repeat] = OrderedDict()
+        self._lanes: dict[Any, _Lane] = {}  # `_probe` -> the repeat its arguments took last
         self._sightings: dict[int, None] = {}  # hashes of repeat keys seen once, no template
         self.fast_calls = 0  # calls recorded by the exact-repeat path (`_again`)
         self.too_big = 0  # calls whose metadata did not fit a slot (not recorded)
@@ -239,6 +240,9 @@ class RingRecorder:
             rec = _ACTIVE
             if rec is not None:
                 rec.captures.begin()
+                if rec._cuda is not None:  # queued eager host copies: never into the graph
+                    with rec.lock:
+                        rec._cuda.drain()
             return begin(graph, *a, **k)
 
         def capture_end(graph: Any, *a: Any, **k: Any) -> Any:
@@ -307,7 +311,16 @@ class RingRecorder:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Callable[[], None] | None:
+        probe = None
         try:
+            probe = _probe(st.id, called_as, args, kwargs)
+            lane = self._lanes.get(probe)
+            if lane is not None:
+                tensors = lane.tensors(args, kwargs)
+                if tensors is not None:
+                    done = self._again(lane.rep, index, tensors)
+                    if done is not _MISS:
+                        return done  # type: ignore[return-value]
             seen = _repeat_key(st.id, called_as, args, kwargs)
         except Exception as exc:  # the repeat path is an optimisation: never a failed call
             log_once(f"repeatkey:{self.pid}", f"flight recorder: no repeat path ({exc!r})")
@@ -319,6 +332,11 @@ class RingRecorder:
                     self._repeats.move_to_end(seen[0])
                 done = self._again(rep, index, seen[1])
                 if done is not _MISS:
+                    lane = _Lane.of(rep, args, kwargs, seen)
+                    if lane is not None and probe is not None:
+                        if len(self._lanes) >= 4 * _REPEATS_MAX:
+                            self._lanes.clear()
+                        self._lanes[probe] = lane
                     return done  # type: ignore[return-value]
         import torch
 
@@ -456,6 +474,7 @@ class RingRecorder:
                         )  # fmt: skip
                     except Exception as exc:  # the call is reserved: it must still be recorded
                         self._repeats.pop(seen[0], None)
+                        self._lanes.clear()
                         log_once(
                             f"repeatnote:{self.pid}",
                             f"flight recorder: no repeat template ({type(exc).__name__}: {exc})",
@@ -514,6 +533,7 @@ class RingRecorder:
         rep = None
         if len(seen[1]) == len(tensors) and all(a is b for a, b in zip(seen[1], tensors)):
             rep = self._remember(tensors, cached, meta, want, generation, j, direct, device)
+        self._lanes.clear()  # a lane leads to the template a key had: it may be gone now
         if rep is None:
             self._repeats.pop(key, None)
             return
@@ -806,6 +826,9 @@ class RingRecorder:
 
             # The folder and names the launcher's salvage uses: flushing twice writes the same.
             out = Path(self.cfg.out) / f"flight.{socket.gethostname()}"
+            if self._cuda is not None:
+                with self.lock:
+                    self._cuda.drain(wait=True)
             dumps, temporary = self._dump_device_tier(j.path)
             try:
                 res = salvage_journal(
@@ -914,6 +937,7 @@ _KWARGS = object()  # `_fingerprint`: the keyword arguments follow
 _SENTINEL = 7_319_846_250_183_746_000
 _LEAVES = frozenset({type(None), bool, int, str})  # exact types: equal values encode equally
 _INLINE_LEAVES = frozenset({type(None), bool, int})  # `_walk`'s leaves without a length check
+_LANE_LEAVES = _LEAVES  # a lane's leaves: compared with ==, encoded as their value
 # A repeat key's bounds (argtree.encode cuts deeper or larger trees with placeholders, and the
 # keys are kept): beyond them a call takes the full path.
 _KEY_DEPTH = 16
@@ -1045,6 +1069,115 @@ def _repeat_key(
             )
         )
     return (target, called_as, tuple(structure), tuple(facts)), tensors
+
+
+def _probe(target: str, called_as: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Where to look for a call's lane: the identities of its arguments, of the items of its
+    list and tuple arguments one level down, and its keyword names (cheap, and distinct for the
+    layers of a model, whose weights differ; a lane checks the rest)."""
+    ids: list[Any] = [target, called_as]
+    for v in args:
+        tp = type(v)
+        if tp is tuple or tp is list:
+            ids.append(len(v))
+            ids += map(id, v)
+        else:
+            ids.append(id(v))
+    if kwargs:
+        for k, v in kwargs.items():
+            ids.append(k)
+            tp = type(v)
+            if tp is tuple or tp is list:
+                ids.append(len(v))
+                ids += map(id, v)
+            else:
+                ids.append(id(v))
+    return tuple(ids)
+
+
+class _Lane:
+    """A repeat recognised without its repeat key: the arguments' shape one level deep (list and
+    tuple arguments of tensors and plain leaves), the tensors expected at each place (weak
+    references: the same objects) and their `_facts`. `tensors` gives the call's tensor list, as
+    `_repeat_key` would, exactly when the key would be the repeat's own; else None."""
+
+    __slots__ = ("containers", "facts", "kwkeys", "leaves", "nargs", "places", "rep")
+
+    def __init__(self, rep: _Repeat, nargs: int, kwkeys: tuple[str, ...]) -> None:
+        self.rep = rep
+        self.nargs = nargs
+        self.kwkeys = kwkeys
+        self.containers: list[tuple[int, type, int]] = []  # (argument, type, length)
+        self.leaves: list[tuple[int, int, type, Any]] = []  # (argument, item or -1, type, value)
+        self.places: list[tuple[int, int, int]] = []  # (argument, item or -1, tensor index)
+        self.facts: tuple[Any, ...] = ()
+
+    @classmethod
+    def of(
+        cls, rep: _Repeat, args: tuple[Any, ...], kwargs: dict[str, Any], seen: tuple[Any, Any]
+    ) -> _Lane | None:
+        """The lane of a call whose repeat key `seen` found `rep`; None for arguments deeper
+        than a lane checks (they keep the repeat key)."""
+        key, tensors = seen
+        lane = cls(rep, len(args), tuple(kwargs))
+        at = {id(t): i for i, t in enumerate(tensors)}
+        for i, v in enumerate((*args, *kwargs.values())):
+            tp = type(v)
+            if tp in _TENSOR_TYPES:
+                lane.places.append((i, -1, at[id(v)]))
+            elif tp in _LANE_LEAVES and not (tp is str and len(v) > _KEY_STR):
+                lane.leaves.append((i, -1, tp, v))
+            elif tp is tuple or tp is list:
+                lane.containers.append((i, tp, len(v)))
+                for j, x in enumerate(v):
+                    tx = type(x)
+                    if tx in _TENSOR_TYPES:
+                        lane.places.append((i, j, at[id(x)]))
+                    elif tx in _LANE_LEAVES and not (tx is str and len(x) > _KEY_STR):
+                        lane.leaves.append((i, j, tx, x))
+                    else:
+                        return None
+            else:
+                return None
+        if len(at) != len(rep.refs):
+            return None
+        lane.facts = key[3]
+        return lane
+
+    def tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
+        if len(args) != self.nargs or tuple(kwargs) != self.kwkeys:
+            return None
+        vals = (*args, *kwargs.values()) if kwargs else args
+        for i, tp, n in self.containers:
+            c = vals[i]
+            if type(c) is not tp or len(c) != n:
+                return None
+        for i, j, tp, v in self.leaves:
+            x = vals[i] if j < 0 else vals[i][j]
+            if type(x) is not tp or x != v:
+                return None
+        refs = self.rep.refs
+        out: list[Any] = [None] * len(refs)
+        for i, j, k in self.places:
+            x = vals[i] if j < 0 else vals[i][j]
+            if x is not refs[k]():
+                return None
+            out[k] = x
+        for t, f in zip(out, self.facts):  # `_facts`, inline
+            p = t.data_ptr()
+            if (
+                p,
+                t.shape,
+                t.stride(),
+                t.dtype,
+                t.storage_offset(),
+                t.is_conj(),
+                t.is_neg(),
+                t.requires_grad,
+                None if p else t.device,
+            ) != f:
+                return None
+        return out
 
 
 def _facts(t: Any) -> tuple[Any, ...]:

@@ -585,3 +585,17 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
 extern "C" __global__ void kd_mark(const u64* src, u64* dst) {
   *(volatile u64*)dst = *(const volatile u64*)src;
 }
+
+// A batch of `post` markers (eager calls' host copies, issued on the side stream after the
+// batch's D2H copies): thread k copies word src[k] to dst[k], k < n. One block of KD_MAX_MARKS.
+#define KD_MAX_MARKS 32
+struct Marks {
+  u64 n;
+  const u64* src[KD_MAX_MARKS];
+  u64* dst[KD_MAX_MARKS];
+};
+
+extern "C" __global__ void kd_marks(const Marks m) {
+  const unsigned k = threadIdx.x;
+  if (k < m.n) *(volatile u64*)m.dst[k] = *(const volatile u64*)m.src[k];
+}
