@@ -59,10 +59,7 @@ def main() -> None:
     for _ in range(3):
         fn(*args, **kwargs)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(opt.calls):
-        fn(*args, **kwargs)
-    plain = (time.perf_counter() - t0) / opt.calls * 1e6
+    plain = host_us(fn, args, kwargs, opt.calls)
     torch.cuda.synchronize()
     shm = Path(tempfile.mkdtemp(prefix="kdump-prof-", dir="/dev/shm"))
     ring = RingConfig(slots=64, slot_bytes=1 << 20, journal_dir=shm, device_bytes=1 << 30)
@@ -80,22 +77,14 @@ def main() -> None:
             fn(*args, **kwargs)
         torch.cuda.synchronize()
         prof = cProfile.Profile()
-        t = time.perf_counter()
-        prof.enable()
-        for _ in range(opt.calls):
-            fn(*args, **kwargs)
-        prof.disable()
-        host = (time.perf_counter() - t) / opt.calls * 1e6
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(opt.calls):
-            fn(*args, **kwargs)
-        bare_rec = (time.perf_counter() - t) / opt.calls * 1e6
+        host = host_us(fn, args, kwargs, opt.calls, prof)
+        bare_rec = host_us(fn, args, kwargs, opt.calls)
         torch.cuda.synchronize()
         no_memo = _without_memo(fn, args, kwargs, opt.calls)
         torch.cuda.synchronize()
         split = _split(fn, args, kwargs, opt.calls)
         torch.cuda.synchronize()
+        before = _as_before(rec.recorder, fn, args, kwargs, opt.calls)
         t = time.perf_counter()
     phases["leaving the recording (flush)"] = time.perf_counter() - t
     try:
@@ -110,6 +99,11 @@ def main() -> None:
     print(
         f"recorded, the device enqueue computed every call (no per-slot memo): {no_memo:.1f} "
         f"(+{no_memo - plain:.1f})"
+    )
+    print(
+        "the same run with each call's host copies issued on their own (batch of 1: the driver "
+        "calls per call of the earlier code) and no lanes (the repeat key every call): "
+        f"{before:.1f} (+{before - plain:.1f})"
     )
     print(
         "floor of a device-side recorder, same run, added us per call: "
@@ -127,6 +121,32 @@ def main() -> None:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats(key).print_stats(opt.top)
         print(s.getvalue())
+
+
+CHUNK = 40  # calls enqueued between two synchronisations (see host_us)
+
+
+def host_us(fn: Any, args: tuple, kwargs: dict, calls: int, prof: Any = None) -> float:
+    """Host us per call of `calls` calls, timed in chunks of CHUNK with the device synchronised
+    between chunks, outside the clock: the GEMM takes ~230 us of device time against ~20 us of
+    host time, so an unbroken loop fills the launch queue (about a thousand entries) and then
+    measures how fast the device drains it, not what the host pays."""
+    torch.cuda.synchronize()
+    total = 0.0
+    done = 0
+    while done < calls:
+        n = min(CHUNK, calls - done)
+        t = time.perf_counter()
+        if prof is not None:
+            prof.enable()
+        for _ in range(n):
+            fn(*args, **kwargs)
+        if prof is not None:
+            prof.disable()
+        total += time.perf_counter() - t
+        torch.cuda.synchronize()
+        done += n
+    return total / calls * 1e6
 
 
 def _floor(fn: Any, args: tuple, kwargs: dict, calls: int, plain: float) -> dict[str, float]:
@@ -154,13 +174,7 @@ def _floor(fn: Any, args: tuple, kwargs: dict, calls: int, plain: float) -> dict
     def timed(f: Any) -> float:
         for _ in range(3):
             f(*args, **kwargs)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(calls):
-            f(*args, **kwargs)
-        us = (time.perf_counter() - t) / calls * 1e6
-        torch.cuda.synchronize()
-        return us - plain
+        return host_us(f, args, kwargs, calls) - plain
 
     out = {"Python wrapper binding the arguments": timed(wrapper)}
     drv = cudrv.driver()
@@ -188,6 +202,24 @@ def _floor(fn: Any, args: tuple, kwargs: dict, calls: int, plain: float) -> dict
     return out
 
 
+def _as_before(recorder: Any, fn: Any, args: tuple, kwargs: dict, calls: int) -> float:
+    """Host us per recorded call with batches of one host copy and lanes that never match."""
+    from kdump.record import ring as ring_mod
+
+    cuda = recorder._cuda
+    batch, tensors = cuda.batch, ring_mod._Lane.tensors
+    cuda.drain()
+    cuda.batch = 1
+    ring_mod._Lane.tensors = lambda self, a, k: None  # type: ignore[method-assign]
+    try:
+        for _ in range(3):
+            fn(*args, **kwargs)
+        return host_us(fn, args, kwargs, calls)
+    finally:
+        cuda.batch = batch
+        ring_mod._Lane.tensors = tensors  # type: ignore[method-assign]
+
+
 def _without_memo(fn: Any, args: tuple, kwargs: dict, calls: int) -> float:
     """Host us per recorded call with `DeviceCopies.copy` given no memo (an eager repeat's
     enqueue computed in full every call, as before the memo)."""
@@ -200,16 +232,14 @@ def _without_memo(fn: Any, args: tuple, kwargs: dict, calls: int) -> float:
 
     devcopy.DeviceCopies.copy = copy  # type: ignore[method-assign]
     try:
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn(*args, **kwargs)
-        return (time.perf_counter() - t) / calls * 1e6
+        return host_us(fn, args, kwargs, calls)
     finally:
         devcopy.DeviceCopies.copy = copy0  # type: ignore[method-assign]
 
 
 def _split(fn: Any, args: tuple, kwargs: dict, calls: int) -> dict[str, float]:
-    """Host us per recorded call in its parts: the repeat decision (`_repeat_key`), the repeat
+    """Host us per recorded call in its parts: the repeat decision (`_probe`, the lane's check,
+    `_repeat_key` where the lane did not take the call), the repeat
     path's bookkeeping (`_again` less the device enqueue), the device enqueue (`DeviceCopies.
     copy` and the done marker after the call: its driver calls), and the rest (the hook, the
     trigger, the call itself)."""
@@ -250,13 +280,28 @@ def _split(fn: Any, args: tuple, kwargs: dict, calls: int) -> dict[str, float]:
 
     ring_mod._repeat_key, ring_mod.RingRecorder._again = key, again
     devcopy.DeviceCopies.copy = copy
-    try:
+    probe0, lane0 = ring_mod._probe, ring_mod._Lane.tensors
+
+    def probe(*a: Any) -> Any:
         t = clock()
-        for _ in range(calls):
-            fn(*args, **kwargs)
-        acc["total"] = clock() - t
+        try:
+            return probe0(*a)
+        finally:
+            acc["repeat decision"] += clock() - t
+
+    def lane(*a: Any) -> Any:
+        t = clock()
+        try:
+            return lane0(*a)
+        finally:
+            acc["repeat decision"] += clock() - t
+
+    ring_mod._probe, ring_mod._Lane.tensors = probe, lane  # type: ignore[method-assign]
+    try:
+        acc["total"] = host_us(fn, args, kwargs, calls) * calls / 1e6
     finally:
         ring_mod._repeat_key, ring_mod.RingRecorder._again = key0, again0
+        ring_mod._probe, ring_mod._Lane.tensors = probe0, lane0  # type: ignore[method-assign]
         devcopy.DeviceCopies.copy = copy0
     out = {k: v / calls * 1e6 for k, v in acc.items()}
     parts = out["repeat decision"] + out["bookkeeping"] + out["device enqueue"]
