@@ -311,18 +311,21 @@ class RingRecorder:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Callable[[], None] | None:
-        probe = None
+        probe = lane = tensors = None
         try:
             probe = _probe(st.id, called_as, args, kwargs)
             lane = self._lanes.get(probe)
             if lane is not None:
                 tensors = lane.tensors(args, kwargs)
-                if tensors is not None:
-                    done = self._again(lane.rep, index, tensors)
-                    if done is not _MISS:
-                        return done  # type: ignore[return-value]
-            seen = _repeat_key(st.id, called_as, args, kwargs)
         except Exception as exc:  # the repeat path is an optimisation: never a failed call
+            log_once(f"repeatlane:{self.pid}", f"flight recorder: no lane ({exc!r})")
+        if lane is not None and tensors is not None:
+            done = self._again(lane.rep, index, tensors)
+            if done is not _MISS:
+                return done  # type: ignore[return-value]
+        try:
+            seen = _repeat_key(st.id, called_as, args, kwargs)
+        except Exception as exc:
             log_once(f"repeatkey:{self.pid}", f"flight recorder: no repeat path ({exc!r})")
             seen = None
         if seen is not None:
