@@ -251,12 +251,15 @@ def _split(fn: Any, args: tuple, kwargs: dict, calls: int) -> dict[str, float]:
     key0, again0 = ring_mod._repeat_key, ring_mod.RingRecorder._again
     copy0 = devcopy.DeviceCopies.copy
 
-    def key(*a: Any, **k: Any) -> Any:
-        t = clock()
-        try:
-            return key0(*a, **k)
-        finally:
-            acc["repeat decision"] += clock() - t
+    def charged(f: Any, part: str) -> Any:
+        def timed(*a: Any, **k: Any) -> Any:
+            t = clock()
+            try:
+                return f(*a, **k)
+            finally:
+                acc[part] += clock() - t
+
+        return timed
 
     def again(*a: Any, **k: Any) -> Any:
         t = clock()
@@ -278,25 +281,12 @@ def _split(fn: Any, args: tuple, kwargs: dict, calls: int) -> dict[str, float]:
 
         return timed
 
-    ring_mod._repeat_key, ring_mod.RingRecorder._again = key, again
+    ring_mod._repeat_key = charged(key0, "repeat decision")
+    ring_mod.RingRecorder._again = again  # type: ignore[method-assign]
     devcopy.DeviceCopies.copy = copy
     probe0, lane0 = ring_mod._probe, ring_mod._Lane.tensors
-
-    def probe(*a: Any) -> Any:
-        t = clock()
-        try:
-            return probe0(*a)
-        finally:
-            acc["repeat decision"] += clock() - t
-
-    def lane(*a: Any) -> Any:
-        t = clock()
-        try:
-            return lane0(*a)
-        finally:
-            acc["repeat decision"] += clock() - t
-
-    ring_mod._probe, ring_mod._Lane.tensors = probe, lane  # type: ignore[method-assign]
+    ring_mod._probe = charged(probe0, "repeat decision")
+    ring_mod._Lane.tensors = charged(lane0, "repeat decision")  # type: ignore[method-assign]
     try:
         acc["total"] = host_us(fn, args, kwargs, calls) * calls / 1e6
     finally:

@@ -338,7 +338,7 @@ def test_repeat_key_facts_are_the_facts_of_each_tensor():
     c = torch.zeros(2, dtype=torch.complex64).conj()
     key, tensors = ring_module._repeat_key("x", "x", (t, (c, 1)), {})
     assert key[3][1][5]  # the conj bit
-    assert key[3] == tuple(ring_module._facts(x) for x in tensors)
+    assert key[3] == tuple(ring_module._facts_of([x])[0] for x in tensors)
 
 
 def _steps(steps: list[tuple[Step, bool | None]]) -> Any:

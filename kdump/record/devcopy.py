@@ -437,8 +437,8 @@ class DeviceCopies:
         again only after its slots were all copied once more."""
         self.batch = max(1, min(gather.MAX_MARKS, slot_count // 4))
         self._pending: list[tuple[int, tuple[tuple[int, int, int], ...], int]] = []
-        self._pending_at: set[int] = set()
-        self._slot_batch: dict[int, int] = {}  # slot index -> the batch that copied it last
+        # slot index -> the batch that copies it last (`_batches` while it waits in `_pending`)
+        self._slot_batch: dict[int, int] = {}
         self._batches = 0  # batches issued
         self._waited: dict[int, int] = {}  # stream -> the newest batch it has waited for
         self._marks = gather.Marks()
@@ -451,7 +451,7 @@ class DeviceCopies:
         is behind `pre` from it; so the copies go to the side stream `batch` calls at a time,
         four driver calls and one per copy for the lot instead of five for every call."""
         self._pending.append((index, host, stream))
-        self._pending_at.add(index)
+        self._slot_batch[index] = self._batches
         if len(self._pending) >= self.batch:
             self._issue()
 
@@ -481,19 +481,16 @@ class DeviceCopies:
                 self._d2h(dst, src, n, side)
         b = self._batches
         self._record(self._batch_events[b % len(self._batch_events)], side)
-        for index, _, _ in pending:
-            self._slot_batch[index] = b
         self._batches = b + 1
         pending.clear()
-        self._pending_at.clear()
 
     def _free(self, index: int, stream: int) -> None:
         """Before an eager call's snapshot overwrites slot `index`'s twin: its last host copy has
         read it. A queued one is issued now; `stream` waits for the batch that holds it unless it
         waited for that one or a later one already (the side stream runs batches in order)."""
-        if index in self._pending_at:
-            self._issue()
         b = self._slot_batch.get(index)
+        if b == self._batches:  # still queued
+            self._issue()
         if b is not None and self._waited.get(stream, -1) < b:
             self._wait(stream, self._batch_events[b % len(self._batch_events)])
             self._waited[stream] = b

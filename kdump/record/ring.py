@@ -1050,28 +1050,12 @@ def _repeat_key(
     target: str, called_as: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Any, list[Any]] | None:
     """(key, tensors): calls with equal keys encode equal argument trees and tensor layouts
-    (`_fingerprint`, `_facts`); None: the call cannot repeat exactly (`_fingerprint`)."""
+    (`_fingerprint`, `_facts_of`); None: the call cannot repeat exactly (`_fingerprint`)."""
     seen = _fingerprint(args, kwargs)
     if seen is None:
         return None
     structure, tensors = seen
-    facts = []
-    for t in tensors:  # `_facts`, inline: a call and a generator step per tensor saved
-        p = t.data_ptr()
-        facts.append(
-            (
-                p,
-                t.shape,
-                t.stride(),
-                t.dtype,
-                t.storage_offset(),
-                t.is_conj(),
-                t.is_neg(),
-                t.requires_grad,
-                None if p else t.device,
-            )
-        )
-    return (target, called_as, tuple(structure), tuple(facts)), tensors
+    return (target, called_as, tuple(structure), _facts_of(tensors)), tensors
 
 
 def _probe(target: str, called_as: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -1101,7 +1085,7 @@ def _probe(target: str, called_as: str, args: tuple[Any, ...], kwargs: dict[str,
 class _Lane:
     """A repeat recognised without its repeat key: the arguments' shape one level deep (list and
     tuple arguments of tensors and plain leaves), the tensors expected at each place (weak
-    references: the same objects) and their `_facts`. `tensors` gives the call's tensor list, as
+    references: the same objects) and their `_facts_of`. `tensors` gives the call's tensor list, as
     `_repeat_key` would, exactly when the key would be the repeat's own; else None."""
 
     __slots__ = ("containers", "facts", "kwkeys", "leaves", "nargs", "places", "rep")
@@ -1166,9 +1150,21 @@ class _Lane:
             if x is not refs[k]():
                 return None
             out[k] = x
-        for t, f in zip(out, self.facts):  # `_facts`, inline
-            p = t.data_ptr()
-            if (
+        if _facts_of(out) != self.facts:
+            return None
+        return out
+
+
+def _facts_of(tensors: list[Any]) -> tuple[tuple[Any, ...], ...]:
+    """What the recorded layout of each tensor depends on besides its version: `_signature`'s
+    facts, the lazy conj / neg bits and requires_grad (`.data =` and `requires_grad_` change them
+    without bumping the version); the device where the address does not tell it. One loop for
+    all of a call's tensors: a call per tensor costs the repeat path a microsecond."""
+    out = []
+    for t in tensors:
+        p = t.data_ptr()
+        out.append(
+            (
                 p,
                 t.shape,
                 t.stride(),
@@ -1178,28 +1174,9 @@ class _Lane:
                 t.is_neg(),
                 t.requires_grad,
                 None if p else t.device,
-            ) != f:
-                return None
-        return out
-
-
-def _facts(t: Any) -> tuple[Any, ...]:
-    """What the recorded layout of a tensor depends on besides its version: `_signature`'s facts,
-    the lazy conj / neg bits and requires_grad (`.data =` and `requires_grad_` change them
-    without bumping the version); the device where the address does not tell it. (`_repeat_key`
-    has a copy of it inline; a test keeps the two equal.)"""
-    p = t.data_ptr()
-    return (
-        p,
-        t.shape,
-        t.stride(),
-        t.dtype,
-        t.storage_offset(),
-        t.is_conj(),
-        t.is_neg(),
-        t.requires_grad,
-        None if p else t.device,
-    )
+            )
+        )
+    return tuple(out)
 
 
 @dataclass(frozen=True)
