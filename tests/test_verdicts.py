@@ -421,6 +421,22 @@ def test_noise_that_follows_the_poison_for_a_while_is_not_an_overread(
     assert v.exit_code == ExitCode.CLEAN, shown
 
 
+def test_rows_that_change_at_random_are_not_an_overread(tmp_path: Path) -> None:
+    """A kernel whose rows change at random on every run (odds of one half per row, 64 rows)
+    passes one round of the single-halo trials with some of its rows by chance; once the
+    controls have seen the outputs change, a read has to follow its poison ten rounds in a row."""
+    x = torch.randn(64, 8)
+    path = _one(tmp_path / "r.kdump", "targets.replay_targets:row_lottery",
+                [x, torch.empty(64, 8)], ["x", "out"], [1], lambda x, out: out.copy_(x))  # fmt: skip
+    [v] = replay([path], device="cpu", repeat=1)
+    shown = "\n".join(f"{s.name} {s.status} {s.message}" for s in v.steps)
+    assert "memory" not in {f.kind for f in v.findings}, shown
+    steps = {s.name: s for s in v.steps}
+    assert steps["eager/halo differential"].status == "fail", shown  # it did look like a read
+    assert "nondeterminism" in steps["eager/halo (every one)"].message, shown
+    assert v.exit_code == ExitCode.MISMATCH, shown
+
+
 def test_cpu_overread_without_halo_is_a_mismatch(tmp_path: Path) -> None:
     """--halo 0 places no halo and runs no differential: what remains is the mismatch."""
     path = _tail_bundle(tmp_path / "tail.kdump", "tail_overread", torch.full((4,), 1e23))

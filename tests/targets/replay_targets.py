@@ -81,3 +81,18 @@ def scripted_noise(x: torch.Tensor, out: torch.Tensor) -> None:
 
 
 _scripted_calls = 0
+
+
+def row_lottery(x: torch.Tensor, out: torch.Tensor) -> None:
+    """out = x, except that each row comes out off by 1000 with odds of one half on every call
+    (seeded by the call's number in this process, so a test sees the same draws every time):
+    what atomics deciding which rows a kernel writes look like, whatever the halos hold."""
+    global _lottery_calls
+    n, _lottery_calls = _lottery_calls, _lottery_calls + 1
+    gen = torch.Generator().manual_seed(1000 + n)
+    flip = torch.rand(x.shape[0], generator=gen) < 0.5
+    out.copy_(x)
+    out[flip] += 1000.0
+
+
+_lottery_calls = 0
