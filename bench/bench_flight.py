@@ -12,12 +12,17 @@ expert (A is always 36,864 rows: every expert padded to 128). For each:
 * the step with one empty one-thread kernel before the GEMM (the floor of any recorder that adds
   one node per recorded call: the snapshot kernel, which also writes the previous site's done
   marker) and with two around it (what a snapshot plus a done-marker node would cost);
-* eager host time per call, unhooked and recorded (the call signature cache warm);
+* eager host time per call, unhooked and recorded (the call signature cache warm), at least
+  400 calls timed in chunks with the device synchronised between them (bench/_timing.py);
 
 then the copy throughput of each tier: the snapshot kernel's D2D against a plain D2D copy of the
 same bytes, the journal's pinned D2H against a plain pinned buffer.
 
-    python bench/bench_flight.py [--iters 50]
+    python bench/bench_flight.py [--iters 50] [--pdl] [--define NAME=VALUE]
+
+`--pdl` launches the GEMM with programmatic dependent launch (DeepGEMM's `set_pdl(True)`), every
+column of the run: the snapshot kernel lets such a kernel start its prologue early.
+`--define KD_EARLY_LAUNCH=2` records with that #define of kdump/record/snapshot.cu changed.
 
 Needs DeepGEMM (the GEMM measured) or --backend packaged (kdump's packaged kernel).
 """
@@ -34,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _timing import CHUNK, host_us
 
 import kdump
 from kdump.kernels import registry
@@ -120,13 +126,7 @@ def _with_empty_nodes(fn: Callable[..., Any], count: int = 2) -> Callable[..., A
 def _eager_host_us(fn: Callable[..., Any], args: tuple, kwargs: dict, iters: int) -> float:
     for _ in range(3):
         fn(*args, **kwargs)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn(*args, **kwargs)
-    host = (time.perf_counter() - t0) / iters * 1e6
-    torch.cuda.synchronize()
-    return host
+    return host_us(fn, args, kwargs, max(iters, 10 * CHUNK))
 
 
 def _d2d_gbs(nbytes: int) -> float:
@@ -191,8 +191,25 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--backend", choices=sorted(MODULES), default="deep_gemm")
+    p.add_argument("--pdl", action="store_true", help="launch the GEMM with PDL (set_pdl)")
+    p.add_argument(
+        "--define",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="record with snapshot.cu built with this #define changed (repeatable)",
+    )
     opt = p.parse_args()
+    if opt.define:
+        _redefine(opt.define)
     fn = gemm(opt.backend)
+    if opt.pdl:
+        import deep_gemm
+
+        if not hasattr(deep_gemm, "set_pdl"):
+            raise SystemExit("--pdl: this deep_gemm has no set_pdl")
+        deep_gemm.set_pdl(True)
+        print(f"GEMM launched with PDL (deep_gemm.get_pdl() = {deep_gemm.get_pdl()})")
 
     shm = Path(tempfile.mkdtemp(prefix="kdump-bench-", dir="/dev/shm"))
     d2d = _d2d_gbs(256 << 20)
@@ -244,6 +261,22 @@ def main() -> None:
             print(f"| {n} | {k} | {tokens} | " + " | ".join(cells) + " |")
     print(f"\ndevice tier: {facts}")
     _throughput(shm)
+
+
+def _redefine(defines: list[str]) -> None:
+    """Record with a variant of the snapshot kernel: its #defines changed (its own cache entry)."""
+    import re
+
+    from kdump.record import gather
+
+    src = gather.kernel_source()
+    for kv in defines:
+        name, _, value = kv.partition("=")
+        src, n = re.subn(rf"(#define {re.escape(name)}) \S+", rf"\g<1> {value}", src)
+        if n != 1:
+            raise SystemExit(f"--define {kv}: no #define {name} in snapshot.cu")
+    gather.kernel_source = lambda: src  # type: ignore[assignment]
+    print(f"snapshot kernel built with {', '.join(defines)}")
 
 
 def _timed(run: Callable[[], None], nbytes: int) -> float:

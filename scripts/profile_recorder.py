@@ -21,6 +21,9 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from _timing import host_us
+
 import kdump
 from kdump.kernels import registry
 from kdump.record.config import RingConfig
@@ -121,32 +124,6 @@ def main() -> None:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats(key).print_stats(opt.top)
         print(s.getvalue())
-
-
-CHUNK = 40  # calls enqueued between two synchronisations (see host_us)
-
-
-def host_us(fn: Any, args: tuple, kwargs: dict, calls: int, prof: Any = None) -> float:
-    """Host us per call of `calls` calls, timed in chunks of CHUNK with the device synchronised
-    between chunks, outside the clock: the GEMM takes ~230 us of device time against ~20 us of
-    host time, so an unbroken loop fills the launch queue (about a thousand entries) and then
-    measures how fast the device drains it, not what the host pays."""
-    torch.cuda.synchronize()
-    total = 0.0
-    done = 0
-    while done < calls:
-        n = min(CHUNK, calls - done)
-        t = time.perf_counter()
-        if prof is not None:
-            prof.enable()
-        for _ in range(n):
-            fn(*args, **kwargs)
-        if prof is not None:
-            prof.disable()
-        total += time.perf_counter() - t
-        torch.cuda.synchronize()
-        done += n
-    return total / calls * 1e6
 
 
 def _floor(fn: Any, args: tuple, kwargs: dict, calls: int, plain: float) -> dict[str, float]:
