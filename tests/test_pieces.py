@@ -397,3 +397,34 @@ def test_gpu_sync_recording_into_the_store_in_pieces(tmp_path: Path) -> None:
     [(view, named)] = sink.put([x.view(torch.uint8)], [0])
     assert isinstance(named, Pieces) and len(named.digests) == 4
     assert bytes(view.numpy()) == _bits(x.cpu())
+
+
+def test_allocated_range_keeps_what_the_file_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer allocates a large span's range before writing it: the file reads the same as
+    one written without (the gap before the span a hole of zeros), and where the system cannot
+    allocate, the write goes on as before."""
+    import os
+
+    from kdump.bundle import spool
+
+    data = bytes(range(256)) * (2 * MIB // 256) + b"tail"
+    assert len(data) >= spool.ALLOCATE_MIN
+    at = 4096 + 5
+    fd = os.open(tmp_path / "empty.bin", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if spool.allocate(fd, 0, 3 * MIB):
+            assert os.fstat(fd).st_size == 3 * MIB
+            assert os.pread(fd, 3 * MIB, 0) == bytes(3 * MIB)
+    finally:
+        os.close(fd)
+    for name, fallocate in (("with", spool._allocate), ("without", None)):
+        monkeypatch.setattr(spool, "_allocate", fallocate)
+        path = tmp_path / f"{name}.bin"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            spool.write_groups(fd, memoryview(data), at)
+        finally:
+            os.close(fd)
+        assert path.read_bytes() == bytes(at) + data

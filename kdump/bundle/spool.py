@@ -144,8 +144,52 @@ def hash_only(view: memoryview) -> Digests:
     return h.digests()
 
 
+# Spans from this size have their range of the file allocated before they are written: a
+# buffered write over allocated (unwritten) blocks skips the file system's per-block delayed
+# allocation (ext4: a third less system time for a 40 MB span; no gain below about 1 MiB).
+ALLOCATE_MIN = 1 << 20
+
+
+def _fallocate() -> Callable[[int, int, int], int] | None:
+    """fallocate(2) (mode 0: allocate, extending the file), or None where there is none."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        # The 64-bit offset entry; plain fallocate takes them only where off_t is 64 bits.
+        fn = getattr(libc, "fallocate64", None)
+        if fn is None and ctypes.sizeof(ctypes.c_long) == 8:
+            fn = libc.fallocate
+    except (OSError, AttributeError):
+        return None
+    if fn is None:
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    fn.restype = ctypes.c_int
+
+    def allocate(fd: int, offset: int, length: int) -> int:
+        return int(fn(fd, 0, offset, length))
+
+    return allocate
+
+
+_allocate = _fallocate()
+
+
+def allocate(fd: int, offset: int, length: int) -> bool:
+    """Allocate `length` bytes of `fd` from `offset` (what the file holds is unchanged: a hole
+    becomes blocks that read as zeros). A hint: False where the file system or the system
+    cannot (the write that follows then allocates as it goes, and reports a full disk)."""
+    return _allocate is not None and length > 0 and _allocate(fd, offset, length) == 0
+
+
 def write_groups(fd: int, view: memoryview, at: int) -> None:
-    """Write `view` to `fd` at `at` in PASS_WRITE groups (the file writer's job)."""
+    """Write `view` to `fd` at `at` in PASS_WRITE groups (the file writer's job), its range
+    allocated first (ALLOCATE_MIN)."""
+    if len(view) >= ALLOCATE_MIN:
+        allocate(fd, at, len(view))
     for lo in range(0, len(view), PASS_WRITE):
         pwrite_all(fd, view[lo : lo + PASS_WRITE], at + lo)
 
