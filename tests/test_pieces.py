@@ -428,3 +428,39 @@ def test_allocated_range_keeps_what_the_file_reads(
         finally:
             os.close(fd)
         assert path.read_bytes() == bytes(at) + data
+
+
+def test_write_and_hash_writes_in_order_and_names_every_piece(tmp_path: Path) -> None:
+    """The spool's CPU path: the calling thread writes the spans in order while the pool hashes
+    the pieces (largest first, not in the order given); each piece gets its own digests, in the
+    order given, and the file holds every span at its offset."""
+    import os
+
+    from kdump.bundle.spool import write_and_hash
+    from kdump.bundle.store import blob_digests
+
+    spans = [os.urandom(n) for n in (3 * MIB + 7, 5 * MIB, MIB + 1, 2 * MIB)]
+    offsets, pos = [], 0
+    for s in spans:
+        offsets.append(pos)
+        pos += len(s) + 4096  # a gap after each span
+    views = [memoryview(s) for s in spans]
+    pieces = [v[lo:hi] for v in views for lo, hi in piece_cuts(len(v), 2 * MIB)]
+    assert sorted(map(len, pieces), reverse=True) != list(map(len, pieces))
+    path = tmp_path / "f.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        got = write_and_hash(fd, list(zip(views, offsets)), pieces)
+    finally:
+        os.close(fd)
+    assert got == [blob_digests(p) for p in pieces]
+    raw = path.read_bytes()
+    for s, at in zip(spans, offsets):
+        assert raw[at : at + len(s)] == s
+    # a write that fails is reported (after every hashing worker finished)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError):
+            write_and_hash(fd, list(zip(views, offsets)), pieces)
+    finally:
+        os.close(fd)

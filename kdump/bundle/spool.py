@@ -13,6 +13,7 @@ are, and the bundle appears by one rename.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import hashlib
@@ -20,7 +21,7 @@ import mmap
 import os
 import struct
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 from kdump.bundle import bytecmp
 from kdump.bundle.format import ALIGN_MOD, STORE_DIRNAME
 from kdump.bundle.store import (
+    HASH_THREADS,
     BlobStore,
     Pieces,
     ProcessPool,
@@ -206,6 +208,51 @@ def hash_write(fd: int, view: memoryview, at: int) -> Digests:
     return h.digests()
 
 
+def write_and_hash(
+    fd: int, writes: Sequence[tuple[memoryview, int]], pieces: Sequence[memoryview]
+) -> list[Digests]:
+    """Write each (bytes, offset) of `writes` to `fd`, in order, on the calling thread, while
+    pool workers hash `pieces` (the largest first, so that no core is left with one large piece
+    at the end); once its writes are done the calling thread hashes what is left beside them.
+    Buffered writes into one file are serialised by the file system, so one thread writes; one
+    worker fewer than the pool's threads hashes beside it, so that the write never waits for a
+    core. The digests of `pieces`, in order; returns when every write and every hash is done."""
+    todo = collections.deque(sorted(range(len(pieces)), key=lambda k: -len(pieces[k])))
+    out: list[Digests | None] = [None] * len(pieces)
+
+    def drain() -> None:
+        while True:
+            try:
+                k = todo.popleft()
+            except IndexError:
+                return
+            out[k] = hash_only(pieces[k])
+
+    helpers = [
+        submit_or_run(pool().submit, drain)
+        for _ in range(max(1, min(HASH_THREADS - 1, len(pieces))))
+    ]
+    errors: list[BaseException] = []
+    try:
+        for view, at in writes:
+            write_groups(fd, view, at)
+        drain()
+    except BaseException as exc:
+        todo.clear()  # the put fails: nothing more to hash
+        errors.append(exc)
+    finally:
+        for h in helpers:
+            if h.cancel():  # not started: the pieces were hashed here
+                continue
+            try:
+                h.result()
+            except BaseException as exc:  # every worker is waited for: they read the sources
+                errors.append(exc)
+    if errors:
+        raise errors[0]
+    return out  # type: ignore[return-value]
+
+
 class _Region:
     """One span written (or being written) into the file, relative to the data section."""
 
@@ -269,19 +316,18 @@ class Spool:
     ) -> list[tuple[torch.Tensor, Named]]:
         """Write each source span (a contiguous uint8 tensor, CPU or CUDA) into the file; for each,
         a CPU uint8 tensor of the bytes as written (a private view of the file) and the digests
-        (`Pieces` for a span larger than the piece size: each piece hashed and written by a pool
-        worker of its own). Sources with the same bytes are written once. Returns when every
-        byte is in the file."""
+        (`Pieces` for a span larger than the piece size: each piece hashed on its own). CPU
+        spans are written by this thread while the pool hashes them, device spans by pool
+        workers. Sources with the same bytes are written once. Returns when every byte is in
+        the file."""
         fd = self._open(records)
         piece = piece_bytes()
         spans: list[list[_Region]] = []
         jobs: list[tuple[_Region, Future[Digests]]] = []
-        writes: list[Future[None]] = []
-        # One thread writes this file's CPU spans, in file order, while the hashing pool hashes
-        # their pieces: buffered writes into one file are serialised by the file system, so more
-        # writers only wait for each other (and hold hashing threads). Its own per put: writes
-        # into other files (another thread's bundle) still run beside it.
-        writer: ThreadPoolExecutor | None = None
+        # The CPU spans are written once every span has its place, by this thread, in file
+        # order, while the hashing pool hashes their pieces (`write_and_hash`).
+        writes: list[tuple[memoryview, int]] = []
+        pieces: list[tuple[_Region, memoryview]] = []
         # CPU sources written, by size and edge bytes: equal bytes have equal names, so a source
         # is compared with the earlier ones that could be equal instead of being written twice.
         firsts: dict[tuple[int, bytes], list[tuple[torch.Tensor, list[_Region]]]] = {}
@@ -318,16 +364,13 @@ class Spool:
                 spans.append(regions)
                 at = self._reserved + start
                 if src.device.type == "cpu":
-                    # Each piece is hashed by a pool worker while the file's one writer writes
-                    # the span in file order: the hashing spreads over the cores and overlaps
-                    # the write, which one file cannot spread.
+                    # Each piece is hashed by a pool worker while the span is written in file
+                    # order: the hashing spreads over the cores and overlaps the write, which
+                    # one file cannot spread.
                     firsts.setdefault(key, []).append((src, regions))
                     view = cpu_view(src)
-                    if writer is None:
-                        writer = ThreadPoolExecutor(1, thread_name_prefix="kdump-file")
-                    writes.append(submit_or_run(writer.submit, write_groups, fd, view, at))
-                    for (lo, hi), r in zip(cuts, regions):
-                        jobs.append((r, submit_or_run(pool().submit, hash_only, view[lo:hi])))
+                    writes.append((view, at))
+                    pieces += [(r, view[lo:hi]) for (lo, hi), r in zip(cuts, regions)]
                 else:
                     if n >= DEVICE_DEDUP_MIN:
                         dev_firsts.setdefault((src.device, n), []).append((src, regions))
@@ -341,6 +384,10 @@ class Spool:
                             streams[src.device],
                         )
                         jobs.append((r, job))
+            if writes:
+                digests = write_and_hash(fd, writes, [v for _, v in pieces])
+                for (region, _), dig in zip(pieces, digests):
+                    region.digests = dig
         finally:
             errors: list[BaseException] = []
             for region, job in jobs:
@@ -348,13 +395,6 @@ class Spool:
                     region.digests = job.result()
                 except BaseException as exc:  # wait for every job before reporting: they share fd
                     errors.append(exc)
-            for w in writes:
-                try:
-                    w.result()
-                except BaseException as exc:
-                    errors.append(exc)
-            if writer is not None:
-                writer.shutdown()
         if errors:
             raise errors[0]
         self._dedup([r for regions in spans for r in regions])
