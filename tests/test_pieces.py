@@ -159,8 +159,8 @@ def test_large_unchanged_outputs_are_compared_by_their_digests(
     asked: list[bool | None] = []
     real = store.same_as_digests
 
-    def spy(items: Any) -> list[bool | None]:
-        got = real(items)
+    def spy(items: Any, first: Any = None) -> list[bool | None]:
+        got = real(items, first)
         asked.extend(got)
         return got
 
@@ -464,3 +464,32 @@ def test_write_and_hash_writes_in_order_and_names_every_piece(tmp_path: Path) ->
             write_and_hash(fd, list(zip(views, offsets)), pieces)
     finally:
         os.close(fd)
+
+
+def test_large_output_compare_reads_the_first_bytes_exactly() -> None:
+    """A large output compared by its digests has its first bytecmp.PIECE bytes compared with
+    the snapshot by memcmp too: the first EARLY bytes before the digests are asked for, the
+    rest by the job hashing the first piece. Here the digests are those of the live bytes, so
+    only that memcmp can see the snapshot differ."""
+    pytest.importorskip("xxhash")
+    from kdump.bundle import bytecmp, tensors
+    from kdump.bundle.spool import cpu_view
+
+    n = bytecmp.SPLIT_MIN + 3 * MIB
+    live = torch.randint(
+        0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(9)
+    )
+    digests = span_digests(cpu_view(live))  # pieces of 1 MiB (the fixture)
+    assert isinstance(digests, Pieces)
+    for at, same in (
+        (None, True),
+        (10, False),
+        (tensors.EARLY + 3, False),
+        (MIB + 1, False),
+        (bytecmp.PIECE - 1, False),
+    ):
+        snapshot = live.clone()
+        if at is not None:
+            snapshot[at] ^= 1
+        earlier = tensors.Captured(storages=[], tensors=[], data=[snapshot], digests=[digests])
+        assert tensors._same_as_written(earlier, [live], [(0, 0)]) == [same], at

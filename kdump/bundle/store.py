@@ -163,16 +163,21 @@ def submit_or_run(
 
 def same_as_digests(
     items: Sequence[tuple[memoryview, tuple[str, str] | Pieces]],
+    first: Callable[[int], bool] | None = None,
 ) -> list[bool | None]:
     """For each (view, digests): whether `view` holds the bytes that were written under
     `digests`, by their fast check digests (xxh3-128), every piece and every blob on the pool
     at once: one read of the views instead of a compare with a second copy. None where the
     digests carry no fast check or the sizes cannot match, and for every item on a pool worker
-    (whose pool could be waiting on this very call)."""
+    (whose pool could be waiting on this very call).
+
+    `first(k)`, where given, is the caller's own compare of the start of item k (its digests
+    compared): run by the pool job of the item's first piece just before that piece is hashed
+    (the bytes it read then come from cache); False makes the item differ."""
     if _xxhash is None or on_pool_thread():
         return [None] * len(items)
     out: list[bool | None] = []
-    for js in _digest_jobs(items):
+    for js in _digest_jobs(items, first):
         if js is None:
             out.append(None)
             continue
@@ -190,25 +195,33 @@ def same_as_digests(
     return out
 
 
+def _checked_digest(first: Callable[[int], bool], k: int, view: memoryview) -> str:
+    """The fast check digest of `view` (item k's first piece), or "" (no digest) when the
+    caller's compare `first(k)` found the item changed."""
+    return fast_digest(view) if first(k) else ""
+
+
 def _digest_jobs(
     items: Sequence[tuple[memoryview, tuple[str, str] | Pieces]],
+    first: Callable[[int], bool] | None = None,
 ) -> list[list[tuple[Future[str], str]] | None]:
     jobs: list[list[tuple[Future[str], str]] | None] = []
-    for view, digests in items:
+
+    def job(k: int, lo: int, view: memoryview) -> Future[str]:
+        if first is not None and lo == 0:
+            return submit_or_run(pool().submit, _checked_digest, first, k, view)
+        return submit_or_run(pool().submit, fast_digest, view)
+
+    for k, (view, digests) in enumerate(items):
         if isinstance(digests, Pieces):
             cuts = piece_cuts(len(view), digests.size)
             parts = list(zip(cuts, digests.digests))
             if len(cuts) != len(digests.digests) or any(not f for _, (_, f) in parts):
                 jobs.append(None)
                 continue
-            jobs.append(
-                [
-                    (submit_or_run(pool().submit, fast_digest, view[lo:hi]), f)
-                    for (lo, hi), (_, f) in parts
-                ]
-            )
+            jobs.append([(job(k, lo, view[lo:hi]), f) for (lo, hi), (_, f) in parts])
         elif digests[1]:
-            jobs.append([(submit_or_run(pool().submit, fast_digest, view), digests[1])])
+            jobs.append([(job(k, 0, view), digests[1])])
         else:
             jobs.append(None)
     return jobs
