@@ -419,6 +419,7 @@ def test_allocated_range_keeps_what_the_file_reads(
             assert os.pread(fd, 3 * MIB, 0) == bytes(3 * MIB)
     finally:
         os.close(fd)
+    monkeypatch.setattr(spool, "allocation_helps", lambda fd: True)  # whatever tmp_path is on
     for name, fallocate in (("with", spool._allocate), ("without", None)):
         monkeypatch.setattr(spool, "_allocate", fallocate)
         path = tmp_path / f"{name}.bin"
@@ -493,3 +494,28 @@ def test_large_output_compare_reads_the_first_bytes_exactly() -> None:
             snapshot[at] ^= 1
         earlier = tensors.Captured(storages=[], tensors=[], data=[snapshot], digests=[digests])
         assert tensors._same_as_written(earlier, [live], [(0, 0)]) == [same], at
+
+
+def test_allocation_only_where_it_helps(tmp_path: Path) -> None:
+    """Large spans are allocated before their write on ext4 (where it was measured to help),
+    not on tmpfs (where it costs more)."""
+    import os
+
+    from kdump.bundle import spool
+
+    fd = os.open(tmp_path / "probe", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        kind = spool._fs_type(fd)
+        assert spool.allocation_helps(fd) == (
+            spool._allocate is not None and kind in spool.ALLOCATING_FS
+        )
+    finally:
+        os.close(fd)
+    if os.path.isdir("/dev/shm"):
+        fd = os.open(f"/dev/shm/kdump-probe-{os.getpid()}", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if spool._fs_type(fd) == 0x01021994:  # tmpfs
+                assert not spool.allocation_helps(fd)
+        finally:
+            os.close(fd)
+            os.unlink(f"/dev/shm/kdump-probe-{os.getpid()}")
