@@ -343,20 +343,13 @@ def parallel_hash_write(path: Path, views: list[memoryview]) -> None:
 
 
 def hash_beside_one_writer(path: Path, views: list[memoryview]) -> None:
-    """What the bundle writer does: each piece hashed by a pool worker while the file's one
-    writer thread writes the pieces in file order."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from kdump.bundle.spool import hash_only, write_groups
-    from kdump.bundle.store import pool
+    """What the bundle writer does: the calling thread writes the pieces in file order while
+    pool workers hash them (largest first), then hashes what is left beside them."""
+    from kdump.bundle.spool import write_and_hash
 
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        offs = _offsets(views)
-        with ThreadPoolExecutor(1) as writer:
-            writes = [writer.submit(write_groups, fd, v, at) for v, at in zip(views, offs)]
-            for j in [pool().submit(hash_only, v) for v in views] + writes:
-                j.result()
+        write_and_hash(fd, list(zip(views, _offsets(views))), views)
     finally:
         os.close(fd)
 
@@ -371,7 +364,7 @@ def write_apart(work: Path, mb: float, repeat: int) -> dict[str, float]:
         "pool, a file per piece": lambda: parallel_files(work / "wf", views),
         "pool, copies into a shared map of one file": lambda: parallel_map(work / "wm.bin", views),
         "pool, hash + write in one pass": lambda: parallel_hash_write(work / "wh.bin", views),
-        "pool hashes, one thread writes (the writer)": lambda: hash_beside_one_writer(
+        "pool hashes, the caller writes (the writer)": lambda: hash_beside_one_writer(
             work / "wo.bin", views
         ),
     }

@@ -159,8 +159,8 @@ def test_large_unchanged_outputs_are_compared_by_their_digests(
     asked: list[bool | None] = []
     real = store.same_as_digests
 
-    def spy(items: Any) -> list[bool | None]:
-        got = real(items)
+    def spy(items: Any, first: Any = None) -> list[bool | None]:
+        got = real(items, first)
         asked.extend(got)
         return got
 
@@ -397,3 +397,125 @@ def test_gpu_sync_recording_into_the_store_in_pieces(tmp_path: Path) -> None:
     [(view, named)] = sink.put([x.view(torch.uint8)], [0])
     assert isinstance(named, Pieces) and len(named.digests) == 4
     assert bytes(view.numpy()) == _bits(x.cpu())
+
+
+def test_allocated_range_keeps_what_the_file_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer allocates a large span's range before writing it: the file reads the same as
+    one written without (the gap before the span a hole of zeros), and where the system cannot
+    allocate, the write goes on as before."""
+    import os
+
+    from kdump.bundle import spool
+
+    data = bytes(range(256)) * (2 * MIB // 256) + b"tail"
+    assert len(data) >= spool.ALLOCATE_MIN
+    at = 4096 + 5
+    fd = os.open(tmp_path / "empty.bin", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if spool.allocate(fd, 0, 3 * MIB):
+            assert os.fstat(fd).st_size == 3 * MIB
+            assert os.pread(fd, 3 * MIB, 0) == bytes(3 * MIB)
+    finally:
+        os.close(fd)
+    monkeypatch.setattr(spool, "allocation_helps", lambda fd: True)  # whatever tmp_path is on
+    for name, fallocate in (("with", spool._allocate), ("without", None)):
+        monkeypatch.setattr(spool, "_allocate", fallocate)
+        path = tmp_path / f"{name}.bin"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            spool.write_groups(fd, memoryview(data), at)
+        finally:
+            os.close(fd)
+        assert path.read_bytes() == bytes(at) + data
+
+
+def test_write_and_hash_writes_in_order_and_names_every_piece(tmp_path: Path) -> None:
+    """The spool's CPU path: the calling thread writes the spans in order while the pool hashes
+    the pieces (largest first, not in the order given); each piece gets its own digests, in the
+    order given, and the file holds every span at its offset."""
+    import os
+
+    from kdump.bundle.spool import write_and_hash
+    from kdump.bundle.store import blob_digests
+
+    spans = [os.urandom(n) for n in (3 * MIB + 7, 5 * MIB, MIB + 1, 2 * MIB)]
+    offsets, pos = [], 0
+    for s in spans:
+        offsets.append(pos)
+        pos += len(s) + 4096  # a gap after each span
+    views = [memoryview(s) for s in spans]
+    pieces = [v[lo:hi] for v in views for lo, hi in piece_cuts(len(v), 2 * MIB)]
+    assert sorted(map(len, pieces), reverse=True) != list(map(len, pieces))
+    path = tmp_path / "f.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        got = write_and_hash(fd, list(zip(views, offsets)), pieces)
+    finally:
+        os.close(fd)
+    assert got == [blob_digests(p) for p in pieces]
+    raw = path.read_bytes()
+    for s, at in zip(spans, offsets):
+        assert raw[at : at + len(s)] == s
+    # a write that fails is reported (after every hashing worker finished)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError):
+            write_and_hash(fd, list(zip(views, offsets)), pieces)
+    finally:
+        os.close(fd)
+
+
+def test_large_output_compare_reads_the_first_bytes_exactly() -> None:
+    """A large output compared by its digests has its first bytecmp.PIECE bytes compared with
+    the snapshot by memcmp too: the first EARLY bytes before the digests are asked for, the
+    rest by the job hashing the first piece. Here the digests are those of the live bytes, so
+    only that memcmp can see the snapshot differ."""
+    pytest.importorskip("xxhash")
+    from kdump.bundle import bytecmp, tensors
+    from kdump.bundle.spool import cpu_view
+
+    n = bytecmp.SPLIT_MIN + 3 * MIB
+    live = torch.randint(
+        0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(9)
+    )
+    digests = span_digests(cpu_view(live))  # pieces of 1 MiB (the fixture)
+    assert isinstance(digests, Pieces)
+    for at, same in (
+        (None, True),
+        (10, False),
+        (tensors.EARLY + 3, False),
+        (MIB + 1, False),
+        (bytecmp.PIECE - 1, False),
+    ):
+        snapshot = live.clone()
+        if at is not None:
+            snapshot[at] ^= 1
+        earlier = tensors.Captured(storages=[], tensors=[], data=[snapshot], digests=[digests])
+        assert tensors._same_as_written(earlier, [live], [(0, 0)]) == [same], at
+
+
+def test_allocation_only_where_it_helps(tmp_path: Path) -> None:
+    """Large spans are allocated before their write on ext4 (where it was measured to help),
+    not on tmpfs (where it costs more)."""
+    import os
+
+    from kdump.bundle import spool
+
+    fd = os.open(tmp_path / "probe", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        kind = spool._fs_type(fd)
+        assert spool.allocation_helps(fd) == (
+            spool._allocate is not None and kind in spool.ALLOCATING_FS
+        )
+    finally:
+        os.close(fd)
+    if os.path.isdir("/dev/shm"):
+        fd = os.open(f"/dev/shm/kdump-probe-{os.getpid()}", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if spool._fs_type(fd) == 0x01021994:  # tmpfs
+                assert not spool.allocation_helps(fd)
+        finally:
+            os.close(fd)
+            os.unlink(f"/dev/shm/kdump-probe-{os.getpid()}")

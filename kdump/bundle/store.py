@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import os
@@ -163,55 +164,75 @@ def submit_or_run(
 
 def same_as_digests(
     items: Sequence[tuple[memoryview, tuple[str, str] | Pieces]],
+    first: Callable[[int], bool] | None = None,
 ) -> list[bool | None]:
     """For each (view, digests): whether `view` holds the bytes that were written under
-    `digests`, by their fast check digests (xxh3-128), every piece and every blob on the pool
-    at once: one read of the views instead of a compare with a second copy. None where the
-    digests carry no fast check or the sizes cannot match, and for every item on a pool worker
-    (whose pool could be waiting on this very call)."""
+    `digests`, by their fast check digests (xxh3-128), every piece and every blob hashed at
+    once by the calling thread and the pool: one read of the views instead of a compare with a
+    second copy. None where the digests carry no fast check or the sizes cannot match, and for
+    every item on a pool worker (whose pool could be waiting on this very call).
+
+    `first(k)`, where given, is the caller's own compare of the start of item k (its digests
+    compared): run by whichever thread hashes the item's first piece, just before hashing it
+    (the bytes it read then come from cache); False makes the item differ."""
     if _xxhash is None or on_pool_thread():
         return [None] * len(items)
     out: list[bool | None] = []
-    for js in _digest_jobs(items):
-        if js is None:
-            out.append(None)
-            continue
-        same = True
-        for j, f in js:
-            if not same:
-                j.cancel()  # a span that differed: its later pieces need not be hashed
-            elif j.result() != f:
-                same = False
+    tasks: list[tuple[int, memoryview, str, bool]] = []  # (item, piece, its digest, first)
+    for k, (view, digests) in enumerate(items):
+        parts = _digest_parts(view, digests)
+        out.append(None if parts is None else True)
+        for p, (part, fast) in enumerate(parts or ()):
+            tasks.append((k, part, fast, first is not None and p == 0))
+    # The largest pieces first: no thread is left with a large one at the end.
+    todo = collections.deque(sorted(tasks, key=lambda t: -len(t[1])))
+
+    def drain() -> None:
+        while True:
+            try:
+                k, part, fast, check = todo.popleft()
+            except IndexError:
+                return
+            if out[k] is False:  # an item that differed: its other pieces need not be hashed
+                continue
+            if (check and first is not None and not first(k)) or fast_digest(part) != fast:
+                out[k] = False
+
+    # One worker fewer than there are pieces: the calling thread hashes too.
+    helpers = [
+        submit_or_run(pool().submit, drain) for _ in range(min(HASH_THREADS - 1, len(tasks) - 1))
+    ]
+    errors: list[BaseException] = []
+    try:
+        drain()
+    except BaseException as exc:
+        todo.clear()
+        errors.append(exc)
+    finally:
         # Every job still running reads the caller's tensor: none may outlive this call.
-        for j, _ in js:
-            if not j.cancelled():
-                j.exception()
-        out.append(same)
+        for h in helpers:
+            if h.cancel():
+                continue
+            try:
+                h.result()
+            except BaseException as exc:
+                errors.append(exc)
+    if errors:
+        raise errors[0]
     return out
 
 
-def _digest_jobs(
-    items: Sequence[tuple[memoryview, tuple[str, str] | Pieces]],
-) -> list[list[tuple[Future[str], str]] | None]:
-    jobs: list[list[tuple[Future[str], str]] | None] = []
-    for view, digests in items:
-        if isinstance(digests, Pieces):
-            cuts = piece_cuts(len(view), digests.size)
-            parts = list(zip(cuts, digests.digests))
-            if len(cuts) != len(digests.digests) or any(not f for _, (_, f) in parts):
-                jobs.append(None)
-                continue
-            jobs.append(
-                [
-                    (submit_or_run(pool().submit, fast_digest, view[lo:hi]), f)
-                    for (lo, hi), (_, f) in parts
-                ]
-            )
-        elif digests[1]:
-            jobs.append([(submit_or_run(pool().submit, fast_digest, view), digests[1])])
-        else:
-            jobs.append(None)
-    return jobs
+def _digest_parts(
+    view: memoryview, digests: tuple[str, str] | Pieces
+) -> list[tuple[memoryview, str]] | None:
+    """(bytes, fast check digest) of each piece of `view` written under `digests`; None where
+    they carry no fast check or the sizes cannot match."""
+    if isinstance(digests, Pieces):
+        cuts = piece_cuts(len(view), digests.size)
+        if len(cuts) != len(digests.digests) or any(not f for _, f in digests.digests):
+            return None
+        return [(view[lo:hi], f) for (lo, hi), (_, f) in zip(cuts, digests.digests)]
+    return [(view, digests[1])] if digests[1] else None
 
 
 PIECE_UNIT = 1 << 20  # a piece size is a multiple of this (pieces then keep their alignment)

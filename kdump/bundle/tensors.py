@@ -198,12 +198,19 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return n == b.numel() and bytecmp.same(a.data_ptr(), b.data_ptr(), n)
 
 
+# A large span's first bytes compared before its digests are asked for (a changed output
+# usually differs there); the rest of its first bytecmp.PIECE by the pool job that hashes its
+# first piece.
+EARLY = 64 << 10
+
+
 def _same_as_written(
     earlier: Captured, views: Sequence[torch.Tensor], pairs: Sequence[tuple[int, int]]
 ) -> list[bool]:
     """For each (storage i, snapshot j): whether the CPU span `views[i]` still holds the bytes
     of its snapshot `earlier.data[j]`. Large spans written into a file (their digests known)
-    are compared by memcmp over the first piece (a changed output usually differs early), then
+    are compared by memcmp over the first piece (a changed output usually differs early: the
+    first EARLY bytes before anything else, the rest by the job hashing its first piece), and
     by their fast check digests, all spans' pieces on the pool at once: the live bytes are read
     once instead of them and a map of the file (xxh3-128: a change that keeps the digest is no
     concern for bytes a kernel wrote). Others by memcmp."""
@@ -219,13 +226,19 @@ def _same_as_written(
             out.append(False)
         elif digests is None or n < bytecmp.SPLIT_MIN:
             out.append(_same_bytes(written, live))
-        elif bytecmp.memcmp(written.data_ptr(), live.data_ptr(), bytecmp.PIECE) != 0:
+        elif bytecmp.memcmp(written.data_ptr(), live.data_ptr(), EARLY) != 0:
             out.append(False)
         else:
             out.append(None)
             by_digest.append(len(out) - 1)
     items = [(cpu_view(views[pairs[k][0]]), earlier.digest(pairs[k][1])) for k in by_digest]
-    for k, ok in zip(by_digest, same_as_digests(items)):
+
+    def rest_of_first(k: int) -> bool:
+        i, j = pairs[by_digest[k]]
+        a, b = earlier.data[j].data_ptr() + EARLY, views[i].data_ptr() + EARLY
+        return bytecmp.memcmp(a, b, bytecmp.PIECE - EARLY) == 0
+
+    for k, ok in zip(by_digest, same_as_digests(items, rest_of_first)):
         i, j = pairs[k]
         out[k] = _same_bytes(earlier.data[j], views[i]) if ok is None else ok
     return [bool(x) for x in out]
