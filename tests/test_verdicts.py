@@ -426,8 +426,9 @@ def test_rows_that_change_at_random_are_not_an_overread(tmp_path: Path) -> None:
     passes one round of the single-halo trials with some of its rows by chance; once the
     controls have seen the outputs change, a read has to follow its poison ten rounds in a row."""
     x = torch.randn(64, 8)
-    path = _one(tmp_path / "r.kdump", "targets.replay_targets:row_lottery",
-                [x, torch.empty(64, 8)], ["x", "out"], [1], lambda x, out: out.copy_(x))  # fmt: skip
+    target = "targets.replay_targets:row_lottery"
+    path = _one(tmp_path / "r.kdump", target, [x, torch.empty(64, 8)], ["x", "out"], [1],
+                lambda x, out: out.copy_(x))  # fmt: skip
     [v] = replay([path], device="cpu", repeat=1)
     shown = "\n".join(f"{s.name} {s.status} {s.message}" for s in v.steps)
     assert "memory" not in {f.kind for f in v.findings}, shown
