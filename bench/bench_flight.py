@@ -264,17 +264,13 @@ def main() -> None:
 
 
 def _redefine(defines: list[str]) -> None:
-    """Record with a variant of the snapshot kernel: its #defines changed (its own cache entry)."""
-    import re
+    """Record with a variant of the snapshot kernel: its #defines changed as
+    bench_snapshot_kernel.py changes them (its own cache entry)."""
+    from bench_snapshot_kernel import variant_source
 
     from kdump.record import gather
 
-    src = gather.kernel_source()
-    for kv in defines:
-        name, _, value = kv.partition("=")
-        src, n = re.subn(rf"(#define {re.escape(name)}) \S+", rf"\g<1> {value}", src)
-        if n != 1:
-            raise SystemExit(f"--define {kv}: no #define {name} in snapshot.cu")
+    src = variant_source(",".join(defines))[0]
     gather.kernel_source = lambda: src  # type: ignore[assignment]
     print(f"snapshot kernel built with {', '.join(defines)}")
 

@@ -13,7 +13,6 @@ are, and the bundle appears by one rename.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import ctypes
 import hashlib
@@ -41,6 +40,7 @@ from kdump.bundle.store import (
     piece_bytes,
     piece_cuts,
     pool,
+    share_out,
     submit_or_run,
 )
 from kdump.errors import BundleError
@@ -247,39 +247,21 @@ def write_and_hash(
     Buffered writes into one file are serialised by the file system, so one thread writes; one
     worker fewer than the pool's threads hashes beside it, so that the write never waits for a
     core. The digests of `pieces`, in order; returns when every write and every hash is done."""
-    todo = collections.deque(sorted(range(len(pieces)), key=lambda k: -len(pieces[k])))
     out: list[Digests | None] = [None] * len(pieces)
 
-    def drain() -> None:
-        while True:
-            try:
-                k = todo.popleft()
-            except IndexError:
-                return
-            out[k] = hash_only(pieces[k])
+    def hash_piece(k: int) -> None:
+        out[k] = hash_only(pieces[k])
 
-    helpers = [
-        submit_or_run(pool().submit, drain)
-        for _ in range(max(1, min(HASH_THREADS - 1, len(pieces))))
-    ]
-    errors: list[BaseException] = []
-    try:
+    def write() -> None:
         for view, at in writes:
             write_groups(fd, view, at)
-        drain()
-    except BaseException as exc:
-        todo.clear()  # the put fails: nothing more to hash
-        errors.append(exc)
-    finally:
-        for h in helpers:
-            if h.cancel():  # not started: the pieces were hashed here
-                continue
-            try:
-                h.result()
-            except BaseException as exc:  # every worker is waited for: they read the sources
-                errors.append(exc)
-    if errors:
-        raise errors[0]
+
+    share_out(
+        sorted(range(len(pieces)), key=lambda k: -len(pieces[k])),
+        hash_piece,
+        max(1, min(HASH_THREADS - 1, len(pieces))),
+        own=write,
+    )
     return out  # type: ignore[return-value]
 
 

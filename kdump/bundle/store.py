@@ -162,6 +162,47 @@ def submit_or_run(
         return done
 
 
+def share_out(
+    tasks: Sequence[Any],
+    job: Callable[[Any], None],
+    helpers: int,
+    own: Callable[[], None] | None = None,
+) -> None:
+    """`job(task)` for every task, in order of `tasks`, by `helpers` pool workers and the calling
+    thread, which first does `own` (its work beside theirs) and then takes tasks too. Returns
+    once every worker has stopped, even after a failure (the jobs read the caller's memory); a
+    failure of the calling thread drops the tasks not yet started; the first failure is raised."""
+    todo = collections.deque(tasks)
+
+    def drain() -> None:
+        while True:
+            try:
+                task = todo.popleft()
+            except IndexError:
+                return
+            job(task)
+
+    started = [submit_or_run(pool().submit, drain) for _ in range(helpers)]
+    errors: list[BaseException] = []
+    try:
+        if own is not None:
+            own()
+        drain()
+    except BaseException as exc:
+        todo.clear()
+        errors.append(exc)
+    finally:
+        for f in started:
+            if f.cancel():  # never started: its tasks were run by the others
+                continue
+            try:
+                f.result()
+            except BaseException as exc:
+                errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
 def same_as_digests(
     items: Sequence[tuple[memoryview, tuple[str, str] | Pieces]],
     first: Callable[[int], bool] | None = None,
@@ -184,41 +225,17 @@ def same_as_digests(
         out.append(None if parts is None else True)
         for p, (part, fast) in enumerate(parts or ()):
             tasks.append((k, part, fast, first is not None and p == 0))
-    # The largest pieces first: no thread is left with a large one at the end.
-    todo = collections.deque(sorted(tasks, key=lambda t: -len(t[1])))
 
-    def drain() -> None:
-        while True:
-            try:
-                k, part, fast, check = todo.popleft()
-            except IndexError:
-                return
-            if out[k] is False:  # an item that differed: its other pieces need not be hashed
-                continue
-            if (check and first is not None and not first(k)) or fast_digest(part) != fast:
-                out[k] = False
+    def check(task: tuple[int, memoryview, str, bool]) -> None:
+        k, part, fast, starts = task
+        if out[k] is False:  # an item that differed: its other pieces need not be hashed
+            return
+        if (starts and first is not None and not first(k)) or fast_digest(part) != fast:
+            out[k] = False
 
-    # One worker fewer than there are pieces: the calling thread hashes too.
-    helpers = [
-        submit_or_run(pool().submit, drain) for _ in range(min(HASH_THREADS - 1, len(tasks) - 1))
-    ]
-    errors: list[BaseException] = []
-    try:
-        drain()
-    except BaseException as exc:
-        todo.clear()
-        errors.append(exc)
-    finally:
-        # Every job still running reads the caller's tensor: none may outlive this call.
-        for h in helpers:
-            if h.cancel():
-                continue
-            try:
-                h.result()
-            except BaseException as exc:
-                errors.append(exc)
-    if errors:
-        raise errors[0]
+    # The largest pieces first (no thread is left with a large one at the end), by one worker
+    # fewer than there are pieces: the calling thread hashes too.
+    share_out(sorted(tasks, key=lambda t: -len(t[1])), check, min(HASH_THREADS - 1, len(tasks) - 1))
     return out
 
 

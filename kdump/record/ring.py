@@ -1062,23 +1062,14 @@ def _probe(target: str, called_as: str, args: tuple[Any, ...], kwargs: dict[str,
     """Where to look for a call's lane: the identities of its arguments, of the items of its
     list and tuple arguments one level down, and its keyword names (cheap, and distinct for the
     layers of a model, whose weights differ; a lane checks the rest)."""
-    ids: list[Any] = [target, called_as]
-    for v in args:
+    ids: list[Any] = [target, called_as, len(args), *kwargs]
+    for v in (*args, *kwargs.values()) if kwargs else args:
         tp = type(v)
         if tp is tuple or tp is list:
             ids.append(len(v))
             ids += map(id, v)
         else:
             ids.append(id(v))
-    if kwargs:
-        for k, v in kwargs.items():
-            ids.append(k)
-            tp = type(v)
-            if tp is tuple or tp is list:
-                ids.append(len(v))
-                ids += map(id, v)
-            else:
-                ids.append(id(v))
     return tuple(ids)
 
 
