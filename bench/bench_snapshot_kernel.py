@@ -40,8 +40,9 @@ from kdump.record import gather
 
 G, BLOCK, K = 288, 128, 4096
 M = G * BLOCK
-# A loaded build: (kd_snapshot, threads per block, rows per gather block, plain-copy chunk bytes)
-Kernel = tuple[Any, int, int, int]
+# A loaded build: (kd_snapshot, threads per block, rows per gather block, plain-copy chunk bytes,
+# dynamic shared memory bytes)
+Kernel = tuple[Any, int, int, int, int]
 
 
 def variant_source(spec: str) -> tuple[str, int, int, int]:
@@ -79,10 +80,12 @@ def load(src: str) -> Any:
     obj = Program(src, "c++", ProgramOptions(arch=arch, std="c++17")).compile("cubin")
     torch.cuda.current_stream()
     module = check(driver().cuModuleLoadData(bytes(obj.code)), "cuModuleLoadData")
-    return check(driver().cuModuleGetFunction(module, b"kd_snapshot"), "get kd_snapshot")
+    fn = check(driver().cuModuleGetFunction(module, b"kd_snapshot"), "get kd_snapshot")
+    gather.allow_smem(fn, gather.smem_bytes(src))
+    return fn
 
 
-def launch(fn: Any, p: gather.SnapParams, threads: int, grid: int) -> None:
+def launch(fn: Any, p: gather.SnapParams, threads: int, grid: int, smem: int) -> None:
     """gather.launch with the build's own block size (gather.launch uses the shipped one)."""
     from kdump.nvrtc import check, driver
 
@@ -90,7 +93,7 @@ def launch(fn: Any, p: gather.SnapParams, threads: int, grid: int) -> None:
     args = (ctypes.c_void_p * 1)(ctypes.addressof(p))
     stream = d.CUstream(torch.cuda.current_stream().cuda_stream)
     check(
-        d.cuLaunchKernel(fn, grid, 1, 1, threads, 1, 1, 0, stream, ctypes.addressof(args), 0),
+        d.cuLaunchKernel(fn, grid, 1, 1, threads, 1, 1, smem, stream, ctypes.addressof(args), 0),
         "cuLaunchKernel",
     )
 
@@ -170,13 +173,13 @@ class Case:
     def step(self, kernel: Kernel) -> Callable[[], None]:
         """One launch of this case with `kernel`'s build (its block size, rows per block and
         copy chunk: gather.grid_for's rule with that build's constants)."""
-        fn, threads, rows_per_block, chunk = kernel
+        fn, threads, rows_per_block, chunk, smem = kernel
         p = self.p
         if self.plan is not None:
             p.gather_blocks = -(-self.plan.rows // rows_per_block)
         chunks = sum(-(-int(p.copies[c].nbytes) // chunk) for c in range(int(p.n_copies)))
         grid = max(1, int(p.gather_blocks) + min(chunks, gather.MAX_COPY_BLOCKS))
-        return lambda: launch(fn, p, threads, grid)
+        return lambda: launch(fn, p, threads, grid, smem)
 
     def time(self, kernel: Kernel) -> float:
         step = self.step(kernel)
@@ -247,7 +250,7 @@ def main() -> None:
     kernels: list[Kernel] = []
     for spec in specs:
         src, threads, rows_per_block, chunk = variant_source(spec)
-        kernels.append((load(src), threads, rows_per_block, chunk))
+        kernels.append((load(src), threads, rows_per_block, chunk, gather.smem_bytes(src)))
     if opt.once:
         for c in all_cases:
             for kernel in kernels:

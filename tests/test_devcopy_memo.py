@@ -18,7 +18,9 @@ class _Driver:
     def __init__(self) -> None:
         self.log: list[tuple[Any, ...]] = []
 
-    def launch(self, fn: int, grid: int, threads: int, args: Any, stream: int, what: str) -> None:
+    def launch(
+        self, fn: int, grid: int, threads: int, args: Any, stream: int, what: str, smem: int = 0
+    ) -> None:
         if what == "snapshot":
             raw = _used(ctypes.string_at(args[0], ctypes.sizeof(gather.SnapParams)))
         elif what == "marks":  # a batch of `post` markers: (source, destination) each
@@ -26,7 +28,7 @@ class _Driver:
             raw = tuple((m.src[k], m.dst[k]) for k in range(m.n))
         else:  # the done marker: two pointers to its source and destination
             raw = tuple(ctypes.c_uint64.from_address(args[k]).value for k in range(2))
-        self.log.append(("launch", fn, grid, threads, stream, what, raw))
+        self.log.append(("launch", fn, grid, threads, stream, what, raw, smem))
 
     def d2h(self, dst: int, src: int, n: int, stream: int) -> None:
         self.log.append(("d2h", dst, src, n, stream))
@@ -106,6 +108,7 @@ def _copies(mark: bool) -> Any:
     dc.mark = object() if mark else None
     dc._cu = _Driver()
     dc._fn_h, dc._mark_h, dc._marks_h = 11, 12, 13
+    dc._smem = gather.shipped_smem()
     dc._params = gather.SnapParams()
     dc._snap_args = (ctypes.c_void_p * 1)(ctypes.addressof(dc._params))
     dc._params_plan = dc
@@ -191,6 +194,7 @@ def test_memo_enqueues_what_the_full_computation_enqueues(mark: bool, plan: Any)
     assert sorted(memo) == [0, 1]
     launches = [e for e in full if e[0] == "launch" and e[5] == "snapshot"]
     assert len(launches) == len(CALLS)
+    assert {e[7] for e in launches} == {gather.shipped_smem()}, "its buffer is dynamic smem"
     p = gather.SnapParams.from_buffer_copy(launches[-1][6])
     assert (p.seq, p.call_index, p.slot_index) == (100 + len(CALLS) - 1, 7 + len(CALLS) - 1, 1)
     assert p.n_gathers == (1 if plan is not None else 0)
@@ -215,7 +219,7 @@ def test_no_memo_inside_a_capture_or_without_the_ctypes_driver(
     dc = _copies(True)
     dc._cu = None
     launched: list[Any] = []
-    monkeypatch.setattr(gather, "launch", lambda fn, p, stream, grid: launched.append(grid))
+    monkeypatch.setattr(gather, "launch", lambda fn, p, stream, grid, smem: launched.append(grid))
     monkeypatch.setattr(gather, "launch_mark", lambda *a: launched.append("mark"))
     dc._d2h = lambda *a: launched.append("d2h")
     kept = dict(memo)

@@ -149,6 +149,22 @@ def test_launch_constants_mirror_the_kernel_source():
     assert int(defines["KD_MAX_GATHERS"]) == gather.MAX_GATHERS
 
 
+def test_dynamic_shared_memory_follows_the_buffer_defines():
+    """kd_snapshot's gather buffer is dynamic shared memory of the size the host computes from
+    the source: too little and the bulk gathers would write past it."""
+    src = gather.kernel_source()
+    assert "extern __shared__" in src and "s_stage[KD_BUF_WORDS]" not in src
+    d = {k: int(v) for k, v in re.findall(r"^#define (KD_\w+) (\d+)", src, re.M)}
+    bulk = d["KD_BULK_WARPS"] * d["KD_BULK_STAGES"] * d["KD_BULK_STAGE"]
+    assert gather.shipped_smem() == gather.smem_bytes(src) == max(bulk, 4 * d["KD_STAGE_WORDS"])
+    # an SM of sm_90 / sm_120 gives one block at most 227 / 99 KiB, static shared memory included
+    assert gather.shipped_smem() <= 96 * 1024
+    bigger = re.sub(r"^#define KD_BULK_STAGES \d+", "#define KD_BULK_STAGES 64", src, flags=re.M)
+    assert gather.smem_bytes(bigger) == d["KD_BULK_WARPS"] * 64 * d["KD_BULK_STAGE"]
+    with pytest.raises(gather.SnapshotSourceError, match="KD_BULK_STAGE"):
+        gather.smem_bytes(src.replace("#define KD_BULK_STAGE ", "#define KD_BULK_STAGE_X "))
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
 def test_snapshot_kernel_compiles_under_nvrtc(arch, tmp_path, monkeypatch):
     pytest.importorskip("cuda.core")

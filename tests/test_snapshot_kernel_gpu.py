@@ -184,7 +184,9 @@ def _plain_build():
     arch = gather.arch_of(torch.cuda.get_device_capability())
     obj = Program(src, "c++", ProgramOptions(arch=arch, std="c++17")).compile("cubin")
     module = check(driver().cuModuleLoadData(bytes(obj.code)), "cuModuleLoadData")
-    return check(driver().cuModuleGetFunction(module, b"kd_snapshot"), "get kd_snapshot")
+    fn = check(driver().cuModuleGetFunction(module, b"kd_snapshot"), "get kd_snapshot")
+    gather.allow_smem(fn, gather.smem_bytes(src))
+    return fn
 
 
 def test_plain_build_gathers_the_same_rows():

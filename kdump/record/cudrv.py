@@ -91,9 +91,12 @@ class Driver:
         self._record = fns["record"]
         self._wait = fns["wait"]
 
-    def launch(self, fn: int, grid: int, threads: int, args: Any, stream: int, what: str) -> None:
-        """cuLaunchKernel of a 1-D grid; `args` the kernel's void* array (a ctypes array)."""
-        r = self._launch(fn, grid, 1, 1, threads, 1, 1, 0, stream, args, None)
+    def launch(
+        self, fn: int, grid: int, threads: int, args: Any, stream: int, what: str, smem: int = 0
+    ) -> None:
+        """cuLaunchKernel of a 1-D grid; `args` the kernel's void* array (a ctypes array), `smem`
+        its dynamic shared memory bytes."""
+        r = self._launch(fn, grid, 1, 1, threads, 1, 1, smem, stream, args, None)
         if r:
             _raise(r, f"cuLaunchKernel({what})")
 

@@ -126,10 +126,12 @@ class DeviceCopies:
         self.mark: Any = None  # kd_mark: the done marker as a kernel node (else a memcpy)
         self.marks: Any = None  # kd_marks: a batch's `post` markers (else a memcpy each)
         self.kernel_note = ""
+        self._smem = 0  # kd_snapshot's dynamic shared memory (gather.smem_bytes)
         if self.tier is not None:
             try:
                 k = gather.get_kernel(self.tier.index)
                 self.kernel, self.mark, self.marks = k.snapshot, k.mark, k.marks
+                self._smem = k.smem
             except Exception as exc:
                 self.kernel_note = (
                     f"no snapshot kernel ({type(exc).__name__}: {str(exc)[:300]}): torch "
@@ -412,7 +414,7 @@ class DeviceCopies:
         self._params_plan = plan
         for src, dst, n in e.surplus:
             cu.d2d(dst, src, n, main)
-        cu.launch(self._fn_h, e.grid, gather.THREADS, self._snap_args, main, "snapshot")
+        cu.launch(self._fn_h, e.grid, gather.THREADS, self._snap_args, main, "snapshot", self._smem)
         addr = self._addr
         if self.held:
             self._defer(slot.index, e.host, main)
@@ -559,12 +561,14 @@ class DeviceCopies:
         grid = max(1, int(p.gather_blocks) + min(chunks, gather.MAX_COPY_BLOCKS))
         here = self._here()
         if self._cu is not None and here:
-            self._cu.launch(self._fn_h, grid, gather.THREADS, self._snap_args, stream, "snapshot")
+            self._cu.launch(
+                self._fn_h, grid, gather.THREADS, self._snap_args, stream, "snapshot", self._smem
+            )
         elif here:
-            gather.launch(self.kernel, p, stream, grid)
+            gather.launch(self.kernel, p, stream, grid, self._smem)
         else:
             with torch.cuda.device(self.device):
-                gather.launch(self.kernel, p, stream, grid)
+                gather.launch(self.kernel, p, stream, grid, self._smem)
         return grid
 
     def _chain_cell(self, capture_id: int, stream: int, token_index: int) -> int:

@@ -15,8 +15,10 @@ node.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import importlib.resources
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -431,10 +433,48 @@ class Kernels(NamedTuple):
     seconds: float  # what building and loading it took
     mark: Any  # kd_mark: one done marker
     marks: Any  # kd_marks: a batch of `post` markers
+    smem: int  # dynamic shared memory bytes of every kd_snapshot launch (smem_bytes)
 
 
 def kernel_source() -> str:
     return importlib.resources.files(__package__).joinpath(SOURCE_NAME).read_text(encoding="utf-8")
+
+
+def smem_bytes(src: str) -> int:
+    """The dynamic shared memory a kd_snapshot built from `src` launches with: its buffer of
+    KD_BUF_WORDS words, the larger of the bulk gather's buffers (KD_BULK_WARPS x KD_BULK_STAGES x
+    KD_BULK_STAGE bytes) and the staged gather's KD_STAGE_WORDS."""
+
+    def define(name: str) -> int:
+        m = re.search(rf"^#define {name} (\d+)u?\b", src, re.MULTILINE)
+        if m is None:
+            raise SnapshotSourceError(f"{SOURCE_NAME} has no numeric #define {name}")
+        return int(m.group(1))
+
+    bulk = define("KD_BULK_WARPS") * define("KD_BULK_STAGES") * define("KD_BULK_STAGE")
+    return max(bulk, 4 * define("KD_STAGE_WORDS"))
+
+
+@functools.cache
+def shipped_smem() -> int:
+    """smem_bytes of the shipped snapshot.cu."""
+    return smem_bytes(kernel_source())
+
+
+STATIC_SMEM_LIMIT = 48 * 1024  # what a launch may use without opting in per function
+
+
+def allow_smem(fn: Any, smem: int) -> None:
+    """Let `fn` (a loaded kd_snapshot) launch with `smem` dynamic shared bytes: above 48 KiB the
+    driver wants the function's opt-in first."""
+    if smem <= STATIC_SMEM_LIMIT:
+        return
+    from kdump.nvrtc import check as _check
+    from kdump.nvrtc import driver as _driver
+
+    driver = _driver()
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    _check(driver.cuFuncSetAttribute(fn, attr, smem), f"cuFuncSetAttribute({KERNEL}, {smem} B)")
 
 
 def cache_path(arch: str) -> Path:
@@ -513,11 +553,12 @@ def get_kernel(device_index: int) -> Kernels:
                 _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
             module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
             fn = _check(driver.cuModuleGetFunction(module, KERNEL.encode()), f"get {KERNEL}")
+            allow_smem(fn, shipped_smem())
             mark, marks = (
                 _check(driver.cuModuleGetFunction(module, name.encode()), f"get {name}")
                 for name in (MARK_KERNEL, MARKS_KERNEL)
             )
-        k = Kernels(fn, module, time.perf_counter() - t0, mark, marks)
+        k = Kernels(fn, module, time.perf_counter() - t0, mark, marks, shipped_smem())
         _functions[device_index] = k
         return k
 
@@ -581,9 +622,11 @@ def launch_mark(fn: Any, src: int, dst: int, stream: Any) -> None:
     )
 
 
-def launch(fn: Any, params: SnapParams, stream: Any, grid: int | None = None) -> None:
+def launch(
+    fn: Any, params: SnapParams, stream: Any, grid: int | None = None, smem: int | None = None
+) -> None:
     """Enqueue the snapshot on `stream` (a handle or a CUstream; no sync, no allocation:
-    capturable)."""
+    capturable); `smem` is the build's smem_bytes (default: the shipped source's)."""
     from kdump.nvrtc import check as _check
     from kdump.nvrtc import driver as _driver
 
@@ -598,7 +641,7 @@ def launch(fn: Any, params: SnapParams, stream: Any, grid: int | None = None) ->
             THREADS,
             1,
             1,
-            0,
+            shipped_smem() if smem is None else smem,
             stream if isinstance(stream, driver.CUstream) else driver.CUstream(stream),
             ctypes.addressof(args),
             0,

@@ -29,6 +29,9 @@ typedef unsigned int u32;
 // (cp.async.bulk, the TMA's 1-D form): KD_BULK_WARPS issuing threads (lane 0 of the first warps),
 // each with KD_BULK_STAGES buffers of KD_BULK_STAGE bytes, so a block keeps WARPS x STAGES row
 // pieces in flight with a few registers. KD_BULK 0: the plain loads and stores everywhere.
+// The buffer is the launch's dynamic shared memory, KD_BUF_WORDS words: the host reads its size
+// from these defines (kdump/record/gather.py, smem_bytes), so it may exceed the 48 KiB that
+// static shared memory allows.
 #define KD_BULK 1
 #define KD_BULK_WARPS 4
 #define KD_BULK_STAGES 4
@@ -461,7 +464,7 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
   __shared__ u32 s_rows[KD_ROWS_PER_BLOCK];
   __shared__ u32 s_outer[KD_ROWS_PER_BLOCK];
   __shared__ u32 s_inner[KD_ROWS_PER_BLOCK];
-  __shared__ __align__(128) u32 s_stage[KD_BUF_WORDS];  // the staged and the bulk gathers' buffer
+  extern __shared__ __align__(128) u32 s_stage[];  // KD_BUF_WORDS: the staged and bulk gathers'
   __shared__ __align__(8) u64 s_bars[KD_BULK_WARPS * KD_BULK_STAGES];
   __shared__ bool s_last;
   __shared__ u64 s_head;
