@@ -461,13 +461,11 @@ def shipped_smem() -> int:
     return smem_bytes(kernel_source())
 
 
-STATIC_SMEM_LIMIT = 48 * 1024  # what a launch may use without opting in per function
-
-
 def allow_smem(fn: Any, smem: int) -> None:
-    """Let `fn` (a loaded kd_snapshot) launch with `smem` dynamic shared bytes: above 48 KiB the
-    driver wants the function's opt-in first."""
-    if smem <= STATIC_SMEM_LIMIT:
+    """Let `fn` (a loaded kd_snapshot) launch with `smem` dynamic shared bytes: past 48 KiB with
+    its static shared memory the driver wants the function's opt-in first (set always: a value
+    under the default limit is valid everywhere)."""
+    if smem <= 0:
         return
     from kdump.nvrtc import check as _check
     from kdump.nvrtc import driver as _driver
