@@ -21,7 +21,8 @@ Cases (the reference decode shape: G = 288 experts padded to 128 rows, M = 36,86
 - decode T / A+scales: the same with A's valid rows.
 Times are per launch: big cases by events over ten launches, decode cases by events over a CUDA
 graph of 20 launches (as a recorded graph step runs it). "bound" is the bytes the launch moves
-at the plain copy's rate measured in the same run.
+at the plain copy's rate measured in the same run; "torch row gather" is torch.index_select of
+the same rows into a dense tensor (no records), a general-purpose gather beside the plain copy.
 """
 
 from __future__ import annotations
@@ -244,9 +245,9 @@ def main() -> None:
     probe2 = torch.empty_like(probe)
     rate = probe.numel() / events_us(lambda: probe2.copy_(probe), 10) / 1e3  # GB/s
     print(f"plain D2D copy: {rate:.0f} GB/s of data (each byte read and written)\n")
-    head = "| case | bound us | plain copy us | " + " | ".join(s or "as shipped" for s in specs)
-    print(head + " |")
-    print("|---|---:|---:|" + "---:|" * len(specs))
+    head = "| case | bound us | plain copy us | torch row gather us | "
+    print(head + " | ".join(s or "as shipped" for s in specs) + " |")
+    print("|---|---:|---:|---:|" + "---:|" * len(specs))
     kernels: list[Kernel] = []
     for spec in specs:
         src, threads, rows_per_block, chunk = variant_source(spec)
@@ -267,11 +268,22 @@ def main() -> None:
             bound = events_us(lambda s1=s1, s2=s2: s2.copy_(s1), 10)
             plain = f"{bound:.1f}"
             del s1, s2
+        torch_gather = "-"
+        if c.name.startswith("gather-all") and "records" not in c.name:
+            # torch's own gather of the same rows (index_select into a dense [rows, K] tensor):
+            # what a general-purpose row gather reaches on this GPU, beside the plain copy
+            src_t = c.keep[0][0]
+            idx = torch.arange(src_t.shape[0], device="cuda")
+            dst_t = torch.empty_like(src_t)
+            us = events_us(lambda: torch.index_select(src_t, 0, idx, out=dst_t), 10)  # noqa: B023
+            torch_gather = f"{us:.1f} ({bound / us:.2f}x)"
+            del dst_t
         cells = []
         for kernel in kernels:
             us = c.time(kernel)
             cells.append(f"{us:.1f} ({bound / us:.2f}x)")
-        print(f"| {c.name} | {c.moved / rate / 1e3:.1f} | {plain} | " + " | ".join(cells) + " |")
+        row = f"| {c.name} | {c.moved / rate / 1e3:.1f} | {plain} | {torch_gather} | "
+        print(row + " | ".join(cells) + " |")
     print(
         "\n(x) = a plain copy of the same bytes (big cases; decode cases: the bytes at the 256 MB "
         "copy's rate) / time"
