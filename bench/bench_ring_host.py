@@ -97,7 +97,7 @@ def main() -> None:
     plain: list[float] = []
     rec: list[float] = []
     full: list[float] = []
-    repeat_key = ring_module._repeat_key
+    repeat_key, probe = ring_module._repeat_key, ring_module._probe
     try:
         with kdump.recording("deep_gemm", out=shm / "out", mode="ring", ring=ring) as session:
             hooked = module.m_grouped_fp8_gemm_nt_contiguous
@@ -115,11 +115,12 @@ def main() -> None:
             for _ in range(opt.rounds):
                 plain.append(_per_call_us(plain_fn, args, kwargs, opt.calls))
                 rec.append(_per_call_us(hooked, args, kwargs, opt.calls))
-                ring_module._repeat_key = lambda *a: None  # the full path for every call
+                # the full path for every call: no lane (its probe finds none) and no repeat key
+                ring_module._repeat_key = ring_module._probe = lambda *a: None
                 try:
                     full.append(_per_call_us(hooked, args, kwargs, opt.calls))
                 finally:
-                    ring_module._repeat_key = repeat_key
+                    ring_module._repeat_key, ring_module._probe = repeat_key, probe
             fast = recorder.fast_calls
             if opt.profile:
                 prof = cProfile.Profile()
