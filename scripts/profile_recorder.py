@@ -130,7 +130,9 @@ def _floor(fn: Any, args: tuple, kwargs: dict, calls: int, plain: float) -> dict
     """What any recorder of an eager call pays at least, in added host us per call: a Python
     wrapper that binds the arguments by name (how a hook sees them), and one kernel launch and
     one event record through ctypes on libcuda (the fewest driver calls a device-side snapshot
-    whose slot is reused can make: its copy kernel, and the event that frees the slot)."""
+    whose slot is reused can make: its copy kernel, and the event that frees the slot); and two
+    launches around the call (a snapshot before it and a done marker after it, which says
+    exactly whether the kernel returned: what the recorder enqueues per eager call)."""
     import ctypes
     import inspect
 
@@ -176,6 +178,18 @@ def _floor(fn: Any, args: tuple, kwargs: dict, calls: int, plain: float) -> dict
         return r
 
     out["+ one launch and one event record (ctypes)"] = timed(launched)
+
+    def marked(*a: Any, **k: Any) -> Any:
+        sig.bind(*a, **k)
+        stream = torch.cuda.current_stream().cuda_stream
+        drv.launch(fh, 1, 1, kargs, stream, "kd_mark")
+        r = fn(*a, **k)
+        drv.launch(fh, 1, 1, kargs, stream, "kd_mark")
+        return r
+
+    # a snapshot before the call and an exact done marker after it: the recorder's driver calls
+    # per eager call (its host copies come in batches on the side stream)
+    out["+ two launches, before and after the call (ctypes)"] = timed(marked)
     return out
 
 

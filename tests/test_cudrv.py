@@ -114,3 +114,74 @@ def test_graph_sites_share_one_chain_cell_per_capture_and_stream():
     assert cell(fake, 2, 0xA, 3) == base + 16 * 3  # another capture on the first stream
     assert cell(fake, 1, 0xA, 4) == base
     assert fake._chains == {(1, 0xA): 0, (1, 0xB): 2, (2, 0xA): 3}
+
+
+def test_a_strided_copy_fills_one_descriptor(fake):
+    """d2h_rows: one cuMemcpy2DAsync, device rows to host rows a pitch apart on both sides."""
+    fns = fake(0)
+    d = cudrv.driver()
+    assert d is not None
+    d.d2h_rows(0x10000, 0x20000, 1 << 20, 4096, 16, 0x20)
+    ((desc, stream),) = fns["copy2d"].calls
+    assert stream == 0x20
+    m = cudrv.Memcpy2D.from_address(desc)
+    assert (m.srcMemoryType, m.dstMemoryType) == (cudrv.MEMORYTYPE_DEVICE, cudrv.MEMORYTYPE_HOST)
+    assert (m.srcDevice, m.dstHost, m.srcPitch, m.dstPitch) == (0x20000, 0x10000, 1 << 20, 1 << 20)
+    assert (m.WidthInBytes, m.Height, m.srcXInBytes, m.dstY) == (4096, 16, 0, 0)
+    fake(1)
+    with pytest.raises(LaunchError, match="cuMemcpy2DAsync failed: CUDA_ERROR_INVALID_VALUE"):
+        cudrv.driver().d2h_rows(1, 2, 3, 4, 5, 0)
+
+
+class _Recorded:
+    """A driver that only records the copies it was asked for."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def d2h(self, dst, src, n, stream):
+        self.calls.append(("d2h", dst, src, n, stream))
+
+    def d2h_rows(self, dst, src, pitch, n, rows, stream):
+        self.calls.append(("rows", dst, src, pitch, n, rows, stream))
+
+
+def test_a_batch_copies_runs_of_consecutive_slots_as_one_strided_copy_each():
+    """DeviceCopies._copy_runs: consecutive slots whose copies lie a slot apart on both sides
+    become one strided copy per extent; a gap in the slot order, another extent or another
+    number of copies starts a new run; `post` (each entry's last copy) is left to the caller."""
+    from types import SimpleNamespace
+
+    from kdump.record.devcopy import DeviceCopies
+
+    sb, addr, twin, side = 1 << 20, 0x7F00_0000_0000, 0x9000_0000, 0x55
+    cu = _Recorded()
+    fake = SimpleNamespace(_cu=cu, _addr=addr, journal=SimpleNamespace(slot_bytes=sb))
+    fake._copy_run = lambda *a: DeviceCopies._copy_run(fake, *a)
+
+    def entry(i, extents, stream=0xA):
+        host = tuple((4096 + i * sb + off, twin + i * sb + off, n) for off, n in extents)
+        return (i, (*host, (4096 + i * sb + sb - 32, twin + 1, 8)), stream)
+
+    one = [(512, 3000)]
+    two = [(512, 3000), (sb - 128, 64)]
+    pending = [
+        *(entry(i, one) for i in (4, 5, 6, 7)),  # a run of four
+        entry(9, one),  # a gap: a run of its own
+        entry(10, [(512, 2000)]),  # another extent
+        *(entry(i, two, 0xB) for i in (11, 12)),  # two extents, another stream
+        entry(0, two),  # the ring wrapped: not after 12
+    ]
+    DeviceCopies._copy_runs(fake, pending, side)
+    assert cu.calls == [
+        ("rows", addr + 4096 + 4 * sb + 512, twin + 4 * sb + 512, sb, 3000, 4, side),
+        ("d2h", addr + 4096 + 9 * sb + 512, twin + 9 * sb + 512, 3000, side),
+        ("d2h", addr + 4096 + 10 * sb + 512, twin + 10 * sb + 512, 2000, side),
+        ("rows", addr + 4096 + 11 * sb + 512, twin + 11 * sb + 512, sb, 3000, 2, side),
+        ("rows", addr + 4096 + 12 * sb - 128, twin + 12 * sb - 128, sb, 64, 2, side),
+        ("d2h", addr + 4096 + 512, twin + 512, 3000, side),
+        ("d2h", addr + 4096 + sb - 128, twin + sb - 128, 64, side),
+    ]
+    cu.calls.clear()
+    DeviceCopies._copy_runs(fake, [], side)
+    assert cu.calls == []

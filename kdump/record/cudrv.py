@@ -26,9 +26,39 @@ _SIGNATURES: dict[str, tuple[str, list[Any]]] = {
     "launch": ("cuLaunchKernel", [_p, _u, _u, _u, _u, _u, _u, _u, _p, _p, _p]),
     "d2h": ("cuMemcpyDtoHAsync_v2", [_p, _u64, _sz, _p]),
     "d2d": ("cuMemcpyDtoDAsync_v2", [_u64, _u64, _sz, _p]),
+    "copy2d": ("cuMemcpy2DAsync_v2", [_p, _p]),
     "record": ("cuEventRecord", [_p, _p]),
     "wait": ("cuStreamWaitEvent", [_p, _p, _u]),
 }
+
+MEMORYTYPE_HOST, MEMORYTYPE_DEVICE = 1, 2  # CUmemorytype
+
+
+class Memcpy2D(ctypes.Structure):
+    """CUDA_MEMCPY2D (cuda.h): a copy of `Height` rows of `WidthInBytes` bytes, each side's rows
+    a pitch apart."""
+
+    _fields_ = [
+        ("srcXInBytes", _sz),
+        ("srcY", _sz),
+        ("srcMemoryType", ctypes.c_int),
+        ("srcHost", _p),
+        ("srcDevice", _u64),
+        ("srcArray", _p),
+        ("srcPitch", _sz),
+        ("dstXInBytes", _sz),
+        ("dstY", _sz),
+        ("dstMemoryType", ctypes.c_int),
+        ("dstHost", _p),
+        ("dstDevice", _u64),
+        ("dstArray", _p),
+        ("dstPitch", _sz),
+        ("WidthInBytes", _sz),
+        ("Height", _sz),
+    ]
+
+
+assert ctypes.sizeof(Memcpy2D) == 128, "CUDA_MEMCPY2D layout"
 
 _lock = threading.Lock()
 _fns: dict[str, Any] | None = None
@@ -90,6 +120,10 @@ class Driver:
         self._d2d = fns["d2d"]
         self._record = fns["record"]
         self._wait = fns["wait"]
+        self._copy2d = fns["copy2d"]
+        # one descriptor, filled per call: the callers hold the recorder's lock
+        self._rows = Memcpy2D(srcMemoryType=MEMORYTYPE_DEVICE, dstMemoryType=MEMORYTYPE_HOST)
+        self._rows_at = ctypes.addressof(self._rows)
 
     def launch(
         self, fn: int, grid: int, threads: int, args: Any, stream: int, what: str, smem: int = 0
@@ -104,6 +138,16 @@ class Driver:
         r = self._d2h(dst, src, n, stream)
         if r:
             _raise(r, "cuMemcpyDtoHAsync")
+
+    def d2h_rows(self, dst: int, src: int, pitch: int, n: int, rows: int, stream: int) -> None:
+        """`rows` copies of `n` bytes from device address `src` to host address `dst`, row k at
+        `k * pitch` on both sides, as one driver call (cuMemcpy2DAsync)."""
+        d = self._rows
+        d.srcDevice, d.srcPitch, d.dstHost, d.dstPitch = src, pitch, dst, pitch
+        d.WidthInBytes, d.Height = n, rows
+        r = self._copy2d(self._rows_at, stream)
+        if r:
+            _raise(r, "cuMemcpy2DAsync")
 
     def d2d(self, dst: int, src: int, n: int, stream: int) -> None:
         r = self._d2d(dst, src, n, stream)

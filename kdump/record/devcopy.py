@@ -467,11 +467,13 @@ class DeviceCopies:
         side = self._side_h
         for stream in dict.fromkeys(s for _, _, s in pending):
             self._fork(stream, side)
-        posts = []
-        for _, host, _ in pending:
-            for dst, src, n in host[:-1]:
-                self._d2h(dst, src, n, side)
-            posts.append(host[-1])
+        if self._cu is not None:
+            self._copy_runs(pending, side)
+        else:
+            for _, host, _ in pending:
+                for dst, src, n in host[:-1]:
+                    self._d2h(dst, src, n, side)
+        posts = [host[-1] for _, host, _ in pending]
         if self._cu is not None and self._marks_h:
             m = self._marks
             m.n = len(posts)
@@ -485,6 +487,48 @@ class DeviceCopies:
         self._record(self._batch_events[b % len(self._batch_events)], side)
         self._batches = b + 1
         pending.clear()
+
+    def _copy_runs(
+        self, pending: list[tuple[int, tuple[tuple[int, int, int], ...], int]], side: int
+    ) -> None:
+        """The batch's twin-to-host copies (all but `post`), those of consecutive slots that
+        copy the same extents (an eager repeat going around the ring) as one strided copy each:
+        the host slots and their twins lie a slot apart on both sides, so a run of slots is one
+        driver call per extent instead of one per slot."""
+        cu = self._cu
+        assert cu is not None
+        sb = self.journal.slot_bytes
+        first: tuple[tuple[int, int, int], ...] = ()
+        rows = 0
+        prev: tuple[int, tuple[tuple[int, int, int], ...]] | None = None
+        for index, host, _ in pending:
+            copies = host[:-1]
+            if (
+                prev is not None
+                and index == prev[0] + 1
+                and len(copies) == len(prev[1])
+                and all(
+                    d == pd + sb and s == ps + sb and n == pn
+                    for (d, s, n), (pd, ps, pn) in zip(copies, prev[1])
+                )
+            ):
+                rows += 1
+            else:
+                self._copy_run(cu, first, rows, side)
+                first, rows = copies, 1
+            prev = (index, copies)
+        self._copy_run(cu, first, rows, side)
+
+    def _copy_run(
+        self, cu: cudrv.Driver, first: tuple[tuple[int, int, int], ...], rows: int, side: int
+    ) -> None:
+        """The copies `first` of a run's first slot, for `rows` consecutive slots."""
+        addr, sb = self._addr, self.journal.slot_bytes
+        for dst, src, n in first:
+            if rows == 1:
+                cu.d2h(addr + dst, src, n, side)
+            else:
+                cu.d2h_rows(addr + dst, src, sb, n, rows, side)
 
     def _free(self, index: int, stream: int) -> None:
         """Before an eager call's snapshot overwrites slot `index`'s twin: its last host copy has
