@@ -73,15 +73,37 @@ def _ok(result: Any, what: str) -> Any:
     return nvrtc.check(result, what)
 
 
+_raw_stream: Callable[[int], int] | None = None  # torch's getter, found once
+_get_device: Callable[[], int] | None = None
+
+
 def current_stream(device_index: int) -> int:
     """The handle of the current stream of device `device_index` (what
     `torch.cuda.current_stream(device).cuda_stream` says, without making a Stream object)."""
-    import torch
+    global _raw_stream
+    raw = _raw_stream
+    if raw is None:
+        import torch
 
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return int(raw(device_index))
-    return int(torch.cuda.current_stream(device_index).cuda_stream)
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is None:
+            return int(torch.cuda.current_stream(device_index).cuda_stream)
+        _raw_stream = raw
+    return int(raw(device_index))
+
+
+def current_device() -> int:
+    """torch.cuda.current_device() without its Python layers (called per recorded call, after
+    CUDA was initialised)."""
+    global _get_device
+    get = _get_device
+    if get is None:
+        import torch
+
+        torch.cuda.current_device()  # initialises CUDA where that was still pending
+        get = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+        _get_device = get
+    return int(get())
 
 
 class DeviceCopies:
@@ -396,9 +418,7 @@ class DeviceCopies:
         return out
 
     def _here(self) -> bool:
-        import torch
-
-        return torch.cuda.current_device() == self._index
+        return current_device() == self._index
 
     def _copy_again(
         self, e: _Enqueue, slot: Slot, plan: gather.Plan | None, call_index: int, main: int
