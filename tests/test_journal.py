@@ -490,3 +490,48 @@ def test_repeated_signature_reuses_its_json_and_reads_back_exactly(tmp_path: Pat
         assert got[i].meta.storages == m.storages and got[i].meta.tensors == m.tensors
     assert got[1].payloads[0] is None and got[0].payloads[0] is not None
     j.close()
+
+
+def test_crc_shift_gives_the_crc_from_another_start_value() -> None:
+    """`_CrcShift`: crc32(body, b) from crc32(body, a) by table lookups, for any body of its
+    length (the template path's second checksum without a second pass)."""
+    rng = random.Random(7)
+    for n in (0, 1, 5, 64, 1000, 4099):
+        shift = jmod._CrcShift(n)
+        for _ in range(20):
+            body = rng.randbytes(n)
+            a, b = rng.getrandbits(32), rng.getrandbits(32)
+            assert shift(jmod.zlib.crc32(body, a), a, b) == jmod.zlib.crc32(body, b)
+
+
+def test_a_template_slot_is_the_slot_reserve_writes(tmp_path: Path) -> None:
+    """`reserve_from` writes the bytes `reserve` writes for the same call: header, payload
+    table, JSON and (after commit, either way) trailer; also after its JSON length changes."""
+    _, call = make_call(3)
+    base = meta_from_call(call, call_index=0)
+    hole = 7_319_846_250_183_746_000
+    tmeta = SlotMeta(**{**base.__dict__, "extra": {"call_index": hole, "time_ns": hole + 1}})
+    want = [True, False]
+
+    def meta(index: int, t: int) -> SlotMeta:
+        return SlotMeta(
+            **{**base.__dict__, "call_index": index, "extra": {"call_index": index, "time_ns": t}}
+        )
+
+    a = Journal.create(tmp_path / "a.jrnl", slots=4, slot_bytes=64 << 10)
+    b = Journal.create(tmp_path / "b.jrnl", slots=4, slot_bytes=64 << 10)
+    tpl = b.template(tmeta, want, [hole, hole + 1], (meta(1, 5), [1, 5]))
+    assert tpl is not None
+    for index, t, device in ((7, 123, False), (8, 124, True), (1234567, 10**18, False)):
+        sa = a.reserve(meta(index, t), want=want)
+        sb = b.reserve_from(tpl, [index, t], 0, index)
+        assert sb is not None and (sa.index, sa.seq, sa.spans) == (sb.index, sb.seq, sb.spans)
+        for s in (sa, sb):
+            s.commit(device=device)
+            s.finish()
+        lo, hi = sa.offset, sa.offset + a.slot_bytes
+        assert bytes(a._view[lo:hi]) == bytes(b._view[lo:hi])
+    got = read_journal(b.path).having(SlotState.COMPLETE)  # 8: its device copies never ran
+    assert sorted(s.meta.call_index for s in got) == [7, 1234567]
+    a.close()
+    b.close()

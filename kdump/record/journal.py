@@ -77,6 +77,7 @@ cryptographic hash would only cost time in the recording process.
 
 from __future__ import annotations
 
+import array
 import enum
 import json
 import logging
@@ -113,7 +114,11 @@ _SLOT_CRC = struct.Struct("<I")
 _SLOT_HEAD = _SLOT_FIXED.size + _SLOT_CRC.size  # 72: where the payload table starts
 _TABLE_ENTRY = struct.Struct("<QQ")
 _TRAILER = struct.Struct("<4sIQI4xQQQ16x")
+_U64 = struct.Struct("<Q")  # a slot's seq (at offset 8) and the trailer's markers
+_ZERO4 = bytes(4)
+_SHIFTS_MAX = 256  # body lengths whose `_CrcShift` a journal shares between templates
 _MARKER_AT = {"pre": 24, "post": 32, "done": 40}  # offsets inside the trailer
+_DONE_AT = _MARKER_AT["done"] - _TRAILER.size  # the done marker, from the slot's end
 TRAILER_BYTES = _TRAILER.size
 MARKER_AT = dict(_MARKER_AT)
 SLOT_MAGIC = b"KDSL"
@@ -305,6 +310,7 @@ class SlotTemplate:
         "flags",
         "format",
         "graph_id",
+        "k",
         "parts",
         "placed",
         "replay",
@@ -328,12 +334,16 @@ class SlotTemplate:
         self.format = _format(parts)  # `reserve_from` fills it with a call's values
         self.want = want
         self.sizes = sizes
+        self.k = len(sizes)
         self.target_id = target_id
         self.capture_id = capture_id
         self.graph_id = graph_id
         self.replay = replay
         self.flags = flags  # FLAG_AFTER_KERNEL; FLAG_MISSING follows from the placement
-        self.placed: tuple[int, tuple[Any, ...], bytes, int] | None = None
+        # (JSON length, payload limit, spans, payload table, flags, `_CrcShift` of the body) of
+        # the last call: the placement depends on nothing else, and the JSON length rarely
+        # changes
+        self.placed: tuple[int, int, tuple[Any, ...], bytes, int, _CrcShift] | None = None
 
 
 class Slot:
@@ -344,15 +354,16 @@ class Slot:
         journal: Journal,
         index: int,
         seq: int,
-        spans: list[tuple[int, int] | None],
+        spans: Sequence[tuple[int, int] | None],
         head_crc: int | None = None,
+        base: int | None = None,
     ) -> None:
         self._journal = journal
         self.index = index
         self.seq = seq
         self._head_crc = head_crc  # CRC-32 of the header as written, where the writer knows it
         self._spans = spans  # per storage: (offset in slot, length) or None when missing
-        self._base = journal._slot_offset(index)
+        self._base = journal._slot_offset(index) if base is None else base  # the writer's
         self.committed = False
 
     @property
@@ -394,7 +405,7 @@ class Slot:
         with j._lock:
             view = j._view
             base = self._base
-            (seq,) = struct.unpack_from("<Q", view, base + 8)
+            (seq,) = _U64.unpack_from(view, base + 8)
             if seq != self.seq or self.committed:
                 raise JournalError(
                     f"slot {self.index} was reused before seq {self.seq} was committed: "
@@ -428,9 +439,11 @@ class Slot:
         if j._fd < 0:
             return
         with j._lock:
-            (seq,) = struct.unpack_from("<Q", j._view, self._base + 8)
-            if seq == self.seq:
-                self.marker("done")[:] = struct.pack("<Q", token)
+            view, base = j._view, self._base
+            (seq,) = _U64.unpack_from(view, base + 8)
+            if seq == self.seq:  # the done marker (`marker`), one store, without a view per call
+                t = base + j.slot_bytes + _DONE_AT
+                view[t : t + 8] = _U64.pack(token)
 
 
 class Journal:
@@ -450,6 +463,8 @@ class Journal:
         self._next = 0  # next index of the round robin
         self._pinned: set[int] = set()  # slots kept out of the rotation (capture sites)
         self._parts: dict[Any, tuple[tuple[Any, ...], bytes]] = {}  # `_json`'s memo
+        self._limit = slot_bytes - _TRAILER.size - CALL_RECORD_BYTES  # where payloads end
+        self._shifts: dict[int, _CrcShift] = {}  # `_shift`'s memo, per body length
 
     @classmethod
     def create(
@@ -567,26 +582,32 @@ class Journal:
     def _write(
         self,
         index: int | None,
-        spans: list[tuple[int, int] | None],
+        spans: Sequence[tuple[int, int] | None],
         body: bytes,
         jlen: int,
         flags: int,
         ids: tuple[int, int, int, int, int],
         replay: int,
+        shift: _CrcShift | None = None,
     ) -> Slot:
         """Write a slot header (payload table + JSON in `body`) in the crash-safe order of the
-        module docstring; `ids`: call index, target id, stream, capture id, graph id."""
+        module docstring; `ids`: call index, target id, stream, capture id, graph id. `shift`:
+        `_CrcShift` of len(body), where the caller keeps one: one pass over the body."""
         call_index, target_id, stream, capture_id, graph_id = ids
         with self._lock:
             seq = self._seq + 1
             if index is None:
-                index = self._take_index()
-            base = self._slot_offset(index)
+                if self._pinned:
+                    index = self._take_index()
+                else:  # `_take_index` with nothing pinned, without the call
+                    index = self._next
+                    self._next = (index + 1) % self.slot_count
+            base = self.header_bytes + index * self.slot_bytes  # `_slot_offset`
             v = self._view
-            t = base + self.slot_bytes - _TRAILER.size
             # First the old trailer is invalidated: from here the old call never reads complete.
+            t = base + self.slot_bytes - _TRAILER.size
             v[t : t + _TRAILER.size] = _TRAILER.pack(REFILL_MAGIC, 0, seq, 0, 0, 0, 0)
-            v[base : base + 4] = bytes(4)  # then the old header
+            v[base : base + 4] = _ZERO4  # then the old header
             v[base + _SLOT_HEAD : base + _SLOT_HEAD + len(body)] = body
             fixed = _SLOT_FIXED.pack(
                 SLOT_MAGIC,
@@ -601,12 +622,24 @@ class Journal:
                 replay,
                 jlen,
             )
-            crc = zlib.crc32(body, zlib.crc32(fixed))
+            start = zlib.crc32(fixed)
+            crc = zlib.crc32(body, start)
             head = fixed + _SLOT_CRC.pack(crc)
             v[base : base + _SLOT_HEAD] = head
             self._seq = seq
             # the trailer's checksum starts with these bytes: `commit` need not read them back
-            return Slot(self, index, seq, spans, zlib.crc32(body, zlib.crc32(head)))
+            if shift is None:
+                head_crc = zlib.crc32(body, zlib.crc32(head))
+            else:  # the same value (`_CrcShift`)
+                x = start ^ zlib.crc32(head)
+                head_crc = (
+                    crc
+                    ^ shift.t0[x & 0xFF]
+                    ^ shift.t1[(x >> 8) & 0xFF]
+                    ^ shift.t2[(x >> 16) & 0xFF]
+                    ^ shift.t3[x >> 24]
+                )
+            return Slot(self, index, seq, spans, head_crc, base)
 
     def template(
         self,
@@ -656,23 +689,35 @@ class Journal:
         if self._fd < 0:
             raise JournalError("the journal is closed")
         doc = tpl.format % tuple(values)
-        k = len(tpl.sizes)
-        limit = self.slot_bytes - _TRAILER.size - CALL_RECORD_BYTES
-        head_end = _SLOT_HEAD + 16 * k + len(doc) + 3 * k
-        if head_end > limit:
-            return None
-        start = _round_up(head_end, ALIGN)
+        jlen = len(doc)
+        limit = self._limit
         placed = tpl.placed
-        if placed is None or placed[0] != start:
+        # The placement follows from the JSON length and the limit alone: the last call's
+        # while they repeat (one that did not fit was never kept).
+        if placed is None or placed[0] != jlen or placed[1] != limit:
+            k = tpl.k
+            head_end = _SLOT_HEAD + 16 * k + jlen + 3 * k
+            if head_end > limit:
+                return None
             spans = tuple(_place_sizes(tpl.sizes, head_end, limit, tpl.want))
             if [s is None for s in spans] != [not w for w in tpl.want]:
                 return None
             flags = tpl.flags | (FLAG_MISSING if any(s is None for s in spans) else 0)
             table = b"".join(_TABLE_ENTRY.pack(*(s or (0, 0))) for s in spans)
-            placed = tpl.placed = (start, spans, table, flags)
-        _, spans, table, flags = placed
+            placed = tpl.placed = (jlen, limit, spans, table, flags, self._shift(len(table) + jlen))
+        _, _, spans, table, flags, shift = placed
         ids = (call_index, tpl.target_id, stream, tpl.capture_id, tpl.graph_id)
-        return self._write(None, list(spans), table + doc, len(doc), flags, ids, tpl.replay)
+        return self._write(None, spans, table + doc, jlen, flags, ids, tpl.replay, shift)
+
+    def _shift(self, n: int) -> _CrcShift:
+        """The `_CrcShift` of n-byte bodies, shared by the templates of this journal (a template
+        made again after eviction has the same body length)."""
+        got = self._shifts.get(n)
+        if got is None:
+            if len(self._shifts) >= _SHIFTS_MAX:
+                self._shifts.clear()
+            got = self._shifts[n] = _CrcShift(n)
+        return got
 
     def _json(self, meta: SlotMeta, spans: Sequence[tuple[int, int] | None] | None) -> bytes:
         """The slot JSON (one object: target, called_as, names, args, kwargs, storages with their
@@ -754,6 +799,41 @@ class Journal:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _CrcShift:
+    """For n-byte bodies: crc32(body, b) from crc32(body, a) without a second pass. CRC-32 is
+    affine in its start value, so crc32(body, a) ^ crc32(body, b) == M(a ^ b) for a map M that
+    is linear and depends on n alone: M(x) = crc32(bytes(n), x) ^ crc32(bytes(n), 0), kept as
+    four tables, one per byte of x (`_write` applies them). Made once per body length: 32
+    passes over n zeros; 4 KiB (arrays: a template keeps its own while it lives)."""
+
+    __slots__ = ("n", "t0", "t1", "t2", "t3")
+
+    def __init__(self, n: int) -> None:
+        zeros = bytes(n)
+        z = zlib.crc32(zeros)
+        images = [zlib.crc32(zeros, 1 << b) ^ z for b in range(32)]  # M of each bit
+        tables: list[array.array[int]] = []
+        for k in range(4):
+            tab = [0] * 256
+            for x in range(1, 256):
+                low = x & -x  # M is linear: M(x) = M(x without its lowest bit) ^ M(that bit)
+                tab[x] = tab[x ^ low] ^ images[8 * k + low.bit_length() - 1]
+            tables.append(array.array("I", tab))  # u32
+        self.n = n
+        self.t0, self.t1, self.t2, self.t3 = tables
+
+    def __call__(self, crc: int, a: int, b: int) -> int:
+        """crc32(body, b), given crc == crc32(body, a) for an n-byte body (`_write` inlines it)."""
+        x = a ^ b
+        return (
+            crc
+            ^ self.t0[x & 0xFF]
+            ^ self.t1[(x >> 8) & 0xFF]
+            ^ self.t2[(x >> 16) & 0xFF]
+            ^ self.t3[x >> 24]
+        )
 
 
 def _fill(parts: tuple[bytes, ...], values: Sequence[int]) -> bytes:
