@@ -156,7 +156,9 @@ def test_a_batch_copies_runs_of_consecutive_slots_as_one_strided_copy_each():
 
     sb, addr, twin, side = 1 << 20, 0x7F00_0000_0000, 0x9000_0000, 0x55
     cu = _Recorded()
-    fake = SimpleNamespace(_cu=cu, _addr=addr, journal=SimpleNamespace(slot_bytes=sb))
+    fake = SimpleNamespace(
+        _cu=cu, _addr=addr, journal=SimpleNamespace(slot_bytes=sb), _strided=True
+    )
     fake._copy_run = lambda *a: DeviceCopies._copy_run(fake, *a)
 
     def entry(i, extents, stream=0xA):
@@ -185,3 +187,30 @@ def test_a_batch_copies_runs_of_consecutive_slots_as_one_strided_copy_each():
     cu.calls.clear()
     DeviceCopies._copy_runs(fake, [], side)
     assert cu.calls == []
+
+
+def test_a_driver_that_refuses_the_strided_copy_gets_one_copy_per_slot():
+    """A refused cuMemcpy2DAsync (nothing enqueued) turns the strided copies off for good: the
+    run is copied slot by slot, as later runs are."""
+    from types import SimpleNamespace
+
+    from kdump.record.devcopy import DeviceCopies
+
+    class Refusing(_Recorded):
+        def d2h_rows(self, *a):
+            self.calls.append(("refused",))
+            raise LaunchError("cuMemcpy2DAsync failed: CUDA_ERROR_INVALID_VALUE")
+
+    sb, addr, side = 4096, 0x10_0000, 7
+    cu = Refusing()
+    fake = SimpleNamespace(
+        _cu=cu, _addr=addr, journal=SimpleNamespace(slot_bytes=sb), _strided=True
+    )
+    DeviceCopies._copy_run(fake, cu, ((64, 0x5000, 100),), 3, side)
+    DeviceCopies._copy_run(fake, cu, ((64, 0x5000, 100),), 2, side)
+    assert not fake._strided
+    assert cu.calls == [
+        ("refused",),
+        *(("d2h", addr + 64 + k * sb, 0x5000 + k * sb, 100, side) for k in range(3)),
+        *(("d2h", addr + 64 + k * sb, 0x5000 + k * sb, 100, side) for k in range(2)),
+    ]

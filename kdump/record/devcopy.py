@@ -31,6 +31,7 @@ from typing import Any
 
 from kdump import nvrtc
 from kdump.log import log_once
+from kdump.nvrtc import LaunchError
 from kdump.record import cudrv, gather, pinned
 from kdump.record.devring import DeviceTier, DeviceTierError
 from kdump.record.journal import (
@@ -463,6 +464,7 @@ class DeviceCopies:
         self._slot_batch: dict[int, int] = {}
         self._batches = 0  # batches issued
         self._waited: dict[int, int] = {}  # stream -> the newest batch it has waited for
+        self._strided = True  # runs of slots as one strided copy (off if the driver refuses)
         self._marks = gather.Marks()
         self._marks_args = (ctypes.c_void_p * 1)(ctypes.addressof(self._marks))
         self._batch_events = [event() for _ in range(-(-slot_count // self.batch) + 2)]
@@ -545,10 +547,15 @@ class DeviceCopies:
         """The copies `first` of a run's first slot, for `rows` consecutive slots."""
         addr, sb = self._addr, self.journal.slot_bytes
         for dst, src, n in first:
-            if rows == 1:
-                cu.d2h(addr + dst, src, n, side)
-            else:
-                cu.d2h_rows(addr + dst, src, sb, n, rows, side)
+            if rows > 1 and self._strided:
+                try:
+                    cu.d2h_rows(addr + dst, src, sb, n, rows, side)
+                    continue
+                except LaunchError as exc:  # refused before anything was enqueued
+                    self._strided = False
+                    log_once("devcopy-2d", f"flight recorder: one host copy per slot ({exc})")
+            for k in range(rows):
+                cu.d2h(addr + dst + k * sb, src + k * sb, n, side)
 
     def _free(self, index: int, stream: int) -> None:
         """Before an eager call's snapshot overwrites slot `index`'s twin: its last host copy has
