@@ -489,3 +489,38 @@ def test_a_lane_takes_exactly_the_calls_whose_repeat_key_is_the_same():
     # deeper arguments keep the repeat key
     deep = call(((a, s),), w)
     assert ring_module._Lane.of(rep, *deep, ring_module._repeat_key("t", "t", *deep)) is None
+
+
+def test_a_lane_checks_each_tensor_once_and_sees_in_place_metadata_changes():
+    """A tensor named at two places is checked at each (the same object) and its facts once;
+    resize_, as_strided_ and set_ on the same object change its facts: no lane, as no key."""
+    a, s, out = torch.zeros(4, 8), torch.ones(4), torch.zeros(4, 2)
+
+    def call(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return args, kwargs
+
+    base = call((a, s), out, s, k=out)
+    seen = ring_module._repeat_key("t", "t", *base)
+    rep = types.SimpleNamespace(refs=tuple(weakref.ref(t) for t in seen[1]))
+    lane = ring_module._Lane.of(rep, *base, seen)  # type: ignore[arg-type]
+    assert lane is not None and len(seen[1]) == 3
+    assert [f is not None for *_, f in lane.places] == [True, True, True, False, False]
+    assert lane.tensors(*call((a, s), out, s, k=out)) == seen[1]
+    assert lane.tensors(*call((a, s), out, s.clone(), k=out)) is None  # same facts, other object
+    assert lane.tensors(*call((a, s), out, s, k=a)) is None
+    for change, undo in (
+        (lambda: out.resize_(2, 4), lambda: out.resize_(4, 2)),
+        (lambda: out.as_strided_((4, 2), (1, 4)), lambda: out.as_strided_((4, 2), (2, 1))),
+        (lambda: out.as_strided_((3, 2), (2, 1), 1), lambda: out.as_strided_((4, 2), (2, 1), 0)),
+    ):
+        change()
+        args, kwargs = call((a, s), out, s, k=out)
+        assert lane.tensors(args, kwargs) is None
+        assert ring_module._repeat_key("t", "t", args, kwargs)[0] != seen[0]
+        undo()
+        assert lane.tensors(*call((a, s), out, s, k=out)) == seen[1]
+    keep = out.detach()  # the old storage stays alive: set_ moves `out` to another address
+    out.set_(torch.zeros(4, 2).untyped_storage())
+    assert lane.tensors(*call((a, s), out, s, k=out)) is None
+    out.set_(keep)
+    assert lane.tensors(*call((a, s), out, s, k=out)) == seen[1]

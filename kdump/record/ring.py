@@ -320,7 +320,7 @@ class RingRecorder:
         except Exception as exc:  # the repeat path is an optimisation: never a failed call
             log_once(f"repeatlane:{self.pid}", f"flight recorder: no lane ({exc!r})")
         if lane is not None and tensors is not None:
-            done = self._again(lane.rep, index, tensors)
+            done = self._again(lane.rep, index, tensors, same=True)
             if done is not _MISS:
                 return done  # type: ignore[return-value]
         try:
@@ -618,16 +618,19 @@ class RingRecorder:
             {},
         )
 
-    def _again(self, rep: _Repeat, index: int, tensors: list[Any]) -> Any:
+    def _again(self, rep: _Repeat, index: int, tensors: list[Any], same: bool = False) -> Any:
         """The exact-repeat path: the call repeats the one `rep` was made from (the same tensor
         objects, layouts, static versions and scalar arguments), so its slot is that one's with
         this call's index, time, stream and moving versions, and its copies are the same.
-        `_MISS` where anything differs (the full path then runs)."""
-        for t, ref in zip(tensors, rep.refs):  # the key holds their number and facts
-            if ref() is not t:
-                return _MISS
+        `_MISS` where anything differs (the full path then runs). `same`: `tensors` are already
+        known to be `rep`'s own objects (`_Lane.tensors` checked each against its reference)."""
+        if not same:
+            for t, ref in zip(tensors, rep.refs):  # the key holds their number and facts
+                if ref() is not t:
+                    return _MISS
         for f, v in rep.fixed:
-            if version_of(tensors[f]) != v:
+            t = tensors[f]
+            if (None if t.is_inference() else t._version) != v:  # `version_of`, inline
                 return _MISS
         cuda = rep.cuda_call
         if cuda and self._is_capturing(tensors):  # capture sites: the full path
@@ -649,9 +652,12 @@ class RingRecorder:
                 from kdump.record.devcopy import current_stream
 
                 stream = current_stream(torch.cuda.current_device())
-            values: list[Any] = [version_of(tensors[f]) for f in rep.moving]
-            if None in values:
-                return _MISS
+            values: list[Any] = []
+            for f in rep.moving:
+                t = tensors[f]
+                if t.is_inference():  # no version counter (`version_of`): no hole to fill
+                    return _MISS
+                values.append(t._version)
             values += (index, time.time_ns())
             slot = j.reserve_from(rep.template, values, stream, index)
             if slot is None:
@@ -1087,7 +1093,8 @@ class _Lane:
         self.kwkeys = kwkeys
         self.containers: list[tuple[int, type, int]] = []  # (argument, type, length)
         self.leaves: list[tuple[int, int, type, Any]] = []  # (argument, item or -1, type, value)
-        self.places: list[tuple[int, int, int]] = []  # (argument, item or -1, tensor index)
+        # (argument, item or -1, tensor index, its `_facts_of` at its first place, else None)
+        self.places: list[tuple[int, int, int, Any]] = []
         self.facts: tuple[Any, ...] = ()
 
     @classmethod
@@ -1102,7 +1109,7 @@ class _Lane:
         for i, v in enumerate((*args, *kwargs.values())):
             tp = type(v)
             if tp in _TENSOR_TYPES:
-                lane.places.append((i, -1, at[id(v)]))
+                lane.places.append((i, -1, at[id(v)], None))
             elif tp in _LANE_LEAVES and not (tp is str and len(v) > _KEY_STR):
                 lane.leaves.append((i, -1, tp, v))
             elif tp is tuple or tp is list:
@@ -1110,7 +1117,7 @@ class _Lane:
                 for j, x in enumerate(v):
                     tx = type(x)
                     if tx in _TENSOR_TYPES:
-                        lane.places.append((i, j, at[id(x)]))
+                        lane.places.append((i, j, at[id(x)], None))
                     elif tx in _LANE_LEAVES and not (tx is str and len(x) > _KEY_STR):
                         lane.leaves.append((i, j, tx, x))
                     else:
@@ -1119,7 +1126,15 @@ class _Lane:
                 return None
         if len(at) != len(rep.refs):
             return None
-        lane.facts = key[3]
+        lane.facts = facts = key[3]
+        # Each tensor's facts are checked where it first appears (`tensors`): one pass.
+        firsts: set[int] = set()
+        for n, (i, j, k, _) in enumerate(lane.places):
+            if k not in firsts:
+                firsts.add(k)
+                lane.places[n] = (i, j, k, facts[k])
+        if len(firsts) != len(facts):  # every tensor has a place: `tensors` fills each
+            return None
         return lane
 
     def tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
@@ -1136,13 +1151,27 @@ class _Lane:
                 return None
         refs = self.rep.refs
         out: list[Any] = [None] * len(refs)
-        for i, j, k in self.places:
+        for i, j, k, facts in self.places:
             x = vals[i] if j < 0 else vals[i][j]
             if x is not refs[k]():
                 return None
+            if facts is not None:
+                # `_facts_of([x])[0] != facts`, inline: a call per tensor costs the lane a
+                # microsecond; the first fact (the address) tells most changes apart
+                p = x.data_ptr()
+                if (
+                    p,
+                    x.shape,
+                    x.stride(),
+                    x.dtype,
+                    x.storage_offset(),
+                    x.is_conj(),
+                    x.is_neg(),
+                    x.requires_grad,
+                    None if p else x.device,
+                ) != facts:
+                    return None
             out[k] = x
-        if _facts_of(out) != self.facts:
-            return None
         return out
 
 
