@@ -566,14 +566,14 @@ class RingRecorder:
         # not static candidates (outputs, activations: their versions move every call).
         holes: list[int] = []  # in JSON order: storages (versions), then extra
         values: list[int] = []
-        moving: list[int] = []
+        moving: set[int] = set()  # storages
         storages = list(meta.storages)
         for i, d in enumerate(storages):
             if "version" in d and i not in candidates:
                 holes.append(_SENTINEL + 2 + len(moving))  # +0, +1: the index and time
                 values.append(d["version"])
                 storages[i] = {**d, "version": holes[-1]}
-                moving.append(cached.firsts[i])
+                moving.add(i)
         extra = dict(meta.extra)
         extra["call_index"], extra["time_ns"] = _SENTINEL, _SENTINEL + 1
         holes += [_SENTINEL, _SENTINEL + 1]
@@ -596,14 +596,19 @@ class RingRecorder:
         tpl = j.template(sentinels, want, holes, (meta, values))
         if tpl is None:
             return None
-        firsts = cached.firsts
-        fixed = tuple((f, version_of(tensors[f])) for i, f in enumerate(firsts) if i in candidates)
+        # Per storage in order (holes are in storage order): its first view, and its version where
+        # it must stay (static candidates) or _MOVING where it fills a hole.
+        versions: list[tuple[int, Any]] = []
+        for i, f in enumerate(cached.firsts):
+            if i in candidates:
+                versions.append((f, version_of(tensors[f])))
+            elif i in moving:
+                versions.append((f, _MOVING))
         plan, whole, cuda = device
         return _Repeat(
             meta.target,
             tuple(weakref.ref(t) for t in tensors),
-            fixed,
-            tuple(moving),
+            tuple(versions),
             tpl,
             j,
             self._cuda,
@@ -628,9 +633,16 @@ class RingRecorder:
             for t, ref in zip(tensors, rep.refs):  # the key holds their number and facts
                 if ref() is not t:
                     return _MISS
-        for f, v in rep.fixed:
+        # `version_of` inline, one pass: static candidates keep theirs, the others fill holes
+        values: list[Any] = []
+        for f, v in rep.versions:
             t = tensors[f]
-            if (None if t.is_inference() else t._version) != v:  # `version_of`, inline
+            if t.is_inference():  # no version: equal to a candidate's None; no hole filled
+                if v is not None:
+                    return _MISS
+            elif v is _MOVING:
+                values.append(t._version)
+            elif t._version != v:
                 return _MISS
         cuda = rep.cuda_call
         if cuda and self._is_capturing(tensors):  # capture sites: the full path
@@ -652,12 +664,6 @@ class RingRecorder:
                 from kdump.record.devcopy import current_stream
 
                 stream = current_stream(torch.cuda.current_device())
-            values: list[Any] = []
-            for f in rep.moving:
-                t = tensors[f]
-                if t.is_inference():  # no version counter (`version_of`): no hole to fill
-                    return _MISS
-                values.append(t._version)
             values += (index, time.time_ns())
             slot = j.reserve_from(rep.template, values, stream, index)
             if slot is None:
@@ -939,6 +945,7 @@ def _signature(target: str, tensors: list[Any], args_tree: Any, kwargs_tree: Any
 
 _REPEATS_MAX = 1024  # repeat keys with a template (each layer of a model has its own)
 _MISS = object()  # `_again`: not a repeat, take the full path
+_MOVING = object()  # `_Repeat.versions`: a version that fills a hole (no fixed value)
 _TENSOR = object()  # `_fingerprint`: a tensor follows (its index in the call's tensor list)
 _KWARGS = object()  # `_fingerprint`: the keyword arguments follow
 # Sentinels cut out of a template's JSON (`Journal.template`): 19 digits, not an address, a size
@@ -1207,8 +1214,9 @@ class _Repeat:
 
     target: str
     refs: tuple[Any, ...]
-    fixed: tuple[tuple[int, int | None], ...]  # (tensor index, version) of static candidates
-    moving: tuple[int, ...]  # tensor index of each version that fills a hole
+    # (tensor index, version) of static candidates, (tensor index, _MOVING) of each version
+    # that fills a hole; in storage order (the holes' order)
+    versions: tuple[tuple[int, Any], ...]
     template: SlotTemplate
     journal: Journal
     devcopies: Any
