@@ -214,3 +214,44 @@ def test_a_driver_that_refuses_the_strided_copy_gets_one_copy_per_slot():
         *(("d2h", addr + 64 + k * sb, 0x5000 + k * sb, 100, side) for k in range(3)),
         *(("d2h", addr + 64 + k * sb, 0x5000 + k * sb, 100, side) for k in range(2)),
     ]
+
+
+def test_a_stream_write_passes_the_value_after_the_streams_work(fake):
+    fns = fake(0)
+    d = cudrv.driver()
+    assert d is not None
+    d.write64(0x20, 0xDEAD_0000, 12345)
+    assert fns["write64"].calls == [(0x20, 0xDEAD_0000, 12345, 0)]  # 0: with a memory fence
+    fake(1)
+    with pytest.raises(LaunchError, match="cuStreamWriteValue64 failed"):
+        cudrv.driver().write64(1, 2, 3)
+
+
+def test_an_eager_done_marker_is_one_stream_write_until_the_driver_refuses_it():
+    """DeviceCopies._done_by_write: the call's seq to its trailer's `done` word through the
+    journal's device mapping; a refused write turns the writes off for good (the caller then
+    launches the marker kernel)."""
+    from types import SimpleNamespace
+
+    from kdump.record.devcopy import _DONE_AT, DeviceCopies
+
+    writes: list[tuple] = []
+
+    class Cu:
+        refuse = False
+
+        def write64(self, stream, dst, value):
+            if self.refuse:
+                raise LaunchError("cuStreamWriteValue64 failed: CUDA_ERROR_NOT_SUPPORTED")
+            writes.append((stream, dst, value))
+
+    cu = Cu()
+    fake = SimpleNamespace(_cu=cu, _writes=True, _host_dev=0x7000_0000)
+    assert DeviceCopies._done_by_write(fake, 0x33, 4096, 17)
+    assert writes == [(0x33, 0x7000_0000 + 4096 + _DONE_AT, 17)]
+    cu.refuse = True
+    assert not DeviceCopies._done_by_write(fake, 0x33, 4096, 18)
+    assert not fake._writes
+    cu.refuse = False
+    assert not DeviceCopies._done_by_write(fake, 0x33, 4096, 19)  # not tried again
+    assert len(writes) == 1

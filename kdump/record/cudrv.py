@@ -27,6 +27,7 @@ _SIGNATURES: dict[str, tuple[str, list[Any]]] = {
     "d2h": ("cuMemcpyDtoHAsync_v2", [_p, _u64, _sz, _p]),
     "d2d": ("cuMemcpyDtoDAsync_v2", [_u64, _u64, _sz, _p]),
     "copy2d": ("cuMemcpy2DAsync_v2", [_p, _p]),
+    "write64": ("cuStreamWriteValue64_v2", [_p, _u64, _u64, _u]),
     "record": ("cuEventRecord", [_p, _p]),
     "wait": ("cuStreamWaitEvent", [_p, _p, _u]),
 }
@@ -121,6 +122,7 @@ class Driver:
         self._record = fns["record"]
         self._wait = fns["wait"]
         self._copy2d = fns["copy2d"]
+        self._write64 = fns["write64"]
         # one descriptor, filled per call: the callers hold the recorder's lock
         self._rows = Memcpy2D(srcMemoryType=MEMORYTYPE_DEVICE, dstMemoryType=MEMORYTYPE_HOST)
         self._rows_at = ctypes.addressof(self._rows)
@@ -148,6 +150,14 @@ class Driver:
         r = self._copy2d(self._rows_at, stream)
         if r:
             _raise(r, "cuMemcpy2DAsync")
+
+    def write64(self, stream: int, dst: int, value: int) -> None:
+        """Write the u64 `value` to device address `dst` (a mapped host address: its device
+        pointer) once the stream's earlier work is done, behind a memory fence
+        (cuStreamWriteValue64, no kernel)."""
+        r = self._write64(stream, dst, value, 0)
+        if r:
+            _raise(r, "cuStreamWriteValue64")
 
     def d2d(self, dst: int, src: int, n: int, stream: int) -> None:
         r = self._d2d(dst, src, n, stream)

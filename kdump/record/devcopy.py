@@ -12,7 +12,9 @@ slot as ONE D2H copy, followed by an 8-byte copy of the call's token into `post`
 * no salvage process holds it: both run on the call's stream before the call; the host tier is
   then the only thing that survives a crash.
 
-`done` is the token copied after the call by a one-thread kernel on the call's stream; for a
+`done` is the token written after the call on the call's stream: an eager call's seq as a stream
+write (cuStreamWriteValue64, behind a memory fence; where the driver refuses it, copied by a
+one-thread kernel); for a
 capture site the next snapshot of its chain (the next site captured on the same stream, or the
 first site at the next replay) writes it instead, so a recorded graph call adds one node, not
 two. The newest call of a chain therefore reads as not finished until a later replay runs: its
@@ -178,6 +180,7 @@ class DeviceCopies:
         self.forked_in_capture = False
         self._params_plan: Any = self  # the plan `_params` holds (self: none yet)
         self._fb_slot = 0  # the torch fallback's fixed device ring slot size
+        self._writes = True  # done markers as stream writes (off if the driver refuses them)
         self._chains: dict[tuple[int, int], int] = {}  # (capture id, stream) -> its cell
 
     # -- facts ------------------------------------------------------------------------------------
@@ -376,6 +379,10 @@ class DeviceCopies:
                 (trailer + _DONE_AT, record + RECORD_COMPLETE_AT, 8),
             )
 
+        # an eager call's token is its seq (the snapshot's): the done marker can be written as
+        # a value after the kernel, with no kernel or copy of its own
+        eager_token = slot.seq if self.kernel is not None and token_index is None else 0
+
         def after() -> None:
             # A graph site's done marker is written by the next snapshot of its chain: no node
             # after the recorded kernel (even an empty one cost 1-2 % of a decode step).
@@ -387,6 +394,8 @@ class DeviceCopies:
             # harmless: the slot then reads in flight (post behind pre), and the device twin
             # completes it at salvage.
             cur = current_stream(self._index)
+            if eager_token and self._done_by_write(cur, trailer, eager_token):
+                return
             if self.mark is not None:
                 dst = self._host_dev + trailer + _DONE_AT
                 if self._cu is not None:  # own arguments: `after` runs outside the lock
@@ -443,8 +452,13 @@ class DeviceCopies:
             for dst, src, n in e.host:
                 cu.d2h(addr + dst, src, n, main)
 
+        seq = slot.seq
+        trailer = e.done[0] - _DONE_AT
+
         def after() -> None:
             cur = current_stream(self._index)
+            if self._done_by_write(cur, trailer, seq):
+                return
             if e.mark_args is not None:
                 cu.launch(self._mark_h, 1, 1, e.mark_args, cur, gather.MARK_KERNEL)
             else:
@@ -452,6 +466,22 @@ class DeviceCopies:
                 cu.d2h(addr + dst, src, n, cur)
 
         return after
+
+    def _done_by_write(self, stream: int, trailer: int, token: int) -> bool:
+        """An eager call's done marker (its slot's trailer at journal offset `trailer`) as one
+        stream write of its token after the kernel: the stream's earlier work (the recorded
+        kernel) is done and visible first, as with the marker kernel, for one driver call with
+        four arguments instead of a launch. False where the driver has no such write (then
+        never tried again): the caller falls back to the marker kernel."""
+        if not self._writes or self._cu is None:
+            return False
+        try:
+            self._cu.write64(stream, self._host_dev + trailer + _DONE_AT, token)
+            return True
+        except LaunchError as exc:  # refused before anything was enqueued
+            self._writes = False
+            log_once("devcopy-write", f"flight recorder: done markers by kernel ({exc})")
+            return False
 
     # -- batched host copies (eager calls, a salvage process holds the tier) ---------------------
     def _batching(self, slot_count: int, event: Callable[[], Any]) -> None:
