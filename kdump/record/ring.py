@@ -1145,9 +1145,16 @@ class _Lane:
         return lane
 
     def tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
-        if len(args) != self.nargs or tuple(kwargs) != self.kwkeys:
+        if len(args) != self.nargs:
             return None
-        vals = (*args, *kwargs.values()) if kwargs else args
+        if kwargs:
+            if tuple(kwargs) != self.kwkeys:
+                return None
+            vals = (*args, *kwargs.values())
+        elif self.kwkeys:
+            return None
+        else:  # the common case: no keywords, nothing to join
+            vals = args
         for i, tp, n in self.containers:
             c = vals[i]
             if type(c) is not tp or len(c) != n:

@@ -284,6 +284,8 @@ class Trigger:
 
     def __post_init__(self) -> None:
         self.consider = self._make_consider()
+        # `select` without a selection (every recorded call asks): its answer, found once
+        self._plain = None if self.config.has_selection else not self.config.on_exception
 
     def reset(self) -> None:
         """Forget per-process state (after fork)."""
@@ -308,9 +310,9 @@ class Trigger:
 
     def select(self, index: int, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
         """Is call `index` dumped whether or not it raises? (Only after consider(index).)"""
+        if self._plain is not None:
+            return self._plain
         cfg = self.config
-        if not cfg.has_selection:
-            return not cfg.on_exception
         if cfg.calls is not None and index not in cfg.calls:
             return False
         if cfg.every is not None and index % cfg.every:
