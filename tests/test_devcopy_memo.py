@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from kdump.record import devcopy, gather
+from kdump.record.journal import MARKER_AT, TRAILER_BYTES
 
 
 class _Driver:
@@ -32,6 +33,12 @@ class _Driver:
 
     def d2h(self, dst: int, src: int, n: int, stream: int) -> None:
         self.log.append(("d2h", dst, src, n, stream))
+
+    def d2h_rows(self, dst: int, src: int, pitch: int, n: int, rows: int, stream: int) -> None:
+        self.log.append(("d2h_rows", dst, src, pitch, n, rows, stream))
+
+    def write64(self, stream: int, dst: int, value: int) -> None:
+        self.log.append(("write64", stream, dst, value))
 
     def d2d(self, dst: int, src: int, n: int, stream: int) -> None:
         self.log.append(("d2d", dst, src, n, stream))
@@ -117,6 +124,7 @@ def _copies(mark: bool) -> Any:
     dc._side_h = 99
     dc._chains = {}
     dc.forked_in_capture = False
+    dc._writes = True
     return dc
 
 
@@ -198,6 +206,14 @@ def test_memo_enqueues_what_the_full_computation_enqueues(mark: bool, plan: Any)
     p = gather.SnapParams.from_buffer_copy(launches[-1][6])
     assert (p.seq, p.call_index, p.slot_index) == (100 + len(CALLS) - 1, 7 + len(CALLS) - 1, 1)
     assert p.n_gathers == (1 if plan is not None else 0)
+    # each call's done marker: its seq, written by the stream after the call, into its trailer
+    done = [e for e in full if e[0] == "write64"]
+    trailer = 4096 + (1 << 20) - TRAILER_BYTES + MARKER_AT["done"]
+    assert done == [
+        ("write64", 7, 0x7000_0000 + trailer + i * (1 << 20), 100 + k)
+        for k, (i, _, _) in enumerate(CALLS)
+    ]
+    assert all(full[full.index(e) - 1] == ("call",) for e in done)
 
 
 class _Cells:
@@ -248,8 +264,8 @@ def test_held_eager_host_copies_go_to_the_side_stream_a_batch_at_a_time(memo: An
     log = _held_calls(dc, [(i % 16, 7) for i in range(24)], memo)
     # the calls' stream gets the snapshot and the done marker, nothing else while the batch fills
     ops = [e[5] if e[0] == "launch" else e[0] for e in log]
-    assert ops[:9] == ["snapshot", "call", gather.MARK_KERNEL] * 3
-    assert all(e[4] == dc._side_h for e in log if e[0] == "d2h")
+    assert ops[:9] == ["snapshot", "call", "write64"] * 3
+    assert all(e[-1] == dc._side_h for e in log if e[0] in ("d2h", "d2h_rows"))
     marks = [i for i, e in enumerate(log) if e[0] == "launch" and e[5] == "marks"]
     assert len(marks) == 24 // 4
     # a batch: the fork from the calls' stream, each slot's twin copy, one marks launch with the
@@ -260,8 +276,10 @@ def test_held_eager_host_copies_go_to_the_side_stream_a_batch_at_a_time(memo: An
     assert log[f] == ("record", fork, 7) and log[f + 1] == ("wait", dc._side_h, fork)
     assert log[f - 1][5] == "snapshot" and log[f - 3] == ("call", 2)  # the fourth call's
     twins = log[f + 2 : k]
-    assert twins and all(e[0] == "d2h" for e in twins)
-    assert len(twins) % 4 == 0  # the same copies for each of the four slots
+    # the four slots (0-3) copy the same extents: one strided copy per extent for the four,
+    # here the payloads' extent and the call record
+    assert [e[0] for e in twins] == ["d2h_rows", "d2h_rows"]
+    assert all(e[3] == dc.journal.slot_bytes and e[5] == 4 for e in twins)
     assert log[k + 1] == ("record", dc._batch_events[0], dc._side_h)
     posts = log[k][6]
     assert len(posts) == 4 and len({d for _, d in posts}) == 4
