@@ -37,7 +37,7 @@ def _error_name(code, out):
 @pytest.fixture
 def fake(monkeypatch):
     def install(code: int) -> dict:
-        fns = {name: _Fake(code) for name in cudrv._SIGNATURES}
+        fns = {name: _Fake(code) for name in (*cudrv._SIGNATURES, *cudrv._OPTIONAL)}
         fns["error_name"] = _error_name
         monkeypatch.setattr(cudrv, "_fns", fns)
         monkeypatch.setattr(cudrv, "_driver", None)
@@ -197,9 +197,11 @@ def test_a_driver_that_refuses_the_strided_copy_gets_one_copy_per_slot():
     from kdump.record.devcopy import DeviceCopies
 
     class Refusing(_Recorded):
+        code = 1
+
         def d2h_rows(self, *a):
             self.calls.append(("refused",))
-            raise LaunchError("cuMemcpy2DAsync failed: CUDA_ERROR_INVALID_VALUE")
+            raise cudrv.DriverError("cuMemcpy2DAsync failed", self.code)
 
     sb, addr, side = 4096, 0x10_0000, 7
     cu = Refusing()
@@ -214,6 +216,15 @@ def test_a_driver_that_refuses_the_strided_copy_gets_one_copy_per_slot():
         *(("d2h", addr + 64 + k * sb, 0x5000 + k * sb, 100, side) for k in range(3)),
         *(("d2h", addr + 64 + k * sb, 0x5000 + k * sb, 100, side) for k in range(2)),
     ]
+    # an error of the context (sticky, left by a kernel) is raised, the strided copies stay on
+    cu = Refusing()
+    cu.code = 700
+    fake = SimpleNamespace(
+        _cu=cu, _addr=addr, journal=SimpleNamespace(slot_bytes=sb), _strided=True
+    )
+    with pytest.raises(cudrv.DriverError):
+        DeviceCopies._copy_run(fake, cu, ((64, 0x5000, 100),), 3, side)
+    assert fake._strided and cu.calls == [("refused",)]
 
 
 def test_a_stream_write_passes_the_value_after_the_streams_work(fake):
@@ -238,20 +249,55 @@ def test_an_eager_done_marker_is_one_stream_write_until_the_driver_refuses_it():
     writes: list[tuple] = []
 
     class Cu:
-        refuse = False
+        refuse = 0
 
         def write64(self, stream, dst, value):
             if self.refuse:
-                raise LaunchError("cuStreamWriteValue64 failed: CUDA_ERROR_NOT_SUPPORTED")
+                raise cudrv.DriverError("cuStreamWriteValue64 failed", self.refuse)
             writes.append((stream, dst, value))
 
     cu = Cu()
     fake = SimpleNamespace(_cu=cu, _writes=True, _host_dev=0x7000_0000)
     assert DeviceCopies._done_by_write(fake, 0x33, 4096, 17)
     assert writes == [(0x33, 0x7000_0000 + 4096 + _DONE_AT, 17)]
-    cu.refuse = True
+    cu.refuse = 700  # CUDA_ERROR_ILLEGAL_ADDRESS, sticky: the context's error, raised
+    with pytest.raises(cudrv.DriverError):
+        DeviceCopies._done_by_write(fake, 0x33, 4096, 18)
+    assert fake._writes
+    cu.refuse = 801  # CUDA_ERROR_NOT_SUPPORTED: this driver cannot write, the kernel instead
     assert not DeviceCopies._done_by_write(fake, 0x33, 4096, 18)
     assert not fake._writes
-    cu.refuse = False
+    cu.refuse = 0
     assert not DeviceCopies._done_by_write(fake, 0x33, 4096, 19)  # not tried again
     assert len(writes) == 1
+
+
+def test_a_driver_without_the_optional_entry_points_keeps_the_others(fake):
+    """An older libcuda without cuMemcpy2DAsync_v2 / cuStreamWriteValue64_v2: the ctypes path
+    stays (launches, copies, events); those two calls say the driver refuses them."""
+    fns = fake(0)
+    fns["copy2d"] = fns["write64"] = None
+    d = cudrv.driver()
+    assert d is not None
+    d.d2h(0x1000, 0x2000, 64, 0x20)
+    for call in (lambda: d.d2h_rows(1, 2, 3, 4, 5, 0), lambda: d.write64(0, 1, 2)):
+        with pytest.raises(cudrv.DriverError, match="not in this driver") as err:
+            call()
+        assert err.value.refused
+
+
+def test_missing_optional_symbols_load_as_none(monkeypatch):
+    class Lib:
+        def __getattr__(self, name):
+            if name in ("cuMemcpy2DAsync_v2", "cuStreamWriteValue64_v2"):
+                raise AttributeError(name)
+            return _Fake(0)
+
+    monkeypatch.setattr(cudrv, "_fns", None)
+    monkeypatch.setattr(cudrv, "_failed", False)
+    monkeypatch.setattr(cudrv, "_driver", None)
+    monkeypatch.setattr(cudrv.ctypes, "CDLL", lambda name: Lib())
+    assert cudrv.available()
+    fns = cudrv._load()
+    assert fns is not None and fns["copy2d"] is None and fns["write64"] is None
+    assert fns["launch"] is not None

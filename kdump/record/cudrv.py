@@ -26,11 +26,20 @@ _SIGNATURES: dict[str, tuple[str, list[Any]]] = {
     "launch": ("cuLaunchKernel", [_p, _u, _u, _u, _u, _u, _u, _u, _p, _p, _p]),
     "d2h": ("cuMemcpyDtoHAsync_v2", [_p, _u64, _sz, _p]),
     "d2d": ("cuMemcpyDtoDAsync_v2", [_u64, _u64, _sz, _p]),
-    "copy2d": ("cuMemcpy2DAsync_v2", [_p, _p]),
-    "write64": ("cuStreamWriteValue64_v2", [_p, _u64, _u64, _u]),
     "record": ("cuEventRecord", [_p, _p]),
     "wait": ("cuStreamWaitEvent", [_p, _p, _u]),
 }
+
+# Entry points the recorder can do without (a driver that lacks one keeps every other ctypes
+# call; the caller falls back where it is None): stream writes need a CUDA 11.7 driver.
+_OPTIONAL: dict[str, tuple[str, list[Any]]] = {
+    "copy2d": ("cuMemcpy2DAsync_v2", [_p, _p]),
+    "write64": ("cuStreamWriteValue64_v2", [_p, _u64, _u64, _u]),
+}
+# What a driver that cannot do a call answers (nothing was enqueued): CUDA_ERROR_INVALID_VALUE,
+# CUDA_ERROR_NOT_FOUND, CUDA_ERROR_NOT_SUPPORTED. Any other error (a sticky one left by a
+# kernel, above all) is not the call's.
+REFUSED = frozenset({1, 500, 801})
 
 MEMORYTYPE_HOST, MEMORYTYPE_DEVICE = 1, 2  # CUmemorytype
 
@@ -78,6 +87,11 @@ def _load() -> dict[str, Any] | None:
                 f = getattr(lib, symbol)
                 f.argtypes, f.restype = argtypes, ctypes.c_int
                 fns[name] = f
+            for name, (symbol, argtypes) in _OPTIONAL.items():
+                f = getattr(lib, symbol, None)
+                if f is not None:
+                    f.argtypes, f.restype = argtypes, ctypes.c_int
+                fns[name] = f
             err = lib.cuGetErrorName
             err.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
             err.restype = ctypes.c_int
@@ -94,12 +108,26 @@ def available() -> bool:
     return _load() is not None
 
 
+class DriverError(LaunchError):
+    """A driver call of the recorder failed with CUresult `code`."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def refused(self) -> bool:
+        """The driver cannot make this call (nothing was enqueued), as opposed to an error of
+        the context (`REFUSED`)."""
+        return self.code in REFUSED
+
+
 def _raise(code: int, what: str) -> None:
     fns = _load()
     name = ctypes.c_char_p()
     if fns is not None and fns["error_name"](code, ctypes.byref(name)) == 0 and name.value:
-        raise LaunchError(f"{what} failed: {name.value.decode()}")
-    raise LaunchError(f"{what} failed: CUDA error {code}")
+        raise DriverError(f"{what} failed: {name.value.decode()}", code)
+    raise DriverError(f"{what} failed: CUDA error {code}", code)
 
 
 def handle(h: Any) -> int:
@@ -123,7 +151,8 @@ class Driver:
         self._wait = fns["wait"]
         self._copy2d = fns["copy2d"]
         self._write64 = fns["write64"]
-        # one descriptor, filled per call: the callers hold the recorder's lock
+        # one descriptor per process, filled per call: every caller holds the recorder's lock
+        # (the driver has read it when cuMemcpy2DAsync returns)
         self._rows = Memcpy2D(srcMemoryType=MEMORYTYPE_DEVICE, dstMemoryType=MEMORYTYPE_HOST)
         self._rows_at = ctypes.addressof(self._rows)
 
@@ -147,6 +176,8 @@ class Driver:
         d = self._rows
         d.srcDevice, d.srcPitch, d.dstHost, d.dstPitch = src, pitch, dst, pitch
         d.WidthInBytes, d.Height = n, rows
+        if self._copy2d is None:
+            raise DriverError("cuMemcpy2DAsync_v2 is not in this driver", 500)
         r = self._copy2d(self._rows_at, stream)
         if r:
             _raise(r, "cuMemcpy2DAsync")
@@ -155,6 +186,8 @@ class Driver:
         """Write the u64 `value` to device address `dst` (a mapped host address: its device
         pointer) once the stream's earlier work is done, behind a memory fence
         (cuStreamWriteValue64, no kernel)."""
+        if self._write64 is None:
+            raise DriverError("cuStreamWriteValue64_v2 is not in this driver", 500)
         r = self._write64(stream, dst, value, 0)
         if r:
             _raise(r, "cuStreamWriteValue64")

@@ -33,7 +33,6 @@ from typing import Any
 
 from kdump import nvrtc
 from kdump.log import log_once
-from kdump.nvrtc import LaunchError
 from kdump.record import cudrv, gather, pinned
 from kdump.record.devring import DeviceTier, DeviceTierError
 from kdump.record.journal import (
@@ -478,7 +477,9 @@ class DeviceCopies:
         try:
             self._cu.write64(stream, self._host_dev + trailer + _DONE_AT, token)
             return True
-        except LaunchError as exc:  # refused before anything was enqueued
+        except cudrv.DriverError as exc:
+            if not exc.refused:  # an error of the context (a sticky one), not of this call
+                raise
             self._writes = False
             log_once("devcopy-write", f"flight recorder: done markers by kernel ({exc})")
             return False
@@ -581,7 +582,9 @@ class DeviceCopies:
                 try:
                     cu.d2h_rows(addr + dst, src, sb, n, rows, side)
                     continue
-                except LaunchError as exc:  # refused before anything was enqueued
+                except cudrv.DriverError as exc:
+                    if not exc.refused:  # an error of the context, not of this call
+                        raise
                     self._strided = False
                     log_once("devcopy-2d", f"flight recorder: one host copy per slot ({exc})")
             for k in range(rows):
