@@ -173,11 +173,11 @@ class Driver:
     def d2h_rows(self, dst: int, src: int, pitch: int, n: int, rows: int, stream: int) -> None:
         """`rows` copies of `n` bytes from device address `src` to host address `dst`, row k at
         `k * pitch` on both sides, as one driver call (cuMemcpy2DAsync)."""
+        if self._copy2d is None:
+            raise DriverError("cuMemcpy2DAsync_v2 is not in this driver", 500)
         d = self._rows
         d.srcDevice, d.srcPitch, d.dstHost, d.dstPitch = src, pitch, dst, pitch
         d.WidthInBytes, d.Height = n, rows
-        if self._copy2d is None:
-            raise DriverError("cuMemcpy2DAsync_v2 is not in this driver", 500)
         r = self._copy2d(self._rows_at, stream)
         if r:
             _raise(r, "cuMemcpy2DAsync")

@@ -630,15 +630,8 @@ class Journal:
             # the trailer's checksum starts with these bytes: `commit` need not read them back
             if shift is None:
                 head_crc = zlib.crc32(body, zlib.crc32(head))
-            else:  # the same value (`_CrcShift`)
-                x = start ^ zlib.crc32(head)
-                head_crc = (
-                    crc
-                    ^ shift.t0[x & 0xFF]
-                    ^ shift.t1[(x >> 8) & 0xFF]
-                    ^ shift.t2[(x >> 16) & 0xFF]
-                    ^ shift.t3[x >> 24]
-                )
+            else:  # the same value, without a second pass over the body
+                head_crc = shift(crc, start, zlib.crc32(head))
             return Slot(self, index, seq, spans, head_crc, base)
 
     def template(
@@ -805,7 +798,7 @@ class _CrcShift:
     """For n-byte bodies: crc32(body, b) from crc32(body, a) without a second pass. CRC-32 is
     affine in its start value, so crc32(body, a) ^ crc32(body, b) == M(a ^ b) for a map M that
     is linear and depends on n alone: M(x) = crc32(bytes(n), x) ^ crc32(bytes(n), 0), kept as
-    four tables, one per byte of x (`_write` applies them). Made once per body length: 32
+    four tables, one per byte of x. Made once per body length: 32
     passes over n zeros; 4 KiB (arrays: a template keeps its own while it lives)."""
 
     __slots__ = ("n", "t0", "t1", "t2", "t3")
@@ -825,7 +818,7 @@ class _CrcShift:
         self.t0, self.t1, self.t2, self.t3 = tables
 
     def __call__(self, crc: int, a: int, b: int) -> int:
-        """crc32(body, b), given crc == crc32(body, a) for an n-byte body (`_write` inlines it)."""
+        """crc32(body, b), given crc == crc32(body, a) for an n-byte body."""
         x = a ^ b
         return (
             crc

@@ -220,13 +220,8 @@ class TriggerConfig:
 
     @property
     def has_selection(self) -> bool:
-        # no generator: every recorded call asks (`Trigger.select`)
-        return (
-            self.calls is not None
-            or self.every is not None
-            or self.first_per_signature is not None
-            or self.predicate is not None
-        )
+        given = (self.calls, self.every, self.first_per_signature, self.predicate)
+        return any(v is not None for v in given)
 
     @classmethod
     def build(
