@@ -5,11 +5,13 @@ the kernel as shipped and for variants of its compile-time constants, all in one
     python bench/bench_snapshot_kernel.py --variant KD_UNROLL=8u --variant min_blocks=4
 
 A variant is comma-separated `NAME=VALUE` pairs: a `#define` of kdump/record/snapshot.cu
-replaced (KD_UNROLL, KD_THREADS, KD_ROWS_PER_BLOCK, KD_BULK (0: no bulk copies),
-KD_BULK_WARPS, KD_BULK_STAGES, KD_BULK_STAGE; KD_CHUNK follows KD_THREADS x 16 x KD_UNROLL),
-or `min_blocks=N` (the kernel's `__launch_bounds__` minimum blocks per SM). The host side
-(gather.py) must agree with KD_THREADS and KD_ROWS_PER_BLOCK: variants of those launch with
-the variant's own grid.
+replaced (KD_UNROLL, KD_THREADS, KD_ROWS_PER_BLOCK, KD_BULK (0: no bulk copies), KD_BULK_WARPS,
+KD_BULK_STAGES, KD_BULK_STAGE, KD_SPLIT_BYTES (a unit's rows at most, in bytes: 1073741824 =
+one unit per window), KD_UNITS, KD_MIN_BLOCKS or `min_blocks` (the kernel's `__launch_bounds__`
+minimum blocks per SM); KD_CHUNK follows KD_THREADS x 16 x KD_UNROLL), or `resident=N` (at most
+N gather blocks taking the units round robin; 0: one block per unit; default: as many as the
+GPU holds at once, as the recorder launches). The host side (gather.py) must agree with
+KD_THREADS and KD_ROWS_PER_BLOCK: variants of those launch with the variant's own grid.
 
 Cases (the reference decode shape: G = 288 experts padded to 128 rows, M = 36,864, K = 4096):
 - bytes: 64 MB in 16 plain byte ranges (the kernel's copy blocks);
@@ -41,9 +43,9 @@ from kdump.record import gather
 
 G, BLOCK, K = 288, 128, 4096
 M = G * BLOCK
-# A loaded build: (kd_snapshot, threads per block, rows per gather block, plain-copy chunk bytes,
-# dynamic shared memory bytes)
-Kernel = tuple[Any, int, int, int, int]
+# A loaded build: (kd_snapshot, threads per block, rows per gather window, plain-copy chunk bytes,
+# dynamic shared memory bytes, KD_SPLIT_BYTES, gather blocks at most (0: one per unit))
+Kernel = tuple[Any, int, int, int, int, int, int]
 
 
 def variant_source(spec: str) -> tuple[str, int, int, int]:
@@ -52,11 +54,10 @@ def variant_source(spec: str) -> tuple[str, int, int, int]:
     src = gather.kernel_source()
     defs = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
     for name, value in defs.items():
-        if name == "min_blocks":
-            src = src.replace(
-                "__launch_bounds__(KD_THREADS)", f"__launch_bounds__(KD_THREADS, {value})"
-            )
+        if name == "resident":
             continue
+        if name == "min_blocks":
+            name = "KD_MIN_BLOCKS"
         src, n = re.subn(rf"(#define {name}) \S+", rf"\1 {value}", src)
         if n != 1:
             raise SystemExit(f"no #define {name} in snapshot.cu")
@@ -174,10 +175,12 @@ class Case:
     def step(self, kernel: Kernel) -> Callable[[], None]:
         """One launch of this case with `kernel`'s build (its block size, rows per block and
         copy chunk: gather.grid_for's rule with that build's constants)."""
-        fn, threads, rows_per_block, chunk, smem = kernel
+        fn, threads, rows_per_block, chunk, smem, split_bytes, resident = kernel
         p = self.p
         if self.plan is not None:
-            p.gather_blocks = -(-self.plan.rows // rows_per_block)
+            p.gather_blocks, p.split = gather.gather_grid(
+                self.plan.rows, self.plan.rec_bytes, resident, rows_per_block, split_bytes
+            )
         chunks = sum(-(-int(p.copies[c].nbytes) // chunk) for c in range(int(p.n_copies)))
         grid = max(1, int(p.gather_blocks) + min(chunks, gather.MAX_COPY_BLOCKS))
         return lambda: launch(fn, p, threads, grid, smem)
@@ -245,13 +248,18 @@ def main() -> None:
     probe2 = torch.empty_like(probe)
     rate = probe.numel() / events_us(lambda: probe2.copy_(probe), 10) / 1e3  # GB/s
     print(f"plain D2D copy: {rate:.0f} GB/s of data (each byte read and written)\n")
-    head = "| case | bound us | plain copy us | torch row gather us | "
-    print(head + " | ".join(s or "as shipped" for s in specs) + " |")
-    print("|---|---:|---:|---:|" + "---:|" * len(specs))
     kernels: list[Kernel] = []
     for spec in specs:
         src, threads, rows_per_block, chunk = variant_source(spec)
-        kernels.append((load(src), threads, rows_per_block, chunk, gather.smem_bytes(src)))
+        split_bytes = gather.define(src, "KD_SPLIT_BYTES")
+        fn, smem = load(src), gather.smem_bytes(src)
+        fixed = dict(kv.split("=", 1) for kv in spec.split(",") if kv).get("resident")
+        resident = gather.resident_blocks(fn, smem, threads) if fixed is None else int(fixed)
+        print(f"{spec or 'as shipped'}: {resident} gather blocks at most")
+        kernels.append((fn, threads, rows_per_block, chunk, smem, split_bytes, resident))
+    head = "| case | bound us | plain copy us | torch row gather us | "
+    print(head + " | ".join(s or "as shipped" for s in specs) + " |")
+    print("|---|---:|---:|---:|" + "---:|" * len(specs))
     if opt.once:
         for c in all_cases:
             for kernel in kernels:

@@ -135,7 +135,7 @@ def test_deepgemm_specs_declare_touched_rows():
 
 
 def test_params_mirror_the_kernel_struct():
-    assert ctypes.sizeof(gather.SnapParams) == 712  # static_assert in snapshot.cu
+    assert ctypes.sizeof(gather.SnapParams) == 720  # static_assert in snapshot.cu
     assert gather.SnapParams.rule.offset == 16 * 24 + 4 * 48
 
 
@@ -147,6 +147,36 @@ def test_launch_constants_mirror_the_kernel_source():
     assert int(defines["KD_CHUNK"]) == gather.COPY_CHUNK
     assert int(defines["KD_MAX_COPIES"]) == gather.MAX_COPIES
     assert int(defines["KD_MAX_GATHERS"]) == gather.MAX_GATHERS
+
+
+def test_gather_grid_splits_windows_by_their_worst_case_bytes():
+    """A window of ROWS_PER_BLOCK rows becomes as many units as it takes for each to copy at
+    most KD_SPLIT_BYTES when every row is touched; small records keep one unit per window; the
+    blocks are as many as the units, at most what the GPU holds at once."""
+    split_bytes = gather.define(gather.kernel_source(), "KD_SPLIT_BYTES")
+    assert split_bytes == gather.shipped_split_bytes() > 0
+    rpb = gather.ROWS_PER_BLOCK
+    # A's rows of 4 KiB plus their scales: records of 4,240 bytes
+    blocks, split = gather.gather_grid(36_864, 4240)
+    assert split == -(-rpb * 4240 // split_bytes) > 1 and blocks == 288 * split
+    assert gather.gather_grid(36_864, 4240, resident=528) == (528, split)
+    assert gather.gather_grid(36_864, 144) == (288, 1)  # scales only
+    assert gather.gather_grid(36_864, 144, resident=100) == (100, 1)
+    assert gather.gather_grid(1, 4240) == (split, split)  # one window, partly filled
+    assert gather.gather_grid(0, 4240) == (0, 1)
+    # never more units than rows in a window, never past the grid's limit or 32-bit unit counts
+    assert gather.gather_grid(rpb * 3, 1 << 30) == (3 * rpb, rpb)
+    blocks, split = gather.gather_grid((1 << 32) - 1, 1 << 20)
+    assert blocks <= gather.MAX_GRID and split >= 1 and -(-((1 << 32) - 1) // rpb) * split < 1 << 32
+    # a variant's own constants
+    assert gather.gather_grid(1000, 4096, 0, 64, 4096) == (16 * 64, 64)
+    assert gather.gather_grid(1000, 4096, 0, 64, 1 << 30) == (16, 1)
+
+
+def test_set_plan_fills_the_split():
+    p = gather.SnapParams()
+    gather.set_plan(p, None, lambda i: 0)
+    assert (p.gather_blocks, p.split) == (0, 1)
 
 
 def test_dynamic_shared_memory_follows_the_buffer_defines():
@@ -456,3 +486,41 @@ def test_damaged_dumps_are_refused(tmp_path):
         devring.read_dump(p)
     assert devring.plan_layout(0, 4, 4096)[0] is None
     assert "does not hold" in devring.plan_layout(1 << 20, 64, 1 << 20)[1]
+
+
+class _FakeOccupancy:
+    """The few cuda-bindings driver calls resident_blocks makes."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    class CUdevice_attribute:
+        CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
+
+    def __init__(self, per_sm: int, sms: int, fail: str = "") -> None:
+        self.per_sm, self.sms, self.fail, self.asked = per_sm, sms, fail, []
+
+    def cuOccupancyMaxActiveBlocksPerMultiprocessor(self, fn, threads, smem):
+        self.asked.append((fn, threads, smem))
+        if self.fail == "raise":
+            raise TypeError("an older binding")
+        return (1 if self.fail == "occupancy" else 0), self.per_sm
+
+    def cuCtxGetDevice(self):
+        return 0, 0
+
+    def cuDeviceGetAttribute(self, attr, dev):
+        assert attr == 16
+        return 0, self.sms
+
+
+def test_resident_blocks_is_blocks_per_sm_times_sms(monkeypatch):
+    import kdump.nvrtc
+
+    fake = _FakeOccupancy(3, 132)
+    monkeypatch.setattr(kdump.nvrtc, "driver", lambda: fake)
+    assert gather.resident_blocks("fn", 32768) == 396
+    assert fake.asked == [("fn", gather.THREADS, 32768)]
+    for fail in ("occupancy", "raise"):  # unknown: one block per unit
+        monkeypatch.setattr(kdump.nvrtc, "driver", lambda f=fail: _FakeOccupancy(3, 132, f))
+        assert gather.resident_blocks("fn", 32768) == 0

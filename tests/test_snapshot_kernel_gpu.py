@@ -26,9 +26,10 @@ def _cuda():
         pytest.skip("needs a CUDA device")
 
 
-def _launch(plan: gather.Plan | None, tensors, rule, copies=(), fn=None):
-    """Run the kernel (the shipped build, or `fn`) once on fresh control words; returns
-    (records sorted, call record)."""
+def _launch(plan: gather.Plan | None, tensors, rule, copies=(), fn=None, split=None, blocks=None):
+    """Run the kernel (the shipped build, or `fn`) once on fresh control words, with `split`
+    units per window and `blocks` gather blocks when given (else gather_grid's with the device's
+    resident blocks); returns (records sorted, call record)."""
     fn = fn or gather.get_kernel(torch.cuda.current_device()).snapshot
     storages = group_storages(tensors)[0] if tensors else []
     p = gather.SnapParams()
@@ -39,7 +40,13 @@ def _launch(plan: gather.Plan | None, tensors, rule, copies=(), fn=None):
         c = p.copies[k]
         c.src, c.dst, c.nbytes = src.data_ptr(), dst.data_ptr(), src.numel() * src.element_size()
     p.n_copies = len(copies)
-    gather.set_plan(p, plan, lambda i: int(storages[i].base_ptr) + int(storages[i].span_start))
+    resident = gather.get_kernel(torch.cuda.current_device()).resident
+    span_ptr = lambda i: int(storages[i].base_ptr) + int(storages[i].span_start)  # noqa: E731
+    gather.set_plan(p, plan, span_ptr, resident)
+    if plan is not None and split is not None:
+        p.split, p.gather_blocks = split, -(-plan.rows // gather.ROWS_PER_BLOCK) * split
+    if plan is not None and blocks is not None:
+        p.gather_blocks = blocks
     if plan is not None:
         p.rule = rule.data_ptr() if rule is not None else 0
         p.rule_n = rule.numel() if rule is not None else 0
@@ -63,7 +70,18 @@ def _launch(plan: gather.Plan | None, tensors, rule, copies=(), fn=None):
     return gather.sort_records(got.reshape(rows, plan.rec_bytes)), rec
 
 
-def _check(tensors, gathered, rule_name, rule, row_dims, alignment=1, tweak=None, fn=None):
+def _check(
+    tensors,
+    gathered,
+    rule_name,
+    rule,
+    row_dims,
+    alignment=1,
+    tweak=None,
+    fn=None,
+    split=None,
+    blocks=None,
+):
     storages, records = group_storages(tensors)
     rule_i = None if rule is None else next(i for i, t in enumerate(tensors) if t is rule)
     plan = gather.make_plan(
@@ -72,7 +90,7 @@ def _check(tensors, gathered, rule_name, rule, row_dims, alignment=1, tweak=None
     assert plan is not None
     if tweak is not None:
         plan = replace(plan, gathers=tuple(replace(g, **tweak) for g in plan.gathers))
-    got, _ = _launch(plan, tensors, rule, fn=fn)
+    got, _ = _launch(plan, tensors, rule, fn=fn, split=split, blocks=blocks)
     spans = []
     for i, s in enumerate(storages):
         t = tensors[next(ti for ti, r in enumerate(records) if r.storage == i)]
@@ -172,6 +190,20 @@ def test_bulk_copied_rows_of_several_gathers_in_one_launch():
     short, long_ = _bytes((m, 48), 12), _bytes((m, 4112), 13)
     _check([short, long_, labels], [0, 1], "labels", labels, 1)
     _check([long_, short], [0, 1], "all", None, 1)
+
+
+@pytest.mark.parametrize(("split", "blocks"), [(1, None), (3, None), (8, 5), (128, None), (9, 1)])
+def test_windows_split_into_units(split, blocks):
+    # a window's `split` units share its touched rows evenly, each reserving its own records:
+    # units with no rows (fewer touched rows than units), uneven shares, one row per unit;
+    # `blocks` gather blocks take the units round robin (one block: every unit, in rounds of
+    # KD_UNITS); the rows are bulk-copied (16-byte aligned) and the scales staged
+    labels = _labels([0, 1, 5, 128, 77, 127], block=128)
+    m = labels.numel()
+    a = _bytes((m, 1024), 15)
+    sf = torch.empty_strided((m, 8), (1, m), dtype=torch.float32, device="cuda")
+    sf.copy_(torch.randn(m, 8, device="cuda"))
+    _check([a, sf, labels], [0, 1], "labels", labels, 1, split=split, blocks=blocks)
 
 
 def _plain_build():

@@ -151,11 +151,13 @@ class DeviceCopies:
         self.marks: Any = None  # kd_marks: a batch's `post` markers (else a memcpy each)
         self.kernel_note = ""
         self._smem = 0  # kd_snapshot's dynamic shared memory (gather.smem_bytes)
+        self._resident = 0  # kd_snapshot blocks the device holds at once (0: unknown)
         if self.tier is not None:
             try:
                 k = gather.get_kernel(self.tier.index)
                 self.kernel, self.mark, self.marks = k.snapshot, k.mark, k.marks
                 self._smem = k.smem
+                self._resident = k.resident
             except Exception as exc:
                 self.kernel_note = (
                     f"no snapshot kernel ({type(exc).__name__}: {str(exc)[:300]}): torch "
@@ -692,7 +694,7 @@ class DeviceCopies:
         """The snapshot arguments that follow from the plan (and its signature's addresses)."""
         assert self.tier is not None
         tier = self.tier
-        gather.set_plan(p, plan, views.ptr)
+        gather.set_plan(p, plan, views.ptr, self._resident)
         p.ctrl = tier.ctrl_addr
         p.ring = tier.ring_addr
         p.ring_bytes = tier.layout.ring_bytes

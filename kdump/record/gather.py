@@ -412,6 +412,8 @@ class SnapParams(ctypes.Structure):
         ("rec_bytes", ctypes.c_uint32),
         ("slot_index", ctypes.c_uint32),
         ("gather_blocks", ctypes.c_uint32),
+        ("split", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
     ]
 
 
@@ -434,25 +436,79 @@ class Kernels(NamedTuple):
     mark: Any  # kd_mark: one done marker
     marks: Any  # kd_marks: a batch of `post` markers
     smem: int  # dynamic shared memory bytes of every kd_snapshot launch (smem_bytes)
+    resident: int  # kd_snapshot blocks the device holds at once (resident_blocks; 0: unknown)
 
 
 def kernel_source() -> str:
     return importlib.resources.files(__package__).joinpath(SOURCE_NAME).read_text(encoding="utf-8")
 
 
+def define(src: str, name: str) -> int:
+    """The value of a numeric `#define name` of a snapshot kernel source."""
+    m = re.search(rf"^#define {name} (\d+)u?(?:ll|ull)?\b", src, re.MULTILINE)
+    if m is None:
+        raise SnapshotSourceError(f"{SOURCE_NAME} has no numeric #define {name}")
+    return int(m.group(1))
+
+
 def smem_bytes(src: str) -> int:
     """The dynamic shared memory a kd_snapshot built from `src` launches with: its buffer of
     KD_BUF_WORDS words, the larger of the bulk gather's buffers (KD_BULK_WARPS x KD_BULK_STAGES x
     KD_BULK_STAGE bytes) and the staged gather's KD_STAGE_WORDS."""
+    bulk = define(src, "KD_BULK_WARPS") * define(src, "KD_BULK_STAGES")
+    return max(bulk * define(src, "KD_BULK_STAGE"), 4 * define(src, "KD_STAGE_WORDS"))
 
-    def define(name: str) -> int:
-        m = re.search(rf"^#define {name} (\d+)u?\b", src, re.MULTILINE)
-        if m is None:
-            raise SnapshotSourceError(f"{SOURCE_NAME} has no numeric #define {name}")
-        return int(m.group(1))
 
-    bulk = define("KD_BULK_WARPS") * define("KD_BULK_STAGES") * define("KD_BULK_STAGE")
-    return max(bulk, 4 * define("KD_STAGE_WORDS"))
+@functools.cache
+def shipped_split_bytes() -> int:
+    """KD_SPLIT_BYTES of the shipped snapshot.cu."""
+    return define(kernel_source(), "KD_SPLIT_BYTES")
+
+
+MAX_GRID = (1 << 31) - 1 - 1024  # the grid's x limit, less the plain copies' blocks
+
+
+def gather_grid(
+    rows: int,
+    rec_bytes: int,
+    resident: int = 0,
+    rows_per_block: int = ROWS_PER_BLOCK,
+    split_bytes: int = 0,
+) -> tuple[int, int]:
+    """(gather blocks, units per window) of a gather of `rows` rows of `rec_bytes`-byte records:
+    windows of `rows_per_block` rows, each split into as many units as it takes for one unit to
+    copy at most about `split_bytes` (default: the shipped KD_SPLIT_BYTES) when every row is
+    touched (at most one unit per row); as many blocks as units, at most `resident` (the blocks
+    the GPU holds at once; 0: no limit), each taking units round robin."""
+    windows = -(-rows // rows_per_block)
+    if windows == 0:
+        return 0, 1
+    per_window = rows_per_block * rec_bytes
+    split = max(1, min(rows_per_block, -(-per_window // (split_bytes or shipped_split_bytes()))))
+    split = max(1, min(split, ((1 << 32) - 1) // windows))  # the kernel counts units in 32 bits
+    units = windows * split
+    return min(units, resident or units, MAX_GRID), split
+
+
+def resident_blocks(fn: Any, smem: int, threads: int = THREADS) -> int:
+    """How many blocks of kd_snapshot `fn` the current device holds at once (0: unknown)."""
+    from kdump.nvrtc import driver as _driver
+
+    d = _driver()
+    try:
+        err, per_sm = d.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, threads, smem)
+        if err != d.CUresult.CUDA_SUCCESS:
+            return 0
+        err, dev = d.cuCtxGetDevice()
+        if err != d.CUresult.CUDA_SUCCESS:
+            return 0
+        attr = d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+        err, sms = d.cuDeviceGetAttribute(attr, dev)
+        if err != d.CUresult.CUDA_SUCCESS:
+            return 0
+    except Exception:  # an older cuda-bindings: launch one block per unit
+        return 0
+    return max(0, int(per_sm) * int(sms))
 
 
 @functools.cache
@@ -556,7 +612,8 @@ def get_kernel(device_index: int) -> Kernels:
                 _check(driver.cuModuleGetFunction(module, name.encode()), f"get {name}")
                 for name in (MARK_KERNEL, MARKS_KERNEL)
             )
-        k = Kernels(fn, module, time.perf_counter() - t0, mark, marks, shipped_smem())
+            resident = resident_blocks(fn, shipped_smem())
+        k = Kernels(fn, module, time.perf_counter() - t0, mark, marks, shipped_smem(), resident)
         _functions[device_index] = k
         return k
 
@@ -565,13 +622,16 @@ COPY_CHUNK = 16384  # KD_CHUNK in snapshot.cu
 MAX_COPY_BLOCKS = 1024
 
 
-def set_plan(p: SnapParams, plan: Plan | None, span_ptr: Callable[[int], int]) -> None:
+def set_plan(
+    p: SnapParams, plan: Plan | None, span_ptr: Callable[[int], int], resident: int = 0
+) -> None:
     """The kernel arguments that follow from `plan`: its gathers (each read from its storage's
-    span at `span_ptr(storage)`), the row rule's kind and the row geometry; none without a plan.
-    The rule's values, the ring and the control words are the caller's."""
+    span at `span_ptr(storage)`), the row rule's kind, the row geometry and the gather's blocks
+    (gather_grid, at most `resident`); none without a plan. The rule's values, the ring and the
+    control words are the caller's."""
     if plan is None:
         p.n_gathers = p.rule = p.rule_n = p.rule_kind = p.rows = p.gather_blocks = 0
-        p.inner = p.alignment = 1
+        p.inner = p.alignment = p.split = 1
         p.rec_bytes = p.worst = 0
         return
     for k, g in enumerate(plan.gathers):
@@ -583,11 +643,11 @@ def set_plan(p: SnapParams, plan: Plan | None, span_ptr: Callable[[int], int]) -
     p.rule_kind = RULES[plan.rule]
     p.rows, p.inner, p.alignment = plan.rows, plan.inner, plan.alignment
     p.rec_bytes, p.worst = plan.rec_bytes, plan.worst
-    p.gather_blocks = -(-plan.rows // ROWS_PER_BLOCK)
+    p.gather_blocks, p.split = gather_grid(plan.rows, plan.rec_bytes, resident)
 
 
 def grid_for(params: SnapParams) -> int:
-    """Gather blocks (ROWS_PER_BLOCK rows each), then blocks for the plain copies' chunks."""
+    """Gather blocks (gather_grid), then blocks for the plain copies' chunks."""
     chunks = sum(
         -(-int(params.copies[c].nbytes) // COPY_CHUNK) for c in range(int(params.n_copies))
     )

@@ -16,9 +16,24 @@ typedef unsigned int u32;
 
 #define KD_MAX_COPIES 16
 #define KD_MAX_GATHERS 4
-#define KD_ROWS_PER_BLOCK 128  // fewer blocks cost fewer counter round trips; smaller ones spread
-                               // uneven routing over the SMs (H200: 128 beat 64 and 256 at 1-32
-                               // tokens per expert, 64 was 6 % faster with A rows at 113)
+#define KD_ROWS_PER_BLOCK 128  // rows of a window: fewer windows cost fewer counter round trips;
+                               // smaller ones spread uneven routing over the SMs (H200: 128 beat
+                               // 64 and 256 at 1-32 tokens per expert, 64 was 6 % faster with A
+                               // rows at 113)
+// A window's touched rows are shared among up to Params.split units of work, each reserving its
+// own records: the host picks split so that a unit copies at most about KD_SPLIT_BYTES when every
+// row is touched (kdump/record/gather.py reads this define), and launches about as many gather
+// blocks as the GPU holds at once, each taking units round robin. One block per window left a
+// big gather in a wave and a tail of large blocks; one block per unit made sparse routing pay a
+// wave of idle blocks per unit of split.
+// H100, bench/bench_snapshot_kernel.py (2026-12-06), with KD_MIN_BLOCKS 3: 131072 against 65536
+// the same on big gathers and 1-6 us faster at every decode shape (fewer rounds of KD_UNITS).
+#define KD_SPLIT_BYTES 131072
+#define KD_UNITS 8  // units a gather block tests the rule of at once (one round trip for them)
+// Blocks an SM should hold at once (the register cap this sets): 3 against the 2 that 256
+// threads held without it, H100: 0.5-1.2 us faster at every decode shape, big gathers within
+// 0.03x.
+#define KD_MIN_BLOCKS 3
 #define KD_THREADS 256
 #define KD_UNROLL 4u  // loads in flight per thread before its stores
 #define KD_CHUNK 16384ull  // bytes of a plain copy per block step (KD_THREADS x 16 x KD_UNROLL)
@@ -94,7 +109,9 @@ struct Params {
   u32 alignment;   // psum layout: groups start at multiples of it
   u32 rec_bytes;   // bytes per record (a multiple of 16)
   u32 slot_index;  // the journal slot
-  u32 gather_blocks;
+  u32 gather_blocks;  // blocks taking the gather's units (the rest copy byte ranges)
+  u32 split;          // units per window of KD_ROWS_PER_BLOCK rows (>= 1)
+  u32 pad;
 };
 
 // Slot header in the device ring (64 bytes) and call record in the twin (64 bytes).
@@ -127,7 +144,7 @@ struct Record {
 // The host mirrors (kdump/record/gather.py) rely on these sizes.
 static_assert(sizeof(Copy) == 24, "Copy layout");
 static_assert(sizeof(Gather) == 48, "Gather layout");
-static_assert(sizeof(Params) == 712, "Params layout");
+static_assert(sizeof(Params) == 720, "Params layout");
 static_assert(sizeof(SlotHead) == 64, "SlotHead layout");
 static_assert(sizeof(Record) == 64, "Record layout");
 static_assert(KD_ROWS_PER_BLOCK <= KD_THREADS, "a gather block tests one row per thread");
@@ -458,9 +475,9 @@ __device__ void gather_one(const Gather& g, const u32* outer, const u32* inner, 
   }
 }
 
-extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __grid_constant__ Params p) {
+extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_MIN_BLOCKS) kd_snapshot(const __grid_constant__ Params p) {
   __shared__ u32 s_base;
-  __shared__ u32 s_warp[KD_THREADS / 32];
+  __shared__ u32 s_warp[KD_UNITS][KD_THREADS / 32];
   __shared__ u32 s_rows[KD_ROWS_PER_BLOCK];
   __shared__ u32 s_outer[KD_ROWS_PER_BLOCK];
   __shared__ u32 s_inner[KD_ROWS_PER_BLOCK];
@@ -492,44 +509,82 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS) kd_snapshot(const __gri
     cell[1] = p.token_ptr;
   }
   if (blockIdx.x < p.gather_blocks) {
-    // The block's touched rows, compacted in row order (a ballot per warp, then warp offsets):
-    // records of a block are in row order, and neighbouring records hold neighbouring rows.
+    // Units: part `part` of window `w` (KD_ROWS_PER_BLOCK rows) is unit part * windows + w, and
+    // gather block b takes units b, b + gather_blocks, ... (the host launches about as many
+    // gather blocks as the GPU holds at once): every window's part 0 comes first, so under
+    // sparse routing (one busy part per window) the busy units spread evenly over the blocks. A window's touched rows are compacted in row
+    // order (a ballot per warp, then warp offsets) and shared among as few of its parts as take
+    // at most `per` rows each; a part past them does nothing. The rule is tested for
+    // KD_UNITS units at once, so a block with many idle units (sparse routing) pays one round
+    // trip for them. Records of a unit are in row order: neighbouring records hold
+    // neighbouring rows.
     const u32 warp = tid / 32, lane = tid % 32;
-    const u32 r = blockIdx.x * KD_ROWS_PER_BLOCK + tid;
+    const u32 split = p.split ? p.split : 1;
+    const u32 per = (KD_ROWS_PER_BLOCK + split - 1) / split;
+    const u64 windows = ((u64)p.rows + KD_ROWS_PER_BLOCK - 1) / KD_ROWS_PER_BLOCK;
+    const u64 units = windows * split;
+    const u64 stride = p.gather_blocks;
     // One thread per block reads the ring head (every thread reading it would queue thousands
     // of requests on one L2 line), while the others read the rule.
     if (tid == 0) s_head = ctrl[0];
-    const bool mine = tid < KD_ROWS_PER_BLOCK && r < p.rows && touched(p, r);
-    const u32 ballot = __ballot_sync(0xffffffffu, mine);
-    if (lane == 0) s_warp[warp] = __popc(ballot);
-    __syncthreads();
-    const u64 pos = slot_pos(p, s_head);
-    u32 below = 0, count = 0;
-    for (u32 w = 0; w < KD_THREADS / 32; ++w) {
-      below += w < warp ? s_warp[w] : 0;
-      count += s_warp[w];
+    bool announced = false;
+    for (u64 u0 = blockIdx.x; u0 < units; u0 += KD_UNITS * stride) {
+      u32 ballot[KD_UNITS];
+#pragma unroll
+      for (u32 k = 0; k < KD_UNITS; ++k) {
+        const u64 u = u0 + k * stride;
+        const u32 r = (u32)(u % windows) * KD_ROWS_PER_BLOCK + tid;
+        const bool mine = u < units && tid < KD_ROWS_PER_BLOCK && r < p.rows && touched(p, r);
+        ballot[k] = __ballot_sync(0xffffffffu, mine);
+        if (lane == 0) s_warp[k][warp] = __popc(ballot[k]);
+      }
+      __syncthreads();
+      const u64 pos = slot_pos(p, s_head);
+      char* slot = (char*)p.ring + (pos % p.ring_bytes) + sizeof(SlotHead);
+#pragma unroll 1
+      for (u32 k = 0; k < KD_UNITS; ++k) {
+        const u64 u = u0 + k * stride;
+        if (u >= units) break;
+        const u32 part = (u32)(u / windows), window = (u32)(u - (u64)part * windows);
+        u32 below = 0, count = 0;
+        for (u32 w = 0; w < KD_THREADS / 32; ++w) {
+          below += w < warp ? s_warp[k][w] : 0;
+          count += s_warp[k][w];
+        }
+        const u32 parts = (count + per - 1) / per;
+        if (part >= parts) continue;  // the same answer in every thread of the block
+        const u32 lo = count * part / parts;
+        const u32 n = count * (part + 1) / parts - lo;
+        if (tid == 0) {
+          // what this launch may overwrite (salvage checks older slots), before its records
+          if (!announced) ctrl[1] = pos + p.worst;
+          s_base = atomicAdd(&rec->row_counter, n);
+        }
+        announced = true;
+        if ((ballot[k] >> lane) & 1u) {
+          const u32 q = below + __popc(ballot[k] & ((1u << lane) - 1u));
+          const u32 r = window * KD_ROWS_PER_BLOCK + tid;
+          if (q >= lo && q < lo + n) {
+            s_rows[q - lo] = r;
+            s_outer[q - lo] = r / p.inner;
+            s_inner[q - lo] = r % p.inner;
+          }
+        }
+        __syncthreads();
+        char* out = slot + (u64)s_base * p.rec_bytes;
+        if (tid < n) {
+          u32* h = (u32*)(out + (u64)tid * p.rec_bytes);
+          h[0] = s_rows[tid];
+          h[1] = 0;
+          h[2] = 0;
+          h[3] = 0;
+        }
+        for (u32 gi = 0; gi < p.n_gathers; ++gi)
+          gather_one(p.gathers[gi], s_outer, s_inner, n, out, p.rec_bytes, tid, s_stage, s_bars);
+        __syncthreads();  // s_rows, s_base and the buffers are free for the next unit
+      }
+      __syncthreads();  // every thread has read s_warp before the next round writes it
     }
-    if (tid == 0) {
-      ctrl[1] = pos + p.worst;  // what this launch may overwrite (salvage checks older slots)
-      s_base = count ? atomicAdd(&rec->row_counter, count) : 0;
-    }
-    if (mine) {
-      const u32 q = below + __popc(ballot & ((1u << lane) - 1u));
-      s_rows[q] = r;
-      s_outer[q] = r / p.inner;
-      s_inner[q] = r % p.inner;
-    }
-    __syncthreads();
-    char* out = (char*)p.ring + (pos % p.ring_bytes) + sizeof(SlotHead) + (u64)s_base * p.rec_bytes;
-    if (tid < count) {
-      u32* h = (u32*)(out + (u64)tid * p.rec_bytes);
-      h[0] = s_rows[tid];
-      h[1] = 0;
-      h[2] = 0;
-      h[3] = 0;
-    }
-    for (u32 gi = 0; gi < p.n_gathers; ++gi)
-      gather_one(p.gathers[gi], s_outer, s_inner, count, out, p.rec_bytes, tid, s_stage, s_bars);
   } else {
     // Copy blocks take KD_CHUNK-byte chunks of the plain copies, round robin.
     const u32 copy_blocks = gridDim.x - p.gather_blocks;
