@@ -273,6 +273,7 @@ def _redefine(defines: list[str]) -> None:
     src = variant_source(",".join(defines))[0]
     gather.kernel_source = lambda: src  # type: ignore[assignment]
     gather.shipped_smem.cache_clear()
+    gather.shipped_split_bytes.cache_clear()
     print(f"snapshot kernel built with {', '.join(defines)}")
 
 
