@@ -295,7 +295,8 @@ def _throughput(shm: Path) -> None:
     from kdump.record import gather
     from kdump.record.journal import Journal
 
-    fn = gather.get_kernel(torch.cuda.current_device()).snapshot
+    kernels = gather.get_kernel(torch.cuda.current_device())
+    fn = kernels.snapshot
     stream = torch.cuda.current_stream().cuda_stream
     record = torch.zeros(64, dtype=torch.uint8, device="cuda")
     ctrl = torch.zeros(16, dtype=torch.uint8, device="cuda")
@@ -326,7 +327,7 @@ def _throughput(shm: Path) -> None:
     assert plan is not None
     ring = torch.empty(plan.worst, dtype=torch.uint8, device="cuda")
     g = gather.SnapParams()
-    gather.set_plan(g, plan, lambda _: a.data_ptr())
+    gather.set_plan(g, plan, lambda _: a.data_ptr(), kernels.resident)  # as the recorder does
     g.ring, g.ring_bytes = ring.data_ptr(), plan.worst
     g.record, g.ctrl = record.data_ptr(), ctrl.data_ptr()
     copy_a = torch.empty_like(a)
