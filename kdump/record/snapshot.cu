@@ -475,7 +475,8 @@ __device__ void gather_one(const Gather& g, const u32* outer, const u32* inner, 
   }
 }
 
-extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_MIN_BLOCKS) kd_snapshot(const __grid_constant__ Params p) {
+extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_MIN_BLOCKS)
+    kd_snapshot(const __grid_constant__ Params p) {
   __shared__ u32 s_base;
   __shared__ u32 s_warp[KD_UNITS][KD_THREADS / 32];
   __shared__ u32 s_rows[KD_ROWS_PER_BLOCK];
@@ -512,12 +513,12 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_MIN_BLOCKS) kd_snaps
     // Units: part `part` of window `w` (KD_ROWS_PER_BLOCK rows) is unit part * windows + w, and
     // gather block b takes units b, b + gather_blocks, ... (the host launches about as many
     // gather blocks as the GPU holds at once): every window's part 0 comes first, so under
-    // sparse routing (one busy part per window) the busy units spread evenly over the blocks. A window's touched rows are compacted in row
-    // order (a ballot per warp, then warp offsets) and shared among as few of its parts as take
-    // at most `per` rows each; a part past them does nothing. The rule is tested for
-    // KD_UNITS units at once, so a block with many idle units (sparse routing) pays one round
-    // trip for them. Records of a unit are in row order: neighbouring records hold
-    // neighbouring rows.
+    // sparse routing (one busy part per window) the busy units spread evenly over the blocks.
+    // A window's touched rows are compacted in row order (a ballot per warp, then warp
+    // offsets) and shared among as few of its parts as take at most `per` rows each; a part
+    // past them does nothing. The rule is tested for KD_UNITS units at once, so a block with
+    // many idle units (sparse routing) pays one round trip for them. Records of a unit are in
+    // row order: neighbouring records hold neighbouring rows.
     const u32 warp = tid / 32, lane = tid % 32;
     const u32 split = p.split ? p.split : 1;
     const u32 per = (KD_ROWS_PER_BLOCK + split - 1) / split;
@@ -527,7 +528,6 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_MIN_BLOCKS) kd_snaps
     // One thread per block reads the ring head (every thread reading it would queue thousands
     // of requests on one L2 line), while the others read the rule.
     if (tid == 0) s_head = ctrl[0];
-    bool announced = false;
     for (u64 u0 = blockIdx.x; u0 < units; u0 += KD_UNITS * stride) {
       u32 ballot[KD_UNITS];
 #pragma unroll
@@ -541,6 +541,10 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_MIN_BLOCKS) kd_snaps
       __syncthreads();
       const u64 pos = slot_pos(p, s_head);
       char* slot = (char*)p.ring + (pos % p.ring_bytes) + sizeof(SlotHead);
+      // What this launch may overwrite (salvage checks older slots), marked by every gather
+      // block before its records and its block count (so before the publication's slot head,
+      // also when no row is touched); every gather block has a unit in its first round.
+      if (tid == 0 && u0 == blockIdx.x) ctrl[1] = pos + p.worst;
 #pragma unroll 1
       for (u32 k = 0; k < KD_UNITS; ++k) {
         const u64 u = u0 + k * stride;
@@ -555,12 +559,7 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_MIN_BLOCKS) kd_snaps
         if (part >= parts) continue;  // the same answer in every thread of the block
         const u32 lo = count * part / parts;
         const u32 n = count * (part + 1) / parts - lo;
-        if (tid == 0) {
-          // what this launch may overwrite (salvage checks older slots), before its records
-          if (!announced) ctrl[1] = pos + p.worst;
-          s_base = atomicAdd(&rec->row_counter, n);
-        }
-        announced = true;
+        if (tid == 0) s_base = atomicAdd(&rec->row_counter, n);
         if ((ballot[k] >> lane) & 1u) {
           const u32 q = below + __popc(ballot[k] & ((1u << lane) - 1u));
           const u32 r = window * KD_ROWS_PER_BLOCK + tid;
