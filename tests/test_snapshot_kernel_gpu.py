@@ -63,6 +63,8 @@ def _launch(plan: gather.Plan | None, tensors, rule, copies=(), fn=None, split=N
     if plan is None:
         return None, rec
     assert pos == 0
+    # what the launch may overwrite was marked for the salvage, also when no row was touched
+    assert int(ctrl[1]) == plan.worst
     head = _SLOT.unpack(ring[: gather.SLOT_HEAD].cpu().numpy().tobytes())
     assert head[0] == gather.SLOT_MAGIC and head[5] == rows and head[-1] == token
     assert int(ctrl[0]) == head_after == head[7]

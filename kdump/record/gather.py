@@ -473,7 +473,7 @@ def gather_grid(
     rec_bytes: int,
     resident: int = 0,
     rows_per_block: int = ROWS_PER_BLOCK,
-    split_bytes: int = 0,
+    split_bytes: int | None = None,
 ) -> tuple[int, int]:
     """(gather blocks, units per window) of a gather of `rows` rows of `rec_bytes`-byte records:
     windows of `rows_per_block` rows, each split into as many units as it takes for one unit to
@@ -484,8 +484,9 @@ def gather_grid(
     if windows == 0:
         return 0, 1
     per_window = rows_per_block * rec_bytes
-    split = max(1, min(rows_per_block, -(-per_window // (split_bytes or shipped_split_bytes()))))
-    split = max(1, min(split, ((1 << 32) - 1) // windows))  # the kernel counts units in 32 bits
+    unit_bytes = max(1, shipped_split_bytes() if split_bytes is None else split_bytes)
+    split = max(1, min(rows_per_block, -(-per_window // unit_bytes)))
+    split = max(1, min(split, ((1 << 32) - 1) // windows))  # at most 2^32 units of work
     units = windows * split
     return min(units, resident or units, MAX_GRID), split
 

@@ -32,8 +32,17 @@ typedef unsigned int u32;
 #define KD_UNITS 8  // units a gather block tests the rule of at once (one round trip for them)
 // Blocks an SM should hold at once (the register cap this sets): 3 against the 2 that 256
 // threads held without it, H100: 0.5-1.2 us faster at every decode shape, big gathers within
-// 0.03x.
+// 0.03x. SMs with about 100 KiB of shared memory (sm_86/89, sm_120) fit only 2 blocks of the
+// buffer's 32 KiB and more, so there the cap would only spill (sm_120a, by ptxas: 88 bytes of
+// spill stores at 3, none at 2).
 #define KD_MIN_BLOCKS 3
+#define KD_MIN_BLOCKS_SMALL_SMEM 2
+#if defined(__CUDA_ARCH__) && \
+    ((__CUDA_ARCH__ >= 860 && __CUDA_ARCH__ < 900) || __CUDA_ARCH__ >= 1200)
+#define KD_LAUNCH_MIN_BLOCKS KD_MIN_BLOCKS_SMALL_SMEM
+#else
+#define KD_LAUNCH_MIN_BLOCKS KD_MIN_BLOCKS
+#endif
 #define KD_THREADS 256
 #define KD_UNROLL 4u  // loads in flight per thread before its stores
 #define KD_CHUNK 16384ull  // bytes of a plain copy per block step (KD_THREADS x 16 x KD_UNROLL)
@@ -475,7 +484,7 @@ __device__ void gather_one(const Gather& g, const u32* outer, const u32* inner, 
   }
 }
 
-extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_LAUNCH_MIN_BLOCKS)
     kd_snapshot(const __grid_constant__ Params p) {
   __shared__ u32 s_base;
   __shared__ u32 s_warp[KD_UNITS][KD_THREADS / 32];
