@@ -62,15 +62,10 @@ def variant_source(spec: str) -> tuple[str, int, int, int]:
         if n != 1:
             raise SystemExit(f"no #define {name} in snapshot.cu")
 
-    def define(name: str) -> int:
-        m = re.search(rf"#define {name} (\d+)", src)
-        assert m is not None
-        return int(m.group(1))
-
-    threads, unroll = define("KD_THREADS"), define("KD_UNROLL")
+    threads, unroll = gather.define(src, "KD_THREADS"), gather.define(src, "KD_UNROLL")
     chunk = threads * 16 * unroll
     src = re.sub(r"(#define KD_CHUNK) \S+", rf"\1 {chunk}ull", src)
-    return src, threads, define("KD_ROWS_PER_BLOCK"), chunk
+    return src, threads, gather.define(src, "KD_ROWS_PER_BLOCK"), chunk
 
 
 def load(src: str) -> Any:

@@ -465,9 +465,6 @@ def shipped_split_bytes() -> int:
     return define(kernel_source(), "KD_SPLIT_BYTES")
 
 
-MAX_GRID = (1 << 31) - 1 - 1024  # the grid's x limit, less the plain copies' blocks
-
-
 def gather_grid(
     rows: int,
     rec_bytes: int,
@@ -483,10 +480,10 @@ def gather_grid(
     windows = -(-rows // rows_per_block)
     if windows == 0:
         return 0, 1
-    per_window = rows_per_block * rec_bytes
     unit_bytes = max(1, shipped_split_bytes() if split_bytes is None else split_bytes)
-    split = max(1, min(rows_per_block, -(-per_window // unit_bytes)))
-    split = max(1, min(split, ((1 << 32) - 1) // windows))  # at most 2^32 units of work
+    units_needed = -(-rows_per_block * rec_bytes // unit_bytes)
+    # at most one unit per row and 2^32 units of work
+    split = max(1, min(rows_per_block, units_needed, ((1 << 32) - 1) // windows))
     units = windows * split
     return min(units, resident or units, MAX_GRID), split
 
@@ -621,6 +618,7 @@ def get_kernel(device_index: int) -> Kernels:
 
 COPY_CHUNK = 16384  # KD_CHUNK in snapshot.cu
 MAX_COPY_BLOCKS = 1024
+MAX_GRID = (1 << 31) - 1 - MAX_COPY_BLOCKS  # the grid's x limit, less the plain copies' blocks
 
 
 def set_plan(
