@@ -25,7 +25,10 @@ typedef unsigned int u32;
 // row is touched (kdump/record/gather.py reads this define), and launches about as many gather
 // blocks as the GPU holds at once, each taking units round robin. One block per window left a
 // big gather in a wave and a tail of large blocks; one block per unit made sparse routing pay a
-// wave of idle blocks per unit of split.
+// wave of idle blocks per unit of split. (A split chosen to fill the waves instead, fewer and
+// larger units where the units would have made the busiest blocks copy two while most copied
+// one, measured slower on the H100: 256 MB 0.86x against 0.88x, decode 32 / A+scales 43.2
+// against 41.6 us.)
 // H100, bench/bench_snapshot_kernel.py (2026-12-06), with KD_MIN_BLOCKS 3: 131072 against 65536
 // the same on big gathers and 1-6 us faster at every decode shape (fewer rounds of KD_UNITS).
 #define KD_SPLIT_BYTES 131072
@@ -487,7 +490,7 @@ __device__ void gather_one(const Gather& g, const u32* outer, const u32* inner, 
 extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_LAUNCH_MIN_BLOCKS)
     kd_snapshot(const __grid_constant__ Params p) {
   __shared__ u32 s_base;
-  __shared__ u32 s_warp[KD_UNITS][KD_THREADS / 32];
+  __shared__ u32 s_ballot[KD_UNITS][KD_THREADS / 32];  // each warp's ballot of a round's units
   __shared__ u32 s_rows[KD_ROWS_PER_BLOCK];
   __shared__ u32 s_outer[KD_ROWS_PER_BLOCK];
   __shared__ u32 s_inner[KD_ROWS_PER_BLOCK];
@@ -538,14 +541,15 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_LAUNCH_MIN_BLOCKS)
     // of requests on one L2 line), while the others read the rule.
     if (tid == 0) s_head = ctrl[0];
     for (u64 u0 = blockIdx.x; u0 < units; u0 += KD_UNITS * stride) {
-      u32 ballot[KD_UNITS];
+      // (The ballots live in shared memory: a per-thread array indexed in the loop below, which
+      // is not unrolled, would sit in local memory.)
 #pragma unroll
       for (u32 k = 0; k < KD_UNITS; ++k) {
         const u64 u = u0 + k * stride;
         const u32 r = (u32)(u % windows) * KD_ROWS_PER_BLOCK + tid;
         const bool mine = u < units && tid < KD_ROWS_PER_BLOCK && r < p.rows && touched(p, r);
-        ballot[k] = __ballot_sync(0xffffffffu, mine);
-        if (lane == 0) s_warp[k][warp] = __popc(ballot[k]);
+        const u32 ballot = __ballot_sync(0xffffffffu, mine);
+        if (lane == 0) s_ballot[k][warp] = ballot;
       }
       __syncthreads();
       const u64 pos = slot_pos(p, s_head);
@@ -561,16 +565,18 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_LAUNCH_MIN_BLOCKS)
         const u32 part = (u32)(u / windows), window = (u32)(u - (u64)part * windows);
         u32 below = 0, count = 0;
         for (u32 w = 0; w < KD_THREADS / 32; ++w) {
-          below += w < warp ? s_warp[k][w] : 0;
-          count += s_warp[k][w];
+          const u32 c = __popc(s_ballot[k][w]);
+          below += w < warp ? c : 0;
+          count += c;
         }
+        const u32 ballot = s_ballot[k][warp];
         const u32 parts = (count + per - 1) / per;
         if (part >= parts) continue;  // the same answer in every thread of the block
         const u32 lo = count * part / parts;
         const u32 n = count * (part + 1) / parts - lo;
         if (tid == 0) s_base = atomicAdd(&rec->row_counter, n);
-        if ((ballot[k] >> lane) & 1u) {
-          const u32 q = below + __popc(ballot[k] & ((1u << lane) - 1u));
+        if ((ballot >> lane) & 1u) {
+          const u32 q = below + __popc(ballot & ((1u << lane) - 1u));
           const u32 r = window * KD_ROWS_PER_BLOCK + tid;
           if (q >= lo && q < lo + n) {
             s_rows[q - lo] = r;
@@ -591,7 +597,7 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_LAUNCH_MIN_BLOCKS)
           gather_one(p.gathers[gi], s_outer, s_inner, n, out, p.rec_bytes, tid, s_stage, s_bars);
         __syncthreads();  // s_rows, s_base and the buffers are free for the next unit
       }
-      __syncthreads();  // every thread has read s_warp before the next round writes it
+      __syncthreads();  // every thread has read s_ballot before the next round writes it
     }
   } else {
     // Copy blocks take KD_CHUNK-byte chunks of the plain copies, round robin.
