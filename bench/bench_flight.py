@@ -12,13 +12,18 @@ expert (A is always 36,864 rows: every expert padded to 128). For each:
 * the step with one empty one-thread kernel before the GEMM (the floor of any recorder that adds
   one node per recorded call: the snapshot kernel, which also writes the previous site's done
   marker) and with two around it (what a snapshot plus a done-marker node would cost);
+* (i) floor: the step with one kernel before the GEMM that reads the labels, copies them and the
+  touched rows' scales into a dense buffer and marks each block done behind a fence (no
+  compaction, no ring slot, no publication): what no snapshot of case (i) that copies only the
+  touched rows and says it completed can beat;
 * eager host time per call, unhooked and recorded (the call signature cache warm), at least
   400 calls timed in chunks with the device synchronised between them (bench/_timing.py);
 
 then the copy throughput of each tier: the snapshot kernel's D2D against a plain D2D copy of the
 same bytes, the journal's pinned D2H against a plain pinned buffer.
 
-    python bench/bench_flight.py [--iters 50] [--pdl] [--define NAME=VALUE]
+    python bench/bench_flight.py [--iters 50] [--pdl] [--define NAME=VALUE] [--shape 512x4096]
+        [--tokens 1,32]
 
 `--pdl` launches the GEMM with programmatic dependent launch (DeepGEMM's `set_pdl(True)`), every
 column of the run: the snapshot kernel lets such a kernel start its prologue early.
@@ -123,6 +128,83 @@ def _with_empty_nodes(fn: Callable[..., Any], count: int = 2) -> Callable[..., A
     return wrapped
 
 
+_FLOOR_SRC = r"""
+// The floor of case (i) for any device-side snapshot that copies only the rows a call touches:
+// one node that reads the labels, copies them and the touched rows' scales (MN-major fp32, to
+// the same places of a buffer of the same layout: neighbouring threads read and write
+// neighbouring words), then marks each block done behind a fence (per-block completion flags):
+// no compaction, no ring slot, no publication of a slot (what kdump's snapshot adds for its
+// ring).
+extern "C" __global__ void kd_floor(const int* __restrict__ labels, const float* __restrict__ sf,
+                                    long long col_stride, unsigned cols, unsigned rows,
+                                    float* __restrict__ out, int* __restrict__ out_labels,
+                                    unsigned long long* flags, const unsigned long long* token) {
+  const unsigned r = blockIdx.x * blockDim.x + threadIdx.x;
+  const unsigned long long tok = *(const volatile unsigned long long*)token;
+  if (r < rows) {
+    const int l = labels[r];
+    out_labels[r] = l;
+    if (l >= 0) {
+#pragma unroll 8
+      for (unsigned c = 0; c < cols; ++c) out[r + c * col_stride] = sf[r + c * col_stride];
+    }
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) *(volatile unsigned long long*)&flags[blockIdx.x] = tok;
+}
+"""
+
+
+def _with_floor_node(fn: Callable[..., Any], args: tuple) -> Callable[..., Any]:
+    """`fn` after kd_floor (_FLOOR_SRC) over its labels and A's scales: the step of case (i)
+    that no snapshot copying the touched rows (and marking itself complete) can beat."""
+    from cuda.core import Program, ProgramOptions
+
+    from kdump.nvrtc import check, driver
+    from kdump.record import gather
+
+    arch = gather.arch_of(torch.cuda.get_device_capability())
+    obj = Program(_FLOOR_SRC, "c++", ProgramOptions(arch=arch, std="c++17")).compile("cubin")
+    d = driver()
+    module = check(d.cuModuleLoadData(bytes(obj.code)), "cuModuleLoadData")
+    kernel = check(d.cuModuleGetFunction(module, b"kd_floor"), "get kd_floor")
+    labels, sf = args[3], args[0][1]
+    rows, cols = sf.shape
+    assert sf.dtype == torch.float32 and sf.stride(0) == 1, "MN-major fp32 scales"
+    out = torch.empty_like(sf)  # the same strides: the copy keeps the scales' layout
+    out_labels = torch.empty_like(labels)
+    blocks = -(-rows // 128)
+    flags = torch.zeros(blocks, dtype=torch.int64, device="cuda")
+    token = torch.ones(1, dtype=torch.int64, device="cuda")
+    vals = (
+        ctypes.c_uint64(labels.data_ptr()),
+        ctypes.c_uint64(sf.data_ptr()),
+        ctypes.c_int64(sf.stride(1)),
+        ctypes.c_uint32(cols),
+        ctypes.c_uint32(rows),
+        ctypes.c_uint64(out.data_ptr()),
+        ctypes.c_uint64(out_labels.data_ptr()),
+        ctypes.c_uint64(flags.data_ptr()),
+        ctypes.c_uint64(token.data_ptr()),
+    )
+    params = (ctypes.c_void_p * len(vals))(*(ctypes.addressof(v) for v in vals))
+    keep = (module, out, out_labels, flags, token, vals, params)
+
+    def wrapped(*a: Any, **k: Any) -> Any:
+        assert keep
+        stream = d.CUstream(torch.cuda.current_stream().cuda_stream)
+        check(
+            d.cuLaunchKernel(
+                kernel, blocks, 1, 1, 128, 1, 1, 0, stream, ctypes.addressof(params), 0
+            ),
+            "cuLaunchKernel(kd_floor)",
+        )
+        return fn(*a, **k)
+
+    return wrapped
+
+
 def _eager_host_us(fn: Callable[..., Any], args: tuple, kwargs: dict, iters: int) -> float:
     for _ in range(3):
         fn(*args, **kwargs)
@@ -199,7 +281,11 @@ def main() -> None:
         metavar="NAME=VALUE",
         help="record with snapshot.cu built with this #define changed (repeatable)",
     )
+    p.add_argument("--shape", action="append", default=[], metavar="NxK", help="only these")
+    p.add_argument("--tokens", default="", metavar="T,...", help="only these tokens per expert")
     opt = p.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in opt.shape] or list(SHAPES)
+    token_counts = [int(t) for t in opt.tokens.split(",") if t] or list(TOKENS)
     if opt.define:
         _redefine(opt.define)
     fn = gemm(opt.backend)
@@ -215,19 +301,20 @@ def main() -> None:
     d2d = _d2d_gbs(256 << 20)
     print(f"plain D2D: {d2d:.0f} GB/s (HBM bound below uses it)\n")
     print(
-        "| N | K | tok/exp | plain ms | 1 empty node | 2 empty nodes | (i) held | (i) not held | "
-        "(ii) held | "
+        "| N | K | tok/exp | plain ms | 1 empty node | 2 empty nodes | (i) floor | (i) held | "
+        "(i) not held | (ii) held | "
         "(ii) not held | rows MB | HBM bound ms | (ii) floor | (ii) held added / bound | "
         "eager us plain | eager us rec |"
     )
-    print("|" + "---|" * 16)
+    print("|" + "---|" * 17)
     facts: dict = {}
-    for n, k in SHAPES:
-        for tokens in TOKENS:
+    for n, k in shapes:
+        for tokens in token_counts:
             args, kwargs = _case(n, k, tokens)
             plain = _graph_ms(fn, args, kwargs, opt.iters)
             node1 = _graph_ms(_with_empty_nodes(fn, 1), args, kwargs, opt.iters)
             nodes = _graph_ms(_with_empty_nodes(fn), args, kwargs, opt.iters)
+            floor_i = _graph_ms(_with_floor_node(fn, args), args, kwargs, opt.iters)
             plain_h = _eager_host_us(fn, args, kwargs, opt.iters)
             res = {}
             with _ScalesOnly():
@@ -245,6 +332,7 @@ def main() -> None:
                 f"{plain:.3f}",
                 f"{node1:.3f} ({node1 / plain:.3f}x)",
                 f"{nodes:.3f} ({nodes / plain:.3f}x)",
+                f"{floor_i:.3f} ({floor_i / plain:.3f}x)",
                 *(
                     f"{res[c, h][0]:.3f} ({res[c, h][0] / plain:.2f}x)"
                     for c in ("i", "ii")

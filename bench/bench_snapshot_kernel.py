@@ -20,6 +20,8 @@ Cases (the reference decode shape: G = 288 experts padded to 128 rows, M = 36,86
 - gather-all: every row of A [M, 4096] (the kernel's gather blocks at full routing);
 - decode T / scales: the labels rule at T tokens per expert, A's fp32 MN-major scales
   [M, 32] gathered and the labels (147 KB) copied, as a recorded call without activations;
+- decode T / scales, host marks: the same, also writing what a recorded graph step writes over
+  PCIe (the host slot's `pre` mark, the chain's done marker of the call before);
 - decode T / A+scales: the same with A's valid rows.
 Times are per launch: big cases by events over ten launches, decode cases by events over a CUDA
 graph of 20 launches (as a recorded graph step runs it). "bound" is the bytes the launch moves
@@ -133,6 +135,7 @@ class Case:
         moved: int,
         graph: bool,
         pad: int = 0,
+        marks: bool = False,
     ) -> None:
         self.name, self.moved, self.graph = name, moved, graph
         self.keep = [tensors, copies]
@@ -144,6 +147,13 @@ class Case:
         self.ctrl = torch.zeros(2, dtype=torch.int64, device="cuda")
         self.record = torch.zeros(8, dtype=torch.int64, device="cuda")
         p.ctrl, p.record, p.seq = self.ctrl.data_ptr(), self.record.data_ptr(), 1
+        if marks:  # as in a recorded graph: the host slot's `pre` and the chain's done marker,
+            # written over PCIe into pinned (mapped) memory; the chain cell and token on the GPU
+            self.host = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+            self.cell = torch.zeros(2, dtype=torch.int64, device="cuda")
+            self.token = torch.zeros(1, dtype=torch.int64, device="cuda")
+            p.host_pre, p.host_done = self.host.data_ptr(), self.host.data_ptr() + 8
+            p.chain, p.token_ptr = self.cell.data_ptr(), self.token.data_ptr()
         self.plan = None
         if gathered:
             storages, records = group_storages(tensors)
@@ -213,9 +223,10 @@ def cases() -> list[Case]:
     for tokens in (1, 32, 113):
         lab = labels(tokens)
         rows = G * tokens
-        for what, gathered, row_bytes in (
-            ("scales", [1], K // 32),
-            ("A+scales", [0, 1], K + K // 32),
+        for what, gathered, row_bytes, marks in (
+            ("scales", [1], K // 32, False),
+            ("scales, host marks", [1], K // 32, True),
+            ("A+scales", [0, 1], K + K // 32, False),
         ):
             out.append(
                 Case(
@@ -226,6 +237,7 @@ def cases() -> list[Case]:
                     [(lab, twin)],
                     rows * row_bytes + lab.numel() * 4,
                     True,
+                    marks=marks,
                 )
             )
     return out

@@ -3,7 +3,7 @@ memsets) of CUDA-graph replays of the grouped GEMM, without and with the flight 
 torch's profiler (CUPTI), with one replay's timeline (start offsets and durations in µs).
 
     python scripts/profile_flight_step.py [--tokens 1] [--n 512] [--k 4096] [--no-held]
-        [--scales-only] [--backend deep_gemm|packaged]
+        [--scales-only] [--backend deep_gemm|packaged] [--define NAME=VALUE]
 
 (A recorded graph call adds one kernel node, the snapshot: the done marker of a capture site is
 written by the next snapshot of its chain, so there is no marker node to vary.)
@@ -54,7 +54,7 @@ def _report(title: str, events: list[Any], n: int) -> None:
         for e in one:
             dur = e.time_range.end - e.time_range.start
             print(f"    {e.time_range.start - t0:8.2f} {dur:8.2f}  {e.name[:70]}")
-        span = one[-1].time_range.end - t0
+        span = max(e.time_range.end for e in one) - t0
         print(f"  first start to last end: {span:.2f} us")
 
 
@@ -67,7 +67,16 @@ def main() -> None:
     p.add_argument("--no-held", action="store_true")
     p.add_argument("--scales-only", action="store_true")
     p.add_argument("--backend", choices=sorted(bench_flight.MODULES), default="deep_gemm")
+    p.add_argument(
+        "--define",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="record with snapshot.cu built with this #define changed (repeatable)",
+    )
     opt = p.parse_args()
+    if opt.define:
+        bench_flight._redefine(opt.define)
     fn = bench_flight.gemm(opt.backend)
     args, kwargs = bench_flight._case(opt.n, opt.k, opt.tokens)
 
