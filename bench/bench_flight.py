@@ -13,9 +13,9 @@ expert (A is always 36,864 rows: every expert padded to 128). For each:
   one node per recorded call: the snapshot kernel, which also writes the previous site's done
   marker) and with two around it (what a snapshot plus a done-marker node would cost);
 * (i) floor: the step with one kernel before the GEMM that reads the labels, copies them and the
-  touched rows' scales into a dense buffer and marks each block done behind a fence (no
-  compaction, no ring slot, no publication): what no snapshot of case (i) that copies only the
-  touched rows and says it completed can beat;
+  touched rows' scales (to the same places of a buffer of the scales' layout) and marks each
+  block done behind a fence (no compaction, no ring slot, no publication): what no snapshot of
+  case (i) that copies only the touched rows and says it completed can beat;
 * eager host time per call, unhooked and recorded (the call signature cache warm), at least
   400 calls timed in chunks with the device synchronised between them (bench/_timing.py);
 
