@@ -10,8 +10,10 @@ KD_BULK_STAGES, KD_BULK_STAGE, KD_SPLIT_BYTES (a unit's rows at most, in bytes: 
 one unit per window), KD_UNITS, KD_MIN_BLOCKS or `min_blocks` (the kernel's `__launch_bounds__`
 minimum blocks per SM); KD_CHUNK follows KD_THREADS x 16 x KD_UNROLL), or `resident=N` (at most
 N gather blocks taking the units round robin; 0: one block per unit; default: as many as the
-GPU holds at once, as the recorder launches). The host side (gather.py) must agree with
-KD_THREADS and KD_ROWS_PER_BLOCK: variants of those launch with the variant's own grid.
+GPU holds at once, as the recorder launches), or `patch=NAME+NAME` (timing experiments that take
+a part of the launch out: fixed-rows, no-counter, no-publication, no-copies; see PATCHES). The
+host side (gather.py) must agree with KD_THREADS and KD_ROWS_PER_BLOCK: variants of those launch
+with the variant's own grid. bench/bench_flight.py --define takes the same pairs.
 
 Cases (the reference decode shape: G = 288 experts padded to 128 rows, M = 36,864, K = 4096):
 - bytes: 64 MB in 16 plain byte ranges (the kernel's copy blocks);
@@ -50,6 +52,48 @@ M = G * BLOCK
 Kernel = tuple[Any, int, int, int, int, int, int]
 
 
+# Timing experiments (`patch=NAME+NAME`): parts of the launch taken out to see what each costs.
+# Their slots are not valid snapshots (row counts, publication); never for recording.
+PATCHES: dict[str, tuple[tuple[str, str], ...]] = {
+    # each unit's records at its window's own place: no row-counter round trip
+    "fixed-rows": (
+        (
+            "if (tid == 0) s_base = atomicAdd(&rec->row_counter, n);",
+            "if (tid == 0) s_base = window * KD_ROWS_PER_BLOCK + lo;",
+        ),
+    ),
+    # block 0 publishes as soon as it is done: no block counter round trip, the same writes
+    # (with fixed-rows)
+    "no-counter": (
+        (
+            "s_last = atomicAdd(&rec->done_blocks, 1u) == gridDim.x - 1;",
+            "s_last = blockIdx.x == 0;",
+        ),
+    ),
+    # nobody publishes (with fixed-rows)
+    "no-publication": (("if (!s_last || tid != 0) return;", "return;"),),
+    # the plain copies' blocks copy nothing
+    "no-copies": (("for (u32 c = 0; c < p.n_copies; ++c) {", "for (u32 c = 0; c < 0u; ++c) {"),),
+}
+
+
+def patched(src: str, names: str) -> str:
+    """`src` with the PATCHES named in `names` ("a+b") applied, each exactly once."""
+    for name in filter(None, names.split("+")):
+        if name not in PATCHES:
+            raise SystemExit(f"no patch {name!r}: one of {', '.join(PATCHES)}")
+        for old, new in PATCHES[name]:
+            if src.count(old) != 1:
+                raise SystemExit(f"patch {name}: snapshot.cu no longer has {old!r} once")
+            src = src.replace(old, new)
+    chosen = names.split("+")
+    for name in ("no-counter", "no-publication"):
+        if name in chosen and "fixed-rows" not in chosen:
+            # the row counter would no longer be reset after every block reserved its records
+            raise SystemExit(f"patch {name} needs fixed-rows too")
+    return src
+
+
 def variant_source(spec: str) -> tuple[str, int, int, int]:
     """(source, threads, rows per block, plain-copy chunk bytes) of a variant spec ("" = as
     shipped)."""
@@ -57,6 +101,9 @@ def variant_source(spec: str) -> tuple[str, int, int, int]:
     defs = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
     for name, value in defs.items():
         if name == "resident":
+            continue
+        if name == "patch":
+            src = patched(src, value)
             continue
         if name == "min_blocks":
             name = "KD_MIN_BLOCKS"

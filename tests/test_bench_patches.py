@@ -1,0 +1,54 @@
+"""bench/bench_snapshot_kernel.py's timing experiments (PATCHES) are text substitutions on
+kdump/record/snapshot.cu: each must still find its text exactly once in the shipped kernel, and
+the patched kernels must still compile, or a refactor of the kernel breaks them silently."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kdump.record import gather
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_snapshot_kernel
+
+    return bench_snapshot_kernel
+
+
+def test_every_patch_finds_its_text_once_in_the_shipped_kernel(bench):
+    src = gather.kernel_source()
+    assert bench.PATCHES
+    for name, subs in bench.PATCHES.items():
+        for old, new in subs:
+            assert src.count(old) == 1, (name, old)
+            assert old != new
+
+
+def test_patches_are_applied_and_refused_by_name(bench):
+    src = bench.variant_source("patch=fixed-rows+no-counter+no-copies")[0]
+    assert "atomicAdd(&rec->row_counter" not in src
+    assert "s_last = blockIdx.x == 0;" in src
+    assert bench.variant_source("")[0] == gather.kernel_source()
+    with pytest.raises(SystemExit, match="no patch 'nope'"):
+        bench.variant_source("patch=nope")
+    for alone in ("no-counter", "no-publication"):  # the row counter would never be reset
+        with pytest.raises(SystemExit, match="needs fixed-rows"):
+            bench.variant_source(f"patch={alone}")
+
+
+@pytest.mark.parametrize(
+    "spec", ["patch=fixed-rows+no-counter+no-copies", "patch=fixed-rows+no-publication"]
+)
+def test_patched_kernels_compile_under_nvrtc(bench, spec):
+    cuda_core = pytest.importorskip("cuda.core")
+    src = bench.variant_source(spec)[0]
+    opts = cuda_core.ProgramOptions(arch="sm_90a", std="c++17")
+    cubin = cuda_core.Program(src, "c++", opts).compile("cubin")
+    assert bytes(cubin.code)[:4] == b"\x7fELF"
