@@ -161,16 +161,12 @@ extern "C" __global__ void kd_floor(const int* __restrict__ labels, const float*
 def _with_floor_node(fn: Callable[..., Any], args: tuple) -> Callable[..., Any]:
     """`fn` after kd_floor (_FLOOR_SRC) over its labels and A's scales: the step of case (i)
     that no snapshot copying the touched rows (and marking itself complete) can beat."""
-    from cuda.core import Program, ProgramOptions
+    from bench_snapshot_kernel import load_function
 
     from kdump.nvrtc import check, driver
-    from kdump.record import gather
 
-    arch = gather.arch_of(torch.cuda.get_device_capability())
-    obj = Program(_FLOOR_SRC, "c++", ProgramOptions(arch=arch, std="c++17")).compile("cubin")
     d = driver()
-    module = check(d.cuModuleLoadData(bytes(obj.code)), "cuModuleLoadData")
-    kernel = check(d.cuModuleGetFunction(module, b"kd_floor"), "get kd_floor")
+    kernel = load_function(_FLOOR_SRC, "kd_floor")
     labels, sf = args[3], args[0][1]
     rows, cols = sf.shape
     assert sf.dtype == torch.float32 and sf.stride(0) == 1, "MN-major fp32 scales"
@@ -191,7 +187,7 @@ def _with_floor_node(fn: Callable[..., Any], args: tuple) -> Callable[..., Any]:
         ctypes.c_uint64(token.data_ptr()),
     )
     params = (ctypes.c_void_p * len(vals))(*(ctypes.addressof(v) for v in vals))
-    keep = (module, out, out_labels, flags, token, vals, params)
+    keep = (out, out_labels, flags, token, vals, params)
 
     def wrapped(*a: Any, **k: Any) -> Any:
         assert keep
@@ -276,13 +272,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--backend", choices=sorted(MODULES), default="deep_gemm")
     p.add_argument("--pdl", action="store_true", help="launch the GEMM with PDL (set_pdl)")
-    p.add_argument(
-        "--define",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="record with snapshot.cu built with this #define changed (repeatable)",
-    )
+    add_define_option(p)
     p.add_argument("--shape", action="append", default=[], metavar="NxK", help="only these")
     p.add_argument("--tokens", default="", metavar="T,...", help="only these tokens per expert")
     opt = p.parse_args()
@@ -351,6 +341,17 @@ def main() -> None:
             print(f"| {n} | {k} | {tokens} | " + " | ".join(cells) + " |")
     print(f"\ndevice tier: {facts}")
     _throughput(shm)
+
+
+def add_define_option(p: argparse.ArgumentParser) -> None:
+    """`--define NAME=VALUE` (repeatable): what `_redefine` takes."""
+    p.add_argument(
+        "--define",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="record with snapshot.cu built with this #define changed (repeatable)",
+    )
 
 
 def _redefine(defines: list[str]) -> None:

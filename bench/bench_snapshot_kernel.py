@@ -79,18 +79,17 @@ PATCHES: dict[str, tuple[tuple[str, str], ...]] = {
 
 def patched(src: str, names: str) -> str:
     """`src` with the PATCHES named in `names` ("a+b") applied, each exactly once."""
-    for name in filter(None, names.split("+")):
+    chosen = [name for name in names.split("+") if name]
+    for name in chosen:
         if name not in PATCHES:
             raise SystemExit(f"no patch {name!r}: one of {', '.join(PATCHES)}")
+        if name in ("no-counter", "no-publication") and "fixed-rows" not in chosen:
+            # the row counter would no longer be reset after every block reserved its records
+            raise SystemExit(f"patch {name} needs fixed-rows too")
         for old, new in PATCHES[name]:
             if src.count(old) != 1:
                 raise SystemExit(f"patch {name}: snapshot.cu no longer has {old!r} once")
             src = src.replace(old, new)
-    chosen = names.split("+")
-    for name in ("no-counter", "no-publication"):
-        if name in chosen and "fixed-rows" not in chosen:
-            # the row counter would no longer be reset after every block reserved its records
-            raise SystemExit(f"patch {name} needs fixed-rows too")
     return src
 
 
@@ -117,7 +116,8 @@ def variant_source(spec: str) -> tuple[str, int, int, int]:
     return src, threads, gather.define(src, "KD_ROWS_PER_BLOCK"), chunk
 
 
-def load(src: str) -> Any:
+def load_function(src: str, name: str) -> Any:
+    """Kernel `name` of CUDA source `src`, compiled by NVRTC for the current GPU and loaded."""
     from cuda.core import Program, ProgramOptions
 
     from kdump.nvrtc import check, driver
@@ -126,7 +126,12 @@ def load(src: str) -> Any:
     obj = Program(src, "c++", ProgramOptions(arch=arch, std="c++17")).compile("cubin")
     torch.cuda.current_stream()
     module = check(driver().cuModuleLoadData(bytes(obj.code)), "cuModuleLoadData")
-    fn = check(driver().cuModuleGetFunction(module, b"kd_snapshot"), "get kd_snapshot")
+    return check(driver().cuModuleGetFunction(module, name.encode()), f"get {name}")
+
+
+def load(src: str) -> Any:
+    """kd_snapshot of a variant's source, allowed its dynamic shared memory."""
+    fn = load_function(src, "kd_snapshot")
     gather.allow_smem(fn, gather.smem_bytes(src))
     return fn
 

@@ -67,13 +67,7 @@ def main() -> None:
     p.add_argument("--no-held", action="store_true")
     p.add_argument("--scales-only", action="store_true")
     p.add_argument("--backend", choices=sorted(bench_flight.MODULES), default="deep_gemm")
-    p.add_argument(
-        "--define",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="record with snapshot.cu built with this #define changed (repeatable)",
-    )
+    bench_flight.add_define_option(p)
     opt = p.parse_args()
     if opt.define:
         bench_flight._redefine(opt.define)
