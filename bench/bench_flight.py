@@ -22,14 +22,15 @@ expert (A is always 36,864 rows: every expert padded to 128). For each:
 then the copy throughput of each tier: the snapshot kernel's D2D against a plain D2D copy of the
 same bytes, the journal's pinned D2H against a plain pinned buffer.
 
-    python bench/bench_flight.py [--iters 50] [--pdl] [--define NAME=VALUE] [--shape 512x4096]
-        [--tokens 1,32]
+    python bench/bench_flight.py [--iters 50] [--pdl] [--define NAME=VALUE] [--carveout PCT]
+        [--shape 512x4096] [--tokens 1,32]
 
 `--pdl` launches the GEMM with programmatic dependent launch (DeepGEMM's `set_pdl(True)`), every
 column of the run: the snapshot kernel lets such a kernel start its prologue early.
 `--define KD_EARLY_LAUNCH=2` records with that #define of kdump/record/snapshot.cu changed;
 `--define patch=fixed-rows+no-copies` with bench_snapshot_kernel.py's timing experiments (parts
-of the launch taken out: the step's cost of each, not a valid recording).
+of the launch taken out: the step's cost of each, not a valid recording); `--carveout 100` with
+the snapshot kernel preferring the SM's whole shared-memory carveout (as the GEMM does).
 
 Needs DeepGEMM (the GEMM measured) or --backend packaged (kdump's packaged kernel).
 """
@@ -272,14 +273,13 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--backend", choices=sorted(MODULES), default="deep_gemm")
     p.add_argument("--pdl", action="store_true", help="launch the GEMM with PDL (set_pdl)")
-    add_define_option(p)
+    add_kernel_options(p)
     p.add_argument("--shape", action="append", default=[], metavar="NxK", help="only these")
     p.add_argument("--tokens", default="", metavar="T,...", help="only these tokens per expert")
     opt = p.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in opt.shape] or list(SHAPES)
     token_counts = [int(t) for t in opt.tokens.split(",") if t] or list(TOKENS)
-    if opt.define:
-        _redefine(opt.define)
+    apply_kernel_options(opt)
     fn = gemm(opt.backend)
     if opt.pdl:
         import deep_gemm
@@ -343,8 +343,9 @@ def main() -> None:
     _throughput(shm)
 
 
-def add_define_option(p: argparse.ArgumentParser) -> None:
-    """`--define NAME=VALUE` (repeatable): what `_redefine` takes."""
+def add_kernel_options(p: argparse.ArgumentParser) -> None:
+    """`--define NAME=VALUE` (repeatable): what `_redefine` takes; `--carveout PCT`: what
+    `_set_carveout` takes. `apply_kernel_options` applies both."""
     p.add_argument(
         "--define",
         action="append",
@@ -352,6 +353,38 @@ def add_define_option(p: argparse.ArgumentParser) -> None:
         metavar="NAME=VALUE",
         help="record with snapshot.cu built with this #define changed (repeatable)",
     )
+    p.add_argument(
+        "--carveout",
+        type=int,
+        metavar="PCT",
+        help="record with kd_snapshot's preferred shared-memory carveout set to PCT %% of the"
+        " SM's unified L1 (100: all the shared memory the SM has, as big GEMMs run)",
+    )
+
+
+def apply_kernel_options(opt: argparse.Namespace) -> None:
+    if opt.define:
+        _redefine(opt.define)
+    if opt.carveout is not None:
+        _set_carveout(opt.carveout)
+
+
+def _set_carveout(pct: int) -> None:
+    """Load kd_snapshot with CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = pct: an SM
+    whose carveout differs between two kernels is reconfigured between them."""
+    from kdump.nvrtc import check, driver
+    from kdump.record import gather
+
+    allow = gather.allow_smem
+
+    def allow_and_prefer(fn: Any, smem: int) -> None:
+        allow(fn, smem)
+        d = driver()
+        attr = d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+        check(d.cuFuncSetAttribute(fn, attr, pct), f"cuFuncSetAttribute(carveout {pct} %)")
+
+    gather.allow_smem = allow_and_prefer  # type: ignore[assignment]
+    print(f"kd_snapshot's preferred shared-memory carveout: {pct} %")
 
 
 def _redefine(defines: list[str]) -> None:

@@ -11,9 +11,10 @@ one unit per window), KD_UNITS, KD_MIN_BLOCKS or `min_blocks` (the kernel's `__l
 minimum blocks per SM); KD_CHUNK follows KD_THREADS x 16 x KD_UNROLL), or `resident=N` (at most
 N gather blocks taking the units round robin; 0: one block per unit; default: as many as the
 GPU holds at once, as the recorder launches), or `patch=NAME+NAME` (timing experiments that take
-a part of the launch out: fixed-rows, no-counter, no-publication, no-copies; see PATCHES). The
-host side (gather.py) must agree with KD_THREADS and KD_ROWS_PER_BLOCK: variants of those launch
-with the variant's own grid. bench/bench_flight.py --define takes the same pairs.
+a part of the launch out: fixed-rows, no-counter, no-publication, no-host-writes, no-gather,
+no-fence, no-copies; see PATCHES). The host side (gather.py) must agree with KD_THREADS and
+KD_ROWS_PER_BLOCK: variants of those launch with the variant's own grid. bench/bench_flight.py
+--define takes the same pairs.
 
 Cases (the reference decode shape: G = 288 experts padded to 128 rows, M = 36,864, K = 4096):
 - bytes: 64 MB in 16 plain byte ranges (the kernel's copy blocks);
@@ -72,6 +73,32 @@ PATCHES: dict[str, tuple[tuple[str, str], ...]] = {
     ),
     # nobody publishes (with fixed-rows)
     "no-publication": (("if (!s_last || tid != 0) return;", "return;"),),
+    # no write over PCIe: neither the chain's done marker of the call before nor the host
+    # slot's `pre` mark
+    "no-host-writes": (
+        (
+            "if (done && tok) *(volatile u64*)done = *(volatile u64*)tok;",
+            "(void)done; (void)tok;",
+        ),
+        (
+            "if (p.host_pre) *(volatile u64*)p.host_pre = token;",
+            "(void)token;",
+        ),
+    ),
+    # the gather blocks copy no row (the records' row indices are still written)
+    "no-gather": (
+        (
+            "for (u32 gi = 0; gi < p.n_gathers; ++gi)",
+            "for (u32 gi = 0; gi < 0u; ++gi)",
+        ),
+    ),
+    # no fence before a block counts itself done (with no-publication)
+    "no-fence": (
+        (
+            "  __threadfence();\n  __syncthreads();\n  // (One 64-bit word",
+            "  __syncthreads();\n  // (One 64-bit word",
+        ),
+    ),
     # the plain copies' blocks copy nothing
     "no-copies": (("for (u32 c = 0; c < p.n_copies; ++c) {", "for (u32 c = 0; c < 0u; ++c) {"),),
 }
@@ -86,6 +113,9 @@ def patched(src: str, names: str) -> str:
         if name in ("no-counter", "no-publication") and "fixed-rows" not in chosen:
             # the row counter would no longer be reset after every block reserved its records
             raise SystemExit(f"patch {name} needs fixed-rows too")
+        if name == "no-fence" and "no-publication" not in chosen:
+            # a publication without the fence could precede the writes it vouches for
+            raise SystemExit(f"patch {name} needs no-publication too")
         for old, new in PATCHES[name]:
             if src.count(old) != 1:
                 raise SystemExit(f"patch {name}: snapshot.cu no longer has {old!r} once")

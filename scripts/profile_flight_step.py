@@ -3,7 +3,8 @@ memsets) of CUDA-graph replays of the grouped GEMM, without and with the flight 
 torch's profiler (CUPTI), with one replay's timeline (start offsets and durations in µs).
 
     python scripts/profile_flight_step.py [--tokens 1] [--n 512] [--k 4096] [--no-held]
-        [--scales-only] [--backend deep_gemm|packaged] [--define NAME=VALUE]
+        [--scales-only] [--floor] [--backend deep_gemm|packaged] [--define NAME=VALUE]
+        [--carveout PCT]
 
 (A recorded graph call adds one kernel node, the snapshot: the done marker of a capture site is
 written by the next snapshot of its chain, so there is no marker node to vary.)
@@ -66,11 +67,15 @@ def main() -> None:
     p.add_argument("--replays", type=int, default=10)
     p.add_argument("--no-held", action="store_true")
     p.add_argument("--scales-only", action="store_true")
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="profile bench_flight's (i) floor node before the GEMM instead of the recorder",
+    )
     p.add_argument("--backend", choices=sorted(bench_flight.MODULES), default="deep_gemm")
-    bench_flight.add_define_option(p)
+    bench_flight.add_kernel_options(p)
     opt = p.parse_args()
-    if opt.define:
-        bench_flight._redefine(opt.define)
+    bench_flight.apply_kernel_options(opt)
     fn = bench_flight.gemm(opt.backend)
     args, kwargs = bench_flight._case(opt.n, opt.k, opt.tokens)
 
@@ -85,6 +90,10 @@ def main() -> None:
 
     g = graph()
     _report("plain", _replays(g, opt.replays), opt.replays)
+    if opt.floor:
+        fn = bench_flight._with_floor_node(fn, args)
+        _report("(i) floor", _replays(graph(), opt.replays), opt.replays)
+        return
     shm = Path(tempfile.mkdtemp(prefix="kdump-prof-", dir="/dev/shm"))
     ring = RingConfig(slots=64, slot_bytes=1 << 20, journal_dir=shm, device_bytes=1 << 30)
     ctx = bench_flight._ScalesOnly() if opt.scales_only else None

@@ -41,10 +41,16 @@ def test_patches_are_applied_and_refused_by_name(bench):
     for alone in ("no-counter", "no-publication"):  # the row counter would never be reset
         with pytest.raises(SystemExit, match="needs fixed-rows"):
             bench.variant_source(f"patch={alone}")
+    with pytest.raises(SystemExit, match="needs no-publication"):
+        bench.variant_source("patch=fixed-rows+no-fence")
 
 
 @pytest.mark.parametrize(
-    "spec", ["patch=fixed-rows+no-counter+no-copies", "patch=fixed-rows+no-publication"]
+    "spec",
+    [
+        "patch=fixed-rows+no-counter+no-copies",
+        "patch=fixed-rows+no-publication+no-fence+no-gather+no-host-writes",
+    ],
 )
 def test_patched_kernels_compile_under_nvrtc(bench, spec):
     cuda_core = pytest.importorskip("cuda.core")
