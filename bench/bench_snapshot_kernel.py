@@ -103,6 +103,11 @@ PATCHES: dict[str, tuple[tuple[str, str], ...]] = {
     "no-copies": (("for (u32 c = 0; c < p.n_copies; ++c) {", "for (u32 c = 0; c < 0u; ++c) {"),),
 }
 
+# A patch that is only safe beside another. Without fixed-rows the row counter would no longer
+# be reset after every block reserved its records; a publication without the fence could
+# precede the writes it vouches for.
+NEEDS = {"no-counter": "fixed-rows", "no-publication": "fixed-rows", "no-fence": "no-publication"}
+
 
 def patched(src: str, names: str) -> str:
     """`src` with the PATCHES named in `names` ("a+b") applied, each exactly once."""
@@ -110,12 +115,9 @@ def patched(src: str, names: str) -> str:
     for name in chosen:
         if name not in PATCHES:
             raise SystemExit(f"no patch {name!r}: one of {', '.join(PATCHES)}")
-        if name in ("no-counter", "no-publication") and "fixed-rows" not in chosen:
-            # the row counter would no longer be reset after every block reserved its records
-            raise SystemExit(f"patch {name} needs fixed-rows too")
-        if name == "no-fence" and "no-publication" not in chosen:
-            # a publication without the fence could precede the writes it vouches for
-            raise SystemExit(f"patch {name} needs no-publication too")
+        need = NEEDS.get(name)
+        if need is not None and need not in chosen:
+            raise SystemExit(f"patch {name} needs {need} too")
         for old, new in PATCHES[name]:
             if src.count(old) != 1:
                 raise SystemExit(f"patch {name}: snapshot.cu no longer has {old!r} once")
