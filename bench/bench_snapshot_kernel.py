@@ -6,9 +6,10 @@ the kernel as shipped and for variants of its compile-time constants, all in one
 
 A variant is comma-separated `NAME=VALUE` pairs: a `#define` of kdump/record/snapshot.cu
 replaced (KD_UNROLL, KD_THREADS, KD_ROWS_PER_BLOCK, KD_BULK (0: no bulk copies), KD_BULK_WARPS,
-KD_BULK_STAGES, KD_BULK_STAGE, KD_SPLIT_BYTES (a unit's rows at most, in bytes: 1073741824 =
-one unit per window), KD_UNITS, KD_MIN_BLOCKS or `min_blocks` (the kernel's `__launch_bounds__`
-minimum blocks per SM); KD_CHUNK follows KD_THREADS x 16 x KD_UNROLL), or `resident=N` (at most
+KD_BULK_STAGES, KD_BULK_STAGE, KD_DENSE (0: no window of scales read whole), KD_SPLIT_BYTES (a
+unit's rows at most, in bytes: 1073741824 = one unit per window), KD_UNITS, KD_MIN_BLOCKS or
+`min_blocks` (the kernel's `__launch_bounds__` minimum blocks per SM); KD_CHUNK follows
+KD_THREADS x 16 x KD_UNROLL), or `resident=N` (at most
 N gather blocks taking the units round robin; 0: one block per unit; default: as many as the
 GPU holds at once, as the recorder launches), or `patch=NAME+NAME` (timing experiments that take
 a part of the launch out: fixed-rows, no-counter, no-publication, no-host-writes, no-gather,
@@ -62,6 +63,10 @@ PATCHES: dict[str, tuple[tuple[str, str], ...]] = {
             "if (tid == 0) s_base = atomicAdd(&rec->row_counter, n);",
             "if (tid == 0) s_base = window * KD_ROWS_PER_BLOCK + lo;",
         ),
+        (
+            "if (tid == 0 && count) base = atomicAdd(&rec->row_counter, count);",
+            "if (tid == 0 && count) base = window * KD_ROWS_PER_BLOCK;",
+        ),
     ),
     # block 0 publishes as soon as it is done: no block counter round trip, the same writes
     # (with fixed-rows)
@@ -90,6 +95,10 @@ PATCHES: dict[str, tuple[tuple[str, str], ...]] = {
         (
             "for (u32 gi = 0; gi < p.n_gathers; ++gi)",
             "for (u32 gi = 0; gi < 0u; ++gi)",
+        ),
+        (
+            "dense_store(p, window, s_rows, count, out, tid, s_stage);",
+            "(void)out;",
         ),
     ),
     # no fence before a block counts itself done (with no-publication)

@@ -6,6 +6,7 @@ counts that leave a partial block, and plain copies of odd sizes and alignments.
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import replace
 
@@ -182,6 +183,76 @@ def test_strided_four_byte_rows_staged_in_passes(cols):
     assert plan.gathers[0].cols == cols
 
 
+def _mn_major(rows, cols, seed, pad=0, dtype=torch.float32):
+    """[rows, cols] 4-byte elements, MN-major with the column stride rounded up to 4 rows (as
+    DeepGEMM's TMA-aligned scales), plus `pad` more."""
+    ld = -(-rows // 4) * 4 + pad
+    t = torch.empty_strided((rows, cols), (1, ld), dtype=dtype, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    t.view(torch.int32).copy_(
+        torch.randint(
+            -(2**31), 2**31 - 1, (rows, cols), dtype=torch.int32, device="cuda", generator=g
+        )
+    )
+    return t
+
+
+@pytest.fixture(params=["shipped", "KD_DENSE flipped"])
+def whole_windows(request):
+    """The shipped kernel (None) and one built with the other KD_DENSE: whole windows read
+    before the rule, or only the touched rows, are both checked whichever is shipped."""
+    if request.param == "shipped":
+        return None
+    return _build(KD_DENSE=1 - gather.define(gather.kernel_source(), "KD_DENSE"))
+
+
+@pytest.mark.parametrize(
+    ("sizes", "cols", "blocks"),
+    [
+        ([1, 0, 128, 17, 113, 64, 3], 32, None),  # decode-like routing, one window a block
+        ([1, 0, 128, 17, 113, 64, 3], 32, 1),  # one block: every window in turn, empty ones too
+        ([5, 0, 0, 128, 2], 62, 2),  # the widest window the buffer holds
+        ([5, 0, 0, 128, 2], 63, None),  # one column more: the staged gather takes it
+        ([127, 1], 4, None),
+    ],
+)
+def test_scales_alone_read_as_whole_windows(sizes, cols, blocks, whole_windows):
+    # A call whose only gathered tensor is MN-major 4-byte scales (16-byte aligned columns):
+    # each window's columns are bulk-copied whole into shared memory before the rule is read,
+    # and only the touched rows' records are written
+    labels = _labels(sizes)
+    sf = _mn_major(labels.numel(), cols, 21)
+    _check([sf, labels], [0], "labels", labels, 1, blocks=blocks, fn=whole_windows)
+
+
+@pytest.mark.parametrize("rows", [302, 259, 384])
+def test_whole_windows_with_a_partial_last_window(rows, whole_windows):
+    # the last window's rows past a multiple of 4 are read from global memory when stored
+    # (259: its 3 rows are all read so, its bulk copies move nothing)
+    sf = _mn_major(rows, 8, 22)
+    _check([sf], [0], "all", None, 1, fn=whole_windows)
+    labels = torch.full((rows,), -1, dtype=torch.int32, device="cuda")
+    labels[rows - 3 :] = 1
+    labels[:5] = 0
+    _check([sf, labels], [0], "labels", labels, 1, fn=whole_windows)
+
+
+@pytest.mark.parametrize(("max_m", "pad"), [(256, 0), (128, 4), (96, 0)])
+def test_whole_windows_under_the_masked_and_psum_rules(max_m, pad, whole_windows):
+    # masked: a window is one group's rows when max_m is a multiple of the window (else the
+    # staged gather); psum: groups start at aligned rows of one [M, cols] tensor
+    g_ = 3
+    sf = torch.empty_strided(
+        (g_, max_m, 5), (5 * (max_m + pad), 1, max_m + pad), dtype=torch.float32, device="cuda"
+    )
+    sf.copy_(torch.randn(g_, max_m, 5, device="cuda"))
+    masked = torch.tensor([max_m, 1, max_m - 7], dtype=torch.int32, device="cuda")
+    _check([sf, masked], [0], "masked", masked, 2, fn=whole_windows)
+    ends = torch.tensor([3, 129, 129, 300], dtype=torch.int32, device="cuda")
+    flat = _mn_major(384, 6, 23)
+    _check([flat, ends], [0], "psum", ends, 1, alignment=128, fn=whole_windows)
+
+
 def test_bulk_copied_rows_of_several_gathers_in_one_launch():
     # 16-byte aligned contiguous rows take the bulk asynchronous copies on sm_90+: rows shorter
     # than a stage (48 B), spanning several stages (4096 + 16 B: a last piece of 16 B), and two
@@ -208,19 +279,34 @@ def test_windows_split_into_units(split, blocks):
     _check([a, sf, labels], [0, 1], "labels", labels, 1, split=split, blocks=blocks)
 
 
-def _plain_build():
-    """kd_snapshot compiled without the bulk copies (what devices before sm_90 run)."""
+_builds: dict[tuple[tuple[str, int], ...], object] = {}
+
+
+def _build(**defines: int):
+    """kd_snapshot compiled with these #defines of snapshot.cu changed, loaded once per set."""
+    key = tuple(sorted(defines.items()))
+    if key in _builds:
+        return _builds[key]
     from cuda.core import Program, ProgramOptions
 
     from kdump.nvrtc import check, driver
 
-    src = gather.kernel_source().replace("#define KD_BULK 1", "#define KD_BULK 0")
+    src = gather.kernel_source()
+    for name, value in defines.items():
+        src, n = re.subn(rf"#define {name} \S+", f"#define {name} {value}", src)
+        assert n == 1, name
     arch = gather.arch_of(torch.cuda.get_device_capability())
     obj = Program(src, "c++", ProgramOptions(arch=arch, std="c++17")).compile("cubin")
     module = check(driver().cuModuleLoadData(bytes(obj.code)), "cuModuleLoadData")
     fn = check(driver().cuModuleGetFunction(module, b"kd_snapshot"), "get kd_snapshot")
     gather.allow_smem(fn, gather.smem_bytes(src))
+    _builds[key] = fn
     return fn
+
+
+def _plain_build():
+    """kd_snapshot compiled without the bulk copies (what devices before sm_90 run)."""
+    return _build(KD_BULK=0)
 
 
 def test_plain_build_gathers_the_same_rows():

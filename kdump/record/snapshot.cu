@@ -65,6 +65,13 @@ typedef unsigned int u32;
 #define KD_BULK_STAGE 2048  // bytes, a multiple of 16
 #define KD_BULK_BYTES (KD_BULK_WARPS * KD_BULK_STAGES * KD_BULK_STAGE)
 #define KD_BUF_WORDS (KD_BULK_BYTES / 4 > KD_STAGE_WORDS ? KD_BULK_BYTES / 4 : KD_STAGE_WORDS)
+// Windows read whole before their rows are known (see dense_ok): 1 on sm_90+, 0 never (as
+// shipped until it is measured in a recorded step: bench/bench_flight.py --define KD_DENSE=1). A
+// window's column takes KD_DENSE_LD words of the buffer (16-byte aligned for the bulk copies),
+// so at most KD_DENSE_COLS columns (fp32 scales of K up to 7,936).
+#define KD_DENSE 0
+#define KD_DENSE_LD (KD_ROWS_PER_BLOCK + 4)
+#define KD_DENSE_COLS (KD_BUF_WORDS / KD_DENSE_LD)
 // A recorded kernel launched with programmatic dependent launch (DeepGEMM's set_pdl) may start
 // its prologue once every block of the snapshot has said so (sm_90+): 1 at a block's start, 2
 // after its copies (before the publication), 0 never. H200, DeepGEMM with PDL, metadata and
@@ -357,13 +364,23 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
   return (u32)__cvta_generic_to_shared(p);
 }
 
-__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 n, u32 bar) {
+// The barrier's one arrival of a phase, which expects n bytes of bulk copies before it completes.
+__device__ __forceinline__ void bulk_expect(u32 bar, u32 n) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(n)
                : "memory");
+}
+
+// n bytes (a multiple of 16, both ends 16-byte aligned) into shared memory, counted on `bar`.
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 n, u32 bar) {
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
       ::"r"(dst), "l"(src), "r"(n), "r"(bar)
       : "memory");
+}
+
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 n, u32 bar) {
+  bulk_expect(bar, n);
+  bulk_copy(dst, src, n, bar);
 }
 
 __device__ __forceinline__ void bulk_wait(u32 bar, u32 parity) {
@@ -437,6 +454,70 @@ __device__ void gather_bulk(const Gather& g, const u32* outer, const u32* inner,
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // before generic reuse
   }
   __syncthreads();  // the buffers are free again (the staged gathers use them next)
+}
+
+// Windows read whole (KD_DENSE): when a call gathers one tensor of 4-byte elements whose rows
+// are adjacent in a column (MN-major scales) and a window's columns fit the buffer, a gather
+// block copies its next window's columns whole (every row, touched or not: they lie inside the
+// tensor) into shared memory with bulk copies, issued before it knows which rows are touched.
+// The rule, the ring head and the row counter's round trip then overlap those loads, and the
+// records are written from shared memory: no load waits in the chain between the counter and
+// the publication. Column c of the window sits at KD_DENSE_LD * c words of the buffer. The
+// untouched rows' bytes are read, never stored: a tool that reports reads of memory nothing
+// wrote (compute-sanitizer's initcheck) may name this kernel where padding rows of the scales
+// were left unwritten (KD_DENSE 0 reads only the touched rows).
+__device__ __forceinline__ bool dense_ok(const Params& p) {
+  if (!KD_DENSE || p.n_gathers != 1 || p.split > 1) return false;
+  const Gather& g = p.gathers[0];
+  const bool one_outer = p.inner >= p.rows;
+  return g.elem == 4 && g.inner_stride == 4 && g.cols > 1 && g.cols <= KD_DENSE_COLS &&
+         ((g.src | (u64)g.col_stride) & 15) == 0 &&
+         (one_outer || (p.inner % KD_ROWS_PER_BLOCK == 0 && ((u64)g.outer_stride & 15) == 0));
+}
+
+// Rows of window w that the bulk copies bring (a multiple of 4: a copy moves 16-byte units);
+// the last window's rows past them, if any, are read from global memory when stored.
+__device__ __forceinline__ u32 dense_rows(const Params& p, u32 w) {
+  const u32 w0 = w * KD_ROWS_PER_BLOCK;
+  const u32 left = p.rows - w0;
+  return (left < KD_ROWS_PER_BLOCK ? left : KD_ROWS_PER_BLOCK) & ~3u;
+}
+
+// Warp 1 starts the copies of window w's columns, one phase of `bar` (count 1).
+__device__ void dense_issue(const Params& p, u32 w, u32 tid, u32* buf, u32 bar) {
+  if (tid / 32 != 1) return;
+  const Gather& g = p.gathers[0];
+  const u32 lane = tid % 32;
+  const u32 w0 = w * KD_ROWS_PER_BLOCK, n = dense_rows(p, w) * 4;
+  if (lane == 0) bulk_expect(bar, n * g.cols);
+  __syncwarp();
+  if (n == 0) return;
+  const char* src = (const char*)g.src + (i64)(w0 / p.inner) * g.outer_stride + (i64)(w0 % p.inner) * 4;
+  const u32 base = smem_addr(buf);
+  for (u32 c = lane; c < g.cols; c += 32)
+    bulk_copy(base + c * KD_DENSE_LD * 4, src + (i64)c * g.col_stride, n, bar);
+}
+
+// The records of the block's `count` touched rows of window w (absolute row indices in rows[],
+// in row order) from the window in shared memory: neighbouring threads write neighbouring words
+// of a record.
+__device__ void dense_store(const Params& p, u32 w, const u32* rows, u32 count, char* out,
+                            u32 tid, const u32* buf) {
+  const Gather& g = p.gathers[0];
+  const u32 cols = g.cols, w0 = w * KD_ROWS_PER_BLOCK, have = dense_rows(p, w);
+  const u32 total = count * cols;
+  for (u32 f = tid; f < total; f += KD_THREADS) {
+    const u32 q = f / cols, c = f - q * cols;
+    const u32 r = rows[q], at = r - w0;
+    u32 v;
+    if (at < have) {
+      v = buf[c * KD_DENSE_LD + at];
+    } else {
+      v = *(const u32*)((const char*)g.src + (i64)(r / p.inner) * g.outer_stride +
+                        (i64)(r % p.inner) * 4 + (i64)c * g.col_stride);
+    }
+    *(u32*)(out + (u64)q * p.rec_bytes + g.rec_off + (u64)c * 4) = v;
+  }
 }
 #endif
 
@@ -540,6 +621,22 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_LAUNCH_MIN_BLOCKS)
     // One thread per block reads the ring head (every thread reading it would queue thousands
     // of requests on one L2 line), while the others read the rule.
     if (tid == 0) s_head = ctrl[0];
+#ifdef KD_HAVE_BULK
+    // Windows read whole: the block's first window is on its way before the rule is read. The
+    // barrier is initialised by the warp that arrives on it; the others first wait on it after
+    // the rule's __syncthreads.
+    const bool dense = dense_ok(p);
+    const u32 dense_bar = smem_addr(s_bars);
+    u32 dense_phase = 0;
+    if (dense && blockIdx.x < units) {
+      if (tid == 32) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(dense_bar) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      }
+      __syncwarp();
+      dense_issue(p, (u32)(blockIdx.x % windows), tid, s_stage, dense_bar);
+    }
+#endif
     for (u64 u0 = blockIdx.x; u0 < units; u0 += KD_UNITS * stride) {
       // (The ballots live in shared memory: a per-thread array indexed in the loop below, which
       // is not unrolled, would sit in local memory.)
@@ -570,6 +667,37 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_LAUNCH_MIN_BLOCKS)
           count += c;
         }
         const u32 ballot = s_ballot[k][warp];
+#ifdef KD_HAVE_BULK
+        if (dense) {
+          // (split 1: the unit is its window.) The row counter's round trip overlaps the
+          // window's copies; s_base is published by the __syncthreads after both.
+          u32 base = 0;
+          if (tid == 0 && count) base = atomicAdd(&rec->row_counter, count);
+          if ((ballot >> lane) & 1u) s_rows[below + __popc(ballot & ((1u << lane) - 1u))] =
+              window * KD_ROWS_PER_BLOCK + tid;
+          if (tid == 0) s_base = base;
+          bulk_wait(dense_bar, dense_phase);
+          dense_phase ^= 1u;
+          __syncthreads();
+          if (count) {
+            char* out = slot + (u64)s_base * p.rec_bytes;
+            if (tid < count) {
+              u32* h = (u32*)(out + (u64)tid * p.rec_bytes);
+              h[0] = s_rows[tid];
+              h[1] = 0;
+              h[2] = 0;
+              h[3] = 0;
+            }
+            dense_store(p, window, s_rows, count, out, tid, s_stage);
+          }
+          // The buffer's generic reads before the next window's bulk copies overwrite it.
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          __syncthreads();
+          if (u + stride < units) dense_issue(p, (u32)((u + stride) % windows), tid, s_stage,
+                                              dense_bar);
+          continue;
+        }
+#endif
         const u32 parts = (count + per - 1) / per;
         if (part >= parts) continue;  // the same answer in every thread of the block
         const u32 lo = count * part / parts;
