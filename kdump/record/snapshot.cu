@@ -65,8 +65,9 @@ typedef unsigned int u32;
 #define KD_BULK_STAGE 2048  // bytes, a multiple of 16
 #define KD_BULK_BYTES (KD_BULK_WARPS * KD_BULK_STAGES * KD_BULK_STAGE)
 #define KD_BUF_WORDS (KD_BULK_BYTES / 4 > KD_STAGE_WORDS ? KD_BULK_BYTES / 4 : KD_STAGE_WORDS)
-// Windows read whole before their rows are known (see dense_ok): 1 on sm_90+, 0 never (as
-// shipped until it is measured in a recorded step: bench/bench_flight.py --define KD_DENSE=1). A
+// Windows read whole before their rows are known (see dense_ok): 1 on sm_90+, 0 never. 0 as
+// shipped until the whole GPU test suite has run with 1 (H100, kd_snapshot in a recorded step
+// of scales alone: 1.0 us shorter at 1 token per expert, 3.7 us at 113; bench/RESULTS.md). A
 // window's column takes KD_DENSE_LD words of the buffer (16-byte aligned for the bulk copies),
 // so at most KD_DENSE_COLS columns (fp32 scales of K up to 7,936).
 #define KD_DENSE 0
