@@ -493,7 +493,8 @@ __device__ void dense_issue(const Params& p, u32 w, u32 tid, u32* buf, u32 bar) 
   if (lane == 0) bulk_expect(bar, n * g.cols);
   __syncwarp();
   if (n == 0) return;
-  const char* src = (const char*)g.src + (i64)(w0 / p.inner) * g.outer_stride + (i64)(w0 % p.inner) * 4;
+  const char* src =
+      (const char*)g.src + (i64)(w0 / p.inner) * g.outer_stride + (i64)(w0 % p.inner) * 4;
   const u32 base = smem_addr(buf);
   for (u32 c = lane; c < g.cols; c += 32)
     bulk_copy(base + c * KD_DENSE_LD * 4, src + (i64)c * g.col_stride, n, bar);
