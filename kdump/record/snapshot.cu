@@ -570,6 +570,17 @@ __device__ void gather_one(const Gather& g, const u32* outer, const u32* inner, 
   }
 }
 
+// Each record's first 16 bytes: the row index, then zeros (thread q writes record q).
+__device__ __forceinline__ void write_heads(char* out, const u32* rows, u32 count, u32 rec_bytes,
+                                            u32 tid) {
+  if (tid >= count) return;
+  u32* h = (u32*)(out + (u64)tid * rec_bytes);
+  h[0] = rows[tid];
+  h[1] = 0;
+  h[2] = 0;
+  h[3] = 0;
+}
+
 extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_LAUNCH_MIN_BLOCKS)
     kd_snapshot(const __grid_constant__ Params p) {
   __shared__ u32 s_base;
@@ -683,13 +694,7 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_LAUNCH_MIN_BLOCKS)
           __syncthreads();
           if (count) {
             char* out = slot + (u64)s_base * p.rec_bytes;
-            if (tid < count) {
-              u32* h = (u32*)(out + (u64)tid * p.rec_bytes);
-              h[0] = s_rows[tid];
-              h[1] = 0;
-              h[2] = 0;
-              h[3] = 0;
-            }
+            write_heads(out, s_rows, count, p.rec_bytes, tid);
             dense_store(p, window, s_rows, count, out, tid, s_stage);
           }
           // The buffer's generic reads before the next window's bulk copies overwrite it.
@@ -716,13 +721,7 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_LAUNCH_MIN_BLOCKS)
         }
         __syncthreads();
         char* out = slot + (u64)s_base * p.rec_bytes;
-        if (tid < n) {
-          u32* h = (u32*)(out + (u64)tid * p.rec_bytes);
-          h[0] = s_rows[tid];
-          h[1] = 0;
-          h[2] = 0;
-          h[3] = 0;
-        }
+        write_heads(out, s_rows, n, p.rec_bytes, tid);
         for (u32 gi = 0; gi < p.n_gathers; ++gi)
           gather_one(p.gathers[gi], s_outer, s_inner, n, out, p.rec_bytes, tid, s_stage, s_bars);
         __syncthreads();  // s_rows, s_base and the buffers are free for the next unit
