@@ -6,8 +6,9 @@ the kernel as shipped and for variants of its compile-time constants, all in one
 
 A variant is comma-separated `NAME=VALUE` pairs: a `#define` of kdump/record/snapshot.cu
 replaced (KD_UNROLL, KD_THREADS, KD_ROWS_PER_BLOCK, KD_BULK (0: no bulk copies), KD_BULK_WARPS,
-KD_BULK_STAGES, KD_BULK_STAGE, KD_DENSE (0: no window of scales read whole), KD_SPLIT_BYTES (a
-unit's rows at most, in bytes: 1073741824 = one unit per window), KD_UNITS, KD_MIN_BLOCKS or
+KD_BULK_STAGES, KD_BULK_STAGE, KD_DENSE (0: no window of scales read whole), KD_OVERLAP (1: a
+call's rows and scales gathered side by side), KD_SPLIT_BYTES (a unit's rows at most, in bytes:
+1073741824 = one unit per window), KD_UNITS, KD_MIN_BLOCKS or
 `min_blocks` (the kernel's `__launch_bounds__` minimum blocks per SM); KD_CHUNK follows
 KD_THREADS x 16 x KD_UNROLL), or `resident=N` (at most
 N gather blocks taking the units round robin; 0: one block per unit; default: as many as the
@@ -100,6 +101,7 @@ PATCHES: dict[str, tuple[tuple[str, str], ...]] = {
             "dense_store(p, window, s_rows, count, out, tid, s_stage);",
             "(void)out;",
         ),
+        ("if (pair >= 0 && ((u64)out & 15) == 0) {", "if (pair < -1) {"),
     ),
     # no fence before a block counts itself done (with no-publication)
     "no-fence": (

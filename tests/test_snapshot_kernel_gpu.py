@@ -118,17 +118,17 @@ def _bytes(shape, seed, dtype=torch.uint8):
     return t.view(dtype) if dtype.itemsize == 1 else t
 
 
-def test_labels_rule_with_fp8_rows_and_mn_major_scales():
+def test_labels_rule_with_fp8_rows_and_mn_major_scales(side_by_side):
     labels = _labels([1, 0, 128, 17, 113, 64, 3])
     m = labels.numel()
     a = _bytes((m, 512), 1, torch.float8_e4m3fn)
     sfa = torch.empty_strided((m, 4), (1, m), dtype=torch.float32, device="cuda")
     sfa.copy_(torch.randn(m, 4, device="cuda"))
-    plan = _check([a, sfa, labels], [0, 1], "labels", labels, 1)
+    plan = _check([a, sfa, labels], [0, 1], "labels", labels, 1, fn=side_by_side)
     assert plan.gathers[0].cols == 1 and plan.gathers[1].cols == 4  # contiguous, strided
 
 
-def test_masked_rule_on_three_dimensional_operands_with_packed_scales():
+def test_masked_rule_on_three_dimensional_operands_with_packed_scales(side_by_side):
     g_, max_m, k = 5, 96, 384
     a = _bytes((g_, max_m, k), 2)
     sf = torch.empty_strided(
@@ -136,7 +136,7 @@ def test_masked_rule_on_three_dimensional_operands_with_packed_scales():
     )
     sf.copy_(torch.randint(-(2**31), 2**31 - 1, (g_, max_m, 3), dtype=torch.int32))
     masked = torch.tensor([0, 96, 1, 50, 95], dtype=torch.int32, device="cuda")
-    _check([a, sf, masked], [0, 1], "masked", masked, 2)
+    _check([a, sf, masked], [0, 1], "masked", masked, 2, fn=side_by_side)
 
 
 def test_psum_rule_with_aligned_group_starts():
@@ -253,6 +253,54 @@ def test_whole_windows_under_the_masked_and_psum_rules(max_m, pad, whole_windows
     _check([flat, ends], [0], "psum", ends, 1, alignment=128, fn=whole_windows)
 
 
+@pytest.fixture(params=["shipped", "KD_OVERLAP flipped"])
+def side_by_side(request):
+    """The shipped kernel (None) and one built with the other KD_OVERLAP: a call's rows and its
+    strided scales gathered side by side, or one after the other, are both checked whichever is
+    shipped."""
+    if request.param == "shipped":
+        return None
+    return _build(KD_OVERLAP=1 - gather.define(gather.kernel_source(), "KD_OVERLAP"))
+
+
+@pytest.mark.parametrize(
+    ("rule_name", "split", "blocks", "cols", "scales_first"),
+    [
+        ("labels", None, None, 32, False),  # decode-like routing, the recorder's split
+        ("labels", 3, None, 32, True),  # the scales are the call's first gather
+        ("labels", 9, 1, 8, False),  # one block: every unit in turn
+        ("labels", 1, 2, 600, False),  # one row per pass through the scales' smaller share
+        ("labels", 1, None, 683, False),  # too wide for that share: one gather after the other
+        ("psum", None, None, 32, True),
+    ],
+)
+def test_rows_and_their_scales_side_by_side(
+    rule_name, split, blocks, cols, scales_first, side_by_side
+):
+    # A's rows (several bulk pieces each, a last piece of 16 B) and its MN-major scales: the
+    # bulk copies' issuers take the rows while the other warps stage the scales
+    labels = _labels([1, 0, 128, 17, 113, 64, 3])
+    m = labels.numel()
+    rule = labels
+    if rule_name == "psum":
+        rule = torch.tensor([1, 1, 256, 273, 497, 704, 771], dtype=torch.int32, device="cuda")
+    a = _bytes((m, 4096 + 16), 31)
+    sf = _mn_major(m, cols, 32)
+    tensors = [sf, a, rule] if scales_first else [a, sf, rule]
+    plan = _check(
+        tensors,
+        [0, 1],
+        rule_name,
+        rule,
+        1,
+        alignment=128 if rule_name == "psum" else 1,
+        split=split,
+        blocks=blocks,
+        fn=side_by_side,
+    )
+    assert [g.cols for g in plan.gathers] == ([cols, 1] if scales_first else [1, cols])
+
+
 def test_bulk_copied_rows_of_several_gathers_in_one_launch():
     # 16-byte aligned contiguous rows take the bulk asynchronous copies on sm_90+: rows shorter
     # than a stage (48 B), spanning several stages (4096 + 16 B: a last piece of 16 B), and two
@@ -266,7 +314,7 @@ def test_bulk_copied_rows_of_several_gathers_in_one_launch():
 
 
 @pytest.mark.parametrize(("split", "blocks"), [(1, None), (3, None), (8, 5), (128, None), (9, 1)])
-def test_windows_split_into_units(split, blocks):
+def test_windows_split_into_units(split, blocks, side_by_side):
     # a window's `split` units share its touched rows evenly, each reserving its own records:
     # units with no rows (fewer touched rows than units), uneven shares, one row per unit;
     # `blocks` gather blocks take the units round robin (one block: every unit, in rounds of
@@ -276,7 +324,9 @@ def test_windows_split_into_units(split, blocks):
     a = _bytes((m, 1024), 15)
     sf = torch.empty_strided((m, 8), (1, m), dtype=torch.float32, device="cuda")
     sf.copy_(torch.randn(m, 8, device="cuda"))
-    _check([a, sf, labels], [0, 1], "labels", labels, 1, split=split, blocks=blocks)
+    _check(
+        [a, sf, labels], [0, 1], "labels", labels, 1, split=split, blocks=blocks, fn=side_by_side
+    )
 
 
 _builds: dict[tuple[tuple[str, int], ...], object] = {}

@@ -73,6 +73,13 @@ typedef unsigned int u32;
 #define KD_DENSE 0
 #define KD_DENSE_LD (KD_ROWS_PER_BLOCK + 4)
 #define KD_DENSE_COLS (KD_BUF_WORDS / KD_DENSE_LD)
+// A call's contiguous rows and its strided 4-byte rows (A and its MN-major scales) gathered side
+// by side (see gather_pair): 1 on sm_90+, 0 one after the other. The rows then keep
+// KD_OVERLAP_STAGES pieces in flight per issuer, and the strided rows stage through the rest of
+// the buffer.
+#define KD_OVERLAP 0
+#define KD_OVERLAP_STAGES 3
+#define KD_OVERLAP_BULK_WORDS (KD_BULK_WARPS * KD_OVERLAP_STAGES * KD_BULK_STAGE / 4)
 // A recorded kernel launched with programmatic dependent launch (DeepGEMM's set_pdl) may start
 // its prologue once every block of the snapshot has said so (sm_90+): 1 at a block's start, 2
 // after its copies (before the publication), 0 never. H200, DeepGEMM with PDL, metadata and
@@ -170,6 +177,9 @@ static_assert(sizeof(Record) == 64, "Record layout");
 static_assert(KD_ROWS_PER_BLOCK <= KD_THREADS, "a gather block tests one row per thread");
 static_assert(KD_CHUNK == KD_THREADS * 16 * KD_UNROLL, "a plain-copy step is one unrolled round");
 static_assert(KD_BULK_STAGE % 16 == 0 && KD_BULK_WARPS * 32 <= KD_THREADS, "bulk gather shape");
+static_assert(KD_OVERLAP_STAGES <= KD_BULK_STAGES && KD_OVERLAP_BULK_WORDS < KD_BUF_WORDS &&
+                  KD_BULK_WARPS * 32 < KD_THREADS,
+              "gather_pair's share of the buffer and of the warps");
 
 __device__ __forceinline__ u64 slot_pos(const Params& p, u64 head) {
   // A slot never wraps around the end: skip to the next lap instead.
@@ -322,20 +332,33 @@ __device__ void gather_strided(const Gather& g, const u32* outer, const u32* inn
 // column), writes go columns-fastest (neighbouring threads write neighbouring words of one
 // record), so both sides coalesce. Written directly, a warp's 32 stores landed 32 records apart:
 // at 113 tokens per expert the scales alone took 26 us. `stage` is column-major with an odd
-// column stride, so neither phase has bank conflicts. Every thread of the block calls it.
+// column stride, so neither phase has bank conflicts. THREADS threads call it (tid counted from
+// the first of them), `words` words of `stage` theirs: the whole block (barrier 0, that is
+// __syncthreads), or the warps a gather beside it leaves (gather_pair: named barrier 1).
+template <u32 THREADS, u32 BARRIER>
+__device__ __forceinline__ void stage_sync() {
+  if (BARRIER == 0) {
+    __syncthreads();
+  } else {
+    asm volatile("bar.sync %0, %1;" ::"n"(BARRIER), "n"(THREADS) : "memory");
+  }
+}
+
+template <u32 THREADS, u32 BARRIER>
 __device__ void gather_strided_staged(const Gather& g, const u32* outer, const u32* inner,
-                                      u32 count, char* out, u32 rec_bytes, u32 tid, u32* stage) {
+                                      u32 count, char* out, u32 rec_bytes, u32 tid, u32* stage,
+                                      u32 words) {
   const u32 cols = g.cols;
-  const u32 per = KD_STAGE_WORDS / cols - 2;  // rows per pass (>= 1: see gather_one)
+  const u32 per = words / cols - 2;  // rows per pass (>= 1: the callers check cols <= words / 3)
   for (u32 q0 = 0; q0 < count; q0 += per) {
     const u32 n = count - q0 < per ? count - q0 : per;
     const u32 ld = (n + 1) | 1u;
     const u32 total = n * cols;
-    for (u32 b = 0; b < total; b += KD_THREADS * KD_STAGE_UNROLL) {
+    for (u32 b = 0; b < total; b += THREADS * KD_STAGE_UNROLL) {
       u32 v[KD_STAGE_UNROLL];
 #pragma unroll
       for (u32 k = 0; k < KD_STAGE_UNROLL; ++k) {
-        const u32 f = b + tid + k * KD_THREADS;
+        const u32 f = b + tid + k * THREADS;
         if (f < total) {
           const u32 c = f / n, q = f - c * n;
           v[k] = *(const u32*)(row_at(g, outer, inner, q0 + q) + (i64)c * g.col_stride);
@@ -343,19 +366,19 @@ __device__ void gather_strided_staged(const Gather& g, const u32* outer, const u
       }
 #pragma unroll
       for (u32 k = 0; k < KD_STAGE_UNROLL; ++k) {
-        const u32 f = b + tid + k * KD_THREADS;
+        const u32 f = b + tid + k * THREADS;
         if (f < total) {
           const u32 c = f / n, q = f - c * n;
           stage[c * ld + q] = v[k];
         }
       }
     }
-    __syncthreads();
-    for (u32 f = tid; f < total; f += KD_THREADS) {
+    stage_sync<THREADS, BARRIER>();
+    for (u32 f = tid; f < total; f += THREADS) {
       const u32 q = f / cols, c = f - q * cols;
       *(u32*)(out + (u64)(q0 + q) * rec_bytes + g.rec_off + (u64)c * 4) = stage[c * ld + q];
     }
-    __syncthreads();
+    stage_sync<THREADS, BARRIER>();
   }
 }
 
@@ -402,59 +425,108 @@ __device__ __forceinline__ void bulk_store(void* dst, u32 src, u32 n) {
 // The contiguous rows of one gather by bulk copies: piece j (row j / per_row, piece j % per_row
 // of KD_BULK_STAGE bytes) belongs to issuer j % KD_BULK_WARPS, which loads it into its buffer
 // (j / WARPS) % STAGES, waits for it, stores it to its record, and reloads the buffer of the
-// piece before once that store has read it. Every thread of the block calls it.
+// piece before once that store has read it. Lane 0 of each warp w < KD_BULK_WARPS calls it, with
+// the block's buffer (issuer w's STAGES pieces at w x STAGES x KD_BULK_STAGE bytes) and barriers.
+template <u32 STAGES>
+__device__ void bulk_issue(const Gather& g, const u32* outer, const u32* inner, u32 count,
+                           char* out, u32 rec_bytes, u32 w, u32* buf, u64* bars) {
+  const u32 row_bytes = g.cols * g.elem;
+  const u32 per_row = (row_bytes + KD_BULK_STAGE - 1) / KD_BULK_STAGE;
+  const u32 total = count * per_row;
+  const u32 mine = total > w ? (total - w + KD_BULK_WARPS - 1) / KD_BULK_WARPS : 0;
+  const u32 base = smem_addr(buf) + w * STAGES * KD_BULK_STAGE;
+  const u32 bar0 = smem_addr(bars + w * STAGES);
+  // Fresh barriers per call (phase 0; one arrival each: the issuer's expect_tx), retired at
+  // its end, so the next gather of the launch starts at phase 0 again.
+  for (u32 k = 0; k < STAGES; ++k)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + 8 * k) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  // piece k of this issuer: j = w + k * WARPS
+#define KD_PIECE(k, q, at, n)                                   \
+  const u32 j_##q = w + (k) * KD_BULK_WARPS;                     \
+  const u32 q = j_##q / per_row;                                 \
+  const u32 at = (j_##q - q * per_row) * KD_BULK_STAGE;          \
+  const u32 n = row_bytes - at < KD_BULK_STAGE ? row_bytes - at : KD_BULK_STAGE;
+  for (u32 k = 0; k < mine && k < STAGES; ++k) {
+    KD_PIECE(k, q, at, n)
+    bulk_load(base + k * KD_BULK_STAGE, row_at(g, outer, inner, q) + at, n, bar0 + 8 * k);
+  }
+  for (u32 k = 0; k < mine; ++k) {
+    const u32 s = k % STAGES;
+    bulk_wait(bar0 + 8 * s, (k / STAGES) & 1);
+    {
+      KD_PIECE(k, q, at, n)
+      bulk_store(out + (u64)q * rec_bytes + g.rec_off + at, base + s * KD_BULK_STAGE, n);
+    }
+    // the previous piece's store has read its buffer once at most this one is pending
+    if (k >= 1 && k - 1 + STAGES < mine) {
+      asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+      const u32 r = k - 1 + STAGES, rs = (k - 1) % STAGES;
+      KD_PIECE(r, q, at, n)
+      bulk_load(base + rs * KD_BULK_STAGE, row_at(g, outer, inner, q) + at, n, bar0 + 8 * rs);
+    }
+  }
+#undef KD_PIECE
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");  // the stores before the publication
+  for (u32 k = 0; k < STAGES; ++k)  // every load was waited for: none is pending
+    asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(bar0 + 8 * k) : "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // before generic reuse
+}
+
+// One gather's contiguous rows by bulk copies, the whole block's buffer. Every thread of the
+// block calls it.
 __device__ void gather_bulk(const Gather& g, const u32* outer, const u32* inner, u32 count,
                             char* out, u32 rec_bytes, u32 tid, u32* buf, u64* bars) {
   // The buffers may hold what a staged gather wrote through the generic proxy: order those
   // writes before the async proxy's loads overwrite them (every writer fences, then the barrier).
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   __syncthreads();
-  const u32 w = tid / 32;
-  if (w < KD_BULK_WARPS && tid % 32 == 0) {
-    const u32 row_bytes = g.cols * g.elem;
-    const u32 per_row = (row_bytes + KD_BULK_STAGE - 1) / KD_BULK_STAGE;
-    const u32 total = count * per_row;
-    const u32 mine = total > w ? (total - w + KD_BULK_WARPS - 1) / KD_BULK_WARPS : 0;
-    const u32 base = smem_addr(buf) + w * KD_BULK_STAGES * KD_BULK_STAGE;
-    const u32 bar0 = smem_addr(bars + w * KD_BULK_STAGES);
-    // Fresh barriers per call (phase 0; one arrival each: the issuer's expect_tx), retired at
-    // its end, so the next gather of the launch starts at phase 0 again.
-    for (u32 k = 0; k < KD_BULK_STAGES; ++k)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + 8 * k) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    // piece k of this issuer: j = w + k * WARPS
-#define KD_PIECE(k, q, at, n)                                   \
-  const u32 j_##q = w + (k) * KD_BULK_WARPS;                     \
-  const u32 q = j_##q / per_row;                                 \
-  const u32 at = (j_##q - q * per_row) * KD_BULK_STAGE;          \
-  const u32 n = row_bytes - at < KD_BULK_STAGE ? row_bytes - at : KD_BULK_STAGE;
-    for (u32 k = 0; k < mine && k < KD_BULK_STAGES; ++k) {
-      KD_PIECE(k, q, at, n)
-      bulk_load(base + k * KD_BULK_STAGE, row_at(g, outer, inner, q) + at, n, bar0 + 8 * k);
-    }
-    for (u32 k = 0; k < mine; ++k) {
-      const u32 s = k % KD_BULK_STAGES;
-      bulk_wait(bar0 + 8 * s, (k / KD_BULK_STAGES) & 1);
-      {
-        KD_PIECE(k, q, at, n)
-        bulk_store(out + (u64)q * rec_bytes + g.rec_off + at, base + s * KD_BULK_STAGE, n);
-      }
-      // the previous piece's store has read its buffer once at most this one is pending
-      if (k >= 1 && k - 1 + KD_BULK_STAGES < mine) {
-        asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-        const u32 r = k - 1 + KD_BULK_STAGES, rs = (k - 1) % KD_BULK_STAGES;
-        KD_PIECE(r, q, at, n)
-        bulk_load(base + rs * KD_BULK_STAGE, row_at(g, outer, inner, q) + at, n, bar0 + 8 * rs);
-      }
-    }
-#undef KD_PIECE
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-    asm volatile("fence.proxy.async.global;" ::: "memory");  // the stores before the publication
-    for (u32 k = 0; k < KD_BULK_STAGES; ++k)  // every load was waited for: none is pending
-      asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(bar0 + 8 * k) : "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // before generic reuse
-  }
+  if (tid / 32 < KD_BULK_WARPS && tid % 32 == 0)
+    bulk_issue<KD_BULK_STAGES>(g, outer, inner, count, out, rec_bytes, tid / 32, buf, bars);
   __syncthreads();  // the buffers are free again (the staged gathers use them next)
+}
+
+// A call's two gathers side by side (KD_OVERLAP): contiguous rows (A) by bulk copies, issued by
+// lane 0 of the first KD_BULK_WARPS warps with KD_OVERLAP_STAGES buffers each, while the other
+// warps stage 4-byte strided rows (A's MN-major scales) through the rest of the buffer. One after
+// the other, each unit paid the scales' load round trip after the rows' last piece had landed.
+// Every thread of the block calls it.
+__device__ void gather_pair(const Gather& rows, const Gather& strided, const u32* outer,
+                            const u32* inner, u32 count, char* out, u32 rec_bytes, u32 tid,
+                            u32* buf, u64* bars) {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncthreads();
+  const u32 w = tid / 32;
+  if (w < KD_BULK_WARPS) {
+    if (tid % 32 == 0)
+      bulk_issue<KD_OVERLAP_STAGES>(rows, outer, inner, count, out, rec_bytes, w, buf, bars);
+  } else {
+    gather_strided_staged<KD_THREADS - 32 * KD_BULK_WARPS, 1>(
+        strided, outer, inner, count, out, rec_bytes, tid - 32 * KD_BULK_WARPS,
+        buf + KD_OVERLAP_BULK_WORDS, KD_BUF_WORDS - KD_OVERLAP_BULK_WORDS);
+  }
+  __syncthreads();
+}
+
+// Which of a call's two gathers gather_pair takes as its rows (0 or 1), or -1: it runs when one
+// is contiguous rows the bulk copies take (16-byte aligned) and the other strided 4-byte rows the
+// rest of the buffer stages (the record's alignment is checked per unit).
+__device__ __forceinline__ int pair_rows(const Params& p) {
+  if (!KD_OVERLAP || p.n_gathers != 2) return -1;
+  for (int a = 0; a < 2; ++a) {
+    const Gather& r = p.gathers[a];
+    const Gather& s = p.gathers[1 - a];
+    const u64 row_bytes = (u64)r.cols * r.elem;
+    const u64 rmis = r.src | (u64)r.outer_stride | (u64)r.inner_stride | r.rec_off | p.rec_bytes |
+                     row_bytes;
+    const u64 smis = s.src | (u64)s.outer_stride | (u64)s.inner_stride | (u64)s.col_stride |
+                     s.rec_off | p.rec_bytes;
+    if (contiguous(r) && (rmis & 15) == 0 && row_bytes < (1ull << 24) && !contiguous(s) &&
+        s.elem == 4 && (smis & 3) == 0 && s.cols <= (KD_BUF_WORDS - KD_OVERLAP_BULK_WORDS) / 3)
+      return a;
+  }
+  return -1;
 }
 
 // Windows read whole (KD_DENSE): when a call gathers one tensor of 4-byte elements whose rows
@@ -552,7 +624,8 @@ __device__ void gather_one(const Gather& g, const u32* outer, const u32* inner, 
     if (g.elem == 8 && (mis & 7) == 0)
       return gather_strided<u64>(g, outer, inner, count, out, rec_bytes, tid);
     if (g.elem == 4 && (mis & 3) == 0 && g.cols <= KD_STAGE_WORDS / 3)
-      return gather_strided_staged(g, outer, inner, count, out, rec_bytes, tid, stage);
+      return gather_strided_staged<KD_THREADS, 0>(g, outer, inner, count, out, rec_bytes, tid,
+                                                   stage, KD_STAGE_WORDS);
     if (g.elem == 4 && (mis & 3) == 0)
       return gather_strided<u32>(g, outer, inner, count, out, rec_bytes, tid);
     if (g.elem == 2 && (mis & 1) == 0)
@@ -639,6 +712,7 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_LAUNCH_MIN_BLOCKS)
     // barrier is initialised by the warp that arrives on it; the others first wait on it after
     // the rule's __syncthreads.
     const bool dense = dense_ok(p);
+    const int pair = pair_rows(p);
     const u32 dense_bar = smem_addr(s_bars);
     u32 dense_phase = 0;
     if (dense && blockIdx.x < units) {
@@ -722,8 +796,15 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_LAUNCH_MIN_BLOCKS)
         __syncthreads();
         char* out = slot + (u64)s_base * p.rec_bytes;
         write_heads(out, s_rows, n, p.rec_bytes, tid);
-        for (u32 gi = 0; gi < p.n_gathers; ++gi)
-          gather_one(p.gathers[gi], s_outer, s_inner, n, out, p.rec_bytes, tid, s_stage, s_bars);
+#ifdef KD_HAVE_BULK
+        if (pair >= 0 && ((u64)out & 15) == 0) {
+          gather_pair(p.gathers[pair], p.gathers[1 - pair], s_outer, s_inner, n, out,
+                      p.rec_bytes, tid, s_stage, s_bars);
+        } else
+#endif
+          for (u32 gi = 0; gi < p.n_gathers; ++gi)
+            gather_one(p.gathers[gi], s_outer, s_inner, n, out, p.rec_bytes, tid, s_stage,
+                       s_bars);
         __syncthreads();  // s_rows, s_base and the buffers are free for the next unit
       }
       __syncthreads();  // every thread has read s_ballot before the next round writes it
