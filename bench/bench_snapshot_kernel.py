@@ -4,16 +4,16 @@ the kernel as shipped and for variants of its compile-time constants, all in one
     python bench/bench_snapshot_kernel.py
     python bench/bench_snapshot_kernel.py --variant KD_UNROLL=8u --variant min_blocks=4
 
-A variant is comma-separated `NAME=VALUE` pairs: a `#define` of kdump/record/snapshot.cu
-replaced (KD_UNROLL, KD_THREADS, KD_ROWS_PER_BLOCK, KD_BULK (0: no bulk copies), KD_BULK_WARPS,
-KD_BULK_STAGES, KD_BULK_STAGE, KD_DENSE (0: no window of scales read whole), KD_OVERLAP (1: a
-call's rows and scales gathered side by side), KD_SPLIT_BYTES (a unit's rows at most, in bytes:
-1073741824 = one unit per window), KD_UNITS, KD_MIN_BLOCKS or
-`min_blocks` (the kernel's `__launch_bounds__` minimum blocks per SM); KD_CHUNK follows
-KD_THREADS x 16 x KD_UNROLL), or `resident=N` (at most
-N gather blocks taking the units round robin; 0: one block per unit; default: as many as the
-GPU holds at once, as the recorder launches), or `patch=NAME+NAME` (timing experiments that take
-a part of the launch out: fixed-rows, no-counter, no-publication, no-host-writes, no-gather,
+A variant is comma-separated `NAME=VALUE` pairs: a `#define` of kdump/record/snapshot.cu replaced
+(KD_UNROLL, KD_THREADS, KD_ROWS_PER_BLOCK, KD_BULK (0: no bulk copies), KD_BULK_WARPS,
+KD_BULK_STAGES, KD_BULK_STAGE, KD_DENSE (0: no window of scales read whole), KD_OVERLAP (1: a call's
+rows and scales gathered side by side), KD_SPLIT_BYTES (a unit's rows at most, in bytes: 1073741824
+= one unit per window), KD_UNITS, KD_MIN_BLOCKS or `min_blocks` (the kernel's `__launch_bounds__`
+minimum blocks per SM); KD_CHUNK follows KD_THREADS x 16 x KD_UNROLL), or `resident=N` (at most N
+gather blocks taking the units round robin; 0: one block per unit; default: as many as the GPU holds
+at once, as the recorder launches), `balance=1` (as few of those blocks as take the same number of
+rounds of units, so that every block takes as many), or `patch=NAME+NAME` (timing experiments that
+take a part of the launch out: fixed-rows, no-counter, no-publication, no-host-writes, no-gather,
 no-fence, no-copies; see PATCHES). The host side (gather.py) must agree with KD_THREADS and
 KD_ROWS_PER_BLOCK: variants of those launch with the variant's own grid. bench/bench_flight.py
 --define takes the same pairs.
@@ -51,7 +51,8 @@ from kdump.record import gather
 G, BLOCK, K = 288, 128, 4096
 M = G * BLOCK
 # A loaded build: (kd_snapshot, threads per block, rows per gather window, plain-copy chunk bytes,
-# dynamic shared memory bytes, KD_SPLIT_BYTES, gather blocks at most (0: one per unit))
+# dynamic shared memory bytes, KD_SPLIT_BYTES, gather blocks at most (0: one per unit; -N: at most
+# N, balanced))
 Kernel = tuple[Any, int, int, int, int, int, int]
 
 
@@ -142,7 +143,7 @@ def variant_source(spec: str) -> tuple[str, int, int, int]:
     src = gather.kernel_source()
     defs = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
     for name, value in defs.items():
-        if name == "resident":
+        if name in ("resident", "balance"):
             continue
         if name == "patch":
             src = patched(src, value)
@@ -279,8 +280,12 @@ class Case:
         p = self.p
         if self.plan is not None:
             p.gather_blocks, p.split = gather.gather_grid(
-                self.plan.rows, self.plan.rec_bytes, resident, rows_per_block, split_bytes
+                self.plan.rows, self.plan.rec_bytes, abs(resident), rows_per_block, split_bytes
             )
+            if resident < 0:  # balance=1: as few blocks as take the same rounds of units
+                units = -(-self.plan.rows // rows_per_block) * p.split
+                rounds = -(-units // p.gather_blocks)
+                p.gather_blocks = -(-units // rounds)
         chunks = sum(-(-int(p.copies[c].nbytes) // chunk) for c in range(int(p.n_copies)))
         grid = max(1, int(p.gather_blocks) + min(chunks, gather.MAX_COPY_BLOCKS))
         return lambda: launch(fn, p, threads, grid, smem)
@@ -355,8 +360,11 @@ def main() -> None:
         src, threads, rows_per_block, chunk = variant_source(spec)
         split_bytes = gather.define(src, "KD_SPLIT_BYTES")
         fn, smem = load(src), gather.smem_bytes(src)
-        fixed = dict(kv.split("=", 1) for kv in spec.split(",") if kv).get("resident")
+        defs = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
+        fixed = defs.get("resident")
         resident = gather.resident_blocks(fn, smem, threads) if fixed is None else int(fixed)
+        if defs.get("balance") == "1":
+            resident = -resident
         print(f"{spec or 'as shipped'}: {resident} gather blocks at most")
         kernels.append((fn, threads, rows_per_block, chunk, smem, split_bytes, resident))
     head = "| case | bound us | plain copy us | torch row gather us | "
