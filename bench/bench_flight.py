@@ -28,8 +28,9 @@ same bytes, the journal's pinned D2H against a plain pinned buffer.
 `--pdl` launches the GEMM with programmatic dependent launch (DeepGEMM's `set_pdl(True)`), every
 column of the run: the snapshot kernel lets such a kernel start its prologue early.
 `--define KD_EARLY_LAUNCH=2` records with that #define of kdump/record/snapshot.cu changed
-(`--define KD_DENSE=1`: case (i)'s windows of scales read whole before the rule; `--define
-KD_OVERLAP=1`: case (ii)'s rows of A and their scales gathered side by side);
+(`--define KD_DENSE=0`: case (i)'s scales read only where rows are touched, after the rule, not
+as whole windows before it; `--define KD_OVERLAP=0`: case (ii)'s rows of A, then their scales,
+not side by side);
 `--define patch=fixed-rows+no-copies` with bench_snapshot_kernel.py's timing experiments (parts
 of the launch taken out: the step's cost of each, not a valid recording); `--carveout 100` with
 the snapshot kernel preferring the SM's whole shared-memory carveout (as the GEMM does).

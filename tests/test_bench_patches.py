@@ -50,10 +50,10 @@ def test_patches_are_applied_and_refused_by_name(bench):
     [
         "patch=fixed-rows+no-counter+no-copies",
         "patch=fixed-rows+no-publication+no-fence+no-gather+no-host-writes",
-        "KD_DENSE=1",  # whole windows of scales read before the rule (bench_flight --define)
-        "KD_DENSE=1,patch=fixed-rows+no-gather",
-        "KD_OVERLAP=1",  # a call's rows and scales side by side (bench_flight --define)
-        "KD_OVERLAP=1,patch=fixed-rows+no-gather",
+        "KD_DENSE=0",  # scales read only where rows are touched (bench_flight --define)
+        "KD_DENSE=0,patch=fixed-rows+no-gather",
+        "KD_OVERLAP=0",  # a call's rows, then its scales (bench_flight --define)
+        "KD_OVERLAP=0,patch=fixed-rows+no-gather",
     ],
 )
 def test_patched_kernels_compile_under_nvrtc(bench, spec):

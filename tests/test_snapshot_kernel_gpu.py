@@ -341,6 +341,9 @@ def _build(**defines: int):
 
     from kdump.nvrtc import check, driver
 
+    # the shipped kernel's loader makes torch's context current on this thread (a worker whose
+    # first test builds a variant has none yet)
+    gather.get_kernel(torch.cuda.current_device())
     src = gather.kernel_source()
     for name, value in defines.items():
         src, n = re.subn(rf"#define {name} \S+", f"#define {name} {value}", src)

@@ -65,19 +65,19 @@ typedef unsigned int u32;
 #define KD_BULK_STAGE 2048  // bytes, a multiple of 16
 #define KD_BULK_BYTES (KD_BULK_WARPS * KD_BULK_STAGES * KD_BULK_STAGE)
 #define KD_BUF_WORDS (KD_BULK_BYTES / 4 > KD_STAGE_WORDS ? KD_BULK_BYTES / 4 : KD_STAGE_WORDS)
-// Windows read whole before their rows are known (see dense_ok): 1 on sm_90+, 0 never. 0 as
-// shipped until the whole GPU test suite has run with 1 (H100, kd_snapshot in a recorded step
-// of scales alone: 1.0 us shorter at 1 token per expert, 3.7 us at 113; bench/RESULTS.md). A
-// window's column takes KD_DENSE_LD words of the buffer (16-byte aligned for the bulk copies),
-// so at most KD_DENSE_COLS columns (fp32 scales of K up to 7,936).
-#define KD_DENSE 0
+// Windows read whole before their rows are known (see dense_ok): 1 on sm_90+, 0 never (H100,
+// kd_snapshot in a recorded step of scales alone: 1.0 us shorter at 1 token per expert, 3.7 us
+// at 113; bench/RESULTS.md). A window's column takes KD_DENSE_LD words of the buffer (16-byte
+// aligned for the bulk copies), so at most KD_DENSE_COLS columns (fp32 scales of K up to 7,936).
+#define KD_DENSE 1
 #define KD_DENSE_LD (KD_ROWS_PER_BLOCK + 4)
 #define KD_DENSE_COLS (KD_BUF_WORDS / KD_DENSE_LD)
 // A call's contiguous rows and its strided 4-byte rows (A and its MN-major scales) gathered side
 // by side (see gather_pair): 1 on sm_90+, 0 one after the other. The rows then keep
 // KD_OVERLAP_STAGES pieces in flight per issuer, and the strided rows stage through the rest of
-// the buffer.
-#define KD_OVERLAP 0
+// the buffer (H100, kd_snapshot in a recorded step of A and its scales: 1.3 us shorter at 32
+// tokens per expert, 2.7 us at 113; alone, 2.2 and 3.9 us; bench/RESULTS.md).
+#define KD_OVERLAP 1
 #define KD_OVERLAP_STAGES 3
 #define KD_OVERLAP_BULK_WORDS (KD_BULK_WARPS * KD_OVERLAP_STAGES * KD_BULK_STAGE / 4)
 // A recorded kernel launched with programmatic dependent launch (DeepGEMM's set_pdl) may start
