@@ -54,7 +54,6 @@ def test_patches_are_applied_and_refused_by_name(bench):
         "KD_DENSE=0,patch=fixed-rows+no-gather",
         "KD_OVERLAP=0",  # a call's rows, then its scales (bench_flight --define)
         "KD_OVERLAP=0,patch=fixed-rows+no-gather",
-        "KD_STORE_EVICT_FIRST=1",  # the bulk stores' L2 hint (bench_flight --define)
     ],
 )
 def test_patched_kernels_compile_under_nvrtc(bench, spec):

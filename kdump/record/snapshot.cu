@@ -79,9 +79,6 @@ typedef unsigned int u32;
 // tokens per expert, 2.7 us at 113; alone, 2.2 and 3.9 us; bench/RESULTS.md).
 #define KD_OVERLAP 1
 #define KD_OVERLAP_STAGES 3
-// The bulk gather's stores marked evict-first in L2 (1), so that the recorded kernel after the
-// snapshot evicts the ring's lines before the rows of A it is about to read again; 0: no hint.
-#define KD_STORE_EVICT_FIRST 0
 #define KD_OVERLAP_BULK_WORDS (KD_BULK_WARPS * KD_OVERLAP_STAGES * KD_BULK_STAGE / 4)
 // A recorded kernel launched with programmatic dependent launch (DeepGEMM's set_pdl) may start
 // its prologue once every block of the snapshot has said so (sm_90+): 1 at a block's start, 2
@@ -419,18 +416,9 @@ __device__ __forceinline__ void bulk_wait(u32 bar, u32 parity) {
 }
 
 __device__ __forceinline__ void bulk_store(void* dst, u32 src, u32 n) {
-#if KD_STORE_EVICT_FIRST
-  u64 policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  asm volatile(
-      "cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [%0], [%1], %2, %3;" ::"l"(dst),
-      "r"(src), "r"(n), "l"(policy)
-      : "memory");
-#else
   asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src),
                "r"(n)
                : "memory");
-#endif
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
 
