@@ -9,6 +9,8 @@
 #   STAGE=flight : the flight recorder: its GPU tests, the MoE decode example recorded with the
 #                  fault variant and salvaged/replayed through the CLI, bench/bench_flight.py,
 #                  bench/bench_snapshot_kernel.py and scripts/profile_flight_step.py
+#                  (SNAP_ARGS: more arguments of bench_snapshot_kernel.py, e.g. "--variant
+#                  KD_OVERLAP=0"; FLIGHT_ARGS: of bench_flight.py, e.g. "--define KD_DENSE=0")
 #   STAGE=sm120  : the packaged kernel: its GPU tests, `kdump doctor --selftest`, its benchmark
 #                  (SWEEP=1 adds bench/sweep_sm120.py, SWEEP_ARGS its variants; NOBENCH=1 skips)
 #   STAGE=profile: Nsight Compute on the packaged kernel, CASES="shape:tokens ..." (default
@@ -38,9 +40,9 @@ flight)
   # the salvaged bundle of the last graph replay (the one the loop failed at)
   b=$(python3 -c "import glob, kdump; print(max((p for p in glob.glob('/tmp/fl/flight.*/journal-*.kdump') if 'graph_replay' in kdump.load_bundle(p).info), key=lambda p: kdump.load_bundle(p).calls[-1].meta['journal']['seq']))")
   timeout 120 python3 -m kdump replay "$b" --backend packaged-faulty 2>&1 | tee "$OUT/flight-replay.log"; echo "replay exit ${PIPESTATUS[0]}" | tee -a "$OUT/flight-replay.log"
-  timeout 240 python3 bench/bench_flight.py 2>&1 | tee "$OUT/bench-flight.log"
+  timeout 240 python3 bench/bench_flight.py ${FLIGHT_ARGS} 2>&1 | tee "$OUT/bench-flight.log"
   # the snapshot kernel alone against a plain copy (add --variant NAME=VALUE to compare builds)
-  timeout 120 python3 bench/bench_snapshot_kernel.py 2>&1 | tee "$OUT/bench-snapshot-kernel.log"
+  timeout 120 python3 bench/bench_snapshot_kernel.py ${SNAP_ARGS} 2>&1 | tee "$OUT/bench-snapshot-kernel.log"
   # one recorded graph step's device timeline (kernels, memcpys), metadata and scales only
   timeout 60 python3 scripts/profile_flight_step.py --tokens 1 --scales-only 2>&1 | tee "$OUT/profile-step.log"
   ;;
