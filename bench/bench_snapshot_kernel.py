@@ -51,9 +51,8 @@ from kdump.record import gather
 G, BLOCK, K = 288, 128, 4096
 M = G * BLOCK
 # A loaded build: (kd_snapshot, threads per block, rows per gather window, plain-copy chunk bytes,
-# dynamic shared memory bytes, KD_SPLIT_BYTES, gather blocks at most (0: one per unit; -N: at most
-# N, balanced))
-Kernel = tuple[Any, int, int, int, int, int, int]
+# dynamic shared memory bytes, KD_SPLIT_BYTES, gather blocks at most (0: one per unit), balance=1)
+Kernel = tuple[Any, int, int, int, int, int, int, bool]
 
 
 # Timing experiments (`patch=NAME+NAME`): parts of the launch taken out to see what each costs.
@@ -276,13 +275,13 @@ class Case:
     def step(self, kernel: Kernel) -> Callable[[], None]:
         """One launch of this case with `kernel`'s build (its block size, rows per block and
         copy chunk: gather.grid_for's rule with that build's constants)."""
-        fn, threads, rows_per_block, chunk, smem, split_bytes, resident = kernel
+        fn, threads, rows_per_block, chunk, smem, split_bytes, resident, balance = kernel
         p = self.p
         if self.plan is not None:
             p.gather_blocks, p.split = gather.gather_grid(
-                self.plan.rows, self.plan.rec_bytes, abs(resident), rows_per_block, split_bytes
+                self.plan.rows, self.plan.rec_bytes, resident, rows_per_block, split_bytes
             )
-            if resident < 0:  # balance=1: as few blocks as take the same rounds of units
+            if balance and p.gather_blocks:  # as few blocks as take the same rounds of units
                 units = -(-self.plan.rows // rows_per_block) * p.split
                 rounds = -(-units // p.gather_blocks)
                 p.gather_blocks = -(-units // rounds)
@@ -363,10 +362,9 @@ def main() -> None:
         defs = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
         fixed = defs.get("resident")
         resident = gather.resident_blocks(fn, smem, threads) if fixed is None else int(fixed)
-        if defs.get("balance") == "1":
-            resident = -resident
+        balance = defs.get("balance") == "1"
         print(f"{spec or 'as shipped'}: {resident} gather blocks at most")
-        kernels.append((fn, threads, rows_per_block, chunk, smem, split_bytes, resident))
+        kernels.append((fn, threads, rows_per_block, chunk, smem, split_bytes, resident, balance))
     head = "| case | bound us | plain copy us | torch row gather us | "
     print(head + " | ".join(s or "as shipped" for s in specs) + " |")
     print("|---|---:|---:|---:|" + "---:|" * len(specs))

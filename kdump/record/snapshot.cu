@@ -710,7 +710,7 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_LAUNCH_MIN_BLOCKS)
 #ifdef KD_HAVE_BULK
     // Windows read whole: the block's first window is on its way before the rule is read. The
     // barrier is initialised by the warp that arrives on it; the others first wait on it after
-    // the rule's __syncthreads.
+    // the rule's __syncthreads. (`pair`: whether a unit's two gathers go side by side.)
     const bool dense = dense_ok(p);
     const int pair = pair_rows(p);
     const u32 dense_bar = smem_addr(s_bars);
