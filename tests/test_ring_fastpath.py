@@ -1,11 +1,14 @@
-"""The flight recorder's exact-repeat path (CPU): a call that repeats an earlier one (same tensor
-objects and layouts, same scalars) writes the slot the full path writes, byte for byte but for
-the time; whatever differs (a scalar, a tensor resized in place or swapped through `.data`, a
-new tensor object at the same address, a static operand's new version) takes the full path.
-Each scenario is recorded twice on the same buffers, with the repeat path and without it."""
+"""The flight recorder's exact-repeat path (CPU): a call that repeats an earlier one (same
+layouts, same static operands, same scalars; activations and outputs may be new tensor objects
+over the same memory) writes the slot the full path writes, byte for byte but for the time;
+whatever differs (a scalar, a tensor resized in place or swapped through `.data`, a new object
+over the same memory whose storage has another size, a static operand's new version or a new
+object for it) takes the full path. Each scenario is recorded twice on the same buffers, with
+the repeat path and without it."""
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import json
 import struct
@@ -79,6 +82,26 @@ def _new_object(b: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return _same(b)
 
 
+def _other_storage_size(b: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    # a new object at the output's address with its layout, over a storage of another size
+    # (recorded in the slot): the memory stays owned by the first tensor, nothing reads past it
+    out = b["keep"] = b["out"]
+    raw = (ctypes.c_char * (out.numel() * out.element_size() + 64)).from_address(out.data_ptr())
+    b["out"] = torch.frombuffer(raw, dtype=out.dtype)[: out.numel()].view(out.shape)
+    assert b["out"].data_ptr() == out.data_ptr()
+    return _same(b)
+
+
+def _storage_back(b: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    b["out"] = b.pop("keep")
+    return _same(b)
+
+
+def _new_weight_object(b: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    b["w"] = b["w"].view(128, 256)  # the static operand's version belongs to its object
+    return _same(b)
+
+
 def _data_swap(b: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     a = b["a"]
     a.data = a.detach().view(8, 16)  # same object and address, new shape, version unchanged
@@ -126,7 +149,14 @@ STEPS: list[tuple[Step, bool | None]] = [
     (_same, None),
     (_restored, None),  # back to the first layout: its template again
     (_same, True),
-    (_new_object, False),
+    (_new_object, True),  # an activation (not a static candidate) as a new object
+    (_same, True),
+    (_other_storage_size, False),
+    (_storage_back, None),
+    (_same, None),
+    (_same, True),
+    (_new_weight_object, False),
+    (_same, None),
     (_same, None),
     (_same, True),
     (_data_swap, False),

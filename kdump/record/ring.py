@@ -335,7 +335,11 @@ class RingRecorder:
                     self._repeats.move_to_end(seen[0])
                 done = self._again(rep, index, seen[1])
                 if done is not _MISS:
-                    lane = _Lane.of(rep, args, kwargs, seen)
+                    # a lane only for the template's own objects (new objects every call would
+                    # each make one that never serves again)
+                    lane = None
+                    if all(r() is t for r, t in zip(rep.refs, seen[1])):
+                        lane = _Lane.of(rep, args, kwargs, seen)
                     if lane is not None and probe is not None:
                         if len(self._lanes) >= 4 * _REPEATS_MAX:
                             self._lanes.clear()
@@ -621,18 +625,34 @@ class RingRecorder:
             plan,
             whole if plan is not None else None,
             {},
+            frozenset(k for k, r in enumerate(cached.records) if r.storage in candidates),
+            tuple(cached.storages[r.storage].storage_nbytes for r in cached.records),
         )
 
     def _again(self, rep: _Repeat, index: int, tensors: list[Any], same: bool = False) -> Any:
-        """The exact-repeat path: the call repeats the one `rep` was made from (the same tensor
-        objects, layouts, static versions and scalar arguments), so its slot is that one's with
-        this call's index, time, stream and moving versions, and its copies are the same.
-        `_MISS` where anything differs (the full path then runs). `same`: `tensors` are already
-        known to be `rep`'s own objects (`_Lane.tensors` checked each against its reference)."""
+        """The exact-repeat path: the call repeats the one `rep` was made from (the same
+        layouts, static operands, static versions and scalar arguments), so its slot is that
+        one's with this call's index, time, stream and moving versions, and its copies are the
+        same. `_MISS` where anything differs (the full path then runs). `same`: `tensors` are
+        already known to be `rep`'s own objects (`_Lane.tensors` checked each against its
+        reference).
+
+        A tensor that is a new object over the same memory (what a serving loop passes every
+        step: new activations and outputs in the blocks the caching allocator handed out last
+        time) repeats when its storage has the recorded size: the repeat key compared its
+        address, layout and flags already. A static candidate's tensor must be the same object,
+        whose version says whether the static copy still holds."""
         if not same:
-            for t, ref in zip(tensors, rep.refs):  # the key holds their number and facts
-                if ref() is not t:
-                    return _MISS
+            refs = rep.refs
+            for k, t in enumerate(tensors):  # the key holds their number and facts
+                if refs[k]() is not t:
+                    if k in rep.pinned:
+                        return _MISS
+                    try:
+                        if t.untyped_storage().nbytes() != rep.storage_nbytes[k]:
+                            return _MISS
+                    except Exception:  # no storage to ask: the full path decides
+                        return _MISS
         # `version_of` inline, one pass: static candidates keep theirs, the others fill holes
         values: list[Any] = []
         for f, v in rep.versions:
@@ -1216,8 +1236,9 @@ def _facts_of(tensors: list[Any]) -> tuple[tuple[Any, ...], ...]:
 @dataclass(frozen=True)
 class _Repeat:
     """A recorded eager call, as the exact-repeat path replays calls of its repeat key
-    (`_repeat_key`): its tensors (weak references: the same objects must come again), the
-    versions of its static candidates, the slot template and what the copies need."""
+    (`_repeat_key`): its tensors (weak references: a static candidate's must be the same object
+    again; the others may be new objects over the same memory), the versions of its static
+    candidates, the slot template and what the copies need."""
 
     target: str
     refs: tuple[Any, ...]
@@ -1236,6 +1257,10 @@ class _Repeat:
     plan: Any
     whole: Any
     enqueued: dict[int, Any]  # the device copies' per-slot memo (`DeviceCopies.copy`)
+    # tensors that must be the same objects again (those of static candidates: their versions
+    # say whether the static copy holds), and each tensor's storage size (recorded in the slot)
+    pinned: frozenset[int]
+    storage_nbytes: tuple[int, ...]
 
 
 class _Layout:
