@@ -317,13 +317,28 @@ def test_recorder_end_to_end_on_the_packaged_gemm(tmp_path, shm):
     assert facts["device"]["rows_kept"] > 0
 
 
+def _renewed(args: tuple) -> tuple:
+    """DeepGEMM's arguments with A, its scales, D and the labels new tensor objects over the same
+    memory (a serving step's activations in the caching allocator's blocks of the step before);
+    B and its scales the same objects."""
+
+    def new(t):
+        return t.as_strided(t.shape, t.stride(), t.storage_offset())
+
+    (a, sfa), b, d, labels = args
+    return ((new(a), new(sfa)), b, new(d), new(labels))
+
+
+@pytest.mark.parametrize("fresh", [False, True])
 @pytest.mark.parametrize("held", [False, True])
 def test_eager_repeats_around_the_ring_use_the_enqueue_memo_and_stay_bitwise(
-    tmp_path, shm, monkeypatch, held
+    tmp_path, shm, monkeypatch, held, fresh
 ):
     """Eager repeats of one call, three times around a 4-slot journal: from the second round on
     each slot's enqueue comes from the memo (`DeviceCopies.copy`); the flushed bundles are the
-    last four calls, each complete, finished and bitwise the operands' kept rows."""
+    last four calls, each complete, finished and bitwise the operands' kept rows. `fresh`: every
+    call passes new tensor objects over the same memory (but for the weights), as a serving loop
+    does: the repeat path takes them too."""
     import kdump
     from kdump.kernels import registry
     from kdump.kernels.sm120 import api
@@ -350,7 +365,7 @@ def test_eager_repeats_around_the_ring_use_the_enqueue_memo_and_stay_bitwise(
         assert cuda is not None and cuda.tier is not None and cuda._cu is not None
         cuda.tier.held = held
         for _ in range(13):
-            api.m_grouped_fp8_gemm_nt_contiguous(*args, **kwargs)
+            api.m_grouped_fp8_gemm_nt_contiguous(*(_renewed(args) if fresh else args), **kwargs)
         torch.cuda.synchronize()
         assert rec.recorder.errors == 0 and rec.recorder.fast_calls >= 8
         rec.flush()
