@@ -30,8 +30,7 @@ column of the run: the snapshot kernel lets such a kernel start its prologue ear
 `--define KD_EARLY_LAUNCH=2` records with that #define of kdump/record/snapshot.cu changed
 (`--define KD_DENSE=0`: case (i)'s scales read only where rows are touched, after the rule, not
 as whole windows before it; `--define KD_OVERLAP=0`: case (ii)'s rows of A, then their scales,
-not side by side; `--define KD_EARLY_ROWS=1,KD_DRAIN_ONCE=1`: a unit's first row loads before
-its row counter's round trip, and a block's bulk stores waited for once, not by every unit);
+not side by side);
 `--define patch=fixed-rows+no-copies` with bench_snapshot_kernel.py's timing experiments (parts
 of the launch taken out: the step's cost of each, not a valid recording); `--carveout 100` with
 the snapshot kernel preferring the SM's whole shared-memory carveout (as the GEMM does).

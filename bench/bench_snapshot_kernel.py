@@ -7,17 +7,15 @@ the kernel as shipped and for variants of its compile-time constants, all in one
 A variant is comma-separated `NAME=VALUE` pairs: a `#define` of kdump/record/snapshot.cu replaced
 (KD_UNROLL, KD_THREADS, KD_ROWS_PER_BLOCK, KD_BULK (0: no bulk copies), KD_BULK_WARPS,
 KD_BULK_STAGES, KD_BULK_STAGE, KD_DENSE (0: no window of scales read whole), KD_OVERLAP (0: a call's
-rows, then its scales, not side by side), KD_EARLY_ROWS (1: a unit's first row loads before its row
-counter's round trip, 0: after it), KD_DRAIN_ONCE (1: a block's bulk stores waited for once, 0: by
-every unit), KD_SPLIT_BYTES (a unit's rows at most, in bytes: 1073741824 = one unit per window),
-KD_UNITS, KD_MIN_BLOCKS or `min_blocks` (the kernel's `__launch_bounds__` minimum blocks per SM);
-KD_CHUNK follows KD_THREADS x 16 x KD_UNROLL), or `resident=N` (at most N gather blocks taking the
-units round robin; 0: one block per unit; default: as many as the GPU holds at once, as the recorder
-launches), `balance=1` (as few of those blocks as take the same number of rounds of units, so that
-every block takes as many), or `patch=NAME+NAME` (timing experiments that take a part of the launch
-out: fixed-rows, no-counter, no-publication, no-host-writes, no-gather, no-fence, no-copies; see
-PATCHES). The host side (gather.py) must agree with KD_THREADS and KD_ROWS_PER_BLOCK: variants of
-those launch with the variant's own grid.
+rows, then its scales, not side by side), KD_SPLIT_BYTES (a unit's rows at most, in bytes:
+1073741824 = one unit per window), KD_UNITS, KD_MIN_BLOCKS or `min_blocks` (the kernel's
+`__launch_bounds__` minimum blocks per SM); KD_CHUNK follows KD_THREADS x 16 x KD_UNROLL), or
+`resident=N` (at most N gather blocks taking the units round robin; 0: one block per unit; default:
+as many as the GPU holds at once, as the recorder launches), `balance=1` (as few of those blocks as
+take the same number of rounds of units, so that every block takes as many), or `patch=NAME+NAME`
+(timing experiments that take a part of the launch out: fixed-rows, no-counter, no-publication,
+no-host-writes, no-gather, no-fence, no-copies; see PATCHES). The host side (gather.py) must agree
+with KD_THREADS and KD_ROWS_PER_BLOCK: variants of those launch with the variant's own grid.
 bench/bench_flight.py --define takes the same pairs.
 
 Cases (the reference decode shape: G = 288 experts padded to 128 rows, M = 36,864, K = 4096):
@@ -70,10 +68,6 @@ PATCHES: dict[str, tuple[tuple[str, str], ...]] = {
             "if (tid == 0 && count) base = atomicAdd(&rec->row_counter, count);",
             "if (tid == 0 && count) base = window * KD_ROWS_PER_BLOCK;",
         ),
-        (
-            "if (tid == KD_THREADS - 1) s_base = atomicAdd(&rec->row_counter, n);",
-            "if (tid == KD_THREADS - 1) s_base = window * KD_ROWS_PER_BLOCK + lo;",
-        ),
     ),
     # block 0 publishes as soon as it is done: no block counter round trip, the same writes
     # (with fixed-rows)
@@ -100,15 +94,14 @@ PATCHES: dict[str, tuple[tuple[str, str], ...]] = {
     # the gather blocks copy no row (the records' row indices are still written)
     "no-gather": (
         (
-            "for (u32 gi = g0; gi < p.n_gathers; ++gi)",
-            "for (u32 gi = g0; gi < 0u; ++gi)",
+            "for (u32 gi = 0; gi < p.n_gathers; ++gi)",
+            "for (u32 gi = 0; gi < 0u; ++gi)",
         ),
         (
             "dense_store(p, window, s_rows, count, out, tid, s_stage);",
             "(void)out;",
         ),
         ("if (pair >= 0 && ((u64)out & 15) == 0) {", "if (pair < -1) {"),
-        ("const int early = early_rows(p, pair, slot, n);", "const int early = -1;"),
     ),
     # no fence before a block counts itself done (with no-publication)
     "no-fence": (

@@ -54,10 +54,6 @@ def test_patches_are_applied_and_refused_by_name(bench):
         "KD_DENSE=0,patch=fixed-rows+no-gather",
         "KD_OVERLAP=0",  # a call's rows, then its scales (bench_flight --define)
         "KD_OVERLAP=0,patch=fixed-rows+no-gather",
-        "KD_EARLY_ROWS=1",  # a unit's first row loads before its row counter (bench_flight)
-        "KD_EARLY_ROWS=1,KD_DRAIN_ONCE=1",  # and a block's bulk stores waited for once
-        "KD_DRAIN_ONCE=1,patch=fixed-rows+no-gather",
-        "KD_OVERLAP=0,patch=fixed-rows+no-gather+no-counter",
     ],
 )
 def test_patched_kernels_compile_under_nvrtc(bench, spec):

@@ -139,10 +139,10 @@ def test_masked_rule_on_three_dimensional_operands_with_packed_scales(side_by_si
     _check([a, sf, masked], [0, 1], "masked", masked, 2, fn=side_by_side)
 
 
-def test_psum_rule_with_aligned_group_starts(early_rows):
+def test_psum_rule_with_aligned_group_starts():
     ends = torch.tensor([5, 130, 130, 300, 517], dtype=torch.int32, device="cuda")
     a = _bytes((640, 256), 3)
-    _check([a, ends], [0], "psum", ends, 1, alignment=128, fn=early_rows)
+    _check([a, ends], [0], "psum", ends, 1, alignment=128)
 
 
 @pytest.mark.parametrize("rule_name", ["labels", "masked", "psum"])
@@ -253,32 +253,14 @@ def test_whole_windows_under_the_masked_and_psum_rules(max_m, pad, whole_windows
     _check([flat, ends], [0], "psum", ends, 1, alignment=128, fn=whole_windows)
 
 
-def _flipped(*names: str):
-    """kd_snapshot built with each of these 0/1 defines the other way round."""
-    src = gather.kernel_source()
-    return _build(**{name: 1 - gather.define(src, name) for name in names})
-
-
-_EARLY = ("KD_EARLY_ROWS", "KD_DRAIN_ONCE")
-
-
-@pytest.fixture(params=["shipped", "KD_OVERLAP flipped", "KD_EARLY_ROWS and KD_DRAIN_ONCE flipped"])
+@pytest.fixture(params=["shipped", "KD_OVERLAP flipped"])
 def side_by_side(request):
-    """The shipped kernel (None) and builds with the other KD_OVERLAP (a call's rows and its
-    strided scales gathered side by side, or one after the other) and the other KD_EARLY_ROWS
-    and KD_DRAIN_ONCE (a unit's first row loads before or after its row counter; bulk stores
-    waited for once per block or per unit): each is checked whichever is shipped."""
+    """The shipped kernel (None) and one built with the other KD_OVERLAP: a call's rows and its
+    strided scales gathered side by side, or one after the other, are both checked whichever is
+    shipped."""
     if request.param == "shipped":
         return None
-    if request.param.startswith("KD_OVERLAP"):
-        return _flipped("KD_OVERLAP")
-    return _flipped(*_EARLY)
-
-
-@pytest.fixture(params=["shipped", "KD_EARLY_ROWS and KD_DRAIN_ONCE flipped"])
-def early_rows(request):
-    """The shipped kernel (None) and one with the other KD_EARLY_ROWS and KD_DRAIN_ONCE."""
-    return None if request.param == "shipped" else _flipped(*_EARLY)
+    return _build(KD_OVERLAP=1 - gather.define(gather.kernel_source(), "KD_OVERLAP"))
 
 
 @pytest.mark.parametrize(
@@ -319,24 +301,16 @@ def test_rows_and_their_scales_side_by_side(
     assert [g.cols for g in plan.gathers] == ([cols, 1] if scales_first else [1, cols])
 
 
-@pytest.mark.parametrize(("split", "blocks"), [(None, None), (4, 3), (9, 1)])
-def test_bulk_copied_rows_of_several_gathers_in_one_launch(split, blocks, early_rows):
+def test_bulk_copied_rows_of_several_gathers_in_one_launch():
     # 16-byte aligned contiguous rows take the bulk asynchronous copies on sm_90+: rows shorter
     # than a stage (48 B), spanning several stages (4096 + 16 B: a last piece of 16 B), and two
-    # such gathers in one launch (each starts its barriers at phase 0 again; the first one's
-    # loads are begun before the unit's records are reserved), under a rule that leaves uneven
-    # counts per block; then every row (full blocks, many pieces per issuer), then one gather
-    # alone; `blocks` gather blocks take several units each
+    # such gathers in one launch (each starts its barriers at phase 0 again), under a rule that
+    # leaves uneven counts per block; then every row (full blocks, many pieces per issuer)
     labels = _labels([0, 1, 128, 77, 5, 128, 2], block=128)
     m = labels.numel()
     short, long_ = _bytes((m, 48), 12), _bytes((m, 4112), 13)
-    kw = dict(split=split, blocks=blocks, fn=early_rows)
-    _check([short, long_, labels], [0, 1], "labels", labels, 1, **kw)
-    _check([long_, short], [0, 1], "all", None, 1, **kw)
-    _check([long_, labels], [0], "labels", labels, 1, **kw)
-    # an odd row length: gather 0 takes 1-byte units, gather 1 the bulk copies after it
-    odd = _bytes((m, 37), 16)
-    _check([odd, long_, labels], [0, 1], "labels", labels, 1, **kw)
+    _check([short, long_, labels], [0, 1], "labels", labels, 1)
+    _check([long_, short], [0, 1], "all", None, 1)
 
 
 @pytest.mark.parametrize(("split", "blocks"), [(1, None), (3, None), (8, 5), (128, None), (9, 1)])

@@ -79,13 +79,6 @@ typedef unsigned int u32;
 // tokens per expert, 2.7 us at 113; alone, 2.2 and 3.9 us; bench/RESULTS.md).
 #define KD_OVERLAP 1
 #define KD_OVERLAP_STAGES 3
-// A unit's first row pieces (the pair's rows, or gather 0's contiguous rows) are loaded before
-// its records' place is known: the row counter's round trip overlaps them (sm_90+; 0: the
-// counter first, then the loads).
-#define KD_EARLY_ROWS 0
-// The bulk stores of a block's units are waited for once, before it counts itself done; a unit
-// waits only until its stores have read the buffer (0: every unit waits for its stores' writes).
-#define KD_DRAIN_ONCE 0
 #define KD_OVERLAP_BULK_WORDS (KD_BULK_WARPS * KD_OVERLAP_STAGES * KD_BULK_STAGE / 4)
 // A recorded kernel launched with programmatic dependent launch (DeepGEMM's set_pdl) may start
 // its prologue once every block of the snapshot has said so (sm_90+): 1 at a block's start, 2
@@ -432,96 +425,53 @@ __device__ __forceinline__ void bulk_store(void* dst, u32 src, u32 n) {
 // The contiguous rows of one gather by bulk copies: piece j (row j / per_row, piece j % per_row
 // of KD_BULK_STAGE bytes) belongs to issuer j % KD_BULK_WARPS, which loads it into its buffer
 // (j / WARPS) % STAGES, waits for it, stores it to its record, and reloads the buffer of the
-// piece before once that store has read it. Lane 0 of each warp w < KD_BULK_WARPS calls
-// bulk_begin (its first STAGES loads: they need the rows, not the records) and then bulk_rest,
-// with the block's buffer (issuer w's STAGES pieces at w x STAGES x KD_BULK_STAGE bytes) and
-// barriers.
-struct BulkPlan {
-  u32 row_bytes, per_row, mine, base, bar0;
-};
-
-template <u32 STAGES>
-__device__ __forceinline__ BulkPlan bulk_plan(const Gather& g, u32 count, u32 w, u32* buf,
-                                              u64* bars) {
-  BulkPlan b;
-  b.row_bytes = g.cols * g.elem;
-  b.per_row = (b.row_bytes + KD_BULK_STAGE - 1) / KD_BULK_STAGE;
-  const u32 total = count * b.per_row;
-  b.mine = total > w ? (total - w + KD_BULK_WARPS - 1) / KD_BULK_WARPS : 0;
-  b.base = smem_addr(buf) + w * STAGES * KD_BULK_STAGE;
-  b.bar0 = smem_addr(bars + w * STAGES);
-  return b;
-}
-
-// piece k of issuer w: j = w + k * WARPS
-#define KD_PIECE(k, q, at, n)                                    \
-  const u32 j_##q = w + (k) * KD_BULK_WARPS;                     \
-  const u32 q = j_##q / b.per_row;                               \
-  const u32 at = (j_##q - q * b.per_row) * KD_BULK_STAGE;        \
-  const u32 n = b.row_bytes - at < KD_BULK_STAGE ? b.row_bytes - at : KD_BULK_STAGE;
-
-template <u32 STAGES>
-__device__ void bulk_begin(const Gather& g, const u32* outer, const u32* inner, u32 count, u32 w,
-                           u32* buf, u64* bars) {
-  const BulkPlan b = bulk_plan<STAGES>(g, count, w, buf, bars);
-  // Fresh barriers per call (phase 0; one arrival each: the issuer's expect_tx), retired at
-  // its end, so the next gather of the launch starts at phase 0 again.
-  for (u32 k = 0; k < STAGES; ++k)
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b.bar0 + 8 * k) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  for (u32 k = 0; k < b.mine && k < STAGES; ++k) {
-    KD_PIECE(k, q, at, n)
-    bulk_load(b.base + k * KD_BULK_STAGE, row_at(g, outer, inner, q) + at, n, b.bar0 + 8 * k);
-  }
-}
-
-template <u32 STAGES>
-__device__ void bulk_rest(const Gather& g, const u32* outer, const u32* inner, u32 count,
-                          char* out, u32 rec_bytes, u32 w, u32* buf, u64* bars) {
-  const BulkPlan b = bulk_plan<STAGES>(g, count, w, buf, bars);
-  for (u32 k = 0; k < b.mine; ++k) {
-    const u32 s = k % STAGES;
-    bulk_wait(b.bar0 + 8 * s, (k / STAGES) & 1);
-    {
-      KD_PIECE(k, q, at, n)
-      bulk_store(out + (u64)q * rec_bytes + g.rec_off + at, b.base + s * KD_BULK_STAGE, n);
-    }
-    // the previous piece's store has read its buffer once at most this one is pending
-    if (k >= 1 && k - 1 + STAGES < b.mine) {
-      asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-      const u32 r = k - 1 + STAGES, rs = (k - 1) % STAGES;
-      KD_PIECE(r, q, at, n)
-      bulk_load(b.base + rs * KD_BULK_STAGE, row_at(g, outer, inner, q) + at, n, b.bar0 + 8 * rs);
-    }
-  }
-#if KD_DRAIN_ONCE
-  // The buffer is free once the stores have read it; their writes are waited for (and fenced
-  // for the publication) once per block, by bulk_drain.
-  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-#else
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-  asm volatile("fence.proxy.async.global;" ::: "memory");  // the stores before the publication
-#endif
-  for (u32 k = 0; k < STAGES; ++k)  // every load was waited for: none is pending
-    asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(b.bar0 + 8 * k) : "memory");
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // before generic reuse
-}
-#undef KD_PIECE
-
+// piece before once that store has read it. Lane 0 of each warp w < KD_BULK_WARPS calls it, with
+// the block's buffer (issuer w's STAGES pieces at w x STAGES x KD_BULK_STAGE bytes) and barriers.
 template <u32 STAGES>
 __device__ void bulk_issue(const Gather& g, const u32* outer, const u32* inner, u32 count,
                            char* out, u32 rec_bytes, u32 w, u32* buf, u64* bars) {
-  bulk_begin<STAGES>(g, outer, inner, count, w, buf, bars);
-  bulk_rest<STAGES>(g, outer, inner, count, out, rec_bytes, w, buf, bars);
-}
-
-// A block's bulk stores written and ordered before its generic writes that follow (the
-// publication): every thread calls it before the block counts itself done.
-__device__ __forceinline__ void bulk_drain(u32 tid) {
-  if (KD_DRAIN_ONCE && tid / 32 < KD_BULK_WARPS && tid % 32 == 0) {
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-    asm volatile("fence.proxy.async.global;" ::: "memory");
+  const u32 row_bytes = g.cols * g.elem;
+  const u32 per_row = (row_bytes + KD_BULK_STAGE - 1) / KD_BULK_STAGE;
+  const u32 total = count * per_row;
+  const u32 mine = total > w ? (total - w + KD_BULK_WARPS - 1) / KD_BULK_WARPS : 0;
+  const u32 base = smem_addr(buf) + w * STAGES * KD_BULK_STAGE;
+  const u32 bar0 = smem_addr(bars + w * STAGES);
+  // Fresh barriers per call (phase 0; one arrival each: the issuer's expect_tx), retired at
+  // its end, so the next gather of the launch starts at phase 0 again.
+  for (u32 k = 0; k < STAGES; ++k)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + 8 * k) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  // piece k of this issuer: j = w + k * WARPS
+#define KD_PIECE(k, q, at, n)                                   \
+  const u32 j_##q = w + (k) * KD_BULK_WARPS;                     \
+  const u32 q = j_##q / per_row;                                 \
+  const u32 at = (j_##q - q * per_row) * KD_BULK_STAGE;          \
+  const u32 n = row_bytes - at < KD_BULK_STAGE ? row_bytes - at : KD_BULK_STAGE;
+  for (u32 k = 0; k < mine && k < STAGES; ++k) {
+    KD_PIECE(k, q, at, n)
+    bulk_load(base + k * KD_BULK_STAGE, row_at(g, outer, inner, q) + at, n, bar0 + 8 * k);
   }
+  for (u32 k = 0; k < mine; ++k) {
+    const u32 s = k % STAGES;
+    bulk_wait(bar0 + 8 * s, (k / STAGES) & 1);
+    {
+      KD_PIECE(k, q, at, n)
+      bulk_store(out + (u64)q * rec_bytes + g.rec_off + at, base + s * KD_BULK_STAGE, n);
+    }
+    // the previous piece's store has read its buffer once at most this one is pending
+    if (k >= 1 && k - 1 + STAGES < mine) {
+      asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+      const u32 r = k - 1 + STAGES, rs = (k - 1) % STAGES;
+      KD_PIECE(r, q, at, n)
+      bulk_load(base + rs * KD_BULK_STAGE, row_at(g, outer, inner, q) + at, n, bar0 + 8 * rs);
+    }
+  }
+#undef KD_PIECE
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");  // the stores before the publication
+  for (u32 k = 0; k < STAGES; ++k)  // every load was waited for: none is pending
+    asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(bar0 + 8 * k) : "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // before generic reuse
 }
 
 // One gather's contiguous rows by bulk copies, the whole block's buffer. Every thread of the
@@ -542,20 +492,15 @@ __device__ void gather_bulk(const Gather& g, const u32* outer, const u32* inner,
 // warps stage 4-byte strided rows (A's MN-major scales) through the rest of the buffer. One after
 // the other, each unit paid the scales' load round trip after the rows' last piece had landed.
 // Every thread of the block calls it.
-// (`begun`: the issuers' bulk_begin has run, after the fence and a barrier of the block.)
 __device__ void gather_pair(const Gather& rows, const Gather& strided, const u32* outer,
                             const u32* inner, u32 count, char* out, u32 rec_bytes, u32 tid,
-                            u32* buf, u64* bars, bool begun) {
-  if (!begun) {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    __syncthreads();
-  }
+                            u32* buf, u64* bars) {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncthreads();
   const u32 w = tid / 32;
   if (w < KD_BULK_WARPS) {
-    if (tid % 32 == 0) {
-      if (!begun) bulk_begin<KD_OVERLAP_STAGES>(rows, outer, inner, count, w, buf, bars);
-      bulk_rest<KD_OVERLAP_STAGES>(rows, outer, inner, count, out, rec_bytes, w, buf, bars);
-    }
+    if (tid % 32 == 0)
+      bulk_issue<KD_OVERLAP_STAGES>(rows, outer, inner, count, out, rec_bytes, w, buf, bars);
   } else {
     gather_strided_staged<KD_THREADS - 32 * KD_BULK_WARPS, 1>(
         strided, outer, inner, count, out, rec_bytes, tid - 32 * KD_BULK_WARPS,
@@ -582,22 +527,6 @@ __device__ __forceinline__ int pair_rows(const Params& p) {
       return a;
   }
   return -1;
-}
-
-// Which gather's rows a unit loads before its records' place is known (KD_EARLY_ROWS): the
-// pair's rows, else gather 0 when gather_one would copy it by bulk copies; -1: none (then the
-// row counter comes first). Records start 16-byte aligned when the slot does (rec_bytes is a
-// multiple of 16 for both).
-__device__ __forceinline__ int early_rows(const Params& p, int pair, const char* slot, u32 count) {
-  if (!KD_EARLY_ROWS || count == 0 || ((u64)slot & 15) != 0) return -1;
-  if (pair >= 0) return pair;
-  const Gather& g = p.gathers[0];
-  const u64 row_bytes = (u64)g.cols * g.elem;
-  const u64 mis = g.src | (u64)g.outer_stride | (u64)g.inner_stride | g.rec_off | p.rec_bytes |
-                  row_bytes;
-  return p.n_gathers >= 1 && contiguous(g) && (mis & 15) == 0 && row_bytes * count < (1ull << 32)
-             ? 0
-             : -1;
 }
 
 // Windows read whole (KD_DENSE): when a call gathers one tensor of 4-byte elements whose rows
@@ -854,14 +783,7 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_LAUNCH_MIN_BLOCKS)
         if (part >= parts) continue;  // the same answer in every thread of the block
         const u32 lo = count * part / parts;
         const u32 n = count * (part + 1) / parts - lo;
-#ifdef KD_HAVE_BULK
-        const int early = early_rows(p, pair, slot, n);
-#else
-        const int early = -1;
-#endif
-        if (early < 0) {
-          if (tid == 0) s_base = atomicAdd(&rec->row_counter, n);
-        }
+        if (tid == 0) s_base = atomicAdd(&rec->row_counter, n);
         if ((ballot >> lane) & 1u) {
           const u32 q = below + __popc(ballot & ((1u << lane) - 1u));
           const u32 r = window * KD_ROWS_PER_BLOCK + tid;
@@ -871,49 +793,18 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_LAUNCH_MIN_BLOCKS)
             s_inner[q - lo] = r % p.inner;
           }
         }
-        if (early >= 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         __syncthreads();
-#ifdef KD_HAVE_BULK
-        const bool issuer = tid / 32 < KD_BULK_WARPS && tid % 32 == 0;
-        if (early >= 0) {
-          // The unit's first row pieces are on their way while one thread takes its records
-          // from the row counter. (The fence above: the buffer's generic writes of the unit
-          // before, ordered before the async proxy's loads overwrite them.)
-          if (issuer) {
-            if (pair >= 0)
-              bulk_begin<KD_OVERLAP_STAGES>(p.gathers[early], s_outer, s_inner, n, tid / 32,
-                                            s_stage, s_bars);
-            else
-              bulk_begin<KD_BULK_STAGES>(p.gathers[early], s_outer, s_inner, n, tid / 32,
-                                         s_stage, s_bars);
-          }
-          if (tid == KD_THREADS - 1) s_base = atomicAdd(&rec->row_counter, n);
-          __syncthreads();
-        }
-#endif
         char* out = slot + (u64)s_base * p.rec_bytes;
         write_heads(out, s_rows, n, p.rec_bytes, tid);
 #ifdef KD_HAVE_BULK
         if (pair >= 0 && ((u64)out & 15) == 0) {
           gather_pair(p.gathers[pair], p.gathers[1 - pair], s_outer, s_inner, n, out,
-                      p.rec_bytes, tid, s_stage, s_bars, early >= 0);
+                      p.rec_bytes, tid, s_stage, s_bars);
         } else
 #endif
-        {
-          u32 g0 = 0;  // gathers gather_one copies from
-#ifdef KD_HAVE_BULK
-          if (early == 0) {  // gather 0's rows, begun above
-            if (issuer)
-              bulk_rest<KD_BULK_STAGES>(p.gathers[0], s_outer, s_inner, n, out, p.rec_bytes,
-                                        tid / 32, s_stage, s_bars);
-            __syncthreads();  // the buffers are free again
-            g0 = 1;
-          }
-#endif
-          for (u32 gi = g0; gi < p.n_gathers; ++gi)
+          for (u32 gi = 0; gi < p.n_gathers; ++gi)
             gather_one(p.gathers[gi], s_outer, s_inner, n, out, p.rec_bytes, tid, s_stage,
                        s_bars);
-        }
         __syncthreads();  // s_rows, s_base and the buffers are free for the next unit
       }
       __syncthreads();  // every thread has read s_ballot before the next round writes it
@@ -940,9 +831,6 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_LAUNCH_MIN_BLOCKS)
 #endif
   // The last block to finish publishes the call: what it writes, one fence, then the marks that
   // say it is complete (a reader that sees a mark sees everything before it).
-#ifdef KD_HAVE_BULK
-  if (blockIdx.x < p.gather_blocks) bulk_drain(tid);
-#endif
   __threadfence();
   __syncthreads();
   // (One 64-bit word for both counters, so that this atomic returns the row count and the
