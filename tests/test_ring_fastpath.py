@@ -480,6 +480,58 @@ def test_a_recently_used_template_outlives_newer_keys(tmp_path, monkeypatch):
         assert r.errors == 0
 
 
+def _rep(tensors: list[Any], pinned: frozenset[int] = frozenset()) -> Any:
+    """What a lane reads of its repeat (`_Repeat`): weak references to the tensors, the ones
+    that must be the same objects again, and each tensor's storage size."""
+    return types.SimpleNamespace(
+        refs=tuple(weakref.ref(t) for t in tensors),
+        pinned=pinned,
+        storage_nbytes=tuple(t.untyped_storage().nbytes() for t in tensors),
+    )
+
+
+def _renew(t: torch.Tensor) -> torch.Tensor:
+    return t.as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def test_a_lane_takes_new_objects_over_the_same_memory_where_the_key_would():
+    """New tensor objects with the learned facts (a serving step's activations in the caching
+    allocator's blocks of the step before) pass a lane and find it by their addresses, unless
+    the tensor's repeat pins its object (a static candidate), its storage has another size, or
+    the objects are not as distinct as the learned ones."""
+    a, s, w = torch.zeros(4, 8), torch.ones(4), torch.zeros(2, 8)
+    twin = a.view(4, 8)  # another object with a's facts
+
+    def call(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return args, kwargs
+
+    base = call((a, s), w, twin, k=s)
+    seen = ring_module._repeat_key("t", "t", *base)
+    assert len(seen[1]) == 4
+    lane = ring_module._Lane.of(_rep(seen[1], frozenset({2})), *base, seen)  # w pinned
+    assert lane is not None
+    ra, rs, rt = _renew(a), _renew(s), _renew(a)
+    new = call((ra, rs), w, rt, k=rs)
+    assert ring_module._probe("t", "t", *new) == ring_module._probe("t", "t", *base)
+    assert ring_module._repeat_key("t", "t", *new)[0] == seen[0]
+    got = lane.tensors(*new)
+    assert got is not None and [x is y for x, y in zip(got, [ra, rs, w, rt])] == [True] * 4
+    # the weight as a new object: its version belongs to the pinned one
+    assert lane.tensors(*call((ra, rs), _renew(w), rt, k=rs)) is None
+    # one object at both of a's places where the learned call had two: another key
+    assert lane.tensors(*call((ra, rs), w, ra, k=rs)) is None
+    assert ring_module._repeat_key("t", "t", *call((ra, rs), w, ra, k=rs))[0] != seen[0]
+    # a later place of s holding another object with its facts
+    assert lane.tensors(*call((ra, rs), w, rt, k=_renew(s))) is None
+    # a's address and layout over a storage of another size
+    raw = (ctypes.c_char * (a.numel() * 4 + 64)).from_address(a.data_ptr())
+    wider = torch.frombuffer(raw, dtype=a.dtype)[: a.numel()].view(4, 8)
+    assert wider.data_ptr() == a.data_ptr()
+    assert lane.tensors(*call((wider, rs), w, rt, k=rs)) is None
+    # the learned objects themselves still pass
+    assert lane.tensors(*base) == seen[1]
+
+
 def test_a_lane_takes_exactly_the_calls_whose_repeat_key_is_the_same():
     """A lane (the repeat path's check without the repeat key) gives the call's tensors where
     the key would be equal, else None: containers rebuilt per call are fine, other scalar types,
@@ -491,8 +543,7 @@ def test_a_lane_takes_exactly_the_calls_whose_repeat_key_is_the_same():
 
     base = call((a, s), w, out, 1, "nt", flag=True)
     seen = ring_module._repeat_key("t", "t", *base)
-    refs = tuple(weakref.ref(t) for t in seen[1])
-    rep = types.SimpleNamespace(refs=refs)
+    rep = _rep(seen[1])
     lane = ring_module._Lane.of(rep, *base, seen)  # type: ignore[arg-type]
     assert lane is not None
     same = call((a, s), w, out, 1, "nt", flag=True)  # a new tuple holding the same tensors
@@ -531,12 +582,12 @@ def test_a_lane_checks_each_tensor_once_and_sees_in_place_metadata_changes():
 
     base = call((a, s), out, s, k=out)
     seen = ring_module._repeat_key("t", "t", *base)
-    rep = types.SimpleNamespace(refs=tuple(weakref.ref(t) for t in seen[1]))
+    rep = _rep(seen[1])
     lane = ring_module._Lane.of(rep, *base, seen)  # type: ignore[arg-type]
     assert lane is not None and len(seen[1]) == 3
     assert [f is not None for *_, f in lane.places] == [True, True, True, False, False]
     assert lane.tensors(*call((a, s), out, s, k=out)) == seen[1]
-    assert lane.tensors(*call((a, s), out, s.clone(), k=out)) is None  # same facts, other object
+    assert lane.tensors(*call((a, s), out, s.clone(), k=out)) is None  # another address
     assert lane.tensors(*call((a, s), out, s, k=a)) is None
     for change, undo in (
         (lambda: out.resize_(2, 4), lambda: out.resize_(4, 2)),

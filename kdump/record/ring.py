@@ -335,11 +335,7 @@ class RingRecorder:
                     self._repeats.move_to_end(seen[0])
                 done = self._again(rep, index, seen[1])
                 if done is not _MISS:
-                    # a lane only for the template's own objects (new objects every call would
-                    # each make one that never serves again)
-                    lane = None
-                    if all(r() is t for r, t in zip(rep.refs, seen[1])):
-                        lane = _Lane.of(rep, args, kwargs, seen)
+                    lane = _Lane.of(rep, args, kwargs, seen)
                     if lane is not None and probe is not None:
                         if len(self._lanes) >= 4 * _REPEATS_MAX:
                             self._lanes.clear()
@@ -1092,15 +1088,23 @@ def _repeat_key(
 
 
 def _probe(target: str, called_as: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Where to look for a call's lane: the identities of its arguments, of the items of its
-    list and tuple arguments one level down, and its keyword names (cheap, and distinct for the
-    layers of a model, whose weights differ; a lane checks the rest)."""
+    """Where to look for a call's lane: the addresses of its tensor arguments and the
+    identities of its other arguments, the same of the items of its list and tuple arguments
+    one level down, and its keyword names (cheap, and distinct for the layers of a model, whose
+    weights differ; a lane checks the rest). Addresses, not identities, for tensors: a serving
+    loop's activations are new objects over the same memory at every step."""
+    global _TENSOR_TYPES
+    if not _TENSOR_TYPES:
+        _TENSOR_TYPES = _tensor_types()
+    kinds = _TENSOR_TYPES
     ids: list[Any] = [target, called_as, len(args), *kwargs]
     for v in (*args, *kwargs.values()) if kwargs else args:
         tp = type(v)
         if tp is tuple or tp is list:
             ids.append(len(v))
-            ids += map(id, v)
+            ids += [x.data_ptr() if type(x) in kinds else id(x) for x in v]
+        elif tp in kinds:
+            ids.append(v.data_ptr())
         else:
             ids.append(id(v))
     return tuple(ids)
@@ -1109,7 +1113,8 @@ def _probe(target: str, called_as: str, args: tuple[Any, ...], kwargs: dict[str,
 class _Lane:
     """A repeat recognised without its repeat key: the arguments' shape one level deep (list and
     tuple arguments of tensors and plain leaves), the tensors expected at each place (weak
-    references: the same objects) and their `_facts_of`. `tensors` gives the call's tensor list, as
+    references: the same objects, or new objects over the same memory as `_Ring._again` takes
+    them) and their `_facts_of`. `tensors` gives the call's tensor list, as
     `_repeat_key` would, exactly when the key would be the repeat's own; else None."""
 
     __slots__ = ("containers", "facts", "kwkeys", "leaves", "nargs", "places", "rep")
@@ -1183,29 +1188,48 @@ class _Lane:
             x = vals[i] if j < 0 else vals[i][j]
             if type(x) is not tp or x != v:
                 return None
-        refs = self.rep.refs
+        rep = self.rep
+        refs = rep.refs
         out: list[Any] = [None] * len(refs)
+        renewed = False  # a tensor is a new object (over the same memory, if its facts hold)
         for i, j, k, facts in self.places:
             x = vals[i] if j < 0 else vals[i][j]
-            if x is not refs[k]():
-                return None
-            if facts is not None:
-                # `_facts_of([x])[0] != facts`, inline: a call per tensor costs the lane a
-                # microsecond; the first fact (the address) tells most changes apart
-                p = x.data_ptr()
-                if (
-                    p,
-                    x.shape,
-                    x.stride(),
-                    x.dtype,
-                    x.storage_offset(),
-                    x.is_conj(),
-                    x.is_neg(),
-                    x.requires_grad,
-                    None if p else x.device,
-                ) != facts:
+            if facts is None:  # a later place of tensor k: the object of its first place
+                if x is not out[k]:
                     return None
+                continue
+            if x is not refs[k]():
+                if k in rep.pinned:  # a static candidate: its version belongs to its object
+                    return None
+                renewed = True
+            # `_facts_of([x])[0] != facts`, inline: a call per tensor costs the lane a
+            # microsecond; the first fact (the address) tells most changes apart
+            p = x.data_ptr()
+            if (
+                p,
+                x.shape,
+                x.stride(),
+                x.dtype,
+                x.storage_offset(),
+                x.is_conj(),
+                x.is_neg(),
+                x.requires_grad,
+                None if p else x.device,
+            ) != facts:
+                return None
             out[k] = x
+        if renewed:
+            # As the repeat key: distinct objects where the template had them (one object at
+            # two first places is another key), storages of the recorded sizes.
+            if len(set(map(id, out))) != len(out):
+                return None
+            nbytes = rep.storage_nbytes
+            try:
+                for k, x in enumerate(out):
+                    if x is not refs[k]() and x.untyped_storage().nbytes() != nbytes[k]:
+                        return None
+            except Exception:  # no storage to ask: the repeat key decides
+                return None
         return out
 
 
