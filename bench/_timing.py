@@ -52,3 +52,11 @@ def new_objects(t: Any) -> Any:
     if isinstance(t, (tuple, list)):
         return type(t)(new_objects(x) for x in t)
     return t
+
+
+def new_step_objects(args: tuple) -> tuple:
+    """DeepGEMM's grouped-GEMM arguments ((A, its scales), (B, its scales), D, labels, ...) with
+    every tensor but B's pair a new object over the same memory: a serving step's activations,
+    output and routing in the caching allocator's blocks of the step before, its weights the
+    same objects."""
+    return (new_objects(args[0]), args[1], *(new_objects(a) for a in args[2:]))

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from _timing import host_us, new_objects
+from _timing import host_us, new_step_objects
 
 import kdump
 from kdump.kernels import registry
@@ -85,7 +85,7 @@ def main() -> None:
         torch.cuda.synchronize()
         # a serving step's new activations, scales, output and labels over the same blocks; the
         # weights (B and its scales) the same objects
-        renewed = host_us(fn, args, kwargs, opt.calls, fresh=_fresh_step)
+        renewed = host_us(fn, args, kwargs, opt.calls, fresh=new_step_objects)
         torch.cuda.synchronize()
         no_memo = _without_memo(fn, args, kwargs, opt.calls)
         torch.cuda.synchronize()
@@ -214,11 +214,6 @@ def _floor(fn: Any, args: tuple, kwargs: dict, calls: int, plain: float) -> dict
     out["+ a launch before the call and a stream write after it (ctypes)"] = timed(written)
     del word
     return out
-
-
-def _fresh_step(args: tuple) -> tuple:
-    """DeepGEMM's (A, scales), (B, scales), D, labels with every tensor but B's pair new objects."""
-    return (new_objects(args[0]), args[1], *(new_objects(a) for a in args[2:]))
 
 
 def _as_before(recorder: Any, fn: Any, args: tuple, kwargs: dict, calls: int) -> float:
