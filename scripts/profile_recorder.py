@@ -1,8 +1,12 @@
 """Where the flight recorder's host time goes on an eager GPU call: cProfile of N recorded calls
 of the grouped GEMM (G=288, N=512, K=4096, 32 tokens per expert), and the wall time of each phase
 (first call: journal and device tier; the recorded calls; leaving the recording: its flush).
+The unhooked call, the recorded call (the same tensor objects, and new objects over the same
+memory) and the floors of any device-side recorder are also measured interleaved, in rounds
+(medians), so that the host's load reaches each alike.
 
     python scripts/profile_recorder.py [--calls 200] [--backend deep_gemm|packaged] [--top 40]
+        [--rounds 5]
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from _timing import host_us, new_step_objects
+from _timing import host_us, interleaved, new_step_objects
 
 import kdump
 from kdump.kernels import registry
@@ -37,6 +41,12 @@ def main() -> None:
     p.add_argument("--backend", choices=("deep_gemm", "packaged"), default="deep_gemm")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="rounds of the interleaved measurement (unhooked, recorded, floors in turn)",
+    )
     opt = p.parse_args()
     if opt.backend == "packaged":
         api = importlib.import_module("kdump.kernels.sm120.api")
@@ -58,7 +68,7 @@ def main() -> None:
     labels = args[3]
     rows = torch.arange(labels.numel(), device=labels.device)
     labels.copy_(torch.where(rows % 128 < opt.tokens, rows // 128, -1).to(torch.int32))
-    fn = module.m_grouped_fp8_gemm_nt_contiguous
+    fn = unhooked = module.m_grouped_fp8_gemm_nt_contiguous
     for _ in range(3):
         fn(*args, **kwargs)
     torch.cuda.synchronize()
@@ -92,6 +102,11 @@ def main() -> None:
         split = _split(fn, args, kwargs, opt.calls)
         torch.cuda.synchronize()
         before = _as_before(rec.recorder, fn, args, kwargs, opt.calls)
+        torch.cuda.synchronize()
+        try:
+            mixed = _interleaved(unhooked, fn, args, kwargs, max(opt.calls // 4, 40), opt.rounds)
+        except Exception as exc:  # a side measurement: report, keep the rest
+            mixed = {f"not measured ({type(exc).__name__}: {exc})": float("nan")}
         t = time.perf_counter()
     phases["leaving the recording (flush)"] = time.perf_counter() - t
     try:
@@ -120,6 +135,15 @@ def main() -> None:
         "floor of a device-side recorder, same run, added us per call: "
         + ", ".join(f"{k} {v:.1f}" for k, v in floor.items())
     )
+    base = mixed.get("unhooked", float("nan"))
+    print(
+        f"interleaved ({opt.rounds} rounds, each entry {max(opt.calls // 4, 40)} calls a round, "
+        "medians), host us per call and added to the unhooked call: "
+        + ", ".join(
+            f"{k} {v:.1f}" + ("" if k == "unhooked" else f" (+{v - base:.1f})")
+            for k, v in mixed.items()
+        )
+    )
     total = pstats.Stats(prof).total_calls  # type: ignore[attr-defined]
     print(f"Python function calls per recorded call (cProfile): {total / opt.calls:.0f}")
     print(
@@ -135,13 +159,25 @@ def main() -> None:
 
 
 def _floor(fn: Any, args: tuple, kwargs: dict, calls: int, plain: float) -> dict[str, float]:
-    """What any recorder of an eager call pays at least, in added host us per call: a Python
-    wrapper that binds the arguments by name (how a hook sees them), and one kernel launch and
-    one event record through ctypes on libcuda (the fewest driver calls a device-side snapshot
-    whose slot is reused can make: its copy kernel, and the event that frees the slot); and two
-    launches around the call (a snapshot before it and a done marker after it, which says
-    exactly whether the kernel returned), and a launch before with a stream write of the done
-    marker after (what the recorder enqueues per eager call, besides its batched host copies)."""
+    """Added host us per call of each of `_floor_fns(fn)`, measured one after the other."""
+
+    def timed(f: Any) -> float:
+        for _ in range(3):
+            f(*args, **kwargs)
+        return host_us(f, args, kwargs, calls) - plain
+
+    return {name: timed(f) for name, f in _floor_fns(fn).items()}
+
+
+def _floor_fns(fn: Any) -> dict[str, Any]:
+    """What any recorder of an eager call pays at least, as wrappers of the unhooked `fn`: a
+    Python wrapper that binds the arguments by name (how a hook sees them), and one kernel launch
+    and one event record through ctypes on libcuda (the fewest driver calls a device-side
+    snapshot whose slot is reused can make: its copy kernel, and the event that frees the slot);
+    and two launches around the call (a snapshot before it and a done marker after it, which
+    says exactly whether the kernel returned), and a launch before with a stream write of the
+    done marker after (what the recorder enqueues per eager call, besides its batched host
+    copies). Without libcuda only the first."""
     import ctypes
     import inspect
 
@@ -159,12 +195,7 @@ def _floor(fn: Any, args: tuple, kwargs: dict, calls: int, plain: float) -> dict
         sig.bind(*a, **k)
         return fn(*a, **k)
 
-    def timed(f: Any) -> float:
-        for _ in range(3):
-            f(*args, **kwargs)
-        return host_us(f, args, kwargs, calls) - plain
-
-    out = {"Python wrapper binding the arguments": timed(wrapper)}
+    out: dict[str, Any] = {"Python wrapper binding the arguments": wrapper}
     drv = cudrv.driver()
     if drv is None:
         return out
@@ -177,6 +208,8 @@ def _floor(fn: Any, args: tuple, kwargs: dict, calls: int, plain: float) -> dict
 
     _err, ev = cb.cuEventCreate(cb.CUevent_flags.CU_EVENT_DISABLE_TIMING)
     evh = cudrv.handle(ev)
+    word = torch.zeros(1, dtype=torch.int64, device="cuda")  # the stream write's target
+    kept = (cell, ptrs, ev, word)  # alive as long as the wrappers are
 
     def launched(*a: Any, **k: Any) -> Any:
         sig.bind(*a, **k)
@@ -186,8 +219,6 @@ def _floor(fn: Any, args: tuple, kwargs: dict, calls: int, plain: float) -> dict
         drv.record(evh, stream)
         return r
 
-    out["+ one launch and one event record (ctypes)"] = timed(launched)
-
     def marked(*a: Any, **k: Any) -> Any:
         sig.bind(*a, **k)
         stream = torch.cuda.current_stream().cuda_stream
@@ -196,10 +227,6 @@ def _floor(fn: Any, args: tuple, kwargs: dict, calls: int, plain: float) -> dict
         drv.launch(fh, 1, 1, kargs, stream, "kd_mark")
         return r
 
-    # a snapshot before the call and an exact done marker after it: the recorder's driver calls
-    # per eager call (its host copies come in batches on the side stream)
-    out["+ two launches, before and after the call (ctypes)"] = timed(marked)
-    word = torch.zeros(1, dtype=torch.int64, device="cuda")  # alive while `written` runs
     done = word.data_ptr()
 
     def written(*a: Any, **k: Any) -> Any:
@@ -210,10 +237,37 @@ def _floor(fn: Any, args: tuple, kwargs: dict, calls: int, plain: float) -> dict
         drv.write64(stream, done, 1)
         return r
 
+    for f in (launched, marked, written):
+        f.kept = kept  # type: ignore[attr-defined]
+    out["+ one launch and one event record (ctypes)"] = launched
+    # a snapshot before the call and an exact done marker after it
+    out["+ two launches, before and after the call (ctypes)"] = marked
     # the recorder's eager calls today: the done marker as a stream write, no second launch
-    out["+ a launch before the call and a stream write after it (ctypes)"] = timed(written)
-    del word
+    out["+ a launch before the call and a stream write after it (ctypes)"] = written
     return out
+
+
+def _interleaved(
+    unhooked: Any, hooked: Any, args: tuple, kwargs: dict, calls: int, rounds: int
+) -> dict[str, float]:
+    """Median host us per call over `rounds` rounds in which the unhooked call, the recorded
+    call (same objects, then new objects over the same memory) and each floor wrapper of the
+    unhooked call take `calls` calls in turn: a change of the host's load reaches them alike."""
+    entries: dict[str, tuple[Any, Any]] = {
+        "unhooked": (unhooked, None),
+        "recorded": (hooked, None),
+        "recorded, new objects": (hooked, new_step_objects),
+    }
+    for name, f in _floor_fns(unhooked).items():
+        entries[f"floor: {name}"] = (f, None)
+    for f, fresh in entries.values():  # warm every path once
+        for _ in range(3):
+            f(*(fresh(args) if fresh else args), **kwargs)
+
+    def measure(f: Any, fresh: Any) -> Any:
+        return lambda: host_us(f, args, kwargs, calls, fresh=fresh)
+
+    return interleaved({name: measure(f, fresh) for name, (f, fresh) in entries.items()}, rounds)
 
 
 def _as_before(recorder: Any, fn: Any, args: tuple, kwargs: dict, calls: int) -> float:

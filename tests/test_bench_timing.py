@@ -1,0 +1,57 @@
+"""bench/_timing.py's helpers that run without a GPU: the interleaved measurement (each round
+takes every measurement in turn; the result is each one's median) and the new tensor objects a
+serving step passes (same memory and layout, other objects; the weights the same)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture
+def timing(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.syspath_prepend(str(BENCH))
+    import _timing
+
+    return _timing
+
+
+def test_interleaved_takes_every_measurement_in_turn_and_reports_medians(timing):
+    order: list[str] = []
+    values = {"a": iter([5.0, 1.0, 3.0]), "b": iter([2.0, 9.0, 4.0])}
+
+    def measure(name: str) -> Any:
+        def take() -> float:
+            order.append(name)
+            return next(values[name])
+
+        return take
+
+    got = timing.interleaved({"a": measure("a"), "b": measure("b")}, 3)
+    assert order == ["a", "b"] * 3
+    assert got == {"a": 3.0, "b": 4.0}
+
+
+def test_new_step_objects_keep_the_memory_and_the_weights(timing):
+    a, sfa = torch.zeros(8, 4), torch.zeros(4, 8).t()
+    b, sfb = torch.zeros(2, 4, 4), torch.zeros(2, 1, 1)
+    d, labels = torch.zeros(8, 4), torch.zeros(8, dtype=torch.int32)
+    args = ((a, sfa), (b, sfb), d, labels)
+    new = timing.new_step_objects(args)
+    assert new[1] is args[1]  # the weights: the same objects
+    olds = [a, sfa, d, labels]
+    news = [*new[0], new[2], new[3]]
+    for old, t in zip(olds, news):
+        assert t is not old
+        assert (t.data_ptr(), t.shape, t.stride(), t.dtype, t.storage_offset()) == (
+            old.data_ptr(),
+            old.shape,
+            old.stride(),
+            old.dtype,
+            old.storage_offset(),
+        )
