@@ -532,6 +532,14 @@ def test_a_lane_takes_new_objects_over_the_same_memory_where_the_key_would():
     assert lane.tensors(*base) == seen[1]
 
 
+def test_a_tensor_without_an_address_gives_no_probe():
+    # a sparse tensor has no storage to give an address: no lane (the repeat key decides)
+    sparse = torch.sparse_coo_tensor([[0]], [1.0], (3,), check_invariants=True)
+    assert ring_module._probe("t", "t", (sparse, torch.zeros(2)), {}) is None
+    assert ring_module._probe("t", "t", ((torch.zeros(2), sparse),), {}) is None
+    assert ring_module._probe("t", "t", ((torch.zeros(2), 3),), {"k": 1}) is not None
+
+
 def test_a_lane_takes_exactly_the_calls_whose_repeat_key_is_the_same():
     """A lane (the repeat path's check without the repeat key) gives the call's tensors where
     the key would be equal, else None: containers rebuilt per call are fine, other scalar types,

@@ -1092,30 +1092,34 @@ def _probe(target: str, called_as: str, args: tuple[Any, ...], kwargs: dict[str,
     identities of its other arguments, the same of the items of its list and tuple arguments
     one level down, and its keyword names (cheap, and distinct for the layers of a model, whose
     weights differ; a lane checks the rest). Addresses, not identities, for tensors: a serving
-    loop's activations are new objects over the same memory at every step."""
+    loop's activations are new objects over the same memory at every step. None where a
+    tensor has no address to give (no storage): no lane, the repeat key decides."""
     global _TENSOR_TYPES
     if not _TENSOR_TYPES:
         _TENSOR_TYPES = _tensor_types()
     kinds = _TENSOR_TYPES
     ids: list[Any] = [target, called_as, len(args), *kwargs]
-    for v in (*args, *kwargs.values()) if kwargs else args:
-        tp = type(v)
-        if tp is tuple or tp is list:
-            ids.append(len(v))
-            ids += [x.data_ptr() if type(x) in kinds else id(x) for x in v]
-        elif tp in kinds:
-            ids.append(v.data_ptr())
-        else:
-            ids.append(id(v))
+    try:
+        for v in (*args, *kwargs.values()) if kwargs else args:
+            tp = type(v)
+            if tp is tuple or tp is list:
+                ids.append(len(v))
+                ids += [x.data_ptr() if type(x) in kinds else id(x) for x in v]
+            elif tp in kinds:
+                ids.append(v.data_ptr())
+            else:
+                ids.append(id(v))
+    except RuntimeError:
+        return None
     return tuple(ids)
 
 
 class _Lane:
     """A repeat recognised without its repeat key: the arguments' shape one level deep (list and
     tuple arguments of tensors and plain leaves), the tensors expected at each place (weak
-    references: the same objects, or new objects over the same memory as `_Ring._again` takes
-    them) and their `_facts_of`. `tensors` gives the call's tensor list, as
-    `_repeat_key` would, exactly when the key would be the repeat's own; else None."""
+    references: the same objects, or new objects over the same memory as
+    `RingRecorder._again` takes them) and their `_facts_of`. `tensors` gives the call's tensor
+    list, as `_repeat_key` would, exactly when the key would be the repeat's own; else None."""
 
     __slots__ = ("containers", "facts", "kwkeys", "leaves", "nargs", "places", "rep")
 
