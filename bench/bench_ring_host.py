@@ -9,7 +9,9 @@ recorded calls alternate in batches of the same run; each batch pair gives a rat
 may be loaded: medians).
 
 Recorded batches alternate between the exact-repeat path on and off (off: every call takes the
-full path, as before it existed), in the same process. `--copies off` leaves out the host copies
+full path, as before it existed), in the same process, and with A, its scales, D and the labels
+new tensor objects over the same memory at every call (a serving loop's step; the weights the
+same objects). `--copies off` leaves out the host copies
 and the payload checksum (the slot is committed with its header checksum only, as on the GPU
 path, where the device copies): what remains is the recorder's bookkeeping.
 
@@ -35,6 +37,7 @@ from pathlib import Path
 
 import torch
 from _machine import cpu_model
+from _timing import new_step_objects
 
 import kdump
 from kdump.kernels import registry
@@ -54,23 +57,8 @@ def _stand_in() -> types.ModuleType:
     return mod
 
 
-def _per_call_us(fn: object, args: tuple, kwargs: dict, calls: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn(*args, **kwargs)  # type: ignore[operator]
-    return (time.perf_counter() - t0) / calls * 1e6
-
-
-def _fresh(args: tuple) -> tuple:
-    """`args` with every tensor a new tensor object over the same memory (what a serving loop
-    passes each step: new activations where the caching allocator gave the same blocks)."""
-    return tuple(
-        t.as_strided(t.shape, t.stride(), t.storage_offset()) if isinstance(t, torch.Tensor) else t
-        for t in args
-    )
-
-
-def _per_call_fresh_us(fn: object, argsets: list[tuple], kwargs: dict) -> float:
+def _per_call_us(fn: object, argsets: list[tuple], kwargs: dict) -> float:
+    """Host µs per call of `fn` over the argument tuples `argsets`, one call each."""
     t0 = time.perf_counter()
     for args in argsets:
         fn(*args, **kwargs)  # type: ignore[operator]
@@ -108,6 +96,7 @@ def main() -> None:
     rows = torch.arange(labels.numel())
     labels.copy_(torch.where(rows % 128 < opt.tokens, rows // 128, -1).to(torch.int32))
     plain_fn = module.m_grouped_fp8_gemm_nt_contiguous
+    same = [args] * opt.calls  # the same tensor objects every call
     shm = Path(tempfile.mkdtemp(prefix="kdump-bench-ring-", dir="/dev/shm"))
     ring = RingConfig(slots=64, slot_bytes=1 << 20, journal_dir=shm, device_bytes=0)
     plain: list[float] = []
@@ -130,22 +119,23 @@ def main() -> None:
             for _ in range(20):  # journal, static region, signature caches
                 hooked(*args, **kwargs)
             for _ in range(opt.rounds):
-                plain.append(_per_call_us(plain_fn, args, kwargs, opt.calls))
-                rec.append(_per_call_us(hooked, args, kwargs, opt.calls))
-                argsets = [_fresh(args) for _ in range(opt.calls)]  # made outside the timing
-                fresh.append(_per_call_fresh_us(hooked, argsets, kwargs))
-                del argsets
+                plain.append(_per_call_us(plain_fn, same, kwargs))
+                rec.append(_per_call_us(hooked, same, kwargs))
+                # made outside the timing: A, its scales, D and the labels new objects
+                renewed = [new_step_objects(args) for _ in range(opt.calls)]
+                fresh.append(_per_call_us(hooked, renewed, kwargs))
+                del renewed
                 # the full path for every call: no lane (its probe finds none) and no repeat key
                 ring_module._repeat_key = ring_module._probe = lambda *a: None
                 try:
-                    full.append(_per_call_us(hooked, args, kwargs, opt.calls))
+                    full.append(_per_call_us(hooked, same, kwargs))
                 finally:
                     ring_module._repeat_key, ring_module._probe = repeat_key, probe
             fast = recorder.fast_calls
             if opt.profile:
                 prof = cProfile.Profile()
                 prof.enable()
-                _per_call_us(hooked, args, kwargs, opt.calls)
+                _per_call_us(hooked, same, kwargs)
                 prof.disable()
                 out = io.StringIO()
                 pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(opt.profile)
@@ -166,12 +156,11 @@ def main() -> None:
     )
     print(
         f"host us per call: unhooked {statistics.median(plain):.2f}, recorded "
-        f"{statistics.median(rec):.1f} (min {min(rec):.1f}), new tensor objects over the same "
-        f"memory every call {statistics.median(fresh):.1f} (min {min(fresh):.1f}), full path "
-        "every call "
-        f"{statistics.median(full):.1f} (min {min(full):.1f}); ratio to unhooked "
-        f"{statistics.median(ratios):.0f}x, full / repeat path {statistics.median(gains):.2f}x "
-        f"(repeat-path calls {fast}, recorder errors {errors})"
+        f"{statistics.median(rec):.1f} (min {min(rec):.1f}), new objects for A, its scales, D "
+        f"and the labels every call {statistics.median(fresh):.1f} (min {min(fresh):.1f}), "
+        f"full path every call {statistics.median(full):.1f} (min {min(full):.1f}); ratio to "
+        f"unhooked {statistics.median(ratios):.0f}x, full / repeat path "
+        f"{statistics.median(gains):.2f}x (repeat-path calls {fast}, recorder errors {errors})"
     )
 
 

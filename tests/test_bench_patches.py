@@ -4,22 +4,16 @@ the patched kernels must still compile, or a refactor of the kernel breaks them 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kdump.record import gather
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
 
 @pytest.fixture
-def bench(monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.syspath_prepend(str(BENCH))
-    import bench_snapshot_kernel
-
-    return bench_snapshot_kernel
+def bench(bench_import: Any) -> Any:
+    return bench_import("bench_snapshot_kernel")
 
 
 def test_every_patch_finds_its_text_once_in_the_shipped_kernel(bench):

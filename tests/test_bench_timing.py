@@ -4,21 +4,15 @@ serving step passes (same memory and layout, other objects; the weights the same
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
 
 @pytest.fixture
-def timing(monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.syspath_prepend(str(BENCH))
-    import _timing
-
-    return _timing
+def timing(bench_import: Any) -> Any:
+    return bench_import("_timing")
 
 
 def test_interleaved_takes_every_measurement_in_turn_and_reports_medians(timing):

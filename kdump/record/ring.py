@@ -639,16 +639,9 @@ class RingRecorder:
         address, layout and flags already. A static candidate's tensor must be the same object,
         whose version says whether the static copy still holds."""
         if not same:
-            refs = rep.refs
             for k, t in enumerate(tensors):  # the key holds their number and facts
-                if refs[k]() is not t:
-                    if k in rep.pinned:
-                        return _MISS
-                    try:
-                        if t.untyped_storage().nbytes() != rep.storage_nbytes[k]:
-                            return _MISS
-                    except Exception:  # no storage to ask: the full path decides
-                        return _MISS
+                if not _stands_for(rep, k, t):
+                    return _MISS
         # `version_of` inline, one pass: static candidates keep theirs, the others fill holes
         values: list[Any] = []
         for f, v in rep.versions:
@@ -1202,10 +1195,6 @@ class _Lane:
                 if x is not out[k]:
                     return None
                 continue
-            if x is not refs[k]():
-                if k in rep.pinned:  # a static candidate: its version belongs to its object
-                    return None
-                renewed = True
             # `_facts_of([x])[0] != facts`, inline: a call per tensor costs the lane a
             # microsecond; the first fact (the address) tells most changes apart
             p = x.data_ptr()
@@ -1221,20 +1210,30 @@ class _Lane:
                 None if p else x.device,
             ) != facts:
                 return None
+            if x is not refs[k]():
+                if not _stands_for(rep, k, x):
+                    return None
+                renewed = True
             out[k] = x
-        if renewed:
-            # As the repeat key: distinct objects where the template had them (one object at
-            # two first places is another key), storages of the recorded sizes.
-            if len(set(map(id, out))) != len(out):
-                return None
-            nbytes = rep.storage_nbytes
-            try:
-                for k, x in enumerate(out):
-                    if x is not refs[k]() and x.untyped_storage().nbytes() != nbytes[k]:
-                        return None
-            except Exception:  # no storage to ask: the repeat key decides
-                return None
+        # As the repeat key: distinct objects where the template had them (one object at two
+        # first places is another key).
+        if renewed and len(set(map(id, out))) != len(out):
+            return None
         return out
+
+
+def _stands_for(rep: Any, k: int, t: Any) -> bool:
+    """Whether `t` may stand for tensor `k` of the call `rep` (a `_Repeat`) was made from, its
+    facts being equal: that very object, or, unless the tensor is pinned (a static candidate:
+    its version belongs to its object), a new object whose storage has the recorded size."""
+    if rep.refs[k]() is t:
+        return True
+    if k in rep.pinned:
+        return False
+    try:
+        return bool(t.untyped_storage().nbytes() == rep.storage_nbytes[k])
+    except Exception:  # no storage to ask: the full path decides
+        return False
 
 
 def _facts_of(tensors: list[Any]) -> tuple[tuple[Any, ...], ...]:
