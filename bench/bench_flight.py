@@ -16,6 +16,10 @@ expert (A is always 36,864 rows: every expert padded to 128). For each:
   touched rows' scales (to the same places of a buffer of the scales' layout) and marks each
   block done behind a fence (no compaction, no ring slot, no publication): what no snapshot of
   case (i) that copies only the touched rows and says it completed can beat;
+* (i) ring floor: the same kernel writing the touched rows compacted (one row-counter atomic per
+  block) and published by the last block to finish (a block counter behind a fence, then the
+  row count and the token): what no snapshot into a compacting ring, where the next slot starts
+  after the rows of this one, can beat;
 * eager host time per call, unhooked and recorded (the call signature cache warm), at least
   400 calls timed in chunks with the device synchronised between them (bench/_timing.py), and
   recorded with A, its scales, D and the labels new tensor objects over the same memory at
@@ -161,26 +165,77 @@ extern "C" __global__ void kd_floor(const int* __restrict__ labels, const float*
   __syncthreads();
   if (threadIdx.x == 0) *(volatile unsigned long long*)&flags[blockIdx.x] = tok;
 }
+
+// The floor of case (i) for a snapshot into a compacting ring (kdump's design: a slot holds
+// only the touched rows, so the next slot starts after them): kd_floor's reads, but each block
+// reserves its touched rows' places with one atomic on a row counter and writes them compacted
+// (the row index, then the scales column by column: coalesced), and the last block to finish
+// (a block counter behind a fence) publishes the row count and the token as the slot's head
+// and resets both counters. No slot position from a ring head, no call record, no plain
+// copies of B's scales: what kd_snapshot adds beyond this is its own.
+extern "C" __global__ void kd_floor_ring(const int* __restrict__ labels,
+                                         const float* __restrict__ sf, long long col_stride,
+                                         unsigned cols, unsigned rows, float* __restrict__ out,
+                                         int* __restrict__ out_rows, unsigned* counters,
+                                         unsigned long long* head,
+                                         const unsigned long long* token) {
+  __shared__ unsigned warp_sum[4];
+  __shared__ unsigned base;
+  const unsigned r = blockIdx.x * blockDim.x + threadIdx.x;
+  const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+  const unsigned long long tok = *(const volatile unsigned long long*)token;
+  const bool hit = r < rows && labels[r] >= 0;
+  const unsigned ballot = __ballot_sync(0xffffffffu, hit);
+  if (lane == 0) warp_sum[warp] = __popc(ballot);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned n = warp_sum[0] + warp_sum[1] + warp_sum[2] + warp_sum[3];
+    base = n ? atomicAdd(&counters[0], n) : 0u;
+  }
+  __syncthreads();
+  if (hit) {
+    unsigned pos = base + __popc(ballot & ((1u << lane) - 1u));
+    for (unsigned w = 0; w < warp; ++w) pos += warp_sum[w];
+    out_rows[pos] = (int)r;
+#pragma unroll 8
+    for (unsigned c = 0; c < cols; ++c) out[pos + c * rows] = sf[r + c * col_stride];
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0 && atomicAdd(&counters[1], 1u) == gridDim.x - 1) {
+    __threadfence();
+    const unsigned n = atomicExch(&counters[0], 0u);
+    counters[1] = 0u;
+    head[1] = n;
+    __threadfence();
+    *(volatile unsigned long long*)&head[0] = tok;
+  }
+}
 """
 
 
-def _with_floor_node(fn: Callable[..., Any], args: tuple) -> Callable[..., Any]:
+def _with_floor_node(fn: Callable[..., Any], args: tuple, ring: bool = False) -> Callable[..., Any]:
     """`fn` after kd_floor (_FLOOR_SRC) over its labels and A's scales: the step of case (i)
-    that no snapshot copying the touched rows (and marking itself complete) can beat."""
+    that no snapshot copying the touched rows (and marking itself complete) can beat; `ring`:
+    after kd_floor_ring, the same for a snapshot into a compacting ring."""
     from bench_snapshot_kernel import load_function
 
     from kdump.nvrtc import check, driver
 
     d = driver()
-    kernel = load_function(_FLOOR_SRC, "kd_floor")
+    name = "kd_floor_ring" if ring else "kd_floor"
+    kernel = load_function(_FLOOR_SRC, name)
     labels, sf = args[3], args[0][1]
     rows, cols = sf.shape
     assert sf.dtype == torch.float32 and sf.stride(0) == 1, "MN-major fp32 scales"
-    out = torch.empty_like(sf)  # the same strides: the copy keeps the scales' layout
-    out_labels = torch.empty_like(labels)
+    out = torch.empty_like(sf)  # kd_floor: the same strides, the copy keeps the scales' layout
+    out_labels = torch.empty_like(labels)  # kd_floor_ring: the touched rows' indices
     blocks = -(-rows // 128)
-    flags = torch.zeros(blocks, dtype=torch.int64, device="cuda")
+    # kd_floor: a flag per block; kd_floor_ring: its two counters, then the slot head
+    flags = torch.zeros(max(blocks, 4), dtype=torch.int64, device="cuda")
     token = torch.ones(1, dtype=torch.int64, device="cuda")
+    ptr = flags.data_ptr()
+    tail = (ptr, ptr + 16) if ring else (ptr,)
     vals = (
         ctypes.c_uint64(labels.data_ptr()),
         ctypes.c_uint64(sf.data_ptr()),
@@ -189,7 +244,7 @@ def _with_floor_node(fn: Callable[..., Any], args: tuple) -> Callable[..., Any]:
         ctypes.c_uint32(rows),
         ctypes.c_uint64(out.data_ptr()),
         ctypes.c_uint64(out_labels.data_ptr()),
-        ctypes.c_uint64(flags.data_ptr()),
+        *(ctypes.c_uint64(v) for v in tail),
         ctypes.c_uint64(token.data_ptr()),
     )
     params = (ctypes.c_void_p * len(vals))(*(ctypes.addressof(v) for v in vals))
@@ -202,7 +257,7 @@ def _with_floor_node(fn: Callable[..., Any], args: tuple) -> Callable[..., Any]:
             d.cuLaunchKernel(
                 kernel, blocks, 1, 1, 128, 1, 1, 0, stream, ctypes.addressof(params), 0
             ),
-            "cuLaunchKernel(kd_floor)",
+            f"cuLaunchKernel({name})",
         )
         return fn(*a, **k)
 
@@ -303,12 +358,13 @@ def main() -> None:
     d2d = _d2d_gbs(256 << 20)
     print(f"plain D2D: {d2d:.0f} GB/s (HBM bound below uses it)\n")
     print(
-        "| N | K | tok/exp | plain ms | 1 empty node | 2 empty nodes | (i) floor | (i) held | "
+        "| N | K | tok/exp | plain ms | 1 empty node | 2 empty nodes | (i) floor | "
+        "(i) ring floor | (i) held | "
         "(i) not held | (ii) held | "
         "(ii) not held | rows MB | HBM bound ms | (ii) floor | (ii) held added / bound | "
         "eager us plain | eager us rec | eager us rec, new objects |"
     )
-    print("|" + "---|" * 18)
+    print("|" + "---|" * 19)
     facts: dict = {}
     for n, k in shapes:
         for tokens in token_counts:
@@ -317,6 +373,7 @@ def main() -> None:
             node1 = _graph_ms(_with_empty_nodes(fn, 1), args, kwargs, opt.iters)
             nodes = _graph_ms(_with_empty_nodes(fn), args, kwargs, opt.iters)
             floor_i = _graph_ms(_with_floor_node(fn, args), args, kwargs, opt.iters)
+            floor_r = _graph_ms(_with_floor_node(fn, args, ring=True), args, kwargs, opt.iters)
             plain_h = _eager_host_us(fn, args, kwargs, opt.iters)
             res = {}
             with _ScalesOnly():
@@ -335,6 +392,7 @@ def main() -> None:
                 f"{node1:.3f} ({node1 / plain:.3f}x)",
                 f"{nodes:.3f} ({nodes / plain:.3f}x)",
                 f"{floor_i:.3f} ({floor_i / plain:.3f}x)",
+                f"{floor_r:.3f} ({floor_r / plain:.3f}x)",
                 *(
                     f"{res[c, h][0]:.3f} ({res[c, h][0] / plain:.2f}x)"
                     for c in ("i", "ii")
