@@ -56,3 +56,16 @@ def test_patched_kernels_compile_under_nvrtc(bench, spec):
     opts = cuda_core.ProgramOptions(arch="sm_90a", std="c++17")
     cubin = cuda_core.Program(src, "c++", opts).compile("cubin")
     assert bytes(cubin.code)[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
+def test_flight_floor_kernels_compile_under_nvrtc(bench_import, arch):
+    """bench/bench_flight.py's floors of case (i) (kd_floor, kd_floor_ring) are only ever
+    launched on a GPU: compile them here."""
+    cuda_core = pytest.importorskip("cuda.core")
+    flight = bench_import("bench_flight")
+    opts = cuda_core.ProgramOptions(arch=arch, std="c++17")
+    cubin = cuda_core.Program(flight._FLOOR_SRC, "c++", opts).compile("cubin")
+    code = bytes(cubin.code)
+    assert code[:4] == b"\x7fELF"
+    assert b"kd_floor_ring" in code and b"kd_floor" in code
