@@ -16,10 +16,11 @@ expert (A is always 36,864 rows: every expert padded to 128). For each:
   touched rows' scales (to the same places of a buffer of the scales' layout) and marks each
   block done behind a fence (no compaction, no ring slot, no publication): what no snapshot of
   case (i) that copies only the touched rows and says it completed can beat;
-* (i) ring floor: the same kernel writing the touched rows compacted (one row-counter atomic per
-  block) and published by the last block to finish (a block counter behind a fence, then the
-  row count and the token): what no snapshot into a compacting ring, where the next slot starts
-  after the rows of this one, can beat;
+* (i) plain ring: the same kernel writing the touched rows compacted (one row-counter atomic per
+  block of 128 rows) and published by the last block to finish (a block counter behind a fence,
+  then the row count and the token), as a compacting ring needs (the next slot starts after
+  this one's rows): what the compaction and the publication add when written plainly, beside
+  kdump's snapshot (a reference, not a bound: a tuned kernel may beat it);
 * eager host time per call, unhooked and recorded (the call signature cache warm), at least
   400 calls timed in chunks with the device synchronised between them (bench/_timing.py), and
   recorded with A, its scales, D and the labels new tensor objects over the same memory at
@@ -166,13 +167,13 @@ extern "C" __global__ void kd_floor(const int* __restrict__ labels, const float*
   if (threadIdx.x == 0) *(volatile unsigned long long*)&flags[blockIdx.x] = tok;
 }
 
-// The floor of case (i) for a snapshot into a compacting ring (kdump's design: a slot holds
-// only the touched rows, so the next slot starts after them): kd_floor's reads, but each block
-// reserves its touched rows' places with one atomic on a row counter and writes them compacted
-// (the row index, then the scales column by column: coalesced), and the last block to finish
-// (a block counter behind a fence) publishes the row count and the token as the slot's head
-// and resets both counters. No slot position from a ring head, no call record, no plain
-// copies of B's scales: what kd_snapshot adds beyond this is its own.
+// Case (i) written plainly for a compacting ring (kdump's design: a slot holds only the touched
+// rows, so the next slot starts after them): kd_floor's reads, but each block reserves its
+// touched rows' places with one atomic on a row counter and writes them compacted (the row
+// index, then the scales column by column: coalesced), and the last block to finish (a block
+// counter behind a fence) publishes the row count and the token as the slot's head and resets
+// both counters. No slot position from a ring head, no call record, no plain copies of B's
+// scales. A reference for what compaction and publication add, not a bound.
 extern "C" __global__ void kd_floor_ring(const int* __restrict__ labels,
                                          const float* __restrict__ sf, long long col_stride,
                                          unsigned cols, unsigned rows, float* __restrict__ out,
@@ -217,7 +218,7 @@ extern "C" __global__ void kd_floor_ring(const int* __restrict__ labels,
 def _with_floor_node(fn: Callable[..., Any], args: tuple, ring: bool = False) -> Callable[..., Any]:
     """`fn` after kd_floor (_FLOOR_SRC) over its labels and A's scales: the step of case (i)
     that no snapshot copying the touched rows (and marking itself complete) can beat; `ring`:
-    after kd_floor_ring, the same for a snapshot into a compacting ring."""
+    after kd_floor_ring, the same written plainly for a compacting ring (a reference)."""
     from bench_snapshot_kernel import load_function
 
     from kdump.nvrtc import check, driver
@@ -359,7 +360,7 @@ def main() -> None:
     print(f"plain D2D: {d2d:.0f} GB/s (HBM bound below uses it)\n")
     print(
         "| N | K | tok/exp | plain ms | 1 empty node | 2 empty nodes | (i) floor | "
-        "(i) ring floor | (i) held | "
+        "(i) plain ring | (i) held | "
         "(i) not held | (ii) held | "
         "(ii) not held | rows MB | HBM bound ms | (ii) floor | (ii) held added / bound | "
         "eager us plain | eager us rec | eager us rec, new objects |"

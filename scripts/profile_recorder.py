@@ -33,6 +33,8 @@ from kdump.kernels import registry
 from kdump.record.config import RingConfig
 
 TARGET = "deep_gemm:m_grouped_fp8_gemm_nt_contiguous"
+# the floor wrapper with the driver calls the recorder makes per eager call
+_RECORDERS_DRIVER_CALLS = "+ a launch before the call and a stream write after it (ctypes)"
 
 
 def main() -> None:
@@ -105,28 +107,6 @@ def main() -> None:
             mixed = {f"not measured ({type(exc).__name__}: {exc})": float("nan")}
         t = time.perf_counter()
     phases["leaving the recording (flush)"] = time.perf_counter() - t
-    try:
-        floor = _floor(module.m_grouped_fp8_gemm_nt_contiguous, args, kwargs, opt.calls, plain)
-    except Exception as exc:  # the floor is a side measurement: report, keep the profile
-        floor = {f"not measured ({type(exc).__name__}: {exc})": float("nan")}
-    print(
-        f"host us per call: plain {plain:.1f}, recorded {bare_rec:.1f} (under cProfile {host:.1f})"
-    )
-    added = bare_rec - plain
-    print(f"added host us per recorded call: {added:.1f} (goal <= 25)")
-    print(
-        f"recorded, the device enqueue computed every call (no per-slot memo): {no_memo:.1f} "
-        f"(+{no_memo - plain:.1f})"
-    )
-    print(
-        "the same run with each call's host copies issued on their own (batch of 1: the driver "
-        "calls per call of the earlier code) and no lanes (the repeat key every call): "
-        f"{before:.1f} (+{before - plain:.1f})"
-    )
-    print(
-        "floor of a device-side recorder, same run, added us per call: "
-        + ", ".join(f"{k} {v:.1f}" for k, v in floor.items())
-    )
     base = mixed.get("unhooked", float("nan"))
     print(
         f"interleaved ({opt.rounds} rounds, each entry {max(opt.calls // 4, 40)} calls a round, "
@@ -135,6 +115,21 @@ def main() -> None:
             f"{k} {v:.1f}" + ("" if k == "unhooked" else f" (+{v - base:.1f})")
             for k, v in mixed.items()
         )
+    )
+    floor = mixed.get(f"floor: {_RECORDERS_DRIVER_CALLS}", float("nan"))
+    print(
+        "added host us per recorded call (interleaved medians): "
+        f"{mixed.get('recorded', float('nan')) - base:.1f} with the same tensor objects, "
+        f"{mixed.get('recorded, new objects', float('nan')) - base:.1f} with new ones "
+        f"(goal <= 25); the floor of its driver calls ({_RECORDERS_DRIVER_CALLS}): "
+        f"{floor - base:.1f}"
+    )
+    print(
+        "one after another (the host's load may move between them), host us per call: "
+        f"unhooked {plain:.1f}, recorded {bare_rec:.1f} (under cProfile {host:.1f}), the device "
+        f"enqueue computed every call (no per-slot memo) {no_memo:.1f}, each call's host copies "
+        "issued on their own (batch of 1: the driver calls per call of the earlier code) and no "
+        f"lanes (the repeat key every call) {before:.1f}"
     )
     total = pstats.Stats(prof).total_calls  # type: ignore[attr-defined]
     print(f"Python function calls per recorded call (cProfile): {total / opt.calls:.0f}")
@@ -148,17 +143,6 @@ def main() -> None:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats(key).print_stats(opt.top)
         print(s.getvalue())
-
-
-def _floor(fn: Any, args: tuple, kwargs: dict, calls: int, plain: float) -> dict[str, float]:
-    """Added host us per call of each of `_floor_fns(fn)`, measured one after the other."""
-
-    def timed(f: Any) -> float:
-        for _ in range(3):
-            f(*args, **kwargs)
-        return host_us(f, args, kwargs, calls) - plain
-
-    return {name: timed(f) for name, f in _floor_fns(fn).items()}
 
 
 def _floor_fns(fn: Any) -> dict[str, Any]:
@@ -235,7 +219,7 @@ def _floor_fns(fn: Any) -> dict[str, Any]:
     # a snapshot before the call and an exact done marker after it
     out["+ two launches, before and after the call (ctypes)"] = marked
     # the recorder's eager calls today: the done marker as a stream write, no second launch
-    out["+ a launch before the call and a stream write after it (ctypes)"] = written
+    out[_RECORDERS_DRIVER_CALLS] = written
     return out
 
 

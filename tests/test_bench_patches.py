@@ -59,8 +59,8 @@ def test_patched_kernels_compile_under_nvrtc(bench, spec):
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
-def test_flight_floor_kernels_compile_under_nvrtc(bench_import, arch):
-    """bench/bench_flight.py's floors of case (i) (kd_floor, kd_floor_ring) are only ever
+def test_flight_case_i_kernels_compile_under_nvrtc(bench_import, arch):
+    """bench/bench_flight.py's kernels of case (i) (kd_floor, kd_floor_ring) are only ever
     launched on a GPU: compile them here."""
     cuda_core = pytest.importorskip("cuda.core")
     flight = bench_import("bench_flight")
