@@ -4,6 +4,7 @@ table are all derived from `ExitCode` and `FindingKind` below."""
 
 from __future__ import annotations
 
+import errno
 import textwrap
 from enum import Enum, IntEnum
 from typing import ClassVar
@@ -29,7 +30,12 @@ class ExitCode(IntEnum):
         "wrong results",
         "wrong results: mismatch against reference or recorded output, nondeterminism",
     )
-    USAGE = (2, "usage error or invalid bundle", "usage error, unreadable or invalid bundle")
+    USAGE = (
+        2,
+        "usage, environment or bundle error",
+        "usage error; the environment stops the command (permission denied, disk full or "
+        "read-only, missing folder); unreadable or invalid bundle",
+    )
     KERNEL_ERROR = (
         3,
         "kernel error (crash, illegal address, hang)",
@@ -45,7 +51,11 @@ class ExitCode(IntEnum):
         "contract violation",
         "the recorded call violates the kernel's contract (nothing launched unless `--force`)",
     )
-    INTERNAL = (70, "internal error", "internal error in kdump (one line; traceback with `-v`)")
+    INTERNAL = (
+        70,
+        "internal error",
+        "internal error: a bug in kdump (one line; traceback with `-v`, anywhere before `--`)",
+    )
     CANNOT_RUN = (
         125,
         "cannot run here (no GPU, library missing)",
@@ -76,6 +86,13 @@ class FindingKind(str, Enum):
     CONTRACT = ("contract", ExitCode.CONTRACT, "the call violates the kernel's contract")
     INTERNAL = ("internal", ExitCode.INTERNAL, "a bug in kdump, or a replay that never ran")
     CANNOT_RUN = ("cannot_run", ExitCode.CANNOT_RUN, "this machine cannot run the request")
+
+
+# Codes kdump chooses that no finding has: an interrupted command (Ctrl-C; a SIGTERM ends it as
+# the shell reports a death by that signal, 128 + 15) and `kdump record`, which passes the
+# program's own code through.
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
 
 
 # With several findings the first code in this order wins.
@@ -142,7 +159,8 @@ def bisect_text() -> str:
         f"--bisect BUNDLE`): clean exits {BISECT_GOOD} (good); a reproduced failure ({bad}) "
         f"exits {BISECT_BAD} (bad); a library that cannot be imported or built at this commit "
         f"({int(ExitCode.CANNOT_RUN)}) exits {BISECT_SKIP} (skip); a usage, bundle or internal "
-        f"error ({abort}) exits {BISECT_ABORT} (abort)."
+        f"error ({abort}) exits {BISECT_ABORT} (abort); an interrupted run exits "
+        f"{EXIT_INTERRUPTED}, which `git bisect run` also reads as abort."
     )
 
 
@@ -157,7 +175,10 @@ def precedence_rank(code: int) -> int:
 def exit_codes_help() -> str:
     """The exit-code paragraph of `--help` (click keeps a paragraph led by \\b as written)."""
     pairs = ", ".join(f"{int(c)} {c.label}" for c in ExitCode)
-    body = textwrap.fill(f"Exit codes: {pairs}.", width=92)
+    pairs += f", {EXIT_INTERRUPTED} interrupted (Ctrl-C; SIGTERM: {EXIT_TERMINATED})"
+    body = textwrap.fill(
+        f"Exit codes: {pairs}. kdump record exits with the program's own code.", width=92
+    )
     order = ", ".join(str(int(c)) for c in EXIT_PRECEDENCE)
     return f"\b\n{body}\nSeveral findings: the first code in the order {order} wins."
 
@@ -168,6 +189,14 @@ def exit_codes_markdown() -> str:
     for c in ExitCode:
         kinds = ", ".join(f"`{k.value}`" for k in FindingKind if k.code == c)
         lines.append(f"| {int(c)} | {c.meaning} | {kinds} |")
+    lines += [
+        f"| {BISECT_ABORT} | `kdump replay --bisect` only: abort `git bisect run` (a usage, "
+        "bundle or internal error; see below) |  |",
+        f"| {EXIT_INTERRUPTED} | interrupted (Ctrl-C); a SIGTERM ends kdump with "
+        f"{EXIT_TERMINATED} |  |",
+        "| the program's | `kdump record` passes the program's exit code through (128 + N when "
+        "signal N ended it); its own codes only when it cannot start or record the program |  |",
+    ]
     order = ", ".join(str(int(c)) for c in EXIT_PRECEDENCE)
     lines += ["", f"With several findings the first in the order {order} wins.", "", bisect_text()]
     return "\n".join(lines)
@@ -236,6 +265,46 @@ class ContractViolation(KdumpError):
     """The recorded call violates the kernel's documented contract."""
 
     finding_kind = FindingKind.CONTRACT
+
+
+class UserEnvironmentError(UsageError):
+    """The user's environment stops the command: a permission, a full or read-only disk, a
+    missing folder, a file where a folder should be. Not a bug in kdump (exit 2)."""
+
+
+# errno -> what to do about it; {path} is the file the system named.
+_ENV_ADVICE: dict[int, str] = {
+    errno.EACCES: "permission denied for {path}: choose a location you can write (or read), "
+    "or fix its permissions",
+    errno.EPERM: "operation not permitted on {path}: choose a location you own, or fix its "
+    "permissions",
+    errno.ENOSPC: "no space left on the device of {path}: free some space or write elsewhere",
+    errno.EDQUOT: "disk quota exceeded writing {path}: free some space or write elsewhere",
+    errno.EFBIG: "{path} is too large for its file system: write to another file system",
+    errno.EROFS: "{path} is on a read-only file system: choose a writable location",
+    errno.EISDIR: "{path} is a folder: give a file name",
+    errno.ENOTDIR: "a part of {path} is a file, not a folder: check the path",
+    errno.ENOENT: "{path} does not exist: check the path, or create its folder first",
+    errno.EEXIST: "{path} already exists where kdump needs a new file or a folder: remove it "
+    "or choose another path",
+    errno.ENAMETOOLONG: "the path {path} is too long: choose a shorter one",
+    errno.EMFILE: "too many open files: raise the limit (ulimit -n) and run it again",
+    errno.ENFILE: "too many open files on this system: close some programs and run it again",
+    errno.EIO: "input/output error on {path}: check the disk",
+    errno.EPIPE: "the output was closed before kdump finished writing it",
+}
+
+
+def environment_error(exc: OSError) -> UserEnvironmentError | None:
+    """The typed error for an OSError the user's environment caused, with one line that says
+    what to do; None for any other OSError (a bug in kdump stays one)."""
+    advice = _ENV_ADVICE.get(exc.errno) if exc.errno is not None else None
+    if advice is None:
+        return None
+    # Bundle paths are untrusted; the CLI escapes the whole message before printing it.
+    name = exc.filename if exc.filename is not None else exc.filename2
+    path = repr(str(name)) if name is not None else "a file"
+    return UserEnvironmentError(advice.format(path=path))
 
 
 class UnknownTargetError(UsageError):

@@ -28,6 +28,15 @@ COMMANDS = {
 }
 
 
+def _add_verbose(command: click.Command) -> None:
+    """Let `-v` (tracebacks of errors) follow the command name too, as in `kdump pack X -v`;
+    a command with a -v of its own keeps it (kdump reads -v from the command line anyway)."""
+    from kdump.cli.common import verbose_option
+
+    if not any("-v" in p.opts or "--verbose" in p.opts for p in command.params):
+        command.params.append(verbose_option)
+
+
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(COMMANDS)
@@ -35,7 +44,9 @@ class LazyGroup(click.Group):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in COMMANDS:
             return None
-        return importlib.import_module(COMMANDS[name][0]).command
+        command = importlib.import_module(COMMANDS[name][0]).command
+        _add_verbose(command)
+        return command
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         with formatter.section("Commands"):

@@ -73,8 +73,12 @@ def command(
     from dataclasses import replace
 
     from kdump.bundle import load_bundle
+    from kdump.cli.common import check_output_path
     from kdump.report.markdown import ReportOptions, render_report
 
+    for path in (output, script):  # before any work: a replay can take minutes
+        if path:
+            check_output_path(path)
     b = load_bundle(bundle)
     options = ReportOptions(redact, modes or ("eager",), backend, device)
     if script:

@@ -105,9 +105,11 @@ def command(
     exact. From tier 2 on the failure must show against an oracle other than the recorded
     output. SMALL records each tier (what was replaced, how, the seed).
     """
+    from kdump.cli.common import check_output_path
     from kdump.replay.options import TOOLS, ReplayOptions, SanitizerOptions
     from kdump.report.slim import SlimOptions, describe, slim
 
+    check_output_path(output)  # before the replays, which can take minutes
     chosen = TOOLS if "all" in tools else (tools or ("memcheck",))
     replay = ReplayOptions(
         mode=mode,
