@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import platform
+import re
+import shlex
+import subprocess
 import sys
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kdump import __version__
@@ -12,6 +17,51 @@ from kdump.tools import find_tool, tool_version
 
 def _check(name: str, ok: bool, detail: str, fix: str = "") -> dict[str, Any]:
     return {"name": name, "ok": ok, "detail": detail, "fix": fix}
+
+
+_GPU_ACTION = (
+    "run on a machine with an NVIDIA GPU and a CUDA build of torch "
+    "(https://pytorch.org/get-started/locally/), or replay on the CPU with --backend reference"
+)
+# A plug-in's fix that only restates a cause -> what to do about it.
+_ACTIONS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"no CUDA (device|GPU)|needs a CUDA GPU|CUDA is not available", re.I), _GPU_ACTION),
+    (
+        re.compile(r"NVRTC|CUTLASS|cuda[.-]core|cuda[.-]bindings", re.I),
+        "pip install 'kdump-gpu[kernel]'",
+    ),
+    (re.compile(r"^torch is not installed", re.I), "pip install torch"),
+)
+
+
+def _closed(text: str) -> str:
+    """`text` with the parentheses a cut message left open closed again."""
+    depth = 0
+    for c in text:
+        depth += {"(": 1, ")": -1}.get(c, 0)
+    return text + ")" * max(depth, 0)
+
+
+def _action(line: dict[str, Any]) -> str:
+    """The line's fix as an action: a fix that repeats the problem (or only names a cause)
+    becomes what to do about it."""
+    fix, detail = str(line.get("fix") or ""), str(line.get("detail") or "")
+    restates = fix.strip().lower() == detail.strip().lower() or fix.lower().startswith("needs ")
+    if fix and not restates:
+        return fix
+    for pattern, action in _ACTIONS:
+        if pattern.search(fix) or pattern.search(detail):
+            return action
+    return fix if fix and fix.strip().lower() != detail.strip().lower() else ""
+
+
+def tidy(line: dict[str, Any]) -> dict[str, Any]:
+    """A doctor line as printed: its detail whole, its fix an action (plug-ins write the lines;
+    this is the one place that holds them to that)."""
+    out = dict(line)
+    out["detail"] = _closed(str(line.get("detail", "")))
+    out["fix"] = "" if line.get("ok") else _action(line)
+    return out
 
 
 def diagnose() -> dict[str, Any]:
@@ -42,15 +92,7 @@ def diagnose() -> dict[str, Any]:
             )
         )
     else:
-        checks.append(
-            _check(
-                "gpu",
-                False,
-                "no CUDA GPU visible",
-                "replays run on the CPU with --backend reference; GPU backends need "
-                "a CUDA GPU and a CUDA build of torch",
-            )
-        )
+        checks.append(_check("gpu", False, "no CUDA GPU visible", _GPU_ACTION))
     checks.append(_check("backend reference", True, "torch reference (CPU and GPU)"))
     from kdump.kernels.registry import plugins
 
@@ -73,7 +115,7 @@ def diagnose() -> dict[str, Any]:
                 "set KDUMP_SANITIZER=/path/to/compute-sanitizer",
             )
         )
-    return {"checks": checks}
+    return {"checks": [tidy(c) for c in checks]}
 
 
 # What `kdump doctor --selftest` replays on the packaged kernel: every routing layout it has,
@@ -142,3 +184,85 @@ def run_selftest() -> dict[str, Any]:
         "summary": "; ".join(parts),
         "verdicts": [v.to_json() for v in verdicts],
     }
+
+
+# --- how to replay a bundle here: the commands kdump prints --------------------------------------
+
+_FIND_SPEC = (
+    "import importlib.util, sys\n"
+    "sys.path[:0] = sys.argv[2:]\n"
+    "try:\n    s = importlib.util.find_spec(sys.argv[1])\nexcept Exception:\n    s = None\n"
+    "sys.exit(0 if s is not None else 1)"
+)
+_importable_cache: dict[tuple[str, tuple[str, ...]], bool] = {}
+
+
+def importable_at_replay(module: str, paths: Sequence[str] = ()) -> bool:
+    """Whether a replay started here (with `--path paths`) finds `module`: asked of a fresh
+    Python with the replay child's environment (no current folder on sys.path). Only the
+    top-level package is looked up, so none of the user's code runs."""
+    top = module.split(".")[0]
+    if not top or top == "torch":
+        return True
+    full = tuple(os.path.abspath(p) for p in paths)
+    key = (top, full)
+    if key not in _importable_cache:
+        from kdump.replay.child import child_environment
+
+        try:
+            got = subprocess.run(
+                [sys.executable, "-c", _FIND_SPEC, top, *full],
+                env=child_environment(None),
+                capture_output=True,
+                timeout=60,
+            )
+            _importable_cache[key] = got.returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            _importable_cache[key] = False
+    return _importable_cache[key]
+
+
+def unclaimed_targets(targets: Iterable[str]) -> list[str]:
+    """The targets (in order, once each) that no kernel plug-in claims: replay runs them only
+    when the user allows them, and imports their module from the environment or --path."""
+    from kdump.kernels.registry import claiming_plugin
+
+    out: list[str] = []
+    for t in targets:
+        if t not in out and claiming_plugin(t) is None:
+            out.append(t)
+    return out
+
+
+def replay_words(
+    targets: Iterable[str],
+    allow_flag: str = "--allow-target",
+    path_flag: str = "--path",
+    paths: Sequence[str] = (),
+) -> tuple[list[str], list[str]]:
+    """What a replay of a bundle with `targets` needs on its command line to run here as printed:
+    (words: `--allow-target T` per target no plug-in claims and `--path P` per folder given,
+    modules: the modules of those targets that a replay would still not find, for a hint)."""
+    words: list[str] = []
+    missing: list[str] = []
+    for t in unclaimed_targets(targets):
+        words += [allow_flag, t]
+        module = t.partition(":")[0]
+        if not module.startswith("torch.ops.") and not importable_at_replay(module, paths):
+            missing.append(module)
+    for p in paths:
+        words += [path_flag, p]
+    return words, missing
+
+
+def path_hint(modules: Sequence[str], path_flag: str = "--path") -> str:
+    """The hint for target modules a replay would not find here."""
+    shown = ", ".join(dict.fromkeys(modules))
+    return (
+        f"{shown} cannot be imported here: add {path_flag} DIR with the folder that holds it "
+        "(or install it)"
+    )
+
+
+def quoted(words: Iterable[str]) -> str:
+    return " ".join(shlex.quote(w) for w in words)

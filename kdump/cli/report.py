@@ -41,6 +41,14 @@ import click
     metavar="PATTERN",
     help="--script/--replay: also run this target (module:function, globs; repeatable).",
 )
+@click.option(
+    "--path",
+    "paths",
+    multiple=True,
+    type=click.Path(file_okay=False),
+    help="--replay: folder the replays import targets from (repeatable); also written into "
+    "the report's commands.",
+)
 def command(
     bundle: str,
     output: str | None,
@@ -52,6 +60,7 @@ def command(
     no_plot: bool,
     script: str | None,
     allow_targets: tuple[str, ...],
+    paths: tuple[str, ...],
 ) -> int:
     """Write a Markdown bug report of BUNDLE, ready to paste into an issue: environment, every
     argument's layout and aliasing, routing metadata per group (with -o also as a PNG plot,
@@ -80,7 +89,7 @@ def command(
         if path:
             check_output_path(path)
     b = load_bundle(bundle)
-    options = ReportOptions(redact, modes or ("eager",), backend, device)
+    options = ReportOptions(redact, modes or ("eager",), backend, device, paths=paths)
     if script:
         from kdump.report.script import write_script
 
@@ -89,11 +98,17 @@ def command(
     verdicts = []
     if do_replay:
         from kdump.replay import replay
+        from kdump.replay.options import ReplayOptions
 
         for mode in options.modes:
-            verdicts += replay(
-                [bundle], mode=mode, backend=backend, device=device, allow_targets=allow_targets
+            opts = ReplayOptions(
+                mode=mode,
+                backend=backend,
+                device=device,
+                allow_targets=allow_targets,
+                paths=paths,
             )
+            verdicts += replay([bundle], opts)
     if output and not no_plot:
         from kdump.report.plot import draw, plot_path
 
@@ -104,7 +119,9 @@ def command(
     else:
         click.echo(text, nl=False)
     if script:
+        from kdump.doctor import quoted
         from kdump.text import visible
 
-        click.echo(f"wrote {visible(script)}; run it with: python {visible(script)}", err=True)
+        run = quoted(["python", script, *(w for p in paths for w in ("--path", p))])
+        click.echo(f"wrote {visible(script)}; run it with: {visible(run)}", err=True)
     return 0

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from kdump.cli.common import emit_json, json_option, max_load_option
@@ -77,6 +79,7 @@ Examples:
     help="Folder the replays import targets from (repeatable).",
 )
 @click.option("--tool", "tools", multiple=True, help="sanitizer: memcheck (default), racecheck…")
+@click.option("-q", "--quiet", is_flag=True, help="No progress display.")
 @json_option
 def command(
     bundle: str,
@@ -93,6 +96,7 @@ def command(
     allow_targets: tuple[str, ...],
     paths: tuple[str, ...],
     tools: tuple[str, ...],
+    quiet: bool,
     as_json: bool,
 ) -> int:
     """Write SMALL: BUNDLE as small as it gets while it still shows the failure.
@@ -125,16 +129,34 @@ def command(
 
     from kdump.progress import progress
 
-    with progress(f"slim {bundle}", None, enabled=not as_json) as bar:
+    with progress(f"slim {bundle}", None, enabled=not (quiet or as_json)) as bar:
 
         def step(label: str, done: int, total: int) -> None:
             bar.total = total
             bar.advance(done - bar.done)
 
         result = slim(bundle, output, opts, step)
+    command_line = next_command(result, replay)
     if as_json:
-        emit_json({"exit_code": 0, **result.to_json()})
+        emit_json({"exit_code": 0, **result.to_json(), "next": command_line})
     else:
         for line in describe(result):
             click.echo(line)
+        click.echo(f"next: {command_line}")
     return 0
+
+
+def next_command(result: Any, options: Any) -> str:
+    """The replay of SMALL, as it works here: the slim's mode, backend, device, allowed targets
+    and --path folders (escaped: the output path may hold anything)."""
+    from kdump.bundle import load_bundle
+    from kdump.doctor import quoted, replay_words
+    from kdump.text import visible
+
+    words = ["kdump", "replay", str(result.output), "--mode", options.mode]
+    for flag, value in (("--backend", options.backend), ("--device", options.device)):
+        if value != "auto":
+            words += [flag, value]
+    targets = [c.target for c in load_bundle(result.output).calls]
+    needs, _ = replay_words(targets, paths=list(options.paths))
+    return visible(quoted([*words, *needs]))

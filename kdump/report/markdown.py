@@ -34,6 +34,7 @@ class ReportOptions:
     device: str = "auto"
     plot: PlotResult | None = None  # the routing plot written beside the report, or why not
     script: str | None = None  # the standalone repro script written with --script
+    paths: tuple[str, ...] = ()  # --path folders the replays import targets from
 
 
 def _row(cells: Sequence[Any]) -> str:
@@ -209,18 +210,34 @@ class _Writer:
         self.add("")
 
     def reproduce(self, options: ReportOptions) -> None:
-        path = shlex.quote(escape_text(self.r.text(self.shown_path)))
+        """Commands that work as printed: `--allow-target` for each target no plug-in claims,
+        `--path` for each folder given, and a note for a target module not importable here."""
+        from kdump.doctor import path_hint, replay_words
+
+        def shown(text: str) -> str:
+            return shlex.quote(escape_text(self.r.text(text)))
+
+        path = shown(self.shown_path)
         backend = "" if options.backend == "auto" else f" --backend {shlex.quote(options.backend)}"
         device = "" if options.device == "auto" else f" --device {shlex.quote(options.device)}"
+        words, missing = replay_words(
+            [c.target for c in self.bundle.calls], paths=[str(p) for p in options.paths]
+        )
+        needs = "".join(f" {shown(w)}" for w in words)
         cmds = [f"kdump info {path} --verify"]
+        if missing:
+            cmds.append(f"# {escape_text(self.r.text(path_hint(missing)))}")
         for mode in ("eager", "graph", "sanitizer"):
-            cmds.append(f"kdump replay {path} --mode {mode}{backend}{device}")
+            cmds.append(f"kdump replay {path} --mode {mode}{backend}{device}{needs}")
         if len(self.bundle.calls) > 1:
             first, second = self.bundle.calls[0].index, self.bundle.calls[1].index
             cmds.append(f"kdump diff {path}#{first} {path}#{second}")
         if options.script:
-            script = shlex.quote(escape_text(self.r.text(options.script)))
-            cmds.append(f"python {script}  # standalone: torch and the kernel library, no kdump")
+            run = "".join(f" --path {shown(str(p))}" for p in options.paths)
+            cmds.append(
+                f"python {shown(options.script)}{run}"
+                "  # standalone: torch and the kernel library, no kdump"
+            )
         self.add("## Reproduce", "", code_fence("\n".join(cmds)), "")
 
 

@@ -758,9 +758,24 @@ def describe(result: SlimResult) -> list[str]:
         )
     lines.append(
         f"stopped at tier {result.stopped_at} because {visible(result.reason, 300)}; wrote "
-        f"{visible(str(result.output), 300)} ({result.nbytes} bytes, {result.ratio:.1f}x smaller)"
+        f"{visible(str(result.output), 300)} ({result.nbytes} bytes, "
+        f"{size_change(result.original_nbytes, result.nbytes)})"
     )
     return lines
+
+
+def size_change(before: int, after: int) -> str:
+    """How `after` bytes compare with `before` (the original's, printed on the first line):
+    never "1.0x smaller" for a file that grew or barely shrank."""
+    if after == before:
+        return "the same size as the original"
+    if after > before:
+        pct = 100 * (after - before) / max(before, 1)
+        return f"grew by {after - before} bytes, {pct:.1f}%"
+    ratio = before / max(after, 1)
+    if ratio >= 1.1:
+        return f"{ratio:.1f}x smaller"
+    return f"{100 * (before - after) / before:.1f}% smaller"
 
 
 def touched_ranges(
