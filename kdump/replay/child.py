@@ -21,10 +21,17 @@ exactly as above and writes "done" to the pipe FD when the job's result is writt
 reused only for the next bundle whose applied environment and library settings are identical
 (`reuse_key`), and only after a clean verdict; a worker that dies, hangs or reports anything is
 ended, so the bundle it was running is judged as above and the next one gets a fresh process.
+
+Every process started here runs in a process group of its own (a hang kills the whole group) and
+is registered, with the temporary folders made for it, until it is reaped. SIGINT and SIGTERM
+end them all (`end_children`: SIGTERM to each group, SIGKILL after GRACE_S) and remove the
+folders before kdump itself stops: SIGINT then goes on as KeyboardInterrupt (exit 130), SIGTERM
+as exit 143. A replay child does the same for the processes it started (the fresh-eager oracle).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -102,6 +109,137 @@ def child_environment(base: dict[str, str] | None, **extra: str) -> dict[str, st
     return env
 
 
+# --- the processes and folders kdump started for replays --------------------------------------
+
+GRACE_S = 0.5  # SIGTERM, then this long for a group's processes to clean up, then SIGKILL
+CHILD_GRACE_S = 0.2  # the same inside a replay child, for its own children (within GRACE_S)
+TERM_EXIT = 128 + signal.SIGTERM
+
+_live_lock = threading.Lock()
+_live: dict[int, subprocess.Popen[Any]] = {}  # process group id (= pid) -> its leader
+_live_dirs: set[str] = set()
+_ending = threading.Event()
+
+
+class Interrupted(KeyboardInterrupt):
+    """kdump is ending (SIGINT or SIGTERM): no new replay process starts."""
+
+
+def _spawn(cmd: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
+    """Popen in a new session (so a group kill reaches a sanitizer's child too), registered
+    until `_forget`."""
+    if _ending.is_set():
+        raise Interrupted
+    install_signal_handlers()
+    proc = subprocess.Popen(cmd, start_new_session=True, **kwargs)
+    with _live_lock:
+        _live[proc.pid] = proc
+    if _ending.is_set():  # the signal came while it started: it goes too
+        end_children()
+        raise Interrupted
+    return proc
+
+
+def _forget(proc: subprocess.Popen[Any]) -> None:
+    with _live_lock:
+        _live.pop(proc.pid, None)
+
+
+def _make_temp(prefix: str) -> Path:
+    folder = tempfile.mkdtemp(prefix=prefix)
+    with _live_lock:
+        _live_dirs.add(folder)
+    return Path(folder)
+
+
+def _remove_temp(folder: Path) -> None:
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
+    with _live_lock:
+        _live_dirs.discard(str(folder))
+
+
+def live_groups() -> list[int]:
+    """The process groups of replay processes still running (for tests and diagnostics)."""
+    with _live_lock:
+        return list(_live)
+
+
+def end_children(grace: float = GRACE_S) -> None:
+    """End every registered process group (SIGTERM, then SIGKILL after `grace` seconds), reap
+    the leaders and remove the registered folders; no new one starts afterwards. Safe to call
+    from a signal handler and more than once."""
+    import shutil
+
+    _ending.set()
+    with _live_lock:
+        procs = list(_live.values())
+        _live.clear()
+        folders = list(_live_dirs)
+        _live_dirs.clear()
+    for p in procs:
+        _signal_group(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        except (subprocess.TimeoutExpired, OSError):
+            pass
+    for p in procs:  # also what a leader that exited left running in its group
+        _signal_group(p.pid, signal.SIGKILL)
+    for p in procs:
+        try:
+            p.wait(timeout=1.0)
+        except (subprocess.TimeoutExpired, OSError):
+            pass
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def install_signal_handlers(grace: float = GRACE_S) -> None:
+    """On SIGINT and SIGTERM, end the registered processes first (main thread only; a signal
+    that is ignored stays ignored). SIGINT then does what it did before (KeyboardInterrupt by
+    default); SIGTERM calls the previous handler, or exits with 143 through SystemExit, so
+    `finally` blocks (temporary folders) still run."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous = signal.getsignal(sig)
+        except (ValueError, OSError):
+            continue
+        if previous == signal.SIG_IGN or getattr(previous, "_kdump_ends_children", False):
+            continue
+        try:
+            signal.signal(sig, _handler(previous, grace))
+        except (ValueError, OSError):
+            continue
+
+
+def _handler(previous: Any, grace: float) -> Any:
+    def handler(signum: int, frame: Any) -> None:
+        end_children(grace)
+        if callable(previous):
+            previous(signum, frame)
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        else:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.write("kdump: terminated\n")
+            raise SystemExit(TERM_EXIT)
+
+    handler._kdump_ends_children = True  # type: ignore[attr-defined]
+    return handler
+
+
 def launch(
     req: Request,
     timeout: float | None,
@@ -109,8 +247,8 @@ def launch(
     wrapper: Sequence[str] = (),
 ) -> Ended:
     """Run the child for `req` (under `wrapper`, e.g. compute-sanitizer and its flags)."""
-    with tempfile.TemporaryDirectory(prefix="kdump-replay-") as tmp:
-        folder = Path(tmp)
+    folder = _make_temp("kdump-replay-")
+    try:
         (folder / REQUEST).write_text(json.dumps(req.to_dict()))
         rc, err = run_group(
             [*wrapper, *child_command(folder)], env or child_environment(None), timeout
@@ -123,26 +261,28 @@ def launch(
                 result = None
         fault = (folder / FAULT).read_text(errors="replace") if (folder / FAULT).exists() else ""
         return Ended(rc, err, read_events(folder / PROGRESS), result, fault)
+    finally:
+        _remove_temp(folder)
 
 
 def run_group(cmd: list[str], env: dict[str, str], timeout: float | None) -> tuple[int | None, str]:
     """Run `cmd` in its own process group; (exit status, stderr), status None after a hang (the
     whole group is killed: a sanitizer's child too)."""
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
+    proc = _spawn(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     try:
         _, err = proc.communicate(timeout=timeout)
         return proc.returncode, err or ""
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _signal_group(proc.pid, signal.SIGKILL)
         _, err = proc.communicate()
         return None, err or ""
+    except BaseException:  # interrupted: the replay must not outlive kdump
+        _signal_group(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            proc.wait(timeout=5)
+        raise
+    finally:
+        _forget(proc)
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
@@ -281,20 +421,24 @@ class Worker:
     """One replay worker process (`--serve`), its job pipe and its stderr file."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.folder = Path(tempfile.mkdtemp(prefix="kdump-worker-"))
+        self.folder = _make_temp("kdump-worker-")
         self._stderr = open(self.folder / "stderr", "w+", errors="replace")  # noqa: SIM115
         read_fd, write_fd = os.pipe()
         try:
-            self.proc = subprocess.Popen(
+            self.proc = _spawn(
                 [sys.executable, "-m", "kdump.replay.child", "--serve", str(write_fd)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,
                 stderr=self._stderr,
                 text=True,
                 env=env,
-                start_new_session=True,
                 pass_fds=(write_fd,),
             )
+        except BaseException:
+            os.close(read_fd)
+            self._stderr.close()
+            _remove_temp(self.folder)
+            raise
         finally:
             os.close(write_fd)
         self._done = os.fdopen(read_fd, "rb", buffering=0)
@@ -352,11 +496,9 @@ class Worker:
                 return self.proc.wait(timeout=30)  # it closed the pipe: it is exiting
             except subprocess.TimeoutExpired:
                 pass  # closed the pipe but lives on: stop it as a hang
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _signal_group(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+        _forget(self.proc)
         return None
 
     def close(self) -> None:
@@ -367,11 +509,10 @@ class Worker:
                 self.proc.wait(timeout=10)
             except (OSError, subprocess.TimeoutExpired):
                 self._end(hung=True)
+        _forget(self.proc)
         self._done.close()
         self._stderr.close()
-        import shutil
-
-        shutil.rmtree(self.folder, ignore_errors=True)
+        _remove_temp(self.folder)
 
 
 class WorkerPool:
@@ -411,6 +552,15 @@ class WorkerPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def kill(self) -> None:
+        """End every idle worker at once (kdump is being interrupted)."""
+        with self._lock:
+            workers = [w for ws in self._idle.values() for w in ws]
+            self._idle.clear()
+        for w in workers:
+            w._end(hung=True)
+            w.close()
 
 
 def _crashed_replay(run: ChildRun) -> str | None:
@@ -570,6 +720,8 @@ def serve(done_fd: int) -> None:
 
 
 def main(argv: list[str]) -> None:
+    # kdump's end (SIGTERM to this group) ends the oracle processes this replay started, too
+    install_signal_handlers(CHILD_GRACE_S)
     if argv[:1] == ["--serve"]:
         serve(int(argv[1]))
     else:
@@ -582,3 +734,7 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+else:
+    # Replays may start their processes from worker threads (--jobs): the handlers are set up
+    # here, from the main thread that imports this module, before any of them starts.
+    install_signal_handlers()
