@@ -22,6 +22,11 @@ kernel may or may not have returned. Without the kernel
 (no NVRTC, or it failed) the same layout is filled by torch copies: small arguments D2D into the
 twin, the token into the call record, the same host copies; bulky arguments keep their layouts
 only, and the slot says so (`tiers`, `notes`).
+
+Outputs (`outputs_after`): after the kernel, on its stream, each output's span goes straight to
+its host payload (D2H; captured as nodes after the kernel under capture), then the call's token
+(the call record's `complete` word, or the counter / one without a device tier) into `out`. The
+twin's host copies never cover the outputs' payloads (they run before the kernel or beside it).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from kdump.record.journal import (
 RECORD_COMPLETE_AT = 40  # the call record's `complete` word: the token, once the snapshot ran
 _TRAILER_BYTES = TRAILER_BYTES
 _PRE_AT, _POST_AT, _DONE_AT = MARKER_AT["pre"], MARKER_AT["post"], MARKER_AT["done"]
+_OUT_AT = MARKER_AT["out"]
 _ONE_COPY_GAP = 4096  # bytes between the payloads and the call record still copied as one
 
 
@@ -420,13 +426,53 @@ class DeviceCopies:
         record_at = sb - _TRAILER_BYTES - CALL_RECORD_BYTES
         end = max((sp[0] + sp[1] for sp in spans if sp is not None), default=p0)
         twin = self.tier.twin_addr(slot.index)
-        if record_at - end <= _ONE_COPY_GAP:
+        # the outputs' payloads lie between: written after the kernel, never from the twin
+        outputs = any(sp is not None for sp in slot.output_spans)
+        if record_at - end <= _ONE_COPY_GAP and not outputs:
             return [(slot.offset + p0, twin + p0, record_at + CALL_RECORD_BYTES - p0)]
         out = []
         if end > p0:
             out.append((slot.offset + p0, twin + p0, end - p0))
         out.append((slot.offset + record_at, twin + record_at, CALL_RECORD_BYTES))
         return out
+
+    def outputs_after(
+        self,
+        slot: Slot,
+        views: Any,
+        outputs: list[dict[str, Any]],
+        token_index: int | None,
+        direct: bool,
+    ) -> None:
+        """After the recorded kernel, on the current stream: each output storage's span into its
+        host payload, then the call's token into the `out` marker (the payloads hold this call's
+        results exactly when `out` equals the slot's token). Under capture these are captured
+        after the kernel: every replay refreshes them. `direct`: the slot was filled by
+        `direct` (no device tier for this call)."""
+        spans = slot.output_spans
+        if direct or self.tier is None:
+            import torch
+
+            for m, o in enumerate(outputs):
+                sp = spans[m]
+                if sp is not None and sp[1]:
+                    dst = torch.frombuffer(slot.output(m), dtype=torch.uint8)
+                    dst.copy_(views[o["storage"]], non_blocking=True)
+            if token_index is not None:
+                token = self._own_counters[token_index : token_index + 1]
+            else:
+                token = self.one
+            out = torch.frombuffer(slot.marker("out"), dtype=torch.int64)
+            out.copy_(token, non_blocking=True)
+            return
+        cur = current_stream(self._index)
+        for m, o in enumerate(outputs):
+            sp = spans[m]
+            if sp is not None and sp[1]:
+                self._d2h(slot.offset + sp[0], views.ptr(o["storage"]), sp[1], cur)
+        sb = self.journal.slot_bytes
+        record = self.tier.twin_addr(slot.index, sb - _TRAILER_BYTES - CALL_RECORD_BYTES)
+        self._d2h(slot.offset + sb - _TRAILER_BYTES + _OUT_AT, record + RECORD_COMPLETE_AT, 8, cur)
 
     def _here(self) -> bool:
         return current_device() == self._index

@@ -30,7 +30,7 @@ Slot (slot i starts at header_bytes + i * slot_bytes):
     8       8     seq: 1, 2, 3, ... across the whole ring (0: never used)
     16      8     call index (per process)
     24      4     target id (the process' number for the target; its name is in the JSON)
-    28      4     payload count K
+    28      4     payload count K: one per storage, then one per entry of "outputs"
     32      8     stream id
     40      8     capture id (0: not capturing)
     48      8     graph id (0: not in a graph)
@@ -40,16 +40,23 @@ Slot (slot i starts at header_bytes + i * slot_bytes):
     72      16K   payload table: K pairs (offset from the slot's start, length), u64 each
     72+16K  J     compact JSON: target, called_as, names, args, kwargs (argument trees),
                   storages (with "payload": table index or null when missing), tensors (dtype,
-                  shape, stride, storage_offset, nbytes, data_ptr), extra meta
-    ...           payloads, each at a 64-byte aligned offset, before the call record
+                  shape, stride, storage_offset, nbytes, data_ptr), extra meta; since
+                  version 4 extra's last member may be "outputs": the storages whose bytes
+                  are copied again after the call, [{"storage": j, "tensors": [tensor
+                  indices], "payload": table index (after the storages' entries) or null
+                  when it did not fit}]
+    ...           payloads, each at a 64-byte aligned offset, before the call record: the
+                  storages' (before the call), then the outputs' (after it)
     S-128   64    call record: what the device snapshot wrote for this call (device slot, rows,
                   token; kdump.record.devring), zero without a device tier
     S-64    64    trailer: magic b"KDTR" (b"KDTX" while refilling), flags (bit 0: the
                   checksum covers the payloads; bit 1: device copies write the payloads after
                   the trailer), seq (u64), CRC-32 of the slot header bytes [0, 72 + 16K + J)
-                  and, with bit 0, of every payload in table order (u32), 4 zero bytes, then
-                  three u64 markers: `pre` (written before the payloads), `post` (after them),
-                  `done` (after the kernel), then 16 zero bytes
+                  and, with bit 0, of every storage's payload in table order (u32; never the
+                  outputs' payloads), 4 zero bytes, then four u64 markers: `pre` (written before
+                  the payloads), `post` (after them), `done` (after the kernel), `out` (after
+                  the outputs' copies that follow the kernel; version 4, zero in version 3),
+                  then 8 zero bytes
 
 Markers: each holds a token: for an eager call its seq where the snapshot kernel writes them (1
 where the host or the torch fallback does), the replay number for a slot refreshed by a
@@ -62,6 +69,12 @@ the site's chain writes its `done`: kdump.record.devcopy).
 
 Device payloads are copied on the call's stream, so the stream order (markers, payloads, kernel,
 marker) replaces the payload checksum there.
+
+Outputs (version 4): the payloads of the "outputs" entries are copied after the kernel on the
+call's stream (under CUDA-graph capture: captured nodes after the kernel, refreshed by every
+replay), then the call's token into `out`. They hold the call's results exactly when `out`
+equals the token of the slot's payloads (`post`, or the device twin's for a slot completed from
+it); no checksum covers them (they are written after `commit`), the marker orders them.
 
 Writing a slot: the old trailer is replaced by a refill marker (magic b"KDTX", the new seq, zero
 flags and checksum), then the header's magic is zeroed, then the new table and JSON are written
@@ -96,7 +109,10 @@ from typing import Any
 from kdump.errors import ExitCode, KdumpError
 
 JOURNAL_MAGIC = b"KDJRNL\x00\x01"
-JOURNAL_VERSION = 3  # 2: 64-byte trailer with the pre/post/done markers; 3: call record
+# 2: 64-byte trailer with the pre/post/done markers; 3: call record; 4: post-call output
+# payloads (extra's "outputs", the trailer's `out` marker)
+JOURNAL_VERSION = 4
+READ_VERSIONS = (3, 4)  # a version-3 journal is a version-4 one without outputs
 DEFAULT_DIR = Path("/dev/shm")
 FILE_PREFIX = "kdump-journal-"
 RUN_PREFIX = "kdump-run-"  # a `kdump record` run's folder of journals under the journal folder
@@ -113,11 +129,11 @@ _SLOT_FIXED = struct.Struct("<4sIQQIIQQQQI")  # through the JSON length
 _SLOT_CRC = struct.Struct("<I")
 _SLOT_HEAD = _SLOT_FIXED.size + _SLOT_CRC.size  # 72: where the payload table starts
 _TABLE_ENTRY = struct.Struct("<QQ")
-_TRAILER = struct.Struct("<4sIQI4xQQQ16x")
+_TRAILER = struct.Struct("<4sIQI4xQQQQ8x")
 _U64 = struct.Struct("<Q")  # a slot's seq (at offset 8) and the trailer's markers
 _ZERO4 = bytes(4)
 _SHIFTS_MAX = 256  # body lengths whose `_CrcShift` a journal shares between templates
-_MARKER_AT = {"pre": 24, "post": 32, "done": 40}  # offsets inside the trailer
+_MARKER_AT = {"pre": 24, "post": 32, "done": 40, "out": 48}  # offsets inside the trailer
 _DONE_AT = _MARKER_AT["done"] - _TRAILER.size  # the done marker, from the slot's end
 TRAILER_BYTES = _TRAILER.size
 MARKER_AT = dict(_MARKER_AT)
@@ -170,6 +186,9 @@ class SlotMeta:
     replay: int = 0
     after_kernel: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    # Storages whose bytes are copied again after the call, each {"storage": j, "tensors":
+    # [tensor indices]} (the outputs the call may write); their payloads follow the storages'.
+    outputs: list[dict[str, Any]] = field(default_factory=list)
 
 
 def meta_from_call(call: Any, call_index: int, **fields: Any) -> SlotMeta:
@@ -223,6 +242,16 @@ class SlotRecord:
     spans: tuple[tuple[int, int] | None, ...] = ()  # per storage: (offset, length) when present
     markers: tuple[int, int, int] = (0, 0, 0)  # pre, post, done as read
     call_record: bytes = b""  # the device snapshot's call record (zeros for host-copied slots)
+    # Per entry of `meta.outputs`: the bytes its payload holds (None: it did not fit), read for
+    # complete and in-flight slots alike; they are the call's results only when `out_marker`
+    # equals the token (`outputs_held`).
+    output_bytes: tuple[bytes | None, ...] = ()
+    out_marker: int = 0
+
+    @property
+    def outputs_held(self) -> bool:
+        """Whether the outputs' payloads hold this call's (this replay's) post-call bytes."""
+        return self.out_marker != 0 and self.out_marker == self.token
 
 
 @dataclass(frozen=True)
@@ -311,6 +340,7 @@ class SlotTemplate:
         "format",
         "graph_id",
         "k",
+        "k_in",
         "parts",
         "placed",
         "replay",
@@ -329,12 +359,14 @@ class SlotTemplate:
         graph_id: int,
         replay: int,
         flags: int,
+        k_in: int | None = None,
     ) -> None:
         self.parts = parts
         self.format = _format(parts)  # `reserve_from` fills it with a call's values
         self.want = want
         self.sizes = sizes
         self.k = len(sizes)
+        self.k_in = self.k if k_in is None else k_in  # the storages' payloads; outputs follow
         self.target_id = target_id
         self.capture_id = capture_id
         self.graph_id = graph_id
@@ -357,12 +389,15 @@ class Slot:
         spans: Sequence[tuple[int, int] | None],
         head_crc: int | None = None,
         base: int | None = None,
+        inputs: int | None = None,
     ) -> None:
         self._journal = journal
         self.index = index
         self.seq = seq
         self._head_crc = head_crc  # CRC-32 of the header as written, where the writer knows it
-        self._spans = spans  # per storage: (offset in slot, length) or None when missing
+        # per payload (the storages', then the outputs'): (offset in slot, length) or None
+        self._spans = spans
+        self.inputs = len(spans) if inputs is None else inputs  # the storages' payloads
         self._base = journal._slot_offset(index) if base is None else base  # the writer's
         self.committed = False
 
@@ -373,7 +408,17 @@ class Slot:
     @property
     def spans(self) -> list[tuple[int, int] | None]:
         """Per storage: (offset in the slot, length), or None when its payload is missing."""
-        return list(self._spans)
+        return list(self._spans[: self.inputs])
+
+    @property
+    def output_spans(self) -> list[tuple[int, int] | None]:
+        """Per entry of the meta's `outputs`: (offset in the slot, length), or None when it did
+        not fit."""
+        return list(self._spans[self.inputs :])
+
+    def output(self, m: int) -> memoryview:
+        """Where output m's post-call bytes go (a view into the mapped journal)."""
+        return self.payload(self.inputs + m)
 
     @property
     def offset(self) -> int:
@@ -416,14 +461,14 @@ class Slot:
                 _, _, _, _, _, k, _, _, _, _, jlen = _SLOT_FIXED.unpack_from(view, base)
                 crc = zlib.crc32(view[base : base + _SLOT_HEAD + 16 * k + jlen])
             if not device:
-                for span in self._spans:
+                for span in self._spans[: self.inputs]:  # outputs: written after the call
                     if span is not None:
                         crc = zlib.crc32(view[base + span[0] : base + span[0] + span[1]], crc)
             flags = TRAILER_FLAG_DEVICE if device else TRAILER_FLAG_PAYLOAD_CRC
             token = 0 if device else 1
             t = base + j.slot_bytes - _TRAILER.size
             view[t : t + _TRAILER.size] = _TRAILER.pack(
-                TRAILER_MAGIC, flags, self.seq, crc, token, token, 0
+                TRAILER_MAGIC, flags, self.seq, crc, token, token, 0, 0
             )
             self.committed = True
 
@@ -431,6 +476,30 @@ class Slot:
         """The 8 bytes of marker `name` (pre, post, done): device copies write them."""
         t = self._base + self._journal.slot_bytes - _TRAILER.size + _MARKER_AT[name]
         return self._journal._view[t : t + 8]
+
+    def mark_outputs(self, token: int = 1) -> None:
+        """Host path: the outputs' payloads were copied after the call (`out` marker). Nothing
+        when the ring has reused the slot meanwhile."""
+        self._store_marker("out", token)
+
+    def current(self) -> bool:
+        """Whether the slot still holds this call (the ring has not reused it)."""
+        j = self._journal
+        if j._fd < 0:
+            return False
+        (seq,) = _U64.unpack_from(j._view, self._base + 8)
+        return bool(seq == self.seq)
+
+    def _store_marker(self, name: str, token: int) -> None:
+        j = self._journal
+        if j._fd < 0:
+            return
+        with j._lock:
+            view, base = j._view, self._base
+            (seq,) = _U64.unpack_from(view, base + 8)
+            if seq == self.seq:
+                t = base + j.slot_bytes - _TRAILER.size + _MARKER_AT[name]
+                view[t : t + 8] = _U64.pack(token)
 
     def finish(self, token: int = 1) -> None:
         """Host path: the kernel returned. Nothing when the ring has reused the slot meanwhile
@@ -556,11 +625,12 @@ class Journal:
         stay), and so are those `want` says to leave out."""
         if self._fd < 0:
             raise JournalError("the journal is closed")
-        k = len(meta.storages)
+        n_in = len(meta.storages)
+        k = n_in + len(meta.outputs)
         limit = self.slot_bytes - _TRAILER.size - CALL_RECORD_BYTES
-        guess: list[tuple[int, int] | None] | None = None
-        if want is not None:
-            guess = [(0, 0) if w else None for w in want]
+        wanted = list(want) if want is not None else [True] * n_in
+        wanted += [True] * len(meta.outputs)  # placed after the storages' payloads
+        guess: list[tuple[int, int] | None] = [(0, 0) if w else None for w in wanted]
         doc = self._json(meta, guess)
         # A payload dropped below turns its index into null (at most 3 more characters).
         head_end = _SLOT_HEAD + 16 * k + len(doc) + 3 * k
@@ -569,15 +639,15 @@ class Journal:
                 f"the call's metadata ({len(doc)} bytes) does not fit a {self.slot_bytes}-byte "
                 "journal slot: raise slot_bytes"
             )
-        spans = _place(meta.storages, head_end, limit, want)
-        if [s is None for s in spans] != [g is None for g in guess or [(0, 0)] * k]:
+        spans = _place_sizes(_payload_sizes(meta), head_end, limit, wanted)
+        if [s is None for s in spans] != [g is None for g in guess]:
             doc = self._json(meta, spans)
         flags = (FLAG_AFTER_KERNEL if meta.after_kernel else 0) | (
-            FLAG_MISSING if any(s is None for s in spans) else 0
+            FLAG_MISSING if any(s is None for s in spans[:n_in]) else 0
         )
         table = b"".join(_TABLE_ENTRY.pack(*(s or (0, 0))) for s in spans)
         ids = (meta.call_index, meta.target_id, meta.stream, meta.capture_id, meta.graph_id)
-        return self._write(index, spans, table + doc, len(doc), flags, ids, meta.replay)
+        return self._write(index, spans, table + doc, len(doc), flags, ids, meta.replay, None, n_in)
 
     def _write(
         self,
@@ -589,6 +659,7 @@ class Journal:
         ids: tuple[int, int, int, int, int],
         replay: int,
         shift: _CrcShift | None = None,
+        inputs: int | None = None,
     ) -> Slot:
         """Write a slot header (payload table + JSON in `body`) in the crash-safe order of the
         module docstring; `ids`: call index, target id, stream, capture id, graph id. `shift`:
@@ -606,7 +677,7 @@ class Journal:
             v = self._view
             # First the old trailer is invalidated: from here the old call never reads complete.
             t = base + self.slot_bytes - _TRAILER.size
-            v[t : t + _TRAILER.size] = _TRAILER.pack(REFILL_MAGIC, 0, seq, 0, 0, 0, 0)
+            v[t : t + _TRAILER.size] = _TRAILER.pack(REFILL_MAGIC, 0, seq, 0, 0, 0, 0, 0)
             v[base : base + 4] = _ZERO4  # then the old header
             v[base + _SLOT_HEAD : base + _SLOT_HEAD + len(body)] = body
             fixed = _SLOT_FIXED.pack(
@@ -632,7 +703,7 @@ class Journal:
                 head_crc = zlib.crc32(body, zlib.crc32(head))
             else:  # the same value, without a second pass over the body
                 head_crc = shift(crc, start, zlib.crc32(head))
-            return Slot(self, index, seq, spans, head_crc, base)
+            return Slot(self, index, seq, spans, head_crc, base, inputs)
 
     def template(
         self,
@@ -646,7 +717,7 @@ class Journal:
         (`reserve_from`). `check`: a call's meta and its values, whose JSON the template must
         give byte for byte. None when a sentinel is not found exactly once, in order, or the
         check fails."""
-        guess = [(0, 0) if w else None for w in want]
+        guess = [(0, 0) if w else None for w in want] + [(0, 0)] * len(meta.outputs)
         doc = self._json(meta, guess)
         parts: list[bytes] = []
         rest = doc
@@ -661,16 +732,16 @@ class Journal:
         parts.append(rest)
         if _fill(tuple(parts), check[1]) != self._json(check[0], guess):
             return None
-        storages = tuple(int(s.get("span_nbytes", 0)) for s in meta.storages)
         return SlotTemplate(
             tuple(parts),
-            tuple(bool(w) for w in want),
-            storages,
+            tuple(bool(w) for w in want) + (True,) * len(meta.outputs),
+            tuple(_payload_sizes(meta)),
             meta.target_id,
             meta.capture_id,
             meta.graph_id,
             meta.replay,
             FLAG_AFTER_KERNEL if meta.after_kernel else 0,
+            len(meta.storages),
         )
 
     def reserve_from(
@@ -695,12 +766,12 @@ class Journal:
             spans = tuple(_place_sizes(tpl.sizes, head_end, limit, tpl.want))
             if [s is None for s in spans] != [not w for w in tpl.want]:
                 return None
-            flags = tpl.flags | (FLAG_MISSING if any(s is None for s in spans) else 0)
+            flags = tpl.flags | (FLAG_MISSING if any(s is None for s in spans[: tpl.k_in]) else 0)
             table = b"".join(_TABLE_ENTRY.pack(*(s or (0, 0))) for s in spans)
             placed = tpl.placed = (jlen, limit, spans, table, flags, self._shift(len(table) + jlen))
         _, _, spans, table, flags, shift = placed
         ids = (call_index, tpl.target_id, stream, tpl.capture_id, tpl.graph_id)
-        return self._write(None, spans, table + doc, jlen, flags, ids, tpl.replay, shift)
+        return self._write(None, spans, table + doc, jlen, flags, ids, tpl.replay, shift, tpl.k_in)
 
     def _shift(self, n: int) -> _CrcShift:
         """The `_CrcShift` of n-byte bodies, shared by the templates of this journal (a template
@@ -719,11 +790,14 @@ class Journal:
         and tensor list for repeated calls of one signature, and the same storage list while the
         storages' versions and static references repeat; only `extra` (call index, time, site)
         is always encoded again."""
+        n_in = len(meta.storages)
         present = (
-            tuple(True for _ in meta.storages)
+            tuple(True for _ in range(n_in + len(meta.outputs)))
             if spans is None
             else tuple(x is not None for x in spans)
         )
+        outs = present[n_in:]
+        present = present[:n_in]
         head = self._memo(
             ("head", id(meta.args), id(meta.kwargs), id(meta.names), meta.target, meta.called_as),
             (meta.args, meta.kwargs, meta.names),
@@ -745,7 +819,7 @@ class Journal:
                 b',"tensors":',
                 tensors,
                 b',"extra":',
-                _dumps(meta.extra),
+                _extra_json(meta, n_in, outs),
                 b"}",
             )
         )
@@ -857,6 +931,26 @@ def _head_json(meta: SlotMeta) -> bytes:
     return _dumps(doc)[:-1]
 
 
+def _extra_json(meta: SlotMeta, n_in: int, present: Sequence[bool]) -> bytes:
+    """The slot JSON's "extra" object; with outputs, its last member "outputs": each entry with
+    its payload's table index (after the storages' entries) or null when it did not fit."""
+    extra = {k: v for k, v in meta.extra.items() if k != "outputs"} if meta.outputs else meta.extra
+    doc = _dumps(extra)
+    if not meta.outputs:
+        return doc
+    items = [
+        {"storage": o["storage"], "tensors": o["tensors"], "payload": n_in + m if p else None}
+        for m, (o, p) in enumerate(zip(meta.outputs, present))
+    ]
+    return doc[:-1] + (b"," if extra else b"") + b'"outputs":' + _dumps(items) + b"}"
+
+
+def _payload_sizes(meta: SlotMeta) -> list[int]:
+    """Every payload's size in table order: the storages', then the outputs' (their storages')."""
+    sizes = [int(s.get("span_nbytes", 0)) for s in meta.storages]
+    return sizes + [sizes[int(o["storage"])] for o in meta.outputs]
+
+
 def _storages_json(storages: Sequence[dict[str, Any]], present: Sequence[bool]) -> bytes:
     # Before placement every storage claims a payload; placement may take some back.
     return _dumps(
@@ -913,7 +1007,7 @@ def read_journal(path: str | os.PathLike[str]) -> JournalContents:
     records = []
     for i in range(header.slot_count):
         base = header.header_bytes + i * header.slot_bytes
-        records.append(_read_slot(raw, base, header.slot_bytes, i))
+        records.append(_read_slot(raw, base, header.slot_bytes, i, header.version))
     records.sort(key=_newest_first)
     return JournalContents(p, header, records)
 
@@ -940,9 +1034,10 @@ def _parse_file_header(raw: bytes, p: Path, whole: bool = True) -> JournalHeader
     (_, version, header_bytes, slots, _, slot_bytes, pid, created, hlen, plen) = (
         _FILE_FIXED.unpack_from(raw)
     )
-    if version != JOURNAL_VERSION:
+    if version not in READ_VERSIONS:
+        known = ", ".join(map(str, READ_VERSIONS))
         raise JournalError(
-            f"{p}: journal format version {version} is not supported (reads {JOURNAL_VERSION}); "
+            f"{p}: journal format version {version} is not supported (reads {known}); "
             "salvage it with the kdump that recorded it"
         )
     end = _FILE_FIXED.size + hlen + plen
@@ -965,7 +1060,9 @@ def _parse_file_header(raw: bytes, p: Path, whole: bool = True) -> JournalHeader
     return JournalHeader(version, header_bytes, slots, slot_bytes, pid, host, created, process)
 
 
-def _read_slot(raw: bytes, base: int, slot_bytes: int, index: int) -> SlotRecord:
+def _read_slot(
+    raw: bytes, base: int, slot_bytes: int, index: int, version: int = JOURNAL_VERSION
+) -> SlotRecord:
     if base + slot_bytes > len(raw):
         if base >= len(raw) or not any(raw[base:]):
             return SlotRecord(index, SlotState.TORN, reason="file truncated before this slot")
@@ -975,7 +1072,7 @@ def _read_slot(raw: bytes, base: int, slot_bytes: int, index: int) -> SlotRecord
         _SLOT_FIXED.unpack(fixed)
     )
     t = base + slot_bytes - _TRAILER.size
-    tmagic, tflags, tseq, tcrc, pre, post, done = _TRAILER.unpack_from(raw, t)
+    tmagic, tflags, tseq, tcrc, pre, post, done, out = _TRAILER.unpack_from(raw, t)
     if magic != SLOT_MAGIC:
         if magic == bytes(4) and tmagic == bytes(4):
             return SlotRecord(index, SlotState.EMPTY)
@@ -997,25 +1094,38 @@ def _read_slot(raw: bytes, base: int, slot_bytes: int, index: int) -> SlotRecord
             k,
             (stream, capture, graph, replay),
         )
+        if meta.outputs and version < 4:
+            raise _Torn(f"a version-{version} slot names outputs")
         _check_spans(spans, present, meta, body_end, slot_bytes - _TRAILER.size - CALL_RECORD_BYTES)
-        placed = tuple((int(o), int(n)) if ok else None for (o, n), ok in zip(spans, present))
+        n_in = len(meta.storages)
+        placed_all = [(int(o), int(n)) if ok else None for (o, n), ok in zip(spans, present)]
+        placed = tuple(placed_all[:n_in])
+        outs = tuple(
+            None if sp is None else raw[base + sp[0] : base + sp[0] + sp[1]]
+            for sp in placed_all[n_in:]
+        )
     except _Torn as exc:
         return SlotRecord(index, SlotState.TORN, seq=seq, reason=str(exc))
     if tmagic == REFILL_MAGIC:
-        if tseq == seq and tflags == 0 and tcrc == 0 and not (pre or post or done):
-            return SlotRecord(index, SlotState.IN_FLIGHT, seq=seq, meta=meta, spans=placed)
+        if tseq == seq and tflags == 0 and tcrc == 0 and not (pre or post or done or out):
+            return SlotRecord(
+                index, SlotState.IN_FLIGHT, seq=seq, meta=meta, spans=placed, output_bytes=outs
+            )
         return SlotRecord(index, SlotState.TORN, seq=seq, reason="refill began over this call")
     if tmagic != TRAILER_MAGIC:
         return SlotRecord(index, SlotState.TORN, seq=seq, reason="trailer is damaged")
     if tseq != seq:
         return SlotRecord(index, SlotState.TORN, seq=seq, reason="trailer seq differs")
     known = TRAILER_FLAG_PAYLOAD_CRC | TRAILER_FLAG_DEVICE
-    pad = raw[t + 20 : t + 24] + raw[t + 48 : t + _TRAILER.size]
+    # version 3 kept the `out` marker's bytes zero too
+    pad = raw[t + 20 : t + 24] + raw[t + (48 if version < 4 else 56) : t + _TRAILER.size]
+    if out and not meta.outputs:  # only a slot with outputs has an `out` marker
+        pad += b"\x01"
     if tflags & ~known or any(pad) or tflags == known:
         return SlotRecord(index, SlotState.TORN, seq=seq, reason="trailer has unknown bits set")
     crc = zlib.crc32(raw[base : base + body_end])
-    if tflags & TRAILER_FLAG_PAYLOAD_CRC:
-        for (off, n), ok in zip(spans, present):
+    if tflags & TRAILER_FLAG_PAYLOAD_CRC:  # the storages' payloads (outputs come later)
+        for (off, n), ok in zip(spans[:n_in], present):
             if ok:
                 crc = zlib.crc32(raw[base + off : base + off + n], crc)
     if crc != tcrc:
@@ -1032,11 +1142,14 @@ def _read_slot(raw: bytes, base: int, slot_bytes: int, index: int) -> SlotRecord
             spans=placed,
             markers=(pre, post, done),
             call_record=raw[t - CALL_RECORD_BYTES : t],
+            output_bytes=outs,
+            out_marker=out,
         )
     if done > post:
         return SlotRecord(index, SlotState.TORN, seq=seq, reason="done marker is ahead of post")
     payloads = tuple(
-        raw[base + off : base + off + n] if ok else None for (off, n), ok in zip(spans, present)
+        raw[base + off : base + off + n] if ok else None
+        for (off, n), ok in zip(spans[:n_in], present)
     )
     return SlotRecord(
         index,
@@ -1049,6 +1162,8 @@ def _read_slot(raw: bytes, base: int, slot_bytes: int, index: int) -> SlotRecord
         spans=placed,
         markers=(pre, post, done),
         call_record=raw[t - CALL_RECORD_BYTES : t],
+        output_bytes=outs,
+        out_marker=out,
     )
 
 
@@ -1079,10 +1194,12 @@ def _parse_meta(
         or not isinstance(d.get("extra"), dict)
         or not isinstance(storages, list)
         or not isinstance(tensors, list)
-        or len(storages) != k
         or not all(isinstance(s, dict) for s in storages + tensors)
         or not _names_ok(names)
     ):
+        raise _Torn("slot JSON lacks fields or has the wrong types")
+    outputs = _parse_outputs(d["extra"].get("outputs", []), len(storages), len(tensors))
+    if len(storages) + len(outputs) != k:
         raise _Torn("slot JSON lacks fields or has the wrong types")
     present = []
     for j, s in enumerate(storages):
@@ -1091,6 +1208,11 @@ def _parse_meta(
         pay = s.get("payload")
         if pay is not None and pay != j:
             raise _Torn(f"storage {j} names payload {pay!r}")
+        present.append(pay is not None)
+    for m, o in enumerate(outputs):
+        pay = o.pop("payload")
+        if pay is not None and pay != len(storages) + m:
+            raise _Torn(f"output {m} names payload {pay!r}")
         present.append(pay is not None)
     stream, capture, graph, replay = ids
     meta = SlotMeta(
@@ -1109,17 +1231,40 @@ def _parse_meta(
         replay=replay,
         after_kernel=bool(flags & FLAG_AFTER_KERNEL),
         extra=d["extra"],
+        outputs=outputs,
     )
     return meta, present
+
+
+def _parse_outputs(raw: Any, n_storages: int, n_tensors: int) -> list[dict[str, Any]]:
+    """The slot JSON's "outputs" checked: storages and tensors in range (_Torn otherwise)."""
+    if not isinstance(raw, list):
+        raise _Torn("slot JSON's outputs is not a list")
+    out = []
+    for m, o in enumerate(raw):
+        if not isinstance(o, dict):
+            raise _Torn(f"output {m} is not an object")
+        j, tensors, pay = o.get("storage"), o.get("tensors"), o.get("payload")
+        if (
+            not _is_int(j)
+            or not 0 <= j < n_storages
+            or not isinstance(tensors, list)
+            or not all(_is_int(i) and 0 <= i < n_tensors for i in tensors)
+            or not (pay is None or _is_int(pay))
+        ):
+            raise _Torn(f"output {m} names no valid storage, tensors or payload")
+        out.append({"storage": j, "tensors": list(tensors), "payload": pay})
+    return out
 
 
 def _check_spans(
     spans: list[tuple[int, int]], present: list[bool], meta: SlotMeta, lo: int, hi: int
 ) -> None:
     pos = lo
+    sizes = _payload_sizes(meta)
     for j, ((off, n), ok) in enumerate(zip(spans, present)):
         if not ok:
             continue
-        if n != meta.storages[j]["span_nbytes"] or off < pos or off + n > hi:
+        if n != sizes[j] or off < pos or off + n > hi:
             raise _Torn(f"payload {j} lies outside the slot or overlaps another")
         pos = off + n

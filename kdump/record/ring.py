@@ -9,7 +9,13 @@ markers ordered around them (kdump.record.journal). Nothing synchronises on the 
 What is copied, in priority order while the slot has room: arguments whose spec role is routing,
 scalar or hint, inputs no bigger than `SMALL_BYTES`, then the other inputs, smallest first; what
 does not fit (weights, big activations) keeps its layout only (salvage marks it missing).
-Outputs are never copied: they are what the kernel writes.
+
+Outputs (`--outputs`; by default every tensor argument of a target whose spec has no reference,
+none for one that has) are copied again AFTER the call, on its stream, into the slot's room
+left after the inputs, smallest first (`_outputs_fit`); under CUDA-graph capture those copies
+are captured after the kernel, so every replay refreshes them. Their bytes from before the call
+are the inputs' (kept where they fit); outputs that do not fit are named in the slot's
+`extra["outputs_not_kept"]` with the slot size that would hold them.
 
 CUDA graphs: a call made during stream capture gets its own slot for its capture site (capture
 id + position in the capture), pinned outside the ring's rotation; its copies are captured into
@@ -69,6 +75,7 @@ _ACTIVE: RingRecorder | None = None  # the recorder whose captures torch's patch
 _RETIRED: list[tuple[Any, Any]] = []
 
 SMALL_BYTES = 64 << 10  # inputs up to this size are copied whatever their role
+_NO_OUTPUTS: list[Any] = []  # shared, never changed
 SLOT_SHARE = 0.9  # of a slot, what payloads may take (the rest: header and argument JSON)
 COPIED_ROLES = ("routing", "scalar", "hint")
 
@@ -363,8 +370,13 @@ class RingRecorder:
                 if cached is None:
                     storages, records = group_storages(tensors)
                     roles = _tensor_roles(st, args, kwargs, tensors)
-                    want = self._wanted(st, args, kwargs, tensors, records, storages, roles)
                     names = st.names()
+                    outs = self._output_storages(st, args, kwargs, tensors, records, storages)
+                    want, kept, not_kept = self._wanted(
+                        st, args, kwargs, tensors, records, storages, roles, outs
+                    )
+                    if not_kept is not None:
+                        not_kept["tensors"] = _paths(names, args_tree, kwargs_tree, not_kept)
                     cached = _Layout(
                         storages,
                         records,
@@ -375,6 +387,8 @@ class RingRecorder:
                         list(names[: len(args)]) if names and len(names) >= len(args) else None,
                         roles,
                         first_views(records, len(storages)),
+                        kept,
+                        not_kept,
                     )
                     if len(self._layouts) > 256:
                         self._layouts.clear()
@@ -408,6 +422,9 @@ class RingRecorder:
                     "capturing": capturing,
                     "tiers": ["host"],  # bulky arguments beyond the slot keep their layouts only
                 }
+                outputs = cached.outs
+                if cached.not_kept is not None:
+                    extra["outputs_not_kept"] = cached.not_kept
                 plan = rule = whole = None
                 # One device tier per process, on the device of its first call; a call on another
                 # device takes the plain per-payload copies.
@@ -447,6 +464,7 @@ class RingRecorder:
                     if site.slot is None:
                         extra["site_over_budget"] = True
                         want = [False] * len(storages)
+                        outputs = []
                         plan = None
                         extra.get("device", {}).pop("plan", None)
                         extra.get("device", {}).pop("whole", None)
@@ -465,6 +483,7 @@ class RingRecorder:
                     capture_id=site.capture_id if site else 0,
                     graph_id=site.capture_id if site else 0,
                     extra=extra,
+                    outputs=outputs,
                 )
                 slot = j.reserve(meta, index=pin_index, want=want)
                 self._reserved.slot = (slot.index, slot.seq)
@@ -486,7 +505,7 @@ class RingRecorder:
                     ptrs = tuple(t.data_ptr() for t in tensors)
                     self._last_eager[st.id] = (slot.index, slot.seq, ptrs)
                 if not cuda:
-                    return self._host_copy(slot, views)
+                    return self._host_copy(slot, views, outputs)
                 if site is not None and site.slot is None:
                     # Over budget: the header only, written now. No captured copies: the slot
                     # rotates, and replays must never write into a later call's slot.
@@ -496,18 +515,20 @@ class RingRecorder:
                 assert self._cuda is not None
                 counter = site.counter if site is not None else None
                 if direct:
-                    return self._cuda.direct(slot, views, counter)
-                return self._cuda.copy(
-                    slot,
-                    views,
-                    counter,
-                    plan,
-                    rule,
-                    index,
-                    capturing,
-                    whole if plan else None,
-                    site.capture_id if site is not None else 0,
-                )
+                    after = self._cuda.direct(slot, views, counter)
+                else:
+                    after = self._cuda.copy(
+                        slot,
+                        views,
+                        counter,
+                        plan,
+                        rule,
+                        index,
+                        capturing,
+                        whole if plan else None,
+                        site.capture_id if site is not None else 0,
+                    )
+                return self._then_outputs(after, slot, views, outputs, counter, direct)
 
     def _note_repeat(
         self,
@@ -592,6 +613,7 @@ class RingRecorder:
             capture_id=meta.capture_id,
             graph_id=meta.graph_id,
             extra=extra,
+            outputs=meta.outputs,
         )
         tpl = j.template(sentinels, want, holes, (meta, values))
         if tpl is None:
@@ -684,17 +706,19 @@ class RingRecorder:
             self._last_eager[rep.target] = (slot.index, slot.seq, rep.ptrs)
             views = SpanViews(tensors, layout.firsts, layout.storages)
             if not cuda:
-                return self._host_copy(slot, views)
+                return self._host_copy(slot, views, layout.outs)
             assert self._cuda is not None
             if rep.direct:
-                return self._cuda.direct(slot, views, None)
-            plan = rep.plan
-            rule = None
-            if plan is not None and plan.rule_tensor is not None:
-                rule = tensors[plan.rule_tensor]
-            return self._cuda.copy(
-                slot, views, None, plan, rule, index, False, rep.whole, memo=rep.enqueued
-            )
+                after = self._cuda.direct(slot, views, None)
+            else:
+                plan = rep.plan
+                rule = None
+                if plan is not None and plan.rule_tensor is not None:
+                    rule = tensors[plan.rule_tensor]
+                after = self._cuda.copy(
+                    slot, views, None, plan, rule, index, False, rep.whole, memo=rep.enqueued
+                )
+            return self._then_outputs(after, slot, views, layout.outs, None, rep.direct)
 
     @staticmethod
     def _is_capturing(cuda: list[Any]) -> bool:
@@ -703,7 +727,9 @@ class RingRecorder:
 
         return bool(cuda) and torch.cuda.is_current_stream_capturing()
 
-    def _host_copy(self, slot: Slot, views: SpanViews) -> Callable[[], None]:
+    def _host_copy(
+        self, slot: Slot, views: SpanViews, outputs: list[dict[str, Any]] = _NO_OUTPUTS
+    ) -> Callable[[], None]:
         import torch
 
         for i in range(len(views)):
@@ -711,7 +737,76 @@ class RingRecorder:
                 dst = torch.frombuffer(slot.payload(i), dtype=torch.uint8)
                 dst.copy_(views[i])
         slot.commit()
-        return slot.finish
+        if not outputs:
+            return slot.finish
+
+        def after() -> None:
+            # the call returned: its outputs' bytes, then `out`, then `done`
+            if slot.current():
+                spans = slot.output_spans
+                for m, o in enumerate(outputs):
+                    if spans[m] is not None and spans[m][1]:
+                        dst = torch.frombuffer(slot.output(m), dtype=torch.uint8)
+                        dst.copy_(views[o["storage"]])
+                slot.mark_outputs(1)
+            slot.finish()
+
+        return after
+
+    def _then_outputs(
+        self,
+        after: Callable[[], None],
+        slot: Slot,
+        views: SpanViews,
+        outputs: list[dict[str, Any]],
+        counter: int | None,
+        direct: bool,
+    ) -> Callable[[], None]:
+        """A CUDA call's `after`, preceded by its outputs' copies on its stream (nothing added
+        for a call without outputs: DeepGEMM's default costs what it did)."""
+        if not outputs:
+            return after
+        cuda = self._cuda
+        assert cuda is not None
+
+        def then() -> None:
+            cuda.outputs_after(slot, views, outputs, counter, direct)
+            after()
+
+        return then
+
+    def _output_storages(
+        self,
+        st: HookState,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        tensors: list[Any],
+        records: list[Any],
+        storages: list[Any],
+    ) -> list[dict[str, Any]]:
+        """The storages to copy again after the call, each {"storage", "tensors"} (the output
+        tensors in it): `--outputs` as the sync recorder reads it, except that "default" keeps
+        none for a target whose spec has a reference (it judges a replay without them)."""
+        wanted = self.cfg.outputs
+        if wanted == "none":
+            return []
+        if wanted == "default":
+            try:
+                from kdump.kernels import registry
+
+                if registry.spec_for(st.id, st.names()).has_reference():
+                    return []
+            except Exception as exc:  # no spec to ask: a generic target
+                log_once(f"ringspec:{st.id}", f"flight recorder: no spec for {st.id}: {exc}")
+        from kdump.record.sync import output_indices
+
+        idx = output_indices(wanted, st.spec, st.names(), tensors, args, kwargs)
+        by_storage: dict[int, list[int]] = {}
+        for i in idx:
+            j = records[i].storage
+            if storages[j].span_nbytes:  # nothing to copy back from an empty tensor
+                by_storage.setdefault(j, []).append(i)
+        return [{"storage": j, "tensors": ts} for j, ts in sorted(by_storage.items())]
 
     def _wanted(
         self,
@@ -722,10 +817,14 @@ class RingRecorder:
         records: list[Any],
         storages: list[Any],
         roles: list[str | None] | None = None,
-    ) -> list[bool]:
-        """Per storage: copy its bytes? In priority order while the slot has room: routing /
-        scalar / hint parameters and small inputs, then the other inputs, smallest first.
-        Outputs never (the kernel writes them); static operands are taken out per call."""
+        outputs: list[dict[str, Any]] = _NO_OUTPUTS,
+    ) -> tuple[list[bool], list[dict[str, Any]], dict[str, Any] | None]:
+        """(per storage: copy its bytes before the call?, the `outputs` whose copy after the
+        call fits, what did not fit or None). In priority order while the slot has room:
+        routing / scalar / hint parameters and small inputs, then the other inputs, smallest
+        first, then the outputs after the call, smallest first, then the outputs' bytes before
+        the call (`_outputs_fit`). Storages only written are copied before the call only as
+        outputs; static operands are taken out per call."""
         if roles is None:
             roles = _tensor_roles(st, args, kwargs, tensors)
         rank = [2] * len(storages)  # 0: first, 1: small, 2: other inputs, 3: never
@@ -742,19 +841,22 @@ class RingRecorder:
             if not read[i]:  # outputs only: an input in the same buffer keeps its bytes
                 rank[i] = 3
         assert self.journal is not None
-        room = int(self.journal.slot_bytes * SLOT_SHARE)
-        want = [False] * len(storages)
-        for i in sorted(range(len(storages)), key=lambda i: (rank[i], storages[i].span_nbytes)):
-            if storages[i].span_nbytes == 0:
-                # Nothing to copy or to miss: empty tensors share one storage (null pointer), so
-                # an empty output must not make an empty input missing.
-                want[i] = True
-                continue
-            n = storages[i].span_nbytes + 64  # payloads are 64-byte aligned
-            if rank[i] < 3 and n <= room:
-                want[i] = True
-                room -= n
-        return want
+        slot_bytes = self.journal.slot_bytes
+        sizes = [int(s.span_nbytes) for s in storages]
+        want, kept = _outputs_fit(sizes, rank, outputs, int(slot_bytes * SLOT_SHARE))
+        if len(kept) == len(outputs):
+            return want, kept, None
+        # The smallest slot (a power of two) whose room keeps every output the same way.
+        size = slot_bytes
+        while len(_outputs_fit(sizes, rank, outputs, int(size * SLOT_SHARE))[1]) < len(outputs):
+            size *= 2
+        lost = [o for o in outputs if o not in kept]
+        not_kept = {
+            "tensors": [i for o in lost for i in o["tensors"]],  # argument paths: the caller's
+            "bytes": sum(sizes[o["storage"]] for o in lost),
+            "slot_bytes": size,
+        }
+        return want, kept, not_kept
 
     def _plan(
         self,
@@ -1305,6 +1407,8 @@ class _Layout:
         names: list[str] | None,
         roles: list[str | None],
         firsts: tuple[int, ...],
+        outs: list[dict[str, Any]] = _NO_OUTPUTS,
+        not_kept: dict[str, Any] | None = None,
     ) -> None:
         self.storages = storages
         self.records = records
@@ -1315,6 +1419,8 @@ class _Layout:
         self.names = names
         self.roles = roles  # the spec role of each tensor (static operands are found by it)
         self.firsts = firsts  # per storage: the index of the first tensor viewing it
+        self.outs = outs  # the outputs copied after the call ({"storage", "tensors"} each)
+        self.not_kept = not_kept  # the outputs that did not fit (the slot's extra says so)
         self.candidates = Candidates.of(records, storages, roles)  # which may be static
         # The last call's storage dicts with versions and static references, reused while they
         # repeat (the journal then reuses their JSON); the plan's JSON, per plan object.
@@ -1344,6 +1450,51 @@ class _Layout:
         if self._plan_json is None or self._plan_json[0] is not plan:
             self._plan_json = (plan, plan.to_json())
         return self._plan_json[1]
+
+
+def _outputs_fit(
+    sizes: list[int], rank: list[int], outputs: list[dict[str, Any]], room: int
+) -> tuple[list[bool], list[dict[str, Any]]]:
+    """`RingRecorder._wanted`'s choice for a slot whose payloads may take `room` bytes: (per
+    storage: copied before the call, the outputs copied after it). Inputs first (`rank` 0-2,
+    smallest first within a rank), then the outputs after the call, smallest first, then the
+    bytes before the call of storages only written (rank 3) that are outputs."""
+    want = [False] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (rank[i], sizes[i])):
+        if sizes[i] == 0:
+            # Nothing to copy or to miss: empty tensors share one storage (null pointer), so
+            # an empty output must not make an empty input missing.
+            want[i] = True
+            continue
+        n = sizes[i] + 64  # payloads are 64-byte aligned
+        if rank[i] < 3 and n <= room:
+            want[i] = True
+            room -= n
+    kept = []
+    for o in sorted(outputs, key=lambda o: sizes[o["storage"]]):
+        n = sizes[o["storage"]] + 64
+        if n <= room:
+            kept.append(o)
+            room -= n
+    for o in sorted(outputs, key=lambda o: sizes[o["storage"]]):
+        j = o["storage"]
+        if not want[j] and o in kept and sizes[j] + 64 <= room:
+            want[j] = True  # what the call overwrote: a replay tells written from unwritten
+            room -= sizes[j] + 64
+    return want, [o for o in outputs if o in kept]
+
+
+def _paths(
+    names: Any, args_tree: list[Any], kwargs_tree: dict[str, Any], not_kept: dict[str, Any]
+) -> list[str]:
+    """The argument paths of `not_kept`'s tensor indices."""
+    from kdump.bundle import argtree
+
+    try:
+        paths = argtree.tensor_paths(names, args_tree, kwargs_tree)
+    except Exception:  # a tree the paths cannot walk: the indices still say which
+        paths = []
+    return [paths[i] if i < len(paths) else f"tensor{i}" for i in not_kept["tensors"]]
 
 
 def _storage_dict(s: Any) -> dict[str, Any]:

@@ -10,10 +10,17 @@ static region next to the journal: complete copies become blobs of the folder's 
 copy for every bundle), the others `by-reference` with their statistics
 (`journal.by_reference_tensors`; `journal.statics` says which and why). Rows the device tier
 gathered come from the `<journal>.cuda<N>` dumps (kdump.record.devring).
+
+Outputs the recorder copied after the call (journal version 4, `--outputs`) become the bundle's
+`outputs`, as the sync recorder writes them: a storage snapshot after the call per output
+storage and (input tensor, output tensor) `inplace` pairs, keeping only the tensors whose bytes
+the call changed where their bytes before the call are held too (all of them where not). Those
+the slot could not hold are listed in `meta["outputs_not_kept"]`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -153,7 +160,7 @@ def salvage_journal(
         eager = site.get("eager_seq") if isinstance(site, dict) else None
         before = by_seq.get(eager) if type(eager) is int else None
         state = (
-            (rec.index, rec.seq, rec.markers, rec.finished),
+            (rec.index, rec.seq, rec.markers, rec.finished, rec.out_marker),
             _state(before),
             statics,
             repr(crash_context),
@@ -191,7 +198,7 @@ def salvage_journal(
 
 
 def _state(rec: SlotRecord | None) -> tuple[Any, ...] | None:
-    return None if rec is None else (rec.index, rec.seq, rec.markers, rec.finished)
+    return None if rec is None else (rec.index, rec.seq, rec.markers, rec.finished, rec.out_marker)
 
 
 def _slot_facts(rec: SlotRecord) -> dict[str, Any]:
@@ -346,6 +353,7 @@ def _call_record(
     if device_facts is not None:
         journal_meta["device"] = device_facts
     call_meta = dict(meta.extra)
+    call_meta.pop("outputs", None)  # the slot's layout of them: the bundle's `outputs` say it
     call_meta["journal"] = journal_meta
     call_meta["process"] = {"pid": contents.header.pid, "host": contents.header.host}
     if crash_context is not None:
@@ -361,7 +369,103 @@ def _call_record(
         inputs=Captured(storages=storages, tensors=tensors, data=data, digests=digests),
         meta=call_meta,
     )
+    if meta.outputs:
+        _attach_outputs(call, rec)
     return call
+
+
+def _attach_outputs(call: Any, rec: SlotRecord) -> None:
+    """The slot's post-call payloads as the call's outputs (`kdump.bundle.writer.
+    attach_outputs`'s form), and what the bundle says about those it lacks."""
+    import torch
+
+    from kdump.bundle import Captured, Source, StorageRecord
+
+    meta = rec.meta
+    assert meta is not None
+    facts = call.meta["journal"]
+    if not rec.outputs_held:
+        # The copies after the call did not complete for this call (or this replay): it raised,
+        # was still running, or a later replay was refreshing them when the process died.
+        facts["outputs"] = "not copied after this call (it had not returned)"
+        return
+    storages, data, inplace, kept_tensors = [], [], [], []
+    unplaced: list[int] = []
+    changed_any = unchanged = 0
+    for o, got in zip(meta.outputs, rec.output_bytes):
+        j = int(o["storage"])
+        if got is None:  # it did not fit the slot beside the header after all
+            unplaced += o["tensors"]
+            continue
+        s = call.inputs.storages[j]
+        before = call.inputs.data[j] if s.source is Source.BLOB else None
+        post = torch.frombuffer(bytearray(got), dtype=torch.uint8)
+        changed = [i for i in o["tensors"] if _changed(call.inputs.tensors[i], s, before, post)]
+        unchanged += len(o["tensors"]) - len(changed)
+        if not changed:
+            continue
+        changed_any += len(changed)
+        k = len(storages)
+        storages.append(
+            StorageRecord(
+                device=s.device,
+                base_ptr=s.base_ptr,
+                storage_nbytes=s.storage_nbytes,
+                span_start=s.span_start,
+                span_nbytes=s.span_nbytes,
+            )
+        )
+        data.append(post)
+        for i in changed:
+            inplace.append((i, len(kept_tensors)))
+            kept_tensors.append(dataclasses.replace(call.inputs.tensors[i], storage=k))
+    if unplaced:
+        _not_kept(call, meta, unplaced, rec)
+    facts["outputs"] = {"kept": changed_any, "unchanged": unchanged}
+    if not kept_tensors:
+        return
+    call.outputs = Captured(storages=storages, tensors=kept_tensors, data=data)
+    call.inplace = inplace
+    call.returned = None
+
+
+def _changed(t: Any, s: Any, before: Any, post: Any) -> bool:
+    """Whether tensor record `t` (of storage `s`) covers bytes the call changed; True where its
+    bytes before the call are not held (nothing to compare with)."""
+    if before is None or len(before) != len(post):
+        return True
+    lo, hi = t.byte_extent()
+    lo, hi = max(lo - s.span_start, 0), min(hi - s.span_start, len(post))
+    return hi > lo and not torch_equal(before[lo:hi], post[lo:hi])
+
+
+def torch_equal(a: Any, b: Any) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
+
+
+def _not_kept(call: Any, meta: Any, tensors: list[int], rec: SlotRecord) -> None:
+    """Add output tensors the slot could not place to `meta["outputs_not_kept"]`."""
+    from kdump.bundle import argtree
+
+    paths = argtree.tensor_paths(meta.names, meta.args, meta.kwargs)
+    said = call.meta.get("outputs_not_kept")
+    said = dict(said) if isinstance(said, dict) else {"tensors": [], "bytes": 0}
+    sizes = [int(s["span_nbytes"]) for s in meta.storages]
+    lost = {int(meta.tensors[i]["storage"]) for i in tensors}
+    said["tensors"] = list(said.get("tensors", [])) + [
+        paths[i] if i < len(paths) else f"tensor{i}" for i in tensors
+    ]
+    said["bytes"] = int(said.get("bytes", 0)) + sum(sizes[j] for j in lost)
+    # the smallest power of two whose payload share holds every storage before the call and
+    # these outputs after it
+    need = sum(sizes) + sum(sizes[j] for j in lost)
+    size = 4096
+    while size * 0.9 < need:
+        size *= 2
+    said["slot_bytes"] = max(int(said.get("slot_bytes", 0)), size)
+    call.meta["outputs_not_kept"] = said
 
 
 def _read_dumps(files: dict[int, Path]) -> dict[int, devring.Dump | str]:
@@ -574,6 +678,8 @@ def _from_twin(
         spans=rec.spans,
         markers=rec.markers,
         call_record=record,
+        output_bytes=rec.output_bytes,  # written on the call's stream after the kernel: their
+        out_marker=rec.out_marker,  # `out` says whether they are this token's
     )
 
 
