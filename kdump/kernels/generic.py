@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from kdump.errors import CannotRunError, UsageError
+from kdump.errors import CannotRunError
 from kdump.kernels.spec import Backend, KernelSpec
 
 
@@ -71,24 +70,12 @@ class LibraryBackend(Backend):
         return True, ""
 
     def resolve(self, spec: KernelSpec, target: str) -> Callable[..., Any]:
-        module, _, qualname = target.partition(":")
-        if not qualname:
-            raise UsageError(f"target {target!r} is not 'module:qualname'")
-        if module.startswith("torch.ops."):
-            obj: Any = torch.ops
-            parts = [*module.split(".")[2:], *qualname.split(".")]
-        else:
-            try:
-                obj = importlib.import_module(module)
-            except ImportError as exc:
-                raise CannotRunError(f"cannot import {module} to replay {target}: {exc}") from None
-            parts = qualname.split(".")
-        for part in parts:
-            try:
-                obj = getattr(obj, part)
-            except AttributeError:
-                raise CannotRunError(f"{target}: {part!r} not found in the installed {module}")
-        return _checked_signature(obj, target)
+        """The recorded target, resolved under the trust rule the replay admitted it by
+        (`registry.resolve_allowed`: never through a module object; a glob-allowed target must
+        be defined by its module)."""
+        from kdump.kernels.registry import resolve_allowed
+
+        return _checked_signature(resolve_allowed(target), target)
 
 
 def _checked_signature(fn: Any, target: str) -> Any:

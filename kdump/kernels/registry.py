@@ -118,30 +118,163 @@ def claiming_plugin(target: str) -> KernelPlugin | None:
     return next((p for p in plugins() if p.canonical_id(target)), None)
 
 
-def target_allowed(target: str, allowed: Sequence[str] = ()) -> bool:
-    """Whether replay may run `target`: a registered plug-in's target, or one the user allowed
-    (`allowed` patterns, e.g. from --allow-target, and the user's config file)."""
+_GLOB_CHARS = frozenset("*?[")
+# How a target was admitted: a plug-in's own function or an exact --allow-target name (that
+# attribute, whatever it is), or only by a glob (then only what the target's module defines).
+EXACT, GLOB = "exact", "glob"
+# The patterns each target was last admitted under in this process (check_target), so that the
+# replay child resolves it under the same rule where the object exists (resolve_allowed).
+_admitted: dict[str, tuple[str, ...]] = {}
+
+
+def admission(target: str, allowed: Sequence[str] = ()) -> str | None:
+    """EXACT when `target` is a plug-in's function or named exactly by an allowed pattern, GLOB
+    when only a glob pattern matches it, None when replay may not run it. Patterns: `allowed`
+    (e.g. --allow-target) and allow-targets of the user's config file."""
     if claiming_plugin(target) is not None:
-        return True
+        return EXACT
     from kdump import config
 
     names = {target, canonical_id(target)}
-    return any(fnmatchcase(n, pat) for pat in (*allowed, *config.allowed_targets()) for n in names)
+    patterns = (*allowed, *config.allowed_targets())
+    if any(pat in names for pat in patterns if not _GLOB_CHARS.intersection(pat)):
+        return EXACT
+    if any(fnmatchcase(n, pat) for pat in patterns for n in names):
+        return GLOB
+    return None
 
 
-def check_target(target: str, allowed: Sequence[str] = ()) -> None:
-    """Raise UntrustedTargetError unless replay may run `target` (the one trust rule: a bundle
-    names what it wants to call; kdump runs only plug-in targets and what the user allowed)."""
-    if target_allowed(target, allowed):
-        return
+def target_allowed(target: str, allowed: Sequence[str] = ()) -> bool:
+    """Whether replay may run `target` by its name: a registered plug-in's target, or one the
+    user allowed (`allowed` patterns, e.g. from --allow-target, and the user's config file).
+    What the name resolves to is checked where it is imported (`resolve_allowed`)."""
+    return admission(target, allowed) is not None
+
+
+def _untrusted(target: str, why: str = "") -> UntrustedTargetError:
     from kdump import config
     from kdump.text import visible
 
     shown = visible(target, 200)
-    raise UntrustedTargetError(
+    if why:
+        return UntrustedTargetError(f"the bundle asks to run {shown}, {why}")
+    return UntrustedTargetError(
         f"the bundle asks to run {shown}, which is no kernel plug-in's; if you trust the bundle, "
         f"pass --allow-target '{shown}' (or list it in allow-targets of {config.config_path()})"
     )
+
+
+def check_target(target: str, allowed: Sequence[str] = ()) -> None:
+    """Raise UntrustedTargetError unless replay may run `target` (the one trust rule: a bundle
+    names what it wants to call; kdump runs only plug-in targets and what the user allowed).
+    The patterns it was admitted under are kept for `resolve_allowed` in this process."""
+    if admission(target, allowed) is None:
+        raise _untrusted(target)
+    _admitted[target] = tuple(allowed)
+
+
+def resolve_allowed(target: str, allowed: Sequence[str] | None = None) -> Any:
+    """Import `target` ('module:qualname') and return the object it names, under the trust rule:
+    the qualname's walk never steps through a module object (so 'mymod:os.system' is refused
+    whatever the patterns say), and a target admitted only by a glob must be defined by its
+    module (its `__module__`, or its `__wrapped__` function's, is the module or a submodule).
+    `allowed`: the user's patterns; None: those `check_target` admitted it under here.
+    Raises UntrustedTargetError (refused) or CannotRunError (not importable here)."""
+    patterns = _admitted.get(target, ()) if allowed is None else tuple(allowed)
+    how = admission(target, patterns)
+    if how is None:
+        raise _untrusted(target)
+    module, _, qualname = target.partition(":")
+    if not qualname:
+        raise UsageError(f"target {_visible(target)} is not 'module:qualname'")
+    obj = _walk(target, module, qualname)
+    if how == GLOB and not defined_in(obj, module):
+        shown = _visible(target)
+        raise _untrusted(
+            target,
+            f"which {_visible(module)} does not define (it is {_origin(obj)}); a glob pattern "
+            f"covers only what its module defines: pass --allow-target '{shown}' if you trust it",
+        )
+    return obj
+
+
+def _visible(text: str) -> str:
+    from kdump.text import visible
+
+    return visible(text, 200)
+
+
+def _walk(target: str, module: str, qualname: str) -> Any:
+    """The object `qualname` names in `module`, one attribute at a time; an attribute that is
+    a module (one `module` merely imported) ends the walk as untrusted."""
+    import importlib
+    import types
+
+    if module == "torch.ops" or module.startswith("torch.ops."):
+        import torch
+
+        obj: Any = torch.ops
+        for part in module.split(".")[2:]:
+            obj = _attr(obj, part, target, module)
+    else:
+        try:
+            obj = importlib.import_module(module)
+        except ImportError as exc:
+            raise CannotRunError(
+                f"cannot import {_visible(module)} to replay {_visible(target)}: {exc}; the "
+                "replay imports only from the environment it runs in and the --path folders: "
+                "pass --path DIR with the folder that holds it"
+            ) from None
+    parts = qualname.split(".")
+    for k, part in enumerate(parts):
+        obj = _attr(obj, part, target, module)
+        if k < len(parts) - 1 and isinstance(obj, types.ModuleType) and not _op_namespace(obj):
+            through = ".".join(parts[: k + 1])
+            raise _untrusted(
+                target,
+                f"which reaches through the module object {_visible(module)}.{_visible(through)} "
+                f"({_visible(obj.__name__)}); kdump never resolves a target through a module "
+                "that another one imports, whatever the allowed patterns",
+            )
+    return obj
+
+
+def _attr(obj: Any, part: str, target: str, module: str) -> Any:
+    try:
+        return getattr(obj, part)
+    except AttributeError:
+        raise CannotRunError(
+            f"{_visible(target)}: {_visible(part)!r} not found in the installed {_visible(module)}"
+        ) from None
+
+
+def _op_namespace(obj: Any) -> bool:
+    """torch.ops namespaces are module objects that hold only registered operators."""
+    ops = sys.modules.get("torch._ops")
+    return ops is not None and isinstance(obj, ops._OpNamespace)
+
+
+def defined_in(obj: Any, module: str) -> bool:
+    """Whether `module` (or a submodule of it) defines `obj`: its `__module__`, or for a wrapper
+    its `__wrapped__` function's; a torch.ops target's operators belong to their namespace."""
+    if module == "torch.ops" or module.startswith("torch.ops."):
+        ops = sys.modules.get("torch._ops")
+        return ops is not None and isinstance(obj, (ops.OpOverloadPacket, ops.OpOverload))
+    import types
+
+    if isinstance(obj, types.ModuleType):
+        return False
+    for cand in (obj, getattr(obj, "__wrapped__", None)):
+        owner = getattr(cand, "__module__", None) if cand is not None else None
+        if isinstance(owner, str) and (owner == module or owner.startswith(module + ".")):
+            return True
+    return False
+
+
+def _origin(obj: Any) -> str:
+    owner = getattr(obj, "__module__", None)
+    kind = type(obj).__name__
+    return f"a {kind} of {owner}" if isinstance(owner, str) else f"a {kind}"
 
 
 def presets() -> dict[str, tuple[TargetSpec, ...]]:
