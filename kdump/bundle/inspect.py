@@ -66,6 +66,40 @@ def recorded_outputs(call: Call) -> list[str]:
     return out
 
 
+def outputs_not_kept(call: Call) -> dict[str, Any] | None:
+    """The outputs the flight recorder could not keep (`meta["outputs_not_kept"]`): their
+    argument paths, bytes and the --slot-bytes that would hold them; None when it kept all it
+    was asked for (or the bundle says nothing of it). Values of the wrong type are dropped."""
+    said = call.meta.get("outputs_not_kept")
+    if not isinstance(said, dict):
+        return None
+    tensors = said.get("tensors")
+    tensors = tensors if isinstance(tensors, list) else []
+    out: dict[str, Any] = {"tensors": [visible(t, 200) for t in tensors[:SHOW_WIDTH]]}
+    if len(tensors) > SHOW_WIDTH:
+        out["tensors"].append(f"…[{len(tensors) - SHOW_WIDTH} more]")
+    for key in ("bytes", "slot_bytes"):
+        v = said.get(key)
+        out[key] = v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+    return out
+
+
+def outputs_line(desc: dict[str, Any]) -> str:
+    """One line for a described call (`describe_call`): the outputs it holds, and those the
+    recorder did not keep with the --slot-bytes that would hold them. Plain text, every part
+    from the bundle already made visible."""
+    held = desc.get("outputs") or []
+    line = "outputs recorded: " + (", ".join(held) if held else "none (inputs only)")
+    lost = desc.get("outputs_not_kept")
+    if lost:
+        line += "; not kept (did not fit the flight recorder's slot): " + ", ".join(lost["tensors"])
+        if lost.get("bytes") is not None:
+            line += f" ({lost['bytes']} bytes)"
+        if lost.get("slot_bytes") is not None:
+            line += f"; --slot-bytes {lost['slot_bytes']} would hold them"
+    return line
+
+
 def describe_call(call: Call) -> dict[str, Any]:
     names = call.tensor_names
     tensors = []
@@ -102,6 +136,7 @@ def describe_call(call: Call) -> dict[str, Any]:
         "aliasing": [g[:SHOW_WIDTH] for g in aliasing[:SHOW_WIDTH]],
         "outputs_recorded": call.has_outputs,
         "outputs": recorded_outputs(call),
+        "outputs_not_kept": outputs_not_kept(call),
         "stored_bytes": call.nbytes,
         "meta": shown(call.meta),
     }
