@@ -78,7 +78,6 @@ class Call:
         self.output_storages: list[StorageRecord] = list(out.storages) if out else []
         self.output_tensors: list[TensorRecord] = list(out.tensors) if out else []
         self.inplace: list[tuple[int, int]] = list(out.inplace) if out else []
-        self._cpu: MaterializedCall | None = None
 
     def __repr__(self) -> str:
         return f"<kdump.Call {self.index} {self.target} ({len(self.tensors)} tensors)>"
@@ -124,9 +123,10 @@ class Call:
         return MaterializedCall(args, kwargs, mat.tensors, self.tensor_names, mat)
 
     def _cpu_call(self) -> MaterializedCall:
-        if self._cpu is None:
-            self._cpu = self.materialize("cpu")
-        return self._cpu
+        """The call's CPU materialisation behind `args` and `kwargs` (one, so that they alias as
+        recorded): the bundle keeps only the last call's, so iterating over many calls holds
+        one call's tensors at a time (plus those the caller keeps)."""
+        return self._bundle.cpu_call(self)
 
     @property
     def args(self) -> list[Any]:
@@ -227,6 +227,20 @@ class Bundle:
         self.blobs: dict[str, BlobRecord] = self.manifest.blobs
         self.calls = [Call(self, c) for c in self.manifest.calls]
         self._store_root: Path | None = None
+        # The last call whose `args` / `kwargs` were asked for, with its CPU tensors (one entry:
+        # a cache per call kept every call's tensors alive).
+        self._last_cpu: tuple[Call, MaterializedCall] | None = None
+
+    def cpu_call(self, call: Call) -> MaterializedCall:
+        """`call` materialised on the CPU, shared by its `args` and `kwargs`; asking for
+        another call's releases this one (unless the caller holds its tensors)."""
+        last = self._last_cpu
+        if last is not None and last[0] is call:
+            return last[1]
+        self._last_cpu = None  # released before the next call's tensors are allocated
+        made = call.materialize("cpu")
+        self._last_cpu = (call, made)
+        return made
 
     def __enter__(self) -> Bundle:
         return self
