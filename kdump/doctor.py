@@ -194,6 +194,8 @@ _FIND_SPEC = (
     "try:\n    s = importlib.util.find_spec(sys.argv[1])\nexcept Exception:\n    s = None\n"
     "sys.exit(0 if s is not None else 1)"
 )
+# module:qualname made of Python identifiers: the only targets a printed command names.
+_PLAIN_TARGET = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", re.A)
 _importable_cache: dict[tuple[str, tuple[str, ...]], bool] = {}
 
 
@@ -241,11 +243,14 @@ def replay_words(
     paths: Sequence[str] = (),
 ) -> tuple[list[str], list[str]]:
     """What a replay of a bundle with `targets` needs on its command line to run here as printed:
-    (words: `--allow-target T` per target no plug-in claims and `--path P` per folder given,
-    modules: the modules of those targets that a replay would still not find, for a hint)."""
+    (words: `--allow-target T` per target no plug-in claims whose name is a plain
+    module:qualname, and `--path P` per folder given; modules: the modules of those targets
+    that a replay would still not find, for a hint)."""
     words: list[str] = []
     missing: list[str] = []
     for t in unclaimed_targets(targets):
+        if not _PLAIN_TARGET.fullmatch(t):
+            continue  # not a name a user would allow: the replay's own refusal explains it
         words += [allow_flag, t]
         module = t.partition(":")[0]
         if not module.startswith("torch.ops.") and not importable_at_replay(module, paths):

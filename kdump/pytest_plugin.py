@@ -17,7 +17,10 @@ Tests can also replay a bundle themselves through the `kdump_replay` fixture:
         assert kdump_replay().exit_code == 0
 
 A bundle runs only targets of a registered kernel plug-in; allow others explicitly, for bundles
-you trust, with `--kdump-allow-target mod:fn` or the ini option `kdump_allow_targets`.
+you trust, with `--kdump-allow-target mod:fn` or the ini option `kdump_allow_targets`. Their
+modules are imported from the environment pytest runs in and the folders of `--kdump-path DIR`
+(or the ini option `kdump_path`); a bundle whose allowed target cannot be imported fails (a
+DeepGEMM missing on this machine skips: another machine could replay it).
 
 This module imports neither torch nor the rest of kdump until a bundle is replayed, so loading
 the plugin costs nothing in test runs that do not use it.
@@ -26,7 +29,6 @@ the plugin costs nothing in test runs that do not use it.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -72,7 +74,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="MOD:FN",
         help="Replay this target although no kernel plug-in knows it (repeatable; globs).",
     )
+    group.addoption(
+        "--kdump-path",
+        action="append",
+        default=[],
+        dest="kdump_import_paths",
+        metavar="DIR",
+        help="Folder the replays import allowed targets from (repeatable).",
+    )
     parser.addini("kdump_paths", "Bundles or folders to replay as tests.", type="paths")
+    parser.addini(
+        "kdump_path",
+        "Folders the replays import allowed targets from (relative to the ini file).",
+        type="paths",
+    )
     parser.addini(
         "kdump_allow_targets",
         "Targets (globs) replayed although no kernel plug-in knows them.",
@@ -178,11 +193,50 @@ def allowed_targets(config: pytest.Config) -> tuple[str, ...]:
     return (*config.getoption("kdump_allow_targets"), *config.getini("kdump_allow_targets"))
 
 
+def import_paths(config: pytest.Config) -> tuple[str, ...]:
+    """The --kdump-path folders (relative to where pytest was started) and the ini option's
+    (relative to the ini file), absolute."""
+    base = config.invocation_params.dir
+    given = [Path(p) for p in config.getoption("kdump_import_paths")]
+    ini = [Path(p) for p in config.getini("kdump_path")]
+    return tuple(str(p if p.is_absolute() else base / p) for p in [*given, *ini])
+
+
+def refusal(path: Path | str, allowed: Sequence[str], paths: Sequence[str]) -> str | None:
+    """Why the bundle at `path` cannot be replayed as asked, in the plugin's own options (the
+    replay's messages name the CLI's): a target nobody allowed, or an allowed target whose
+    module the replay would not find. None when it can go ahead."""
+    from kdump.bundle import load_bundle
+    from kdump.doctor import importable_at_replay, unclaimed_targets
+    from kdump.kernels.registry import target_allowed
+    from kdump.text import visible
+
+    targets = [c.target for c in load_bundle(path).calls]
+    for t in unclaimed_targets(targets):
+        shown = visible(t, 200)
+        if not target_allowed(t, allowed):
+            return (
+                f"the bundle asks to run {shown}, which is no kernel plug-in's; if you trust the "
+                f"bundle, pass --kdump-allow-target '{shown}' (or add it to the ini option "
+                "kdump_allow_targets)"
+            )
+        module = t.partition(":")[0]
+        if not module.startswith("torch.ops.") and not importable_at_replay(module, paths):
+            return (
+                f"cannot import {visible(module, 200)} to replay {shown}: pass --kdump-path DIR "
+                "with the folder that holds it (or add it to the ini option kdump_path)"
+            )
+    return None
+
+
 def run_replay(path: Path | str, mode: str, backend: str, device: str, **kw: Any) -> list[Any]:
     from kdump.replay import replay
+    from kdump.replay.options import ReplayOptions
 
+    # `paths` (the import folders) through the options: replay()'s first argument has that name.
+    base = ReplayOptions(paths=tuple(kw.pop("paths", ())))
     with _worker_gpu(device):
-        return replay([path], mode=mode, backend=backend, device=device, **kw)
+        return replay([path], base, mode=mode, backend=backend, device=device, **kw)
 
 
 def describe(verdicts: Sequence[Any]) -> str:
@@ -195,12 +249,26 @@ def describe(verdicts: Sequence[Any]) -> str:
     return "\n".join(lines)
 
 
+def _unimportable(v: Any) -> bool:
+    """A call of an allowed target (no plug-in's) whose module could not be imported: the
+    user's own code missing from the path is a failure, not a machine that cannot run it."""
+    if v.exit_code != _CANNOT_RUN:
+        return False
+    from kdump.kernels.registry import claiming_plugin
+
+    cannot_import = any(str(f.message).startswith("cannot import ") for f in v.findings)
+    return cannot_import and claiming_plugin(str(v.target)) is None
+
+
 def outcome(verdicts: Sequence[Any]) -> tuple[str, str]:
     """("passed" | "skipped" | "failed", why). A call that cannot run here does not hide a
     failing call of the same bundle."""
     codes = [v.exit_code for v in verdicts]
     if any(c not in (0, _CANNOT_RUN) for c in codes):
         return "failed", describe(verdicts)
+    if any(_unimportable(v) for v in verdicts):
+        hint = "pass --kdump-path DIR with the folder that holds it (or the ini option kdump_path)"
+        return "failed", f"{describe(verdicts)}\n{hint}"
     if _CANNOT_RUN in codes:
         return "skipped", "; ".join(v.headline() for v in verdicts if v.exit_code == _CANNOT_RUN)
     return "passed", ""
@@ -209,16 +277,21 @@ def outcome(verdicts: Sequence[Any]) -> tuple[str, str]:
 class KdumpItem(pytest.Item):
     def runtest(self) -> None:
         mode, backend, device = (setting(self.config, n) for n in ("mode", "backend", "device"))
-        from kdump.errors import UsageError
+        from kdump.cli.common import dumps_strict
+        from kdump.errors import BundleError, UsageError
 
+        allowed, paths = allowed_targets(self.config), import_paths(self.config)
         try:
+            why = refusal(self.path, allowed, paths)
+            if why is not None:
+                raise ReplayFailed(why)
             verdicts = run_replay(
-                self.path, mode, backend, device, allow_targets=allowed_targets(self.config)
+                self.path, mode, backend, device, allow_targets=allowed, paths=paths
             )
-        except UsageError as exc:  # e.g. a target nobody allowed: the message says what to do
+        except (UsageError, BundleError) as exc:  # an invalid bundle: the message says what to do
             raise ReplayFailed(str(exc)) from None
         self.user_properties.append(
-            ("kdump_verdicts", json.dumps([v.to_json() for v in verdicts], default=str))
+            ("kdump_verdicts", dumps_strict([v.to_json() for v in verdicts], indent=None))
         )
         result, why = outcome(verdicts)
         if result == "skipped":
@@ -257,13 +330,18 @@ def kdump_replay(request: pytest.FixtureRequest) -> Callable[..., Any]:
         if not p.is_absolute() and not p.exists():
             p = request.path.parent / p
         cfg = request.config
+        allowed, paths = allowed_targets(cfg), import_paths(cfg)
+        why = refusal(p, allowed, paths)
+        if why is not None:
+            pytest.fail(f"kdump_replay({p}): {why}", pytrace=False)
         [verdict] = run_replay(
             p,
             mode or setting(cfg, "mode"),
             backend or setting(cfg, "backend"),
             device or setting(cfg, "device"),
             calls=[call],
-            allow_targets=allowed_targets(cfg),
+            allow_targets=allowed,
+            paths=paths,
         )
         return verdict
 

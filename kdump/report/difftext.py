@@ -40,8 +40,11 @@ def _entry(item: str, a: str, b: str) -> list[str]:
     ]
 
 
-def _groups(groups: tuple[int, ...]) -> str:
-    return ", ".join(map(str, groups)) or "none"
+def group_ids(groups: tuple[int, ...] | list[int]) -> str:
+    """Group ids said as ids ("group 2", "groups 0, 5"), never a bare number read as a count."""
+    if not groups:
+        return "none"
+    return f"group{'s' if len(groups) > 1 else ''} {', '.join(map(str, groups))}"
 
 
 def routing_table(r: RoutingDiff) -> list[str]:
@@ -61,9 +64,9 @@ def routing_table(r: RoutingDiff) -> list[str]:
         lines.append(f"    {'padding':>8} {pa:>9} {pb:>9}")
     if r.a.invalid or r.b.invalid:
         lines.append(f"    {'invalid':>8} {r.a.invalid:>9} {r.b.invalid:>9}")
-    lines += _wrap(_groups(r.a.empty_groups), "    empty groups A: ", " " * 20)
-    lines += _wrap(_groups(r.b.empty_groups), "    empty groups B: ", " " * 20)
-    lines += _wrap(_groups(r.changed), "    changed groups: ", " " * 20)
+    lines += _wrap(group_ids(r.a.empty_groups), "    empty in A: ", " " * 18)
+    lines += _wrap(group_ids(r.b.empty_groups), "    empty in B: ", " " * 18)
+    lines += _wrap(group_ids(r.changed), "    changed:    ", " " * 18)
     return [line.rstrip() for line in lines]
 
 

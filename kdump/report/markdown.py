@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from urllib.parse import quote
 from kdump.bundle import Bundle, Call
 from kdump.bundle.inspect import aliasing_groups
 from kdump.report.diff import alignment_class, flatten, scalar_arguments, show
+from kdump.report.difftext import group_ids
 from kdump.report.escape import code_fence, escape_md, escape_text
 from kdump.report.plot import INSTALL_HINT, PlotResult, matplotlib_available
 from kdump.report.redact import Redactor
@@ -135,8 +137,22 @@ class _Writer:
                 )
             )
         meta = flatten(call.meta)
-        if meta:
-            self.add(*table(["meta", "value"], [[self.md(k), self.md(v)] for k, v in meta.items()]))
+        # The crash's multi-line text (traceback, tail of stderr) as code blocks after the
+        # table: a table cell would hold it as one line of escapes. Other bundle strings stay
+        # in cells, where nothing in them can start a line.
+        blocks = {k: v for k, v in meta.items() if _BLOCK_KEYS.search(k) and "\n" in v.strip()}
+        rows = [[self.md(k), self.md(v)] for k, v in meta.items() if k not in blocks]
+        if blocks:
+            rows += [[self.md(k), "(below)"] for k in blocks]
+        if rows:
+            self.add(*table(["meta", "value"], rows))
+        for k, v in blocks.items():
+            self.add(f"{self.md(k)}:", "", code_fence(self.block(v)), "")
+
+    def block(self, text: str) -> str:
+        """Multi-line bundle text for a code block: each line escaped (control characters,
+        escape sequences), the lines kept."""
+        return "\n".join(escape_text(self.r.text(line)) for line in text.strip("\n").split("\n"))
 
     def routing(self, plot: PlotResult | None = None) -> None:
         """One table per (target, routing argument): the calls of that target side by side."""
@@ -158,12 +174,7 @@ class _Writer:
                 rows.append([str(g), *(_cell(s.count(g)) for _, s in entries)])
             rows.append(["total", *(str(s.tokens) for _, s in entries)])
             rows.append(["padding rows", *(_cell(s.padding) for _, s in entries)])
-            rows.append(
-                [
-                    "empty groups",
-                    *(", ".join(map(str, s.empty_groups)) or "none" for _, s in entries),
-                ]
-            )
+            rows.append(["empty groups", *(group_ids(s.empty_groups) for _, s in entries)])
             if any(s.invalid for _, s in entries):
                 rows.append(["invalid entries", *(str(s.invalid) for _, s in entries)])
             self.add(*table(header, rows))
@@ -241,6 +252,10 @@ class _Writer:
         self.add("## Reproduce", "", code_fence("\n".join(cmds)), "")
 
 
+# Flattened meta keys whose multi-line text is shown as a code block.
+_BLOCK_KEYS = re.compile(r"^crash\.|^exception$|traceback$")
+
+
 def _cell(value: int | None) -> str:
     return "-" if value is None else str(value)
 
@@ -253,7 +268,7 @@ def render_report(
 ) -> str:
     """The Markdown report of `bundle`; `verdicts` (from kdump.replay.replay) add a section."""
     options = options or ReportOptions()
-    redactor = Redactor.from_env([bundle.env], options.redact)
+    redactor = Redactor.from_env([bundle.env], options.redact, [c.meta for c in bundle.calls])
     w = _Writer(bundle, redactor.path(shown_path or str(bundle.path)), redactor)
     w.header()
     w.environment()

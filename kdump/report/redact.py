@@ -14,7 +14,25 @@ VALUE = "<redacted>"
 _HOME = re.compile(r"/(?:home|Users)/([^/\s'\"]+)")
 _PATH = re.compile(r"(?<![\w.<>-])(?:~|\.{1,2})?(?:/[^\s/'\",;:=]+)+/?")
 _USER_VARS = ("USER", "LOGNAME", "USERNAME")
+# Keys that name a host or a user anywhere in a call's meta (flight-recorder bundles keep
+# meta["process"]["host"]; a plug-in or a later recorder may add others).
+_HOST_KEYS = frozenset({"host", "hostname", "node", "nodename"})
+_USER_KEYS = frozenset({"user", "username", "login", "logname"})
 _MIN_SECRET = 8
+
+
+def _named(tree: Any, keys: frozenset[str]) -> Iterable[str]:
+    """Every non-empty string value under one of `keys` (lower case; the tree's keys are
+    compared in lower case), at any depth."""
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            if str(k).lower() in keys and isinstance(v, str) and v:
+                yield v
+            else:
+                yield from _named(v, keys)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _named(v, keys)
 
 
 def _strings(tree: Any) -> Iterable[str]:
@@ -39,10 +57,24 @@ class Redactor:
     extra: tuple[str, ...] = field(default=())  # literal strings to hide (env values)
 
     @classmethod
-    def from_env(cls, envs: Iterable[Mapping[str, Any]], enabled: bool) -> Redactor:
+    def from_env(
+        cls,
+        envs: Iterable[Mapping[str, Any]],
+        enabled: bool,
+        metas: Iterable[Mapping[str, Any]] = (),
+    ) -> Redactor:
+        """What to hide, learnt from the bundle's environments and its calls' meta."""
         if not enabled:
             return cls()
-        hosts, users, values = set(), set(), set()
+        hosts: set[str] = set()
+        users: set[str] = set()
+        values: set[str] = set()
+        for meta in metas:
+            for host in _named(meta, _HOST_KEYS):
+                hosts.update((host, host.split(".")[0]))
+            users.update(_named(meta, _USER_KEYS))
+            for s in _strings(meta):
+                users.update(m.group(1) for m in _HOME.finditer(s))
         for env in envs:
             host = env.get("hostname")
             if isinstance(host, str) and host:
