@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 
@@ -39,7 +41,6 @@ def command(
       kdump salvage /dev/shm/kdump-journal-4711-18c2f -o crash-dumps/ --exit-code -9
     """
     import contextlib
-    from pathlib import Path
 
     from kdump.progress import PLAIN_INTERVAL_S, progress
     from kdump.record.capture_dir import remove_stale_temporaries
@@ -59,6 +60,10 @@ def command(
             click.echo(f"skipped {v(p)}: its process is still running", err=True)
         else:
             paths.append(p)
+    if not keep:
+        for j in journals or (str(DEFAULT_DIR),):
+            for folder in _left_run_folders(Path(j)):
+                click.echo(f"removed {v(folder)}: left by a killed `kdump record`", err=True)
     if not paths:
         click.echo("no journals of dead processes found; nothing to salvage")
         return 0
@@ -93,3 +98,34 @@ def command(
                 folder.rmdir()
     click.echo(f"replay them with: kdump replay {v(output)}")
     return 0
+
+
+def _left_run_folders(top: Path) -> list[Path]:
+    """Remove what a killed `kdump record` left in its run folders under `top` (or in `top`, a
+    run folder) besides journals: the status files of processes that are gone, then each folder
+    that this left empty. A folder without such files is kept: it may belong to a live run."""
+    import contextlib
+
+    from kdump.record.journal import RUN_PREFIX
+    from kdump.record.salvage import pid_alive
+    from kdump.record.session import STATUS_PREFIX
+
+    if not top.is_dir():
+        return []
+    folders = [top] if top.name.startswith(RUN_PREFIX) else sorted(top.glob(f"{RUN_PREFIX}*"))
+    removed: list[Path] = []
+    for folder in folders:
+        gone = 0
+        for status in folder.glob(f"{STATUS_PREFIX}*"):
+            try:
+                pid = int(status.name[len(STATUS_PREFIX) :].split("-")[0])
+            except ValueError:
+                continue
+            if not pid_alive(pid):
+                status.unlink(missing_ok=True)
+                gone += 1
+        if gone:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only when nothing else is left in it
+                removed.append(folder)
+    return removed

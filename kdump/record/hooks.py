@@ -326,6 +326,7 @@ class PatchSet:
         self.on_call = on_call
         self.on_setter = on_setter
         self.on_patched = on_patched  # lets the session set counter / trigger for a new state
+        self.on_change: Callable[[], None] | None = None  # after a rescan resolved a target
         self.states: list[HookState] = []
         self.pending: list[TargetSpec] = list(specs)
         self._watcher: _ImportWatcher | None = None
@@ -366,8 +367,34 @@ class PatchSet:
     def rescan(self) -> None:
         """Resolve targets whose module appeared and rebind new references (import hook)."""
         with _lock:
-            if self.active:
-                self._resolve_pending()
+            if not self.active:
+                return
+            before = len(self.pending)
+            self._resolve_pending()
+            changed = len(self.pending) != before
+        if changed and self.on_change is not None:
+            self.on_change()
+
+    def report(self) -> list[dict[str, Any]]:
+        """Each target's state in this process, for `kdump record`'s summary: `patched` (with
+        the folder its module was imported from), `not_imported` (the module never was),
+        `missing` (the module is loaded but lacks the attribute) or `not_registered` (an
+        operator)."""
+        pending = {id(s) for s in self.pending}
+        rows: list[dict[str, Any]] = []
+        for spec in self.specs:
+            row: dict[str, Any] = {"target": spec.text, "id": spec.id, "module": spec.module}
+            if id(spec) not in pending:
+                row["state"] = "patched"
+                root = None if spec.is_op else module_root(sys.modules.get(spec.module))
+                if root is not None:
+                    row["root"] = root
+            elif spec.is_op:
+                row["state"] = "not_registered"
+            else:
+                row["state"] = "missing" if spec.module in sys.modules else "not_imported"
+            rows.append(row)
+        return rows
 
     # -- internals -------------------------------------------------------------------------------
     def _resolve_pending(self) -> None:
@@ -489,6 +516,24 @@ class PatchSet:
 
 
 _MISSING = object()
+
+
+def module_root(mod: Any) -> str | None:
+    """The sys.path folder `mod` was imported from (for `--path`), or None (builtin, namespace
+    package, a module made at run time)."""
+    import os
+
+    try:
+        file = getattr(mod, "__file__", None)
+        name = getattr(mod, "__name__", None)
+        if not isinstance(file, str) or not isinstance(name, str):
+            return None
+        base = os.path.dirname(file) if hasattr(mod, "__path__") else file
+        for _ in name.split("."):
+            base = os.path.dirname(base)
+        return os.path.abspath(base)
+    except Exception:
+        return None
 
 
 class _ImportWatcher(importlib.abc.MetaPathFinder):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -13,11 +15,12 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kdump import config
-from kdump.errors import UsageError
+from kdump.errors import ExitCode, UsageError
 from kdump.progress import Bar
 from kdump.record import capture_dir, salvager
 from kdump.record.journal import RUN_PREFIX
@@ -61,7 +64,7 @@ def launch(
     echo: Callable[[str], None] = _stderr,
 ) -> int:
     """Validate the options (UsageError), run CMD with recording active, print the summary;
-    CMD's exit code."""
+    CMD's exit code (2 when CMD succeeded but what it recorded could not be written)."""
     from kdump.record.config import RecordConfig
     from kdump.record.hooks import parse_targets
     from kdump.record.session import check_mode
@@ -74,34 +77,126 @@ def launch(
     flush_sig = signal_number(opts["flush_signal"]) if opts.get("flush_signal") else None
     started = time.time()
     out = Path(cfg.out)
+    prepare_out(out)  # before the program runs: a bad folder must not cost the recording
     if opts.get("cuda_coredump"):
         env.update(coredump_env(out, env))
-    journals = None
     holder: salvager.Started | None = None
     env.pop(salvager.ENV, None)  # an outer `kdump record`'s salvage process is not ours
-    if cfg.mode == "ring":
-        cfg.ring.journal_dir.mkdir(parents=True, exist_ok=True)
-        journals = Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir=cfg.ring.journal_dir))
-        env["KDUMP_JOURNAL_DIR"] = str(journals)
-        if opts.get("salvage_process", True):
-            got = salvager.start(journals, config.environ(), flush_sig)
-            if isinstance(got, str):
-                echo(f"kdump: {got}; the flight recorder keeps its host tier only")
-            else:
-                holder = got
-                env[salvager.ENV] = str(got.socket_path)
+    # The run's folder: the journals (mode ring) and, in every mode, what each recorded process
+    # says about its targets (kdump.record.session.Recording.write_status).
+    run_dir = make_run_dir(cfg.ring.journal_dir, ring=cfg.mode == "ring")
+    if run_dir is not None:
+        env["KDUMP_JOURNAL_DIR"] = str(run_dir)
+    journals = run_dir if cfg.mode == "ring" else None
+    if journals is not None and opts.get("salvage_process", True):
+        got = salvager.start(journals, config.environ(), flush_sig)
+        if isinstance(got, str):
+            echo(f"kdump: {got}; the flight recorder keeps its host tier only")
+        else:
+            holder = got
+            env[salvager.ENV] = str(got.socket_path)
     tail = bytearray()
     rc: int | None = None
+    salvage_failed = False
+    status = RunStatus()
     try:
         rc = run(cmd, env, flush_signal=flush_sig, stderr_tail=tail if journals else None)
-    finally:
-        if journals is not None:  # also when kdump itself is interrupted
+    finally:  # also when kdump itself is interrupted
+        if run_dir is not None:
+            status = read_statuses(run_dir)
+        if journals is not None:
             if holder is not None:  # its files must be complete before salvage reads them
                 report_salvager(salvager.finish(holder), echo)
             context = crash_context(rc, tail, coredumps(out, started))
-            salvage_run(journals, out, context, echo)
-    summarize(out, started, cfg.targets, echo)
-    return rc
+            salvage_failed = not salvage_run(journals, out, context, echo).ok
+        elif run_dir is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):  # a killed program's partial files (sync mode)
+            capture_dir.remove_stale_temporaries(out)
+    failed = report_failures(status, echo) or salvage_failed
+    summarize(out, started, cfg.targets, echo, status=status, failed=failed)
+    rc = 130 if rc is None else rc
+    return rc if rc != 0 or not failed else int(ExitCode.USAGE)
+
+
+def prepare_out(out: Path) -> None:
+    """Create the output folder and check that it takes files: UsageError (one line, exit 2)
+    when it cannot, before anything runs."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"output folder {v(out)} is a file; give a folder with -o")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".kdump-probe-", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        raise UsageError(f"output folder {v(out)} is not writable ({why}); give another with -o")
+
+
+def make_run_dir(journal_dir: Path, *, ring: bool) -> Path | None:
+    """A fresh `kdump-run-*` folder under the journal folder. Mode ring needs it (UsageError
+    when it cannot be made); in mode sync it only carries the processes' status files, so a
+    folder that cannot be made costs only the summary's detail (None)."""
+    try:
+        journal_dir.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir=journal_dir))
+    except OSError as exc:
+        if ring:
+            raise UsageError(
+                f"cannot make the journals' folder in {v(journal_dir)} ({exc.strerror or exc}); "
+                "set KDUMP_JOURNAL_DIR to a writable folder in shared memory"
+            )
+        return None
+
+
+@dataclass
+class RunStatus:
+    """What the recorded processes said about their targets (kdump-status-*.json)."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[tuple[int, str]] = field(default_factory=list)
+    processes: int = 0
+
+
+def read_statuses(run_dir: Path) -> RunStatus:
+    """Read and remove the status files of the run's processes (their content is checked: a
+    process of the program may write anything there)."""
+    from kdump.record.session import STATUS_PREFIX
+
+    got = RunStatus()
+    for p in sorted(run_dir.glob(f"{STATUS_PREFIX}*")):
+        try:
+            doc = json.loads(p.read_text()) if p.name.endswith(".json") else None
+        except (OSError, ValueError):
+            doc = None
+        p.unlink(missing_ok=True)
+        if not isinstance(doc, dict):
+            continue
+        got.processes += 1
+        pid = doc.get("pid") if type(doc.get("pid")) is int else 0
+        rows = doc.get("targets")
+        for row in rows if isinstance(rows, list) else []:
+            if isinstance(row, dict) and all(isinstance(row.get(k), str) for k in _ROW_KEYS):
+                got.rows.append(row)
+        fails = doc.get("failures")
+        for line in fails if isinstance(fails, list) else []:
+            if isinstance(line, str):
+                got.failures.append((pid, line))
+    return got
+
+
+_ROW_KEYS = ("target", "id", "module", "state")
+
+
+def report_failures(status: RunStatus, echo: Callable[[str], None]) -> bool:
+    """Say why recording stopped in the program's processes; True when a bundle could not be
+    written (the recording is incomplete: kdump's exit code says so)."""
+    for pid, line in status.failures[:10]:
+        echo(f"kdump: process {pid}: {v(line)}")
+    if len(status.failures) > 10:
+        echo(f"kdump: ... and {len(status.failures) - 10} more failure(s)")
+    return any("writing" in line for _, line in status.failures)
 
 
 COREDUMP_PATTERN = "cuda-coredump.%h.%p.nvcudmp"  # the driver fills in host name and pid
@@ -162,37 +257,61 @@ def crash_context(
     return ctx
 
 
+@dataclass
+class Salvaged:
+    """What `salvage_run` wrote, and whether every journal could be salvaged."""
+
+    bundles: list[Path]
+    ok: bool
+
+
 def salvage_run(
     journals: Path, out: Path, context: dict[str, Any], echo: Callable[[str], None] = _stderr
-) -> list[Path]:
-    """Turn every journal the run's processes left into bundles (under out/flight.HOST),
-    then remove the run's shared-memory folder (the salvage process' device-tier files with
-    it)."""
+) -> Salvaged:
+    """Turn every journal the run's processes left into bundles (under out/flight.HOST), then
+    remove the run's shared-memory folder (the salvage process' device-tier files with it).
+    A journal that cannot be salvaged stays there, with the command that recovers it."""
     from kdump.progress import PLAIN_INTERVAL_S, progress
 
     written: list[Path] = []
-    cores = context.get("cuda_coredumps") or {}
+    failed: list[Path] = []
     try:
         label = "kdump: salvaging the flight recorder"
         with progress(label, None, quiet_for=PLAIN_INTERVAL_S) as bar:
-            written = _salvage_each(journals, out, context, cores, bar, echo)
-    finally:
+            written = _salvage_each(journals, out, context, bar, echo, failed)
+    except BaseException:  # interrupted (a third Ctrl-C) or worse: nothing may be lost
+        _keep_for_salvage(journals, echo)
+        raise
+    if failed:
+        _keep_for_salvage(journals, echo)
+    else:
         shutil.rmtree(journals, ignore_errors=True)
-    return written
+    return Salvaged(written, not failed)
+
+
+def _keep_for_salvage(journals: Path, echo: Callable[[str], None]) -> None:
+    """Leave the journals that failed (and their device-tier files) for `kdump salvage`."""
+    for p in journals.glob("*.tmp"):
+        p.unlink(missing_ok=True)
+    echo(
+        f"kdump: the journals are kept in {v(journals)}; recover them with: "
+        f"kdump salvage {shlex.quote(str(journals))} -o OTHER_FOLDER"
+    )
 
 
 def _salvage_each(
     journals: Path,
     out: Path,
     context: dict[str, Any],
-    cores: dict[str, str],
     bar: Bar,
     echo: Callable[[str], None],
+    failed: list[Path],
 ) -> list[Path]:
     from kdump.record.journal import read_pid
     from kdump.record.salvage import CRASH_SUFFIX, RAISED_SUFFIX, salvage_journal
     from kdump.record.statics import STATIC_SUFFIX
 
+    cores = context.get("cuda_coredumps") or {}
     written: list[Path] = []
     for j in sorted(journals.glob("kdump-journal-*")):
         if j.name.endswith(
@@ -207,7 +326,10 @@ def _salvage_each(
         try:
             res = salvage_journal(j, out / f"flight.{socket.gethostname()}", own, progress=bar)
         except Exception as exc:  # one bad journal must not lose the others
-            echo(f"kdump: cannot salvage {j.name} ({type(exc).__name__}: {exc})")
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            echo(f"kdump: cannot salvage {j.name} ({type(exc).__name__}: {v(why)})")
+            if j.exists():
+                failed.append(j)
             continue
         written += res.bundles
         echo(
@@ -241,15 +363,20 @@ def build_env(
     return env
 
 
+class _StopWaiting(Exception):
+    """A second Ctrl-C: stop waiting for the program (what it recorded is still salvaged)."""
+
+
 def run(
     cmd: list[str],
     env: Mapping[str, str],
     flush_signal: int | None = None,
     stderr_tail: bytearray | None = None,
-) -> int:
+) -> int | None:
     """Run CMD; SIGTERM / SIGINT (and the flush signal) sent to kdump go to CMD; CMD's exit code
-    comes back (death by signal n -> 128 + n, as shells report it). With `stderr_tail`, CMD's
-    stderr passes through kdump unchanged and its last bytes are kept there."""
+    comes back (death by signal n -> 128 + n, as shells report it), None when a second SIGINT
+    made kdump stop waiting for it. With `stderr_tail`, CMD's stderr passes through kdump
+    unchanged and its last bytes are kept there."""
     try:
         proc = subprocess.Popen(
             cmd, env=dict(env), stderr=subprocess.PIPE if stderr_tail is not None else None
@@ -260,15 +387,22 @@ def run(
     if stderr_tail is not None:
         tee = threading.Thread(target=_tee, args=(proc.stderr, stderr_tail), daemon=True)
         tee.start()
+    interrupts = 0
 
     def forward(signum: int, frame: Any) -> None:
+        nonlocal interrupts
         try:
             proc.send_signal(signum)
         except OSError:
             pass
+        if signum == signal.SIGINT:
+            interrupts += 1
+            if interrupts == 2:  # the user insists: salvage now, whatever the program does
+                raise _StopWaiting
 
     forwarded = [signal.SIGTERM, signal.SIGINT] + ([flush_signal] if flush_signal else [])
     previous = {s: signal.signal(s, forward) for s in forwarded}
+    rc: int | None = None
     try:
         while True:
             try:
@@ -276,11 +410,19 @@ def run(
                 break
             except KeyboardInterrupt:
                 continue
+            except _StopWaiting:
+                _stderr(
+                    f"kdump: stopped waiting for the program (pid {proc.pid}); salvaging what "
+                    "it recorded so far"
+                )
+                break
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
         if tee is not None:
-            tee.join(timeout=5)
+            tee.join(timeout=5 if rc is not None else 0.5)
+    if rc is None:
+        return None
     return 128 - rc if rc < 0 else rc
 
 
@@ -310,12 +452,20 @@ def _tree_bytes(folder: Path) -> int:
 
 
 def summarize(
-    out: Path, since: float, targets: tuple[str, ...], echo: Callable[[str], None] = _stderr
+    out: Path,
+    since: float,
+    targets: tuple[str, ...],
+    echo: Callable[[str], None] = _stderr,
+    *,
+    status: RunStatus | None = None,
+    failed: bool = False,
 ) -> None:
     """What the run wrote (bundles newer than `since`, read through the folders' indexes), and
-    the exact next command."""
+    the exact next command. `status`: what the processes said about their targets; `failed`:
+    something could not be written (then "no calls were recorded" would be false)."""
     from kdump.cli.common import human_bytes
 
+    status = status or RunStatus()
     bundles: list[Path] = []
     for p in capture_dir.list_bundles(out):
         try:
@@ -325,10 +475,10 @@ def summarize(
             continue
     bundles.sort(key=lambda p: (p.parent.name, p.name))
     if not bundles:
-        echo(
-            f"kdump: no calls were recorded (targets: {v(', '.join(targets) or 'deep_gemm')}); "
-            "check that the program calls them, and the trigger options"
-        )
+        if failed or status.failures:  # calls were made: recording them failed
+            echo("kdump: no bundles were written (see above)")
+        else:
+            echo(f"kdump: no calls were recorded: {why_nothing(targets, status)}")
         return
     folders = sorted({p.parent for p in bundles})
     nbytes = sum(p.stat().st_size for p in bundles)
@@ -341,4 +491,97 @@ def summarize(
     for f in folders:
         n = sum(1 for p in bundles if p.parent == f)
         echo(f"  {v(f)}  ({n} bundle(s), index: {v(f / capture_dir.INDEX_NAME)})")
-    echo(f"next: kdump replay {v(bundles[0])}")
+    echo(f"next: {v(next_command(bundles[0], status))}")
+
+
+def why_nothing(targets: tuple[str, ...], status: RunStatus) -> str:
+    """Why a run recorded no call, as precisely as the processes' status files tell: a target
+    module the program never imported, one without the named function, or (when every target
+    was patched) calls that did not happen or that the triggers passed over."""
+    from kdump.record.hooks import parse_target
+
+    named = ", ".join(targets) or "deep_gemm"
+    generic = f"targets {v(named)}; check that the program calls them, and the trigger options"
+    if not status.processes:
+        return generic
+    reasons: list[str] = []
+    for text in targets or ("deep_gemm",):
+        try:
+            texts = {s.text for s in parse_target(text)}
+        except Exception:
+            continue
+        rows = [r for r in status.rows if r["target"] in texts]
+        if not rows or any(r["state"] == "patched" for r in rows):
+            continue
+        missing = [r for r in rows if r["state"] == "missing"]
+        if missing:
+            r = missing[0]
+            name = r["target"].partition(":")[2] or r["target"]
+            reasons.append(f"target module {v(r['module'])} has no {v(name)} (target {v(text)})")
+        elif all(r["state"] == "not_imported" for r in rows):
+            mods = sorted({r["module"] for r in rows})
+            shown = ", ".join(mods[:3]) + (", ..." if len(mods) > 3 else "")
+            reasons.append(
+                f"target module {v(shown)} was never imported by the program (target {v(text)})"
+            )
+        else:
+            reasons.append(f"operator of target {v(text)} was never registered")
+    return "; ".join(reasons) if reasons else generic
+
+
+def next_command(bundle: Path, status: RunStatus) -> str:
+    """`kdump replay BUNDLE`, with `--allow-target` for each recorded target that no plug-in
+    claims and the user's config does not allow, and `--path` for each whose module a replay
+    would not find (it came from the program's folder, or from a sys.path entry the program
+    added)."""
+    from kdump.kernels.registry import target_allowed
+
+    words = ["kdump", "replay", str(bundle)]
+    seen: set[str] = set()
+    for row in status.rows:
+        if row["state"] != "patched" or row["id"] in seen:
+            continue
+        seen.add(row["id"])
+        try:
+            allowed = target_allowed(row["id"])
+        except Exception:  # an unreadable config file: the replay says so itself
+            allowed = False
+        if allowed:
+            continue
+        words += ["--allow-target", row["id"]]
+        root = row.get("root")
+        if isinstance(root, str) and not importable_at_replay(row["module"], root):
+            if root not in words:
+                words += ["--path", root]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+_FIND = (
+    "import importlib.util, sys\n"
+    "try:\n    s = importlib.util.find_spec(sys.argv[1])\nexcept Exception:\n    s = None\n"
+    "print(s.origin if s is not None and s.origin else '')"
+)
+
+
+def importable_at_replay(module: str, root: str) -> bool:
+    """Whether a replay child, started here, imports `module` from `root`: asked of a Python
+    with the replay child's environment (no current folder on sys.path). Only the top-level
+    package is looked up, so nothing of the user's runs."""
+    from kdump.replay.child import child_environment
+
+    top = module.split(".")[0]
+    try:
+        got = subprocess.run(
+            [sys.executable, "-c", _FIND, top],
+            env=child_environment(None),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    origin = got.stdout.strip()
+    if got.returncode != 0 or not origin:
+        return False
+    real_root = os.path.realpath(root)
+    return os.path.realpath(origin).startswith(real_root + os.sep)

@@ -58,6 +58,7 @@ IO_TIMEOUT = 5.0  # one request's reads and writes on the server side
 ANNOUNCE_TIMEOUT = 5.0  # all of announce(), CUDA start-up of the salvage process included
 START_TIMEOUT = 20.0  # until the salvage process listens
 END_TIMEOUT = 60.0  # writing every import at the program's end
+FOLDER_PREFIX = "kdump-salvager-"  # the socket's private folder
 WATCH_PERIOD = 0.1
 MAX_HANDLERS = 32  # concurrent requests; more are refused at once
 MAX_DEVICE = 1023
@@ -455,8 +456,22 @@ def main(argv: list[str] | None = None, importer: Importer = _default_importer) 
     # torch takes seconds to import on a busy host: have it ready before the first announcement,
     # which must be answered within ANNOUNCE_TIMEOUT (importing it starts no CUDA)
     threading.Thread(target=_preimport, name="kdump-salvager-import", daemon=True).start()
-    server.serve()
+    try:
+        server.serve()
+    finally:
+        _remove_own_folder(args.socket)
     return 0
+
+
+def _remove_own_folder(sock: Path) -> None:
+    """Remove the socket and its private folder: when kdump was SIGKILLed, nobody else will
+    (kdump's `finish` removes them too, when it lives)."""
+    with contextlib.suppress(OSError):
+        sock.unlink()
+    folder = sock.parent
+    if folder.name.startswith(FOLDER_PREFIX):
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only empty: never anything else's
 
 
 def _preimport() -> None:
@@ -495,7 +510,7 @@ def start(
     tmp = tempfile.gettempdir()
     if len(os.path.join(tmp, "kdump-salvager-XXXXXXXX", SOCKET_NAME)) > 100:
         tmp = "/tmp"  # a Unix socket path has a 108-byte limit
-    folder = Path(tempfile.mkdtemp(prefix="kdump-salvager-", dir=tmp))  # mode 0700
+    folder = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir=tmp))  # mode 0700
     sock = folder / SOCKET_NAME
     env = {k: v for k, v in base_env.items() if k not in ("KDUMP_RECORD", ENV)}
     env["PYTHONPATH"] = _kdump_pythonpath(base_env)

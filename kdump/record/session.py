@@ -19,8 +19,10 @@ the original arguments, and its result or exception passes through as the same o
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import itertools
+import json
 import os
 import threading
 import time
@@ -28,11 +30,13 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from kdump import config
 from kdump.errors import UsageError
 from kdump.kernels import registry as kernel_registry
 from kdump.log import log, log_once
 from kdump.record.config import RecordConfig
 from kdump.record.hooks import HookState, PatchSet, parse_targets
+from kdump.record.journal import RUN_PREFIX
 from kdump.record.triggers import Trigger
 
 
@@ -77,6 +81,8 @@ def make_recorder(cfg: RecordConfig, session: Recording) -> Recorder:
 # Sessions
 
 _ACTIVE: list[Recording] = []
+STATUS_PREFIX = "kdump-status-"  # kdump-status-PID-N.json in a `kdump record` run's folder
+_STATUS_SEQ = itertools.count()
 _active_lock = threading.Lock()
 
 
@@ -91,7 +97,10 @@ class Recording:
         self._triggers: dict[str, Trigger] = {}
         self._counters: dict[str, Any] = {}
         self.patches = PatchSet(self.specs, self.recorder.on_call, self._on_setter, self._setup)
+        self.patches.on_change = self.write_status
         self.active = False
+        self.failures: list[str] = []  # why targets were switched off, for the status file
+        self._status_seq = next(_STATUS_SEQ)
 
     # -- hooks' callbacks ------------------------------------------------------------------------
     def trigger(self, target: str) -> Trigger:
@@ -121,6 +130,8 @@ class Recording:
             reason = f"{type(exc).__name__}: {exc}"
             if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
                 reason = f"disk full ({reason})"
+            self.failures.append(f"{what} for {st.id} failed ({reason})"[:1000])
+            self.write_status()
             log_once(
                 f"fail:{st.id}",
                 f"{what} for {st.id} failed ({reason}); recording of this target is off, the "
@@ -149,7 +160,31 @@ class Recording:
         self.active = True
         with _active_lock:
             _ACTIVE.append(self)
+        self.write_status()
         return self
+
+    # -- what `kdump record` learns from this process -----------------------------------------
+    def status_path(self) -> Path | None:
+        """Where this process tells `kdump record` how its targets fared: a file in the run's
+        folder, only in a process `kdump record` started (never for `kdump.recording()` alone)."""
+        if not config.get_flag("KDUMP_RECORD"):
+            return None
+        run = self.cfg.ring.journal_dir
+        if not run.name.startswith(RUN_PREFIX):
+            return None
+        return run / f"{STATUS_PREFIX}{os.getpid()}-{self._status_seq}.json"
+
+    def write_status(self) -> None:
+        """Write the targets' states (hooks.PatchSet.report) and the failures, atomically; the
+        launcher reads them after the program ended. Never raises."""
+        with contextlib.suppress(Exception):
+            path = self.status_path()
+            if path is None:
+                return
+            doc = {"pid": os.getpid(), "targets": self.patches.report(), "failures": self.failures}
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(doc))
+            os.replace(tmp, path)
 
     def stop(self) -> None:
         if not self.active:
@@ -203,6 +238,7 @@ def flush_all() -> None:
             s.flush()
         except Exception as exc:
             log_once(f"flush:{id(s)}", f"flush failed: {type(exc).__name__}: {exc}")
+        s.write_status()  # a module imported where no watcher saw it
 
 
 def _after_fork_in_child() -> None:
