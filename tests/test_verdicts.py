@@ -408,12 +408,14 @@ def test_noise_that_follows_the_poison_for_a_while_is_not_an_overread(
                 lambda x, out: out.copy_(x))  # fmt: skip
     calls = tmp_path / "calls"
     monkeypatch.setenv("KDUMP_TEST_CALLS", str(calls))
-    # runs: 0 the first, 1 the second poison, 2-3 the controls, 4 the first trial (x after),
-    # 5 the same with the first poison, 6 the trial again
-    monkeypatch.setenv("KDUMP_TEST_FLIPS", "1,3,4")
+    # runs: 0-2 find the outputs (the recorded values, x probed, out probed), then 3 the first,
+    # 4 the second poison, 5-6 the controls, 7 the first trial (x after), 8 the same with the
+    # first poison, 9 the trial again
+    monkeypatch.setenv("KDUMP_TEST_FLIPS", "4,6,7")
     [v] = replay([path], device="cpu", repeat=1)
     shown = "\n".join(f"{s.name} {s.status} {s.message}" for s in v.steps)
-    assert len(calls.read_text().split()) >= 7, shown
+    assert "eager/discover outputs" in {s.name for s in v.steps}, shown
+    assert len(calls.read_text().split()) >= 10, shown
     steps = {s.name: s for s in v.steps}
     assert steps["eager/halo differential"].status == "fail", shown
     assert "memory" not in {f.kind for f in v.findings}, shown

@@ -42,7 +42,11 @@ class _ReplayCommand(click.Command):
             raise click.exceptions.Exit(bisect_exit_code(ExitCode.USAGE))
 
 
-BISECT_HELP = "\n\b\n" + textwrap.fill(bisect_text().replace("`", ""), width=92)
+BISECT_HELP = "\n\b\n" + textwrap.fill(
+    bisect_text().replace("`", "")
+    + " A replay without an oracle is good (0) unless --strict makes it bad (1).",
+    width=92,
+)
 
 EPILOG = (
     exit_codes_help()
@@ -187,6 +191,12 @@ Examples:
     help="Exit with git bisect run's codes: 0 good, 1 bad, 125 skip, 128 abort (see below).",
 )
 @click.option(
+    "--strict",
+    is_flag=True,
+    help="A replay that ran without an oracle (no reference, no recorded output, no fresh "
+    "eager run to compare with) exits 1 instead of 0: for CI.",
+)
+@click.option(
     "-q", "--quiet", is_flag=True, help="No progress display while replaying several calls."
 )
 @json_option
@@ -246,6 +256,7 @@ def _replay(
     apply_env: tuple[str, ...],
     quiet: bool,
     as_json: bool,
+    strict: bool = False,
 ) -> int:
     from kdump.errors import KdumpError, UsageError, worst_exit_code
     from kdump.record.salvage import salvaged_graph_replays
@@ -292,17 +303,45 @@ def _replay(
             raise
         emit_json({"exit_code": int(exc.exit_code), "error": str(exc), "verdicts": []})
         return int(exc.exit_code)
-    code = worst_exit_code([v.exit_code for v in verdicts])
+    code = worst_exit_code([v.strict_exit_code() if strict else v.exit_code for v in verdicts])
+    counts = summary(verdicts)
     if as_json:
-        emit_json({"exit_code": code, "verdicts": [v.to_json() for v in verdicts]})
+        emit_json(
+            {
+                "exit_code": code,
+                "summary": counts,
+                "verdicts": [v.to_json() for v in verdicts],
+            }
+        )
     else:
-        render(verdicts, verbose=verbose)
+        render(verdicts, verbose=verbose, strict=strict)
         if len(verdicts) > 1:
-            bad = sum(1 for v in verdicts if v.exit_code)
-            console().print(
-                f"\n{len(verdicts)} replays, {len(verdicts) - bad} clean, {bad} not: exit {code}"
-            )
+            console().print(f"\n{summary_line(counts)}: exit {code}")
     return code
+
+
+def summary(verdicts: list) -> dict[str, int]:
+    """How many replays were clean, ran without an oracle, or found something."""
+    from kdump.replay.verdict import CLEAN, FAILED, NO_ORACLE
+
+    outcomes = [v.outcome for v in verdicts]
+    return {
+        "replays": len(verdicts),
+        "clean": outcomes.count(CLEAN),
+        "no_oracle": outcomes.count(NO_ORACLE),
+        "failed": outcomes.count(FAILED),
+    }
+
+
+def summary_line(counts: dict[str, int]) -> str:
+    """'3 replays: 1 clean, 1 ran without an oracle, 1 failed' (parts that are 0 left out,
+    except clean)."""
+    parts = [f"{counts['clean']} clean"]
+    if counts["no_oracle"]:
+        parts.append(f"{counts['no_oracle']} ran without an oracle")
+    if counts["failed"]:
+        parts.append(f"{counts['failed']} failed")
+    return f"{counts['replays']} replays: " + ", ".join(parts)
 
 
 def _replay_with_progress(
@@ -345,12 +384,13 @@ def rows(v, verbose: bool = False) -> list[tuple[str, str, str]]:
     return [(name, status[name], "; ".join(out[name])) for name in out]
 
 
-def render(verdicts: list, verbose: bool = False) -> None:
+def render(verdicts: list, verbose: bool = False, strict: bool = False) -> None:
     from rich.table import Table
 
     con = console()
     for v in verdicts:
-        colour = "green" if v.clean else "red"
+        colour = {"clean": "green", "no_oracle": "yellow"}.get(v.outcome, "red")
+        code = v.strict_exit_code() if strict else v.exit_code
         con.print(
             f"\n[bold]{markup(v.bundle)}[/] call {v.call} {markup(v.target)}: {v.mode}, "
             f"{markup(v.backend or '?')}, {markup(v.device or '?')}"
@@ -366,7 +406,7 @@ def render(verdicts: list, verbose: bool = False) -> None:
             con.print(table)
         for note in v.notes:
             con.print(f"note: {markup(note)}")
-        con.print(f"[{colour} bold]verdict: {markup(v.headline())}[/] (exit {v.exit_code})")
+        con.print(f"[{colour} bold]verdict: {markup(v.headline())}[/] (exit {code})")
 
 
 __all__ = ["command", "render", "rows"]

@@ -110,9 +110,12 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
     if not s.check_contract(bound):
         return s.verdict
     s.apply_library_settings()
-    outputs = s.output_indices(mc, bound)
     fn = s.backend.resolve(s.spec, s.call.target)
     pristine = s.snapshot(mc)
+    found = s.find_outputs(mc, bound, fn, pristine, "graph")
+    if found is None:
+        return s.verdict
+    outputs = found
     skip = set(req.options.graph.skip_steps)
     save_dir = req.options.save_failing
 
@@ -211,9 +214,11 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
 
     def prepare(phase: Phase | None) -> None:
         s.restore(mc, pristine)
+        s.pristine = pristine  # the bytes before this replay (unwritten outputs are judged by)
         if phase is not None and phase.spans is not None:
             for a, data in zip(allocs, phase.spans):
                 a.span.copy_(data)
+            s.pristine = [d.to(a.span.device) for a, d in zip(allocs, phase.spans)]
         if phase is not None and phase.values is not None:
             for name, value in phase.values.items():
                 target = bound[name]

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from kdump.bundle import Bundle, Call, MaterializedCall, load_bundle
+from kdump.bundle.format import HELD_SOURCES
 from kdump.bundle.tensors import Placement
 from kdump.errors import CannotRunError, ExitCode, KdumpError, UsageError, error_line
 from kdump.kernels import registry
@@ -25,7 +26,9 @@ from kdump.replay.compare import (
     agree,
     compare_to_reference,
     poison,
+    unwritten,
 )
+from kdump.replay.discover import Discovery, ProbeFailed, discover, elements_unchanged, tensor_view
 from kdump.replay.options import ReplayOptions
 from kdump.replay.verdict import Finding, Step, Verdict
 
@@ -132,6 +135,11 @@ class Session:
         self.backend: Backend = choose_backend(req.backend, self.spec, self.device)
         # (storage, side) of the halo reads already reported (kdump.replay.overreads)
         self.overreads_named: set[tuple[int, str]] = set()
+        # Outputs found by running (targets whose spec names none), and the spans from before
+        # the run being judged (what "left unwritten, as in production" is judged by)
+        self.discovery: Discovery | None = None
+        self.pristine: list[torch.Tensor] = []
+        self.mc: MaterializedCall | None = None
         self.verdict.backend = self.backend.name
         progress(
             "meta",
@@ -167,6 +175,7 @@ class Session:
     def materialize(self) -> MaterializedCall:
         self.progress("begin", f"{self.req.mode}/materialize")
         mc = self.call.materialize(self.device, self.placement())
+        self.mc = mc
         if changed := mc.materialized.offset_changes:
             self.note(
                 "storage offsets not kept (the bytes before the recorded spans exceed the load "
@@ -261,10 +270,61 @@ class Session:
             for text in self.plugin.apply_state(self.library_state, self.device):
                 self.note(text)
 
+    def finds_outputs(self, bound: dict[str, Any]) -> bool:
+        """True when the spec names no outputs: the replay finds them by running."""
+        return isinstance(self.spec, GenericSpec) or not self.spec.output_names(bound)
+
+    def find_outputs(
+        self,
+        mc: MaterializedCall,
+        bound: dict[str, Any],
+        fn: Callable[..., Any],
+        pristine: list[torch.Tensor],
+        prefix: str,
+    ) -> dict[str, int] | None:
+        """Output name -> tensor index: the spec's outputs, or for a call whose spec names none,
+        the tensors a few runs find it writes (kdump.replay.discover) together with those the
+        bundle recorded. None when the call failed on its recorded values (the finding says
+        how)."""
+        if not self.finds_outputs(bound):
+            return self.output_indices(mc, bound)
+        step = f"{prefix}/discover outputs"
+        self.pristine = pristine
+
+        def run(label: str) -> None:
+            self.progress("begin", f"{step} {label}")
+            self.returned = None
+            self.returned = fn(*mc.args, **mc.kwargs)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+        t0 = time.perf_counter()
+        recorded = [inp for inp, _ in self.call.inplace]
+        try:
+            found = discover(
+                mc,
+                [rec.storage for rec in self.call.tensors],
+                pristine,
+                lambda: self.restore(mc, pristine),
+                _first_fails(run, self, mc, step),
+                recorded,
+            )
+        except ProbeFailed:
+            return None
+        finally:
+            if self.placement().halo:  # probes may have written guards: the runs check them
+                halo.fill(mc.materialized.allocations, self.call.tensors)
+        self.discovery = found
+        self.step(step, "ok", found.describe(), time.perf_counter() - t0, runs=found.runs)
+        self.note(found.describe())
+        self.progress("meta", {"outputs": found.to_json()})
+        self.verdict.outputs = found.to_json()
+        return dict(found.outputs)
+
     def output_indices(self, mc: MaterializedCall, bound: dict[str, Any]) -> dict[str, int]:
-        """Output name -> index in the call's tensor table."""
+        """Output name -> index in the call's tensor table (the spec's, or the recorded ones)."""
         out: dict[str, int] = {}
-        if isinstance(self.spec, GenericSpec) or not self.spec.output_names(bound):
+        if self.finds_outputs(bound):
             for inp, _ in self.call.inplace:
                 out[mc.tensor_names[inp]] = inp
             return out
@@ -307,18 +367,21 @@ class Session:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception as exc:
-            dt = time.perf_counter() - t0
-            text = error_line(exc)
-            self.step(step, "error", text, dt)
-            # A backend's typed error (cannot run here, contract, kdump bug) keeps its exit code.
-            kind = _KIND_OF_CODE.get(int(exc.exit_code)) if isinstance(exc, KdumpError) else None
-            if kind is not None:
-                self.finding(kind, step, text.split(": ", 1)[1] or text, {"error": text})
-            else:
-                self.finding("kernel_error", step, _describe_error(text), {"error": text})
+            self.failed(step, exc, time.perf_counter() - t0)
             return None
         dt = time.perf_counter() - t0
         return dt
+
+    def failed(self, step: str, exc: Exception, seconds: float = 0.0, why: str = "") -> None:
+        """A run that raised: its step and finding. A backend's typed error (cannot run here,
+        contract, kdump bug) keeps its exit code; anything else is the kernel's error."""
+        text = error_line(exc)
+        self.step(step, "error", text, seconds)
+        kind = _KIND_OF_CODE.get(int(exc.exit_code)) if isinstance(exc, KdumpError) else None
+        if kind is not None:
+            self.finding(kind, step, text.split(": ", 1)[1] or text, {"error": text})
+        else:
+            self.finding("kernel_error", step, _describe_error(text) + why, {"error": text})
 
     def tolerance_for(self, bound: dict[str, Any], got: torch.Tensor) -> Tolerance | None:
         """Tolerance against the recorded output on another setup: the spec's, or for a target
@@ -411,6 +474,10 @@ class Session:
                 continue
             rec = recorded[idx]
 
+            got, left = self._unwritten_as_recorded(name, idx, got, rec)
+            if left:
+                self.note(f"{name}: {left}")
+
             def against(
                 m: torch.Tensor | None, got: torch.Tensor = got, rec: torch.Tensor = rec
             ) -> Agreement:
@@ -442,6 +509,49 @@ class Session:
                     {"output": name, "oracle": "recorded", **_plain(ag.metrics)},
                 )
         return reproduced
+
+    def _unwritten_as_recorded(
+        self, name: str, idx: int, got: torch.Tensor, rec: torch.Tensor
+    ) -> tuple[torch.Tensor, str]:
+        """A found write-only output's elements the replay left unwritten (poison kept): where
+        the recorded call did not change them either (its bytes before and after the call are
+        equal) they count as the recording's ("left unwritten, as in production"); where it
+        changed them they stay poison, so the comparison fails there. Returns the output to
+        compare and what to say."""
+        found = self.discovery
+        if found is None or name not in found.write_only or not self.pristine:
+            return got, ""
+        left = unwritten(got)
+        count = int(left.sum())
+        if not count:
+            return got, ""
+        rec_storage = self.call.storages[self.call.tensors[idx].storage]
+        if rec_storage.source not in HELD_SOURCES:
+            keep = left
+            said = (
+                f"{count} elements left unwritten; their bytes from before the call were not "
+                "recorded, so they are not compared"
+            )
+        else:
+            mc = self.mc
+            assert mc is not None
+            allocs = [
+                (j, a)
+                for j, a in enumerate(mc.materialized.allocations)
+                if a.storage == self.call.tensors[idx].storage
+            ]
+            if not allocs:
+                return got, ""
+            j, a = allocs[0]
+            before = tensor_view(mc.tensors[idx], a, self.pristine[j])
+            keep = left & elements_unchanged(before, rec.to(before.device)).to(left.device)
+            kept = int(keep.sum())
+            if not kept:
+                return got, ""
+            said = f"{kept} elements left unwritten, as in production"
+            if kept < count:
+                said += f"; {count - kept} more left unwritten where the recorded call wrote them"
+        return torch.where(keep, rec.to(got.device), got), said
 
     def note_recorded_exception(self, raised: bool) -> None:
         """Say whether a call that raised in production (meta `exception`) raised again."""
@@ -570,10 +680,54 @@ def _describe_error(text: str) -> str:
     return text
 
 
+def _first_fails(
+    run: Callable[[str], None], s: Session, mc: MaterializedCall, step: str
+) -> Callable[[str], None]:
+    """The discovery's runner: a failure on the recorded values is the call's own (a finding,
+    then ProbeFailed ends the replay); a failure with a probed argument only says the call
+    reads it, unless it left the GPU unusable (then ProbeFailed with its finding too)."""
+
+    def runner(label: str) -> None:
+        try:
+            run(label)
+        except Exception as exc:
+            if label == "(recorded values)":
+                s.failed(f"{step} {label}", exc)
+                s.note_recorded_exception(raised=True)
+                raise ProbeFailed(error_line(exc)) from None
+            if isinstance(exc, KdumpError) or (
+                s.device.type == "cuda" and not _cuda_usable(s.device)
+            ):
+                why = (
+                    " (while probing which arguments the call writes: the probed argument held "
+                    "NaN, zeros or inverted booleans)"
+                )
+                s.failed(f"{step} {label}", exc, why=why)
+                raise ProbeFailed(error_line(exc)) from None
+            raise
+
+    return runner
+
+
+def _cuda_usable(device: torch.device) -> bool:
+    try:
+        torch.cuda.synchronize(device)
+        torch.zeros(1, device=device).add_(1).item()
+        return True
+    except Exception:
+        return False
+
+
 def poison_outputs(session: Session, mc: MaterializedCall, outputs: dict[str, int]) -> list[str]:
     """Poison every output that does not alias an input; return the names poisoned."""
-    if isinstance(session.spec, GenericSpec):
-        return []  # without argument roles every recorded output is also an input
+    if isinstance(session.spec, GenericSpec) or session.discovery is not None:
+        # Without argument roles only outputs found to be written and never read are poisoned
+        # (a recorded output is also an input).
+        found = session.discovery
+        names = sorted(found.write_only & set(outputs)) if found is not None else []
+        for name in names:
+            poison(mc.tensors[outputs[name]])
+        return names
     done = []
     for name, idx in outputs.items():
         if session.aliases_input(mc, idx):

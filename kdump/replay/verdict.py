@@ -7,6 +7,8 @@ from typing import Any
 
 from kdump.errors import kind_exit_code, precedence_rank, worst_exit_code
 
+CLEAN, NO_ORACLE, FAILED = "clean", "no_oracle", "failed"
+
 
 @dataclass
 class Finding:
@@ -42,22 +44,48 @@ class Verdict:
     steps: list[Step] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # Which tensors the replay judged as outputs, when it found them by running (else empty)
+    outputs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def exit_code(self) -> int:
         return worst_exit_code([f.exit_code for f in self.findings])
 
+    def strict_exit_code(self) -> int:
+        """The exit code under --strict: a replay without an oracle is 1, not 0."""
+        return 1 if self.outcome == NO_ORACLE else self.exit_code
+
+    @property
+    def has_oracle(self) -> bool:
+        """Whether anything judged the results: the reference, the recording, a fresh eager
+        run (agreeing with another run of itself, "vs run 1", is determinism, not
+        correctness)."""
+        return any(" vs " in s.name and " vs run " not in s.name for s in self.steps)
+
+    @property
+    def outcome(self) -> str:
+        """clean, no_oracle (ran without error, nothing to compare with: never clean), or
+        failed."""
+        if self.findings:
+            return FAILED
+        return CLEAN if self.has_oracle else NO_ORACLE
+
     @property
     def clean(self) -> bool:
+        """No finding (see `outcome`: a clean replay also had an oracle)."""
         return not self.findings
 
     def headline(self) -> str:
         if not self.findings:
-            # Agreeing with another run of itself ("vs run 1") is determinism, not correctness.
-            if not any(" vs " in s.name and " vs run " not in s.name for s in self.steps):
+            if not self.has_oracle:
                 return "ran without error — no oracle to compare with"
             return "clean"
-        first = min(self.findings, key=lambda f: precedence_rank(f.exit_code))
+        # Nondeterminism first among wrong results: a mismatch against the recording of a
+        # result that changes from run to run says little.
+        first = min(
+            self.findings,
+            key=lambda f: (precedence_rank(f.exit_code), f.kind != "nondeterminism"),
+        )
         kind = first.kind.replace("_", " ")
         # Messages that already start with their kind ("hang: ...") are not prefixed twice.
         msg = first.message
@@ -67,6 +95,7 @@ class Verdict:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["exit_code"] = self.exit_code
+        d["outcome"] = self.outcome
         d["headline"] = self.headline()
         return d
 
@@ -82,4 +111,5 @@ class Verdict:
             steps=[Step(**s) for s in d.get("steps", [])],
             findings=[Finding(**f) for f in d.get("findings", [])],
             notes=list(d.get("notes", [])),
+            outputs=dict(d.get("outputs") or {}),
         )
