@@ -27,10 +27,15 @@ expert (A is always 36,864 rows: every expert padded to 128). For each:
   every call (a serving loop's step; the weights the same objects);
 
 then the copy throughput of each tier: the snapshot kernel's D2D against a plain D2D copy of the
-same bytes, the journal's pinned D2H against a plain pinned buffer.
+same bytes, the journal's pinned D2H against a plain pinned buffer; then the outputs column: a
+generic target (no spec: `scale(x, out)`, `torch.mul(x, 2, out=out)`, x and out of
+`--generic-kib` each) whose graph step and eager call are recorded with `--outputs none` and
+with its outputs kept (the default for a target without a reference spec: out copied into the
+slot after the kernel, a captured node in the graph), with and without a salvage process
+holding the device tier (DeepGEMM keeps none by default: the rows above are its cost).
 
     python bench/bench_flight.py [--iters 50] [--pdl] [--define NAME=VALUE] [--carveout PCT]
-        [--shape 512x4096] [--tokens 1,32]
+        [--shape 512x4096] [--tokens 1,32] [--generic-kib 64,512] [--only-generic]
 
 `--pdl` launches the GEMM with programmatic dependent launch (DeepGEMM's `set_pdl(True)`), every
 column of the run: the snapshot kernel lets such a kernel start its prologue early.
@@ -50,8 +55,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib
+import statistics
+import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -334,6 +342,138 @@ def _recorded(
     return step, host, facts, renewed
 
 
+GENERIC = "kdump_bench_generic:scale"
+GENERIC_KIB = (64, 512)
+GENERIC_HEADER = (
+    "| x, out KiB each | plain ms | none, held | kept, held | none, not held | kept, not held | "
+    "eager us plain | eager us none | eager us kept | outputs held |"
+)
+
+
+def generic_module() -> types.ModuleType:
+    """The outputs column's target, put in sys.modules: no spec, so the flight recorder keeps
+    its outputs by default."""
+    mod = types.ModuleType("kdump_bench_generic")
+
+    def scale(x: torch.Tensor, out: torch.Tensor) -> None:
+        torch.mul(x, 2, out=out)
+
+    mod.scale = scale  # type: ignore[attr-defined]
+    sys.modules[mod.__name__] = mod
+    return mod
+
+
+def _generic_fn() -> Callable[..., Any]:
+    mod = sys.modules.get("kdump_bench_generic") or generic_module()
+
+    def fn(*a: Any) -> Any:  # by attribute at call time: the recorder's hook is taken
+        return mod.scale(*a)
+
+    return fn
+
+
+def _sync(t: torch.Tensor) -> None:
+    if t.is_cuda:
+        torch.cuda.synchronize()
+
+
+def _generic_host_us(fn: Callable[..., Any], args: tuple, calls: int) -> float:
+    """Host µs per eager call, in chunks with the device synchronised between them (CPU
+    tensors: no device to wait for)."""
+    for _ in range(3):
+        fn(*args)
+    _sync(args[0])
+    total, done = 0.0, 0
+    while done < calls:
+        n = min(CHUNK, calls - done)
+        t = time.perf_counter()
+        for _ in range(n):
+            fn(*args)
+        total += time.perf_counter() - t
+        _sync(args[0])
+        done += n
+    return total / calls * 1e6
+
+
+def generic_recorded(
+    x: torch.Tensor, out: torch.Tensor, shm: Path, outputs: str, held: bool, iters: int
+) -> dict[str, Any]:
+    """The generic target recorded with `--outputs` `outputs`: "host" (µs per eager call),
+    "step" (ms per graph replay; CUDA tensors only) and "held" (whether the journal's newest
+    complete slot holds the outputs of its call, read after the copies landed)."""
+    from kdump.record.journal import SlotState, read_journal
+
+    fn = _generic_fn()
+    device_bytes = 1 << 30 if x.is_cuda else 0
+    ring = RingConfig(slots=64, slot_bytes=1 << 20, journal_dir=shm, device_bytes=device_bytes)
+    res: dict[str, Any] = {}
+    with kdump.recording(
+        GENERIC, out=shm / "out-generic", mode="ring", ring=ring, outputs=outputs
+    ) as rec:
+        fn(x, out)  # the journal (and the device tier) are made here
+        cuda = rec.recorder._cuda
+        if cuda is not None and cuda.tier is not None:
+            cuda.tier.held = held  # as if a salvage process held it (or not)
+        res["host"] = _generic_host_us(fn, (x, out), max(iters, 2 * CHUNK))
+        if x.is_cuda:
+            res["step"] = _graph_ms(fn, (x, out), {}, iters)
+            assert cuda is not None
+            with rec.recorder.lock:
+                cuda.drain(wait=True)
+            torch.cuda.synchronize()
+        slots = read_journal(rec.recorder.journal.path).having(SlotState.COMPLETE)
+        res["held"] = bool(slots) and slots[0].outputs_held
+        # Leaving would write every slot as a bundle: not what this measures.
+        rec.recorder.flush = lambda: None
+    return res
+
+
+def generic_row(kib: int, plain_ms: float | None, plain_us: float, res: dict) -> str:
+    """One row of the outputs column's table (`GENERIC_HEADER`); `res[outputs, held]` as
+    `generic_recorded` returns them."""
+
+    def step(key: tuple[str, bool]) -> str:
+        ms = res[key].get("step")
+        if ms is None or plain_ms is None:
+            return "-"
+        return f"{ms:.4f} ({ms / plain_ms:.2f}x)"
+
+    none_us = statistics.median(res[k]["host"] for k in res if k[0] == "none")
+    kept_us = statistics.median(res[k]["host"] for k in res if k[0] == "default")
+    cells = [
+        str(kib),
+        f"{plain_ms:.4f}" if plain_ms is not None else "-",
+        step(("none", True)),
+        step(("default", True)),
+        step(("none", False)),
+        step(("default", False)),
+        f"{plain_us:.1f}",
+        f"{none_us:.1f} (+{none_us - plain_us:.1f})",
+        f"{kept_us:.1f} (+{kept_us - plain_us:.1f})",
+        "yes" if all(res[k]["held"] for k in res if k[0] == "default") else "no",
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def generic_table(shm: Path, sizes_kib: list[int], iters: int, device: str) -> list[str]:
+    """The outputs column: a row per size (x and out of that many KiB each)."""
+    rows = [GENERIC_HEADER, "|" + "---|" * 10]
+    fn = _generic_fn()
+    for kib in sizes_kib:
+        n = max(1, kib * 1024 // 4)
+        x = torch.randn(n, device=device)
+        out = torch.zeros(n, device=device)
+        plain_ms = _graph_ms(fn, (x, out), {}, iters) if x.is_cuda else None
+        plain_us = _generic_host_us(fn, (x, out), max(iters, 2 * CHUNK))
+        res = {
+            (outputs, held): generic_recorded(x, out, shm, outputs, held, iters)
+            for held in (True, False)
+            for outputs in ("none", "default")
+        }
+        rows.append(generic_row(kib, plain_ms, plain_us, res))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=50)
@@ -342,7 +482,21 @@ def main() -> None:
     add_kernel_options(p)
     p.add_argument("--shape", action="append", default=[], metavar="NxK", help="only these")
     p.add_argument("--tokens", default="", metavar="T,...", help="only these tokens per expert")
+    p.add_argument(
+        "--generic-kib",
+        default=",".join(map(str, GENERIC_KIB)),
+        metavar="KIB,...",
+        help="the outputs column's sizes of x and out",
+    )
+    p.add_argument(
+        "--only-generic", action="store_true", help="only the outputs column (no GEMM needed)"
+    )
     opt = p.parse_args()
+    generic_kib = [int(v) for v in opt.generic_kib.split(",") if v]
+    if opt.only_generic:
+        shm = Path(tempfile.mkdtemp(prefix="kdump-bench-", dir="/dev/shm"))
+        print("\n".join(generic_table(shm, generic_kib, opt.iters, "cuda")))
+        return
     shapes = [tuple(int(v) for v in s.split("x")) for s in opt.shape] or list(SHAPES)
     token_counts = [int(t) for t in opt.tokens.split(",") if t] or list(TOKENS)
     apply_kernel_options(opt)
@@ -411,6 +565,8 @@ def main() -> None:
             print(f"| {n} | {k} | {tokens} | " + " | ".join(cells) + " |")
     print(f"\ndevice tier: {facts}")
     _throughput(shm)
+    print("\noutputs column (generic target, graph step and eager call):")
+    print("\n".join(generic_table(shm, generic_kib, opt.iters, "cuda")))
 
 
 def add_kernel_options(p: argparse.ArgumentParser) -> None:

@@ -330,3 +330,17 @@ def test_exact_repeats_keep_outputs_too(tmp_path):
             call = b.calls[0]
             i = call.meta["journal"]["call_index"]
             assert call.inplace == [(1, 0)] and torch.equal(call.outputs["out"], fed[i])
+
+
+def test_bench_flight_outputs_column_runs_on_cpu(bench_import, tmp_path):
+    """bench/bench_flight.py's outputs column (run on a GPU by hand): its generic target, the
+    recording with and without outputs and the table row, here on CPU tensors (no graph step)."""
+    flight = bench_import("bench_flight")
+    rows = flight.generic_table(tmp_path, [4], 2, "cpu")
+    assert rows[0] == flight.GENERIC_HEADER
+    cells = [c.strip() for c in rows[2].strip("|").split("|")]
+    assert len(cells) == rows[0].count("|") - 1 == 10
+    assert cells[0] == "4" and cells[1:6] == ["-"] * 5  # no graph step on the CPU
+    assert cells[-1] == "yes"  # the default kept the outputs of the newest call
+    none = flight.generic_recorded(torch.ones(8), torch.zeros(8), tmp_path, "none", True, 2)
+    assert none["held"] is False and none["host"] > 0 and "step" not in none
