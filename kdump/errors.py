@@ -295,15 +295,16 @@ _ENV_ADVICE: dict[int, str] = {
 }
 
 
-def environment_error(exc: OSError) -> UserEnvironmentError | None:
+def environment_error(exc: OSError, path: object = None) -> UserEnvironmentError | None:
     """The typed error for an OSError the user's environment caused, with one line that says
-    what to do; None for any other OSError (a bug in kdump stays one)."""
+    what to do; None for any other OSError (a bug in kdump stays one). `path`: the file being
+    written, for errors that do not name one (a write to a full disk)."""
     advice = _ENV_ADVICE.get(exc.errno) if exc.errno is not None else None
     if advice is None:
         return None
     # Bundle paths are untrusted; the CLI escapes the whole message before printing it.
-    name = exc.filename if exc.filename is not None else exc.filename2
-    path = repr(str(name)) if name is not None else "a file"
+    name = next((n for n in (exc.filename, exc.filename2, path) if n is not None), None)
+    path = repr(str(name)) if name is not None else "the output"
     return UserEnvironmentError(advice.format(path=path))
 
 

@@ -283,3 +283,40 @@ def test_dumps_strict() -> None:
         "1.5": "float key",
     }
     assert "\x1b" not in dumps_strict(doc)  # escaped as \u001b
+
+
+FULL = Path("/dev/full")  # every write fails with ENOSPC
+
+
+@pytest.mark.skipif(not FULL.is_char_device(), reason="needs Linux's /dev/full")
+def test_full_disk_is_exit_2_naming_the_output(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run(capsys, "report", str(SAMPLE), "-o", str(FULL), "--no-plot")
+    assert rc == 2 and "no space left on the device of '/dev/full'" in err, err
+    # a file renamed over its path must not replace a device
+    rc, _, err = run(capsys, "report", str(SAMPLE), "--script", str(FULL))
+    assert rc == 2 and "is not a regular file" in err
+    rc, _, err = run(capsys, "slim", str(SAMPLE), "-o", str(FULL))
+    assert rc == 2 and "is not a regular file" in err
+    assert FULL.is_char_device()
+
+
+@pytest.mark.skipif(not FULL.is_char_device(), reason="needs Linux's /dev/full")
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_stdout_on_a_full_disk_is_exit_2(json_flag: list[str]) -> None:
+    import subprocess
+    import sys
+
+    with open(FULL, "w") as full:
+        got = subprocess.run(
+            [sys.executable, "-m", "kdump", "info", str(SAMPLE), *json_flag],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
+    assert got.returncode == 2, got.stderr
+    assert got.stderr.strip() == (
+        "kdump: error: no space left on the device of the output: free some space or write "
+        "elsewhere"
+    )

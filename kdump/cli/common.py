@@ -60,12 +60,33 @@ def run_cli(group: click.Group, argv: list[str]) -> None:
 
 
 def _fail(message: str, code: int, as_json: bool, prefix: str = "") -> NoReturn:
-    """One line on stderr, or with --json one object {"error", "exit_code"} on stdout."""
-    if as_json:
-        emit_json({"error": message, "exit_code": code})
-    else:
-        click.echo(f"kdump: {prefix}{message}", err=True)
+    """One line on stderr, or with --json one object {"error", "exit_code"} on stdout (on
+    stderr when stdout itself failed: a full disk, a closed pipe)."""
+    stdout_ok = _flush_stdout()
+    if as_json and stdout_ok:
+        try:
+            emit_json({"error": message, "exit_code": code})
+            sys.exit(code)
+        except OSError:
+            _flush_stdout()
+    click.echo(f"kdump: {prefix}{message}", err=True)
     sys.exit(code)
+
+
+def _flush_stdout() -> bool:
+    """Flush stdout; when it cannot take more, point it at /dev/null so that the interpreter's
+    own flush at exit does not fail again (and change the exit code). False then."""
+    try:
+        sys.stdout.flush()
+        return True
+    except OSError:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
+        return False
 
 
 def _fail_typed(exc: KdumpError, verbose: bool, as_json: bool) -> NoReturn:
@@ -101,14 +122,17 @@ verbose_option = click.Option(
 )
 
 
-def check_output_path(path: str | os.PathLike[str]) -> None:
+def check_output_path(path: str | os.PathLike[str], *, replaced: bool = False) -> None:
     """Raise UserEnvironmentError now, before any work, when `path` cannot be written as a file:
-    its folder is missing or not a folder or not writable, or the path is a folder."""
+    its folder is missing or not a folder or not writable, or the path is a folder. `replaced`:
+    the file is written beside and renamed over `path`, so it must not be a device or a pipe."""
     p = Path(path)
     parent = p.parent if str(p.parent) else Path(".")
     shown = repr(str(p))
     if p.is_dir():
         raise UserEnvironmentError(f"{shown} is a folder: give a file name")
+    if replaced and p.exists() and not p.is_file():
+        raise UserEnvironmentError(f"{shown} is not a regular file: give a file name")
     if not parent.exists():
         raise UserEnvironmentError(
             f"the folder of {shown} does not exist: create it first (mkdir -p "
@@ -186,8 +210,10 @@ def dumps_strict(obj: Any, indent: int | None = 2) -> str:
 
 
 def emit_json(obj: Any) -> None:
-    """Print `obj` as strict JSON on stdout (every --json output goes through here)."""
+    """Print `obj` as strict JSON on stdout (every --json output goes through here), flushed:
+    a full disk or closed pipe is reported, not lost at exit."""
     click.echo(dumps_strict(obj))
+    sys.stdout.flush()
 
 
 def console() -> Any:

@@ -85,9 +85,11 @@ def command(
     from kdump.cli.common import check_output_path
     from kdump.report.markdown import ReportOptions, render_report
 
-    for path in (output, script):  # before any work: a replay can take minutes
-        if path:
-            check_output_path(path)
+    # Before any work: a replay can take minutes. The script is renamed over its path.
+    if output:
+        check_output_path(output)
+    if script:
+        check_output_path(script, replaced=True)
     b = load_bundle(bundle)
     options = ReportOptions(redact, modes or ("eager",), backend, device, paths=paths)
     if script:
@@ -115,7 +117,12 @@ def command(
         options = replace(options, plot=draw(b, plot_path(output)))
     text = render_report(b, bundle, verdicts, options)
     if output:
-        Path(output).write_text(text, encoding="utf-8")
+        from kdump.errors import environment_error
+
+        try:
+            Path(output).write_text(text, encoding="utf-8")
+        except OSError as exc:  # a full disk names no file: say which
+            raise environment_error(exc, output) or exc
     else:
         click.echo(text, nl=False)
     if script:

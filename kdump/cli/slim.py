@@ -113,7 +113,7 @@ def command(
     from kdump.replay.options import TOOLS, ReplayOptions, SanitizerOptions
     from kdump.report.slim import SlimOptions, describe, slim
 
-    check_output_path(output)  # before the replays, which can take minutes
+    check_output_path(output, replaced=True)  # before the replays, which can take minutes
     chosen = TOOLS if "all" in tools else (tools or ("memcheck",))
     replay = ReplayOptions(
         mode=mode,
