@@ -262,6 +262,7 @@ def _replay(
     from kdump.record.salvage import salvaged_graph_replays
     from kdump.replay.options import GraphOptions, ReplayOptions, SanitizerOptions
 
+    escalate = mode is None  # a crash bundle's default replay escalates to memcheck
     if mode is None:
         graph_bundles = salvaged_graph_replays(bundles)
         mode = "graph" if graph_bundles else "eager"
@@ -288,6 +289,7 @@ def _replay(
             allow_targets=allow_targets,
             paths=paths,
             apply_env=apply_env,
+            escalate=escalate,
             graph=GraphOptions(mutations=mutations, seed=seed),
             sanitizer=SanitizerOptions(
                 tools=TOOLS if "all" in tools else (tools or ("memcheck",)),

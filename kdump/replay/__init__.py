@@ -90,6 +90,8 @@ def replay(
 
         if opts.mode in ("eager", "graph"):
             v = run(opts.mode)
+            if opts.escalate:
+                v = _escalate(v, base, env)
         elif opts.mode == "sanitizer":
             v = _sanitize(base, env)
         else:
@@ -165,6 +167,55 @@ def _sanitize(base: Request, env: dict[str, str] | None) -> Verdict:
     assert combined is not None  # ReplayOptions has at least one tool
     combined.mode = "sanitizer"
     return combined
+
+
+def _escalate(v: Verdict, base: Request, env: dict[str, str] | None) -> Verdict:
+    """A call where production died of a GPU fault whose plain replay found no fault: the same
+    chain under compute-sanitizer memcheck (kdump.replay.escalate)."""
+    from kdump.errors import CannotRunError
+    from kdump.replay.escalate import production_fault, sanitizer_command, wants_escalation
+    from kdump.replay.sanitizer import find_sanitizer
+
+    fault = production_fault(load_bundle(base.bundle).call(base.call).meta)
+    if fault is None or not wants_escalation([f.kind for f in v.findings]):
+        return v
+    graph = base.mode == "graph"
+    said = f"production crashed at this call ({fault}) and the plain replay did not"
+    try:
+        if not v.device.startswith("cuda"):
+            raise CannotRunError("the replay ran without a CUDA GPU")
+        binary = find_sanitizer(base.options.sanitizer.binary)
+    except CannotRunError as exc:
+        command = sanitizer_command(
+            base.bundle, base.call, graph, base.options.allow_targets, base.options.paths
+        )
+        v.notes.append(f"{said}; compute-sanitizer cannot run here ({exc}): run `{command}`")
+        v.findings.append(
+            Finding(
+                "cannot_run",
+                "sanitizer",
+                f"{said}; memcheck, which would look for the stray access, cannot run here: "
+                f"run `{command}` on a machine with a GPU and compute-sanitizer",
+                {"production_fault": fault, "command": command},
+            )
+        )
+        return v
+    plan = replace(base.options.sanitizer, binary=str(binary), tools=("memcheck",), graph=graph)
+    checked = _sanitize(replace(base, options=replace(base.options, sanitizer=plan)), env)
+    found = [f for f in checked.findings if f.kind != "cannot_run"]
+    v.notes.append(
+        f"{said}: ran it under compute-sanitizer memcheck with the caching allocator off"
+    )
+    merged = _merge(v, checked, "sanitizer")
+    for f in found:
+        f.message = f"{f.message} (production crashed here: {fault})"
+        f.details["production_fault"] = fault
+    if not found:
+        merged.notes.append(
+            "memcheck found nothing either: the fault may need the production process' state "
+            "(earlier calls, other allocations) or another GPU"
+        )
+    return merged
 
 
 def _all(base: Request, run: Callable[[str], Verdict], env: dict[str, str] | None) -> Verdict:

@@ -66,6 +66,9 @@ class ReplayOptions:
     apply_env: tuple[str, ...] = ()
     graph: GraphOptions = field(default_factory=GraphOptions)
     sanitizer: SanitizerOptions = field(default_factory=SanitizerOptions)
+    # The mode was chosen for the bundle (not given): a call where production died of a GPU
+    # fault escalates to memcheck when the plain replay finds nothing (kdump.replay.escalate).
+    escalate: bool = False
 
     def __post_init__(self) -> None:
         for name in ("allow_targets", "paths", "apply_env"):  # one name given as a string
@@ -95,7 +98,7 @@ class ReplayOptions:
     def for_child(self, mode: str) -> ReplayOptions:
         """The options of one child process running `mode` (eager or graph)."""
         _choice("child mode", mode, CHILD_MODES)
-        return replace(self, mode=mode)
+        return replace(self, mode=mode, escalate=False)
 
     def for_sanitizer(self, mode: str) -> ReplayOptions:
         """One run under compute-sanitizer: storages end flush with their allocation (slack would
