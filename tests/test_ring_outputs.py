@@ -17,7 +17,7 @@ import torch
 
 import kdump
 from kdump.bundle import load_bundle
-from kdump.bundle.inspect import describe_call, recorded_outputs
+from kdump.bundle.inspect import describe_call, outputs_line, recorded_outputs
 from kdump.record.config import RingConfig
 from kdump.record.journal import (
     MARKER_AT,
@@ -171,6 +171,11 @@ def test_output_over_the_slot_share_is_listed_not_kept(tmp_path):
                 "bytes": 8192 * 4,
                 "slot_bytes": said["slot_bytes"],
             }
+            assert outputs_line(shown) == (
+                "outputs recorded: none (inputs only); not kept (did not fit the flight "
+                f"recorder's slot): out (32768 bytes); --slot-bytes {said['slot_bytes']} would "
+                "hold them"
+            )
         # the slot size it names keeps them
         out.zero_()
         (path,) = _record(tmp_path / "bigger", spread, [(x, out)],
@@ -344,3 +349,20 @@ def test_bench_flight_outputs_column_runs_on_cpu(bench_import, tmp_path):
     assert cells[-1] == "yes"  # the default kept the outputs of the newest call
     none = flight.generic_recorded(torch.ones(8), torch.zeros(8), tmp_path, "none", True, 2)
     assert none["held"] is False and none["host"] > 0 and "step" not in none
+
+
+def test_info_shows_hostile_outputs_not_kept_escaped_and_bounded(tmp_path):
+    from kdump.bundle import save_calls
+    from kdump.bundle.writer import capture_call
+
+    call = capture_call(f"{T}:double", (torch.zeros(2), torch.zeros(2)), {})
+    call.meta["outputs_not_kept"] = {"tensors": ["\x1b[31mout", 5], "bytes": "9", "slot_bytes": -1}
+    save_calls(tmp_path / "b.kdump", [call])
+    with load_bundle(tmp_path / "b.kdump") as b:
+        shown = describe_call(b.calls[0])
+    assert shown["outputs_not_kept"] == {
+        "tensors": ["\\x1b[31mout", "5"],
+        "bytes": None,
+        "slot_bytes": None,
+    }
+    assert outputs_line(shown).endswith("did not fit the flight recorder's slot): \\x1b[31mout, 5")
