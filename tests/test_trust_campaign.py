@@ -219,3 +219,140 @@ def test_the_repro_script_applies_the_same_rule(lib: Path, tmp_path: Path) -> No
     proc = _run_script(tmp_path, bundle, "--path", str(lib), "--allow-target", f"{MOD}:touch")
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr  # it ran (no outputs to match)
     assert canary.exists()
+
+
+# --- allocations a bundle can cause ---------------------------------------------------------------
+def _rewrite(path: Path, edit: object) -> Path:
+    """Apply `edit(manifest)` to a bundle's manifest in place (the blobs stay as they are)."""
+    import json
+
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    manifest = json.loads(header["__metadata__"]["kdump.manifest"])
+    edit(manifest)  # type: ignore[operator]
+    header["__metadata__"]["kdump.manifest"] = json.dumps(manifest)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
+    return path
+
+
+def _bomb(path: Path, elements: int) -> Path:
+    """A small bundle whose recorded output is a stride-0 view of `elements` float32 elements."""
+    from kdump.bundle import attach_outputs, input_tensors
+
+    x = torch.zeros(1).expand(elements)
+    out = torch.zeros(4)
+    rec = capture_call(f"{MOD}:fn", [out, x], {}, names=["out", "x"])
+    attach_outputs(rec, input_tensors(rec, [out, x], {}), [0, 1])
+    return save_calls(path, [rec])
+
+
+def test_a_broadcast_bomb_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KDUMP_CONFIG", str(tmp_path / "none.toml"))
+    bundle = _bomb(tmp_path / "bomb.kdump", 1 << 40)  # 4 TiB as a dense tensor
+    assert bundle.stat().st_size < 64 << 10
+    for argv in (
+        ("replay", str(bundle), *REPLAY, "--allow-target", f"{MOD}:fn"),
+        ("info", str(bundle)),
+    ):
+        code, out, err = _cli(capsys, *argv)
+        assert code == ExitCode.USAGE, out + err
+        assert len(err.strip().splitlines()) == 1 and "load limit" in err, err
+    # Within the limit, a broadcast view is re-created over its span and copied as such.
+    from kdump.bundle import load_bundle
+    from kdump.bundle.tensors import clone_layout
+
+    small = load_bundle(_bomb(tmp_path / "small.kdump", 1 << 30))
+    x = small.calls[0].args[1]
+    assert x.stride() == (0,) and x.untyped_storage().nbytes() < 4096
+    copy = clone_layout(x)
+    assert copy.stride() == (0,) and copy.untyped_storage().nbytes() == 4
+    assert copy.data_ptr() != x.data_ptr()
+
+
+def _all_dtypes_by_reference(path: Path, stats: dict) -> Path:
+    from kdump.bundle.tensors import DTYPES
+
+    tensors = [torch.zeros(4096, dtype=torch.uint8).view(d) for d in DTYPES.values()]
+    save_calls(path, [capture_call(f"{MOD}:fn", tensors, {}, names=list(DTYPES))])
+
+    def edit(m: dict) -> None:
+        for st, name in zip(m["calls"][0]["storages"], DTYPES):
+            st.update(source="by-reference", blob="")
+            st["stats"] = {"dtype": name, **stats}
+
+    return _rewrite(path, edit)
+
+
+def test_recreated_tensors_of_every_dtype(tmp_path: Path) -> None:
+    from kdump.bundle import load_bundle
+    from kdump.bundle.tensors import DTYPES
+
+    stats = {"min": -3.0, "max": 3.0, "mean": 0.5, "std": 1.0}
+    bundle = load_bundle(_all_dtypes_by_reference(tmp_path / "all.kdump", stats))
+    call = bundle.calls[0]
+    assert call.synthesized == list(DTYPES)
+    args = call.args
+    assert [a.dtype for a in args] == list(DTYPES.values())
+    assert all(a.view(torch.uint8).numel() == 4096 for a in args)
+    # Values within the recorded range where torch can read them back.
+    for name, a in zip(DTYPES, args):
+        if name in ("float4_e2m1fn_x2", "float8_e8m0fnu", "bool") or name.startswith("uint"):
+            continue
+        v = (torch.view_as_real(a) if a.is_complex() else a).to(torch.float64)
+        assert float(v.min()) >= -3.0 and float(v.max()) <= 3.0, name
+        assert float(v.std()) > 0.1, name
+    fp4 = args[list(DTYPES).index("float4_e2m1fn_x2")].view(torch.uint8)
+    assert len(set(fp4.tolist())) > 20  # two random codes per byte
+    # The standalone script re-creates the same bytes.
+    ns: dict = {"__name__": "repro"}
+    exec(compile(render_script("x.kdump"), "repro", "exec"), ns)
+    for j, (st, a) in enumerate(zip(call.storages, args)):
+        raw = {"span_nbytes": st.span_nbytes, "stats": {"dtype": st.stats.dtype, **stats}}
+        assert torch.equal(ns["synthesize"](torch, raw, j), a.view(torch.uint8)), st.stats.dtype
+
+
+RSS_PROBE = """\
+import sys
+import torch
+import kdump.bundle.tensors
+from kdump.bundle import load_bundle
+torch.randn(1 << 18).to(torch.bool)  # the kernels' first use allocates their own pools
+def peak():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) << 10
+call = load_bundle(sys.argv[1]).calls[0]
+before = peak()
+x = call.args[0]
+assert x.numel() == int(sys.argv[2])
+print(peak() - before)
+"""
+
+
+def test_a_recreated_span_costs_its_size(tmp_path: Path) -> None:
+    """A 32 MiB bool span re-created from statistics: about 32 MiB, not 20 times that."""
+    span = 32 << 20
+    t = torch.zeros(span, dtype=torch.bool)
+    path = save_calls(tmp_path / "b.kdump", [capture_call(f"{MOD}:fn", [t], {}, names=["m"])])
+
+    def edit(m: dict) -> None:
+        st = m["calls"][0]["storages"][0]
+        st.pop("pieces", None)  # a span over the piece size is written in pieces
+        st.update(source="by-reference", blob="")
+        st["stats"] = {"dtype": "bool", "min": 0.0, "max": 1.0, "mean": 0.5, "std": 0.5}
+
+    _rewrite(path, edit)
+    proc = subprocess.run(
+        [sys.executable, "-c", RSS_PROBE, str(path), str(span)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    grew = int(proc.stdout.strip())
+    assert grew < span + (24 << 20), f"peak grew {grew >> 20} MiB for a {span >> 20} MiB span"

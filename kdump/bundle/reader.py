@@ -169,6 +169,26 @@ class Call:
         return sum(s.span_nbytes for s in self.storages + self.output_storages)
 
 
+def logical_bytes(tensors: Sequence[TensorRecord]) -> int:
+    """The bytes `tensors` cover as dense tensors (elements times size): what a replay may
+    allocate when it copies, compares or computes a reference of them. A broadcast (stride 0)
+    view covers far more than its storage span: a small file can name 2**48 elements."""
+    return sum(t.numel * t.itemsize for t in tensors)
+
+
+def check_logical(tensors: Sequence[TensorRecord], limits: Limits, what: str) -> None:
+    """Raise BundleError (LIMIT) when the tensors' dense sizes add up to over the load limit,
+    before anything is allocated for them."""
+    need = logical_bytes(tensors)
+    if need > limits.max_load_bytes:
+        raise BundleError(
+            f"{what}: as dense tensors they cover {need} bytes (a view repeating its elements "
+            f"over a larger shape?), over the load limit of {limits.max_load_bytes}; raise it "
+            "with --max-load-bytes or KDUMP_MAX_LOAD_BYTES if the bundle is trusted",
+            K.LIMIT,
+        )
+
+
 def open_regular(path: Path, what: str = "bundle") -> BinaryIO:
     """Open a regular file for reading; anything else (a FIFO, a device, a directory) is a
     BundleError. O_NONBLOCK keeps the open itself from waiting on a FIFO's writer."""
@@ -221,6 +241,9 @@ class Bundle:
         raw, self.inline = parse_header(header, size - self.data_start, path, self.limits)
         self.manifest: Manifest = parse_manifest(raw, path, self.limits)
         validate_manifest(self.manifest, self.inline, path, self.limits)
+        for c in self.manifest.calls:  # a replay may copy them densely: bounded before it does
+            out = c.outputs.tensors if c.outputs is not None else ()
+            check_logical([*c.tensors, *out], self.limits, f"{path}: call {c.index}'s tensors")
         self.env: dict[str, Any] = self.manifest.env
         self.info: dict[str, Any] = self.manifest.info
         self.version: int = self.manifest.version
@@ -506,7 +529,7 @@ class Bundle:
         copy-on-write views of the file; the rest are copies."""
         import torch
 
-        from kdump.bundle.tensors import Placement, materialize
+        from kdump.bundle.tensors import Placement, materialize, synthesize_span
 
         place = placement or Placement()
         check_load(
@@ -516,6 +539,7 @@ class Bundle:
             halo=place.halo,
             keep_prefix=place.halo == 0 and not place.flush_end,
         )
+        check_logical(tensors, self.limits, f"{self.path}: materialising {len(tensors)} tensors")
 
         def fill(batch: Sequence[tuple[int, torch.Tensor]]) -> None:
             jobs = []
@@ -525,6 +549,8 @@ class Bundle:
                     jobs.append((st.blob, dest))
                 elif st.source is Source.PIECES:  # each piece copied (and checked) apart
                     jobs.extend((sha, dest[b:e]) for sha, b, e in st.piece_spans())
+                elif st.source in (Source.BY_REFERENCE, Source.MISSING):
+                    synthesize_span(st, i, out=dest)  # in place: no second copy of the span
                 else:
                     dest.copy_(self.recreate_span(st, i))
             self._run(self.copy_blob_into, jobs, sum(d.numel() for _, d in jobs))

@@ -474,22 +474,87 @@ def _resolve_lazy_bits(snapshot: torch.Tensor, t: torch.Tensor) -> None:
 # Re-materialisation
 
 
-def synthesize_span(st: StorageRecord, seed: int) -> torch.Tensor:
+# Elements drawn per step when re-creating a storage from its statistics: the temporaries of one
+# step (float64 draws and their narrowing) stay a few MiB whatever the span.
+SYNTH_CHUNK = 1 << 18
+# float4_e2m1fn_x2: the magnitudes of the 3-bit code (sign in bit 3), two codes per byte (first
+# in the low nibble); torch cannot convert to it.
+_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def synthesize_span(st: StorageRecord, seed: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Bytes for a storage the bundle does not hold (by-reference / missing): values drawn with
     `seed` from its recorded stats (normal at mean/std, clipped to min/max), zeros without
-    stats. A replay that uses them says so (`Call.synthesized`)."""
+    stats. A replay that uses them says so (`Call.synthesized`). Drawn SYNTH_CHUNK elements at a
+    time and written in the stats' dtype straight into `out` (a contiguous CPU uint8 tensor of
+    the span's size; a new one when None), so it costs the span and a few MiB, for every dtype
+    the format has."""
     n = st.span_nbytes
+    if out is None:
+        out = torch.empty(n, dtype=torch.uint8)
+    if out.numel() != n:
+        raise BundleError(f"a re-created span holds {n} bytes, not {out.numel()}")
     if st.stats is None or n == 0:
-        return torch.zeros(n, dtype=torch.uint8)
+        return out.zero_()
     s = st.stats
     dtype = dtype_from_name(s.dtype)
-    count = -(-n // dtype.itemsize)
+    size = dtype.itemsize
     g = torch.Generator(device="cpu").manual_seed(seed)
-    values = torch.randn(count, generator=g, dtype=torch.float64) * s.std + s.mean
-    values = values.clamp(s.min, s.max)
-    if not (dtype.is_floating_point or dtype.is_complex):
-        values = values.round()
-    return values.to(dtype).view(torch.uint8)[:n].clone()
+    step = SYNTH_CHUNK * size
+    for start in range(0, n, step):
+        nbytes = min(step, n - start)
+        values = _draw(g, -(-nbytes // size) * _values_per_element(dtype), s)
+        out[start : start + nbytes].copy_(_encode(values, dtype)[:nbytes])
+    return out
+
+
+def _values_per_element(dtype: torch.dtype) -> int:
+    """Values one element holds: a complex number's two components, float4_e2m1fn_x2's two."""
+    return 2 if dtype.is_complex or dtype == getattr(torch, "float4_e2m1fn_x2", None) else 1
+
+
+# Dtypes whose values float32 cannot hold exactly are drawn in float64; the others in float32
+# (five times faster to draw).
+_WIDE = ("float64", "int32", "int64", "uint32", "uint64")
+
+
+def _draw(g: torch.Generator, count: int, s: Any) -> torch.Tensor:
+    wide = torch.float64 if s.dtype in _WIDE else torch.float32
+    values = torch.randn(count, generator=g, dtype=wide)
+    return values.mul_(s.std).add_(s.mean).clamp_(s.min, s.max)
+
+
+def _encode(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Drawn values as the bytes of `dtype` (uint8, contiguous)."""
+    if dtype == getattr(torch, "float4_e2m1fn_x2", None):
+        return _encode_fp4_pairs(values)
+    if dtype.is_complex:
+        return values.to(torch.float32).view(torch.uint8)
+    if dtype == torch.bool:
+        return values.abs().ge(0.5).view(torch.uint8)  # round(v) != 0
+    if not dtype.is_floating_point:
+        info = torch.iinfo(dtype)
+        values = values.round().clamp(info.min, info.max)
+    return values.to(dtype).view(torch.uint8)
+
+
+def _encode_fp4_pairs(values: torch.Tensor) -> torch.Tensor:
+    """Pairs of values as float4_e2m1fn_x2 bytes (nearest magnitude; NaN becomes zero)."""
+    mids = torch.tensor(_FP4_MIDPOINTS, dtype=values.dtype)
+    mag = torch.nan_to_num(values.abs(), nan=0.0)
+    codes = torch.bucketize(mag, mids).to(torch.uint8) | (values < 0).to(torch.uint8) << 3
+    pairs = codes.view(-1, 2)
+    return pairs[:, 0] | pairs[:, 1] << 4
+
+
+def clone_layout(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in memory of its own with the same shape and strides: the elements its view
+    covers are copied and viewed again, so a broadcast (stride 0) view costs its span, never its
+    dense size (`Tensor.clone` makes such a view dense)."""
+    if t.numel() == 0 or t.is_contiguous():
+        return t.clone()
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.as_strided((span,), (1,)).clone().as_strided(t.shape, t.stride())
 
 
 @dataclass(frozen=True)
