@@ -98,7 +98,7 @@ def test_plot_beside_the_report_with_its_data(
     assert routing[0] == ["group", "call 0", "call 1"]
     a, b = _counts("contiguous_ue8m0.kdump"), _counts("contiguous_ue8m0_b.kdump")
     assert routing[2:8] == [[str(g), str(a[g]), str(b[g])] for g in range(6)]
-    assert ["empty groups", "2", "0"] in routing  # one empty group each, both visible
+    assert ["empty groups", "group 2", "group 0"] in routing  # one empty group each, both visible
 
 
 def test_call_roles_of_a_graph_replay_bundle(tmp_path: Path) -> None:

@@ -43,10 +43,24 @@ def _record(path: Path, fn: str, env_vars: dict[str, str] | None = None) -> Path
     return path
 
 
-def _pids(tmp_path: Path) -> list[int]:
-    """The pid of every call of a target, in order (the tests replay with halo=0: one run per
-    bundle, no halo differential)."""
-    return [int(p) for p in (tmp_path / "pids").read_text().split()]
+# Runs of a clean bundle replayed with repeat=1 and halo=0: three find its outputs (the recorded
+# values, x probed, out probed; kdump.replay.discover), then the one run judged.
+CLEAN_RUNS = 4
+
+
+def _pids(tmp_path: Path, runs: list[int] | None = None) -> list[int]:
+    """The pid that ran each bundle, in order: `runs[k]` calls of the target per bundle k (every
+    bundle clean when not given; the tests replay with halo=0: no halo differential)."""
+    seen = [int(p) for p in (tmp_path / "pids").read_text().split()]
+    runs = runs or [CLEAN_RUNS] * (len(seen) // CLEAN_RUNS)
+    assert sum(runs) == len(seen), (runs, seen)
+    out, at = [], 0
+    for n in runs:
+        group = seen[at : at + n]
+        assert len(set(group)) == 1, group  # one bundle, one process
+        out.append(group[0])
+        at += n
+    return out
 
 
 def test_clean_bundles_share_one_worker(tmp_path: Path) -> None:
@@ -64,8 +78,10 @@ def test_a_crash_still_isolates_and_its_worker_is_replaced(tmp_path: Path) -> No
     assert [v.exit_code for v in verdicts] == [0, ExitCode.KERNEL_ERROR, 0, 0]
     crash = verdicts[1]
     assert crash.bundle == str(paths[1])
-    assert crash.findings[0].step == "eager/run 1" and "SIGABRT" in crash.findings[0].message
-    first, crashed, after, last = _pids(tmp_path)
+    step = crash.findings[0].step
+    assert step == "eager/discover outputs (recorded values)", step
+    assert "SIGABRT" in crash.findings[0].message
+    first, crashed, after, last = _pids(tmp_path, [CLEAN_RUNS, 1, CLEAN_RUNS, CLEAN_RUNS])
     assert first == crashed  # the worker of a clean bundle ran the crashing one
     assert after != crashed and last == after  # a fresh worker, reused again
 

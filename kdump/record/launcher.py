@@ -490,7 +490,9 @@ def summarize(
     )
     for f in folders:
         n = sum(1 for p in bundles if p.parent == f)
-        echo(f"  {v(f)}  ({n} bundle(s), index: {v(f / capture_dir.INDEX_NAME)})")
+        index = f / capture_dir.INDEX_NAME  # sync mode's folders have one; salvaged ones not
+        said = f", index: {v(index)}" if index.exists() else ""
+        echo(f"  {v(f)}  ({n} bundle(s){said})")
     echo(f"next: {v(next_command(bundles[0], status))}")
 
 
