@@ -42,11 +42,36 @@ def visible(value: object, limit: int | None = DEFAULT_LIMIT, *, newlines: bool 
     return text + cut
 
 
+# rich's emoji codes (':skull:', ':boom-emoji:'), as rich finds them (the same expression, so
+# the same matches in the same order).
+_EMOJI_CODE = re.compile(r"(:(\S*?)(?:(?:\-)(emoji|text))?:)")
+
+
+def no_emoji(text: str) -> str:
+    """`text` with the colon that opens each rich emoji code written as `\\x3a`, so rich shows
+    the code as text instead of replacing it with an emoji (other colons stay as they are)."""
+    try:
+        from rich._emoji_codes import EMOJI
+    except ImportError:  # a rich without emoji codes replaces none
+        return text
+
+    def one(m: re.Match[str]) -> str:
+        code = m.group(0)
+        return "\\x3a" + code[1:] if m.group(2).lower() in EMOJI else code
+
+    while True:  # escaping one code can let rich pair other colons: until none is left
+        escaped = _EMOJI_CODE.sub(one, text)
+        if escaped == text:
+            return text
+        text = escaped
+
+
 def markup(value: object, limit: int | None = DEFAULT_LIMIT) -> str:
-    """For rich: visible text whose square brackets can never be read as markup."""
+    """For rich: visible text whose square brackets can never be read as markup and whose
+    emoji codes are never replaced by emoji."""
     from rich.markup import escape
 
-    return escape(visible(value, limit))
+    return escape(no_emoji(visible(value, limit)))
 
 
 def markdown(value: object, limit: int | None = DEFAULT_LIMIT) -> str:

@@ -356,3 +356,22 @@ def test_a_recreated_span_costs_its_size(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     grew = int(proc.stdout.strip())
     assert grew < span + (24 << 20), f"peak grew {grew >> 20} MiB for a {span >> 20} MiB span"
+
+
+# --- rich emoji codes -----------------------------------------------------------------------------
+def test_emoji_codes_in_bundle_strings_print_as_text(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KDUMP_CONFIG", str(tmp_path / "none.toml"))
+    target = "kd_no_such_module:boom:fn"
+    rec = capture_call(target, [torch.ones(2)], {}, names=[":fire:"], meta={"note": ":skull:"})
+    env = {"hostname": "gpu-:skull:-7", "libraries": {":snake:": {"version": ":boom:"}}}
+    bundle = save_calls(tmp_path / "emoji.kdump", [rec], env=env)
+    code, out, err = _cli(capsys, "info", str(bundle))
+    assert code == 0, err
+    assert "gpu-\\x3askull:-7" in out and "\\x3asnake:" in out
+    code, out, err = _cli(capsys, "replay", str(bundle), *REPLAY, "--allow-target", "*")
+    assert code != 0 and "verdict:" in out, out + err
+    assert "kd_no_such_module\\x3aboom:fn" in _flat(out)
+    for shown in (out, err):
+        assert not any(ch in shown for ch in "\U0001f480\U0001f4a5\U0001f525\U0001f40d")
