@@ -221,7 +221,7 @@ def test_the_repro_script_applies_the_same_rule(lib: Path, tmp_path: Path) -> No
     assert canary.exists()
 
 
-# --- allocations a bundle can cause ---------------------------------------------------------------
+# --- allocations a bundle can cause -------------------------------------------------------------
 def _rewrite(path: Path, edit: object) -> Path:
     """Apply `edit(manifest)` to a bundle's manifest in place (the blobs stay as they are)."""
     import json
@@ -358,7 +358,7 @@ def test_a_recreated_span_costs_its_size(tmp_path: Path) -> None:
     assert grew < span + (24 << 20), f"peak grew {grew >> 20} MiB for a {span >> 20} MiB span"
 
 
-# --- rich emoji codes -----------------------------------------------------------------------------
+# --- rich emoji codes ----------------------------------------------------------------------------
 def test_emoji_codes_in_bundle_strings_print_as_text(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -375,3 +375,77 @@ def test_emoji_codes_in_bundle_strings_print_as_text(
     assert "kd_no_such_module\\x3aboom:fn" in _flat(out)
     for shown in (out, err):
         assert not any(ch in shown for ch in "\U0001f480\U0001f4a5\U0001f525\U0001f40d")
+
+
+# --- symlinked bundles and kdump pack ------------------------------------------------------------
+@pytest.fixture
+def linked(tmp_path: Path) -> tuple[Path, Path, torch.Tensor]:
+    """A capture folder with a shared store, and a folder elsewhere holding a symlink to one of
+    its bundles: (the link, the real bundle, the tensor recorded)."""
+    from kdump.bundle import BlobStore
+
+    cap = tmp_path / "dumps"
+    x = torch.arange(64, dtype=torch.float32)
+    real = save_calls(cap / "p1" / "a.kdump", [capture_call("m:f", [x], {})], store=BlobStore(cap))
+    share = tmp_path / "share"
+    share.mkdir()
+    link = share / "link.kdump"
+    link.symlink_to(real)
+    return link, real, x
+
+
+def _packed_holds(path: Path, x: torch.Tensor) -> None:
+    from kdump.bundle import load_bundle
+
+    b = load_bundle(path)
+    assert {info.where.value for info in b.blobs.values()} == {"inline"}
+    assert torch.equal(b.calls[0].args[0], x)
+
+
+def test_pack_a_folder_holding_a_symlinked_bundle(
+    linked: tuple[Path, Path, torch.Tensor], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    link, _, x = linked
+    out = tmp_path / "out"
+    out.mkdir()
+    code, _, err = _cli(capsys, "pack", str(link.parent), "-o", str(out))
+    assert code == 0, err
+    _packed_holds(out / "link.kdump", x)
+    code, _, err = _cli(capsys, "pack", str(link.parent))
+    assert code == 0, err
+    _packed_holds(tmp_path / "share.packed" / "link.kdump", x)
+
+
+def test_pack_a_link_writes_beside_the_link(
+    linked: tuple[Path, Path, torch.Tensor], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    link, real, x = linked
+    code, out, err = _cli(capsys, "pack", str(link))
+    assert code == 0, err
+    beside = tmp_path / "share.packed" / "link.kdump"
+    assert f"wrote {beside}" in out
+    _packed_holds(beside, x)
+    assert not (tmp_path / "dumps.packed").exists()
+    # -o naming the link itself (or its target) would overwrite the bundle.
+    for target in (link, real):
+        code, _, err = _cli(capsys, "pack", str(link), "-o", str(target))
+        assert code == ExitCode.USAGE and "overwrite the bundle" in err, err
+
+
+def test_pack_never_overwrites_another_file_silently(
+    linked: tuple[Path, Path, torch.Tensor], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    link, _, x = linked
+    dst = tmp_path / "issue.kdump"
+    dst.write_bytes(b"my notes, not a bundle")
+    code, _, err = _cli(capsys, "pack", str(link), "-o", str(dst))
+    assert code == ExitCode.USAGE and "--force" in err and len(err.strip().splitlines()) == 1
+    assert dst.read_bytes() == b"my notes, not a bundle"
+    assert [p.name for p in tmp_path.iterdir() if "pack-tmp" in p.name] == []
+    code, _, err = _cli(capsys, "pack", str(link), "-o", str(dst), "--force")
+    assert code == 0, err
+    _packed_holds(dst, x)
+    packed = dst.read_bytes()
+    code, _, err = _cli(capsys, "pack", str(link), "-o", str(dst))  # the same bytes: fine
+    assert code == 0, err
+    assert dst.read_bytes() == packed

@@ -4,6 +4,7 @@ and fold a store bundle into one self-contained file (`pack`)."""
 from __future__ import annotations
 
 import ctypes
+import filecmp
 import json
 import os
 import struct
@@ -570,10 +571,15 @@ def _finish_spool(
 
 
 def pack(
-    src: str | os.PathLike[str], dst: str | os.PathLike[str], progress: Progress | None = None
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    progress: Progress | None = None,
+    force: bool = False,
 ) -> Path:
     """Rewrite a bundle (whose blobs may live in a shared store) as one self-contained file;
-    `progress` is told the blob bytes written (`packed_bytes` of the bundle in all)."""
+    `progress` is told the blob bytes written (`packed_bytes` of the bundle in all). A file
+    already at `dst` is replaced only with `force` or when it holds the same bytes (UsageError
+    otherwise, and it stays as it was)."""
     from kdump.bundle.reader import load_bundle
 
     bundle = load_bundle(src)
@@ -590,7 +596,23 @@ def pack(
     }
     out = Path(dst)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _write_safetensors(out, manifest_json(replace(m, blobs=inline)), views, progress)
+    manifest = manifest_json(replace(m, blobs=inline))
+    if force or not os.path.lexists(out):
+        _write_safetensors(out, manifest, views, progress)
+        return out
+    # Something is there already: written beside it first, kept only when it is the same.
+    if not out.is_file():
+        raise UsageError(f"{out} exists and is not a file; pass another -o")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.pack-tmp")
+    try:
+        _write_safetensors(tmp, manifest, views, progress)
+        if not filecmp.cmp(tmp, out, shallow=False):
+            raise UsageError(
+                f"{out} exists and holds something else; pass --force to overwrite it, or "
+                "another -o"
+            )
+    finally:
+        tmp.unlink(missing_ok=True)
     return out
 
 
@@ -617,6 +639,29 @@ def capture_root(bundle: str | os.PathLike[str]) -> Path | None:
     return None
 
 
+def _lexical(path: str | os.PathLike[str]) -> Path:
+    """An absolute path as given: `..` folded, symlinks not followed (a link packs beside the
+    link, not beside what it points to)."""
+    return Path(os.path.abspath(path))
+
+
+def _lexical_capture_root(bundle: Path) -> Path | None:
+    """capture_root, looked for along the path as given."""
+    from kdump.bundle.reader import STORE_SEARCH_DEPTH
+
+    here = bundle.parent
+    for cand in [here, *list(here.parents)[:STORE_SEARCH_DEPTH]]:
+        if (cand / STORE_DIRNAME).is_dir():
+            return cand
+    return None
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether `path` is inside `folder`, as given or with symlinks followed on either side."""
+    real_path, real_folder = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
+    return any(p.is_relative_to(f) for p in (path, real_path) for f in (folder, real_folder))
+
+
 def pack_destination(
     src: str | os.PathLike[str],
     output: str | os.PathLike[str] | None = None,
@@ -624,15 +669,16 @@ def pack_destination(
 ) -> Path:
     """Where `kdump pack` writes the packed copy of bundle `src` (found under folder `base`, if
     one was given): never inside the capture directory or `base`, so a later replay of that
-    folder does not replay the copy as well.
+    folder does not replay the copy as well. Paths count as given: a symlinked bundle packs
+    beside the link, under its name (and its target's capture directory is kept clear too).
 
     Default: `<root>.packed/<path of src under root>` beside `root`, the outer of `base` and the
     capture directory, else the bundle's own folder. An `output` that is an existing folder
     receives the bundle under its name (its path under `base` when packing a folder); any other
     `output` is the file to write."""
-    src_p = Path(src).resolve()
-    base_p = Path(base).resolve() if base is not None else None
-    capture = capture_root(src_p)
+    src_p = _lexical(src)
+    base_p = _lexical(base) if base is not None else None
+    capture = _lexical_capture_root(src_p)
     # Both hold src, so one holds the other: the outer one is the folder a replay would read.
     folders = [f for f in (capture, base_p) if f is not None]
     root = min(folders, key=lambda f: len(f.parts)) if folders else src_p.parent
@@ -642,13 +688,14 @@ def pack_destination(
         dst = root.with_name(root.name + PACKED_SUFFIX) / src_p.relative_to(root)
     elif Path(output).is_dir():
         inner = src_p.relative_to(base_p) if base_p is not None else Path(src_p.name)
-        dst = Path(output).resolve() / inner
+        dst = _lexical(output) / inner
     else:
-        dst = Path(output).resolve()
-    if dst == src_p:
+        dst = _lexical(output)
+    if dst == src_p or os.path.realpath(dst) == os.path.realpath(src_p):
         raise UsageError(f"{src}: the packed copy would overwrite the bundle; pass another -o")
-    for folder in folders:
-        if dst.is_relative_to(folder):
+    real_capture = capture_root(src_p)  # where the bundle's store really is
+    for folder in {*folders, *([real_capture] if real_capture is not None else [])}:
+        if _inside(dst, folder):
             raise UsageError(
                 f"{dst} is inside {folder}, which a replay would read twice; pass -o outside it"
             )
