@@ -24,7 +24,12 @@ class ExitCode(IntEnum):
         obj.meaning = meaning
         return obj
 
-    CLEAN = (0, "clean", "clean")
+    CLEAN = (
+        0,
+        "clean",
+        "clean; also a replay that ran without error but had no oracle to compare with (no "
+        "reference, no recorded output; `--strict` makes it 1)",
+    )
     MISMATCH = (
         1,
         "wrong results",
@@ -160,7 +165,8 @@ def bisect_text() -> str:
         f"exits {BISECT_BAD} (bad); a library that cannot be imported or built at this commit "
         f"({int(ExitCode.CANNOT_RUN)}) exits {BISECT_SKIP} (skip); a usage, bundle or internal "
         f"error ({abort}) exits {BISECT_ABORT} (abort); an interrupted run exits "
-        f"{EXIT_INTERRUPTED}, which `git bisect run` also reads as abort."
+        f"{EXIT_INTERRUPTED}, which `git bisect run` also reads as abort. A replay without an "
+        f"oracle is good ({BISECT_GOOD}) unless `--strict` makes it bad ({BISECT_BAD})."
     )
 
 

@@ -42,11 +42,7 @@ class _ReplayCommand(click.Command):
             raise click.exceptions.Exit(bisect_exit_code(ExitCode.USAGE))
 
 
-BISECT_HELP = "\n\b\n" + textwrap.fill(
-    bisect_text().replace("`", "")
-    + " A replay without an oracle is good (0) unless --strict makes it bad (1).",
-    width=92,
-)
+BISECT_HELP = "\n\b\n" + textwrap.fill(bisect_text().replace("`", ""), width=92)
 
 EPILOG = (
     exit_codes_help()
@@ -71,7 +67,8 @@ Examples:
     default=None,
     help="eager: run and compare; graph: capture, identical replay, replays after in-place "
     "mutations; sanitizer: compute-sanitizer; all: the three in one summary. Default: graph "
-    "for bundles the flight recorder salvaged from a graph replay, else eager.",
+    "for bundles the flight recorder salvaged from a graph replay, else eager; a call where "
+    "production died of a GPU fault then goes on under memcheck when the replay finds nothing.",
 )
 @click.option(
     "--backend",
