@@ -81,10 +81,13 @@ def test_generic_target_keeps_what_the_call_wrote(tmp_path):
         with load_bundle(p) as b:
             call = b.calls[0]
             assert call.has_outputs
-            assert call.inplace == [(1, 0)]  # out (tensor 1) changed; x did not
-            assert recorded_outputs(call) == ["out"]
+            # every tensor argument is kept after the call, as sync mode keeps them: out
+            # (tensor 1) changed, x did not
+            assert call.inplace == [(0, 0), (1, 1)]
+            assert recorded_outputs(call) == ["x", "out"]
             assert torch.equal(call.outputs["out"], want)
-            assert call.meta["journal"]["outputs"] == {"kept": 1, "unchanged": 1}
+            facts = call.meta["journal"]["outputs"]
+            assert facts == {"kept": 2, "changed": 1, "unchanged": 1}
             assert "outputs_not_kept" not in call.meta
             assert "outputs" not in call.meta  # the slot's layout of them stays in the journal
     # the bytes before the call are the inputs: the previous call's result
@@ -104,16 +107,19 @@ def test_partly_written_output_keeps_the_unwritten_row(tmp_path):
         assert torch.equal(call.args[1], torch.full((4, 3), -7.0))  # the bytes before the call
 
 
-def test_unchanged_output_of_a_repeat_is_not_kept(tmp_path):
+def test_unchanged_output_of_a_repeat_is_kept_and_said_unchanged(tmp_path):
+    """A call that writes the bytes its output held (a repeat, a stale result) keeps them: they
+    are what production computed, the oracle a replay compares with."""
     x = torch.arange(8.0)
     out = torch.zeros(8)
     first, second = _record(tmp_path, double, [(x, out), (x, out)])
     with load_bundle(first) as b:
-        assert b.calls[0].inplace == [(1, 0)]
+        assert b.calls[0].meta["journal"]["outputs"]["changed"] == 1
     with load_bundle(second) as b:
         call = b.calls[0]
         # the same values again: nothing changed, and its bytes before the call say so
-        assert not call.has_outputs and call.meta["journal"]["outputs"]["unchanged"] == 2
+        assert call.has_outputs and torch.equal(call.outputs["out"], x * 2)
+        assert call.meta["journal"]["outputs"] == {"kept": 2, "changed": 0, "unchanged": 2}
 
 
 def test_outputs_none_keeps_none(tmp_path):
@@ -164,7 +170,7 @@ def test_output_over_the_slot_share_is_listed_not_kept(tmp_path):
             said = call.meta["outputs_not_kept"]
             assert said["tensors"] == ["out"] and said["bytes"] == 8192 * 4
             assert said["slot_bytes"] > 16 << 10
-            assert not call.has_outputs
+            assert call.inplace == [(0, 0)]  # x fits and is kept; out does not
             shown = describe_call(call)
             assert shown["outputs_not_kept"] == {
                 "tensors": ["out"],
@@ -172,7 +178,7 @@ def test_output_over_the_slot_share_is_listed_not_kept(tmp_path):
                 "slot_bytes": said["slot_bytes"],
             }
             assert outputs_line(shown) == (
-                "outputs recorded: none (inputs only); not kept (did not fit the flight "
+                "outputs recorded: x; not kept (did not fit the flight "
                 f"recorder's slot): out (32768 bytes); --slot-bytes {said['slot_bytes']} would "
                 "hold them"
             )
@@ -334,7 +340,8 @@ def test_exact_repeats_keep_outputs_too(tmp_path):
         with load_bundle(p) as b:
             call = b.calls[0]
             i = call.meta["journal"]["call_index"]
-            assert call.inplace == [(1, 0)] and torch.equal(call.outputs["out"], fed[i])
+            assert call.inplace == [(0, 0), (1, 1)]
+            assert torch.equal(call.outputs["out"], fed[i])
 
 
 def test_bench_flight_outputs_column_runs_on_cpu(bench_import, tmp_path):

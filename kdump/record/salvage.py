@@ -143,6 +143,12 @@ def salvage_journal(
             kept_in_flight.append(rec)
     complete.sort(key=lambda r: -r.seq)
     by_seq = {r.seq: r for r in complete}
+    died_at = _died_at(complete, kept_in_flight, crash_context)
+    names = sorted(
+        f"journal-{head.pid}-call-{r.meta.call_index:06d}-seq{r.seq}.kdump"
+        for r in complete
+        if r.seq in died_at
+    )
     region = read_region(contents.path)  # static operands copied once (kdump.record.statics)
     if progress is not None:
         progress.total = (progress.total or 0) + len(complete)
@@ -159,18 +165,19 @@ def salvage_journal(
         site = rec.meta.extra.get("site") if rec.meta.capture_id else None
         eager = site.get("eager_seq") if isinstance(site, dict) else None
         before = by_seq.get(eager) if type(eager) is int else None
+        context = _call_crash(crash_context, rec.seq in died_at, names)
         state = (
             (rec.index, rec.seq, rec.markers, rec.finished, rec.out_marker),
             _state(before),
             statics,
-            repr(crash_context),
+            repr(context),
             raised.get((rec.index, rec.seq)),
         )
         if written is not None and written.get(path) == state and path.exists():
             bundles.append(path)
             continue
         try:
-            _write_bundle(path, rec, contents, crash_context, before, dumps, region, raised)
+            _write_bundle(path, rec, contents, context, before, dumps, region, raised)
         except Exception as exc:
             # Checksums held but the content is unusable (any error: one slot's metadata must
             # not lose the other slots): report it, never keep the file.
@@ -195,6 +202,48 @@ def salvage_journal(
         for p in dump_files.values():
             Path(p).unlink(missing_ok=True)
     return SalvageResult(contents.path, bundles, in_flight, torn, report)
+
+
+# Keys of a crash context that say the process died (a flush from a live process has none).
+_DEATH = ("signal", "cuda_error", "exception", "traceback")
+
+
+def _died(crash_context: dict[str, Any] | None) -> bool:
+    if not crash_context or crash_context.get("flushed"):
+        return False
+    code = crash_context.get("exit_code")
+    return any(k in crash_context for k in _DEATH) or (isinstance(code, int) and code != 0)
+
+
+def _died_at(
+    complete: list[SlotRecord], in_flight: list[SlotRecord], crash_context: dict[str, Any] | None
+) -> set[int]:
+    """The seqs of the calls a process that died may have died at: the last recorded call on
+    each stream (a CUDA graph's sites: the last of each graph) and every call still in flight."""
+    if not _died(crash_context):
+        return set()
+    last: dict[tuple[str, int], int] = {}
+    for r in [*complete, *in_flight]:
+        if r.meta is None:
+            continue
+        key = ("graph", r.meta.graph_id) if r.meta.capture_id else ("stream", r.meta.stream)
+        last[key] = max(last.get(key, -1), r.seq)
+    return (
+        set(last.values())
+        | {r.seq for r in in_flight}
+        | {r.seq for r in complete if not r.finished}
+    )
+
+
+def _call_crash(
+    crash_context: dict[str, Any] | None, here: bool, names: list[str]
+) -> dict[str, Any] | None:
+    """One call's crash context: whether the process may have died at this call, and which of
+    its bundles hold such calls."""
+    if not _died(crash_context):
+        return crash_context
+    assert crash_context is not None
+    return {**crash_context, "at_this_call": here, "crashed_at": names}
 
 
 def _state(rec: SlotRecord | None) -> tuple[Any, ...] | None:
@@ -402,9 +451,11 @@ def _attach_outputs(call: Any, rec: SlotRecord) -> None:
         post = torch.frombuffer(bytearray(got), dtype=torch.uint8)
         changed = [i for i in o["tensors"] if _changed(call.inputs.tensors[i], s, before, post)]
         unchanged += len(o["tensors"]) - len(changed)
-        if not changed:
-            continue
         changed_any += len(changed)
+        # Every output kept, as sync mode keeps them: one the call wrote with the bytes it held
+        # (a stale result, a serving loop's buffer) still tells the replay what production saw.
+        # The bundle stores an unchanged span once (content de-duplication).
+        changed = list(o["tensors"])
         k = len(storages)
         storages.append(
             StorageRecord(
@@ -421,7 +472,7 @@ def _attach_outputs(call: Any, rec: SlotRecord) -> None:
             kept_tensors.append(dataclasses.replace(call.inputs.tensors[i], storage=k))
     if unplaced:
         _not_kept(call, meta, unplaced, rec)
-    facts["outputs"] = {"kept": changed_any, "unchanged": unchanged}
+    facts["outputs"] = {"kept": len(kept_tensors), "changed": changed_any, "unchanged": unchanged}
     if not kept_tensors:
         return
     call.outputs = Captured(storages=storages, tensors=kept_tensors, data=data)

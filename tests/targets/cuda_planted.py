@@ -3,6 +3,7 @@
 - `neighbour_sum(x, out)`: out[i] = x[i] + x[i+1 within the block], staged through shared memory
   WITHOUT the barrier between the write and the read: a shared-memory race that racecheck names
   (the result is often right anyway: run-to-run differences are not guaranteed).
+- `double_rows(x, labels, out)`: the clean kernel (out[r] = 2 x[r] for labelled rows).
 - `workspace_double(x, labels, out)`: the capture-unsafe class. A scratch buffer is sized from
   the routing of the FIRST call for a given `out` and kept; the compaction kernel writes every
   labelled row into it without a bounds check, and the copy-back kernel's grid is that first
@@ -26,6 +27,14 @@ extern "C" __global__ void neighbour_sum(const float* x, float* out, int n) {
     // the bug: no __syncthreads() here
     const int j = (threadIdx.x + 1) % blockDim.x;
     if (i < n) out[i] = tile[threadIdx.x] + tile[j];
+}
+
+// One block per row: out[r] = 2 x[r] for labelled rows (the clean kernel: no state, no scratch).
+extern "C" __global__ void double_rows(const float* x, const int* labels, float* out, int cols) {
+    const int r = blockIdx.x;
+    if (labels[r] < 0) return;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x)
+        out[(long long)r * cols + c] = 2.0f * x[(long long)r * cols + c];
 }
 
 // One block per row: labelled rows are compacted into `scratch` (no bounds check: the bug).
@@ -92,6 +101,15 @@ def neighbour_sum(x: torch.Tensor, out: torch.Tensor) -> None:
     assert x.is_cuda and x.dtype == torch.float32 and x.is_contiguous() and out.is_contiguous()
     n = x.numel()
     _launch(x.device, "neighbour_sum", (n + 255) // 256, 256, _ptr(x), _ptr(out), ctypes.c_int(n))
+
+
+def double_rows(x: torch.Tensor, labels: torch.Tensor, out: torch.Tensor) -> None:
+    """out[r] = 2 * x[r] for rows with labels[r] >= 0: workspace_double without its bug."""
+    assert x.is_cuda and x.dtype == torch.float32 and labels.dtype == torch.int32
+    rows, cols = x.shape
+    _launch(
+        x.device, "double_rows", rows, 128, _ptr(x), _ptr(labels), _ptr(out), ctypes.c_int(cols)
+    )
 
 
 # Per `out` pointer: (scratch address, row map, counter, rows the scratch holds). The scratch is
