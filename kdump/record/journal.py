@@ -91,6 +91,7 @@ cryptographic hash would only cost time in the recording process.
 from __future__ import annotations
 
 import array
+import ctypes
 import enum
 import json
 import logging
@@ -132,6 +133,7 @@ _TABLE_ENTRY = struct.Struct("<QQ")
 _TRAILER = struct.Struct("<4sIQI4xQQQQ8x")
 _U64 = struct.Struct("<Q")  # a slot's seq (at offset 8) and the trailer's markers
 _ZERO4 = bytes(4)
+_memmove = ctypes.memmove
 _SHIFTS_MAX = 256  # body lengths whose `_CrcShift` a journal shares between templates
 _MARKER_AT = {"pre": 24, "post": 32, "done": 40, "out": 48}  # offsets inside the trailer
 _DONE_AT = _MARKER_AT["done"] - _TRAILER.size  # the done marker, from the slot's end
@@ -482,6 +484,27 @@ class Slot:
         when the ring has reused the slot meanwhile."""
         self._store_marker("out", token)
 
+    def write_outputs(self, sources: Sequence[int], token: int = 1) -> None:
+        """Host path, after the call: output m's payload from host address `sources[m]` (its
+        storage's span: as many bytes as the payload), then the `out` marker; under the
+        journal's lock, so the ring cannot reuse the slot meanwhile (nothing when it did)."""
+        j = self._journal
+        if j._fd < 0:
+            return
+        with j._lock:
+            view, base = j._view, self._base
+            (seq,) = _U64.unpack_from(view, base + 8)
+            if seq != self.seq:
+                return
+            at = j.address + base
+            spans = self._spans
+            for m, src in enumerate(sources):
+                sp = spans[self.inputs + m]
+                if sp is not None and sp[1]:
+                    _memmove(at + sp[0], src, sp[1])
+            t = base + j.slot_bytes - _TRAILER.size + _MARKER_AT["out"]
+            view[t : t + 8] = _U64.pack(token)
+
     def current(self) -> bool:
         """Whether the slot still holds this call (the ring has not reused it)."""
         j = self._journal
@@ -533,6 +556,9 @@ class Journal:
         self._pinned: set[int] = set()  # slots kept out of the rotation (capture sites)
         self._parts: dict[Any, tuple[tuple[Any, ...], bytes]] = {}  # `_json`'s memo
         self._limit = slot_bytes - _TRAILER.size - CALL_RECORD_BYTES  # where payloads end
+        # the mapping's address (host copies of outputs go there by memmove; the export taken
+        # to read it ends with the temporary)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self._shifts: dict[int, _CrcShift] = {}  # `_shift`'s memo, per body length
 
     @classmethod
