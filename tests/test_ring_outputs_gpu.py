@@ -14,6 +14,7 @@ import torch
 
 import kdump
 from kdump.bundle import load_bundle
+from kdump.bundle.inspect import recorded_outputs
 from kdump.record.config import RingConfig
 
 pytestmark = pytest.mark.gpu
@@ -48,7 +49,8 @@ def test_eager_call_keeps_its_outputs(tmp_path):
         (path,) = rec.written
     with load_bundle(path) as b:
         call = b.calls[0]
-        assert call.inplace == [(1, 0)]
+        assert recorded_outputs(call) == ["x", "out"]  # every tensor argument, as sync mode
+        assert call.meta["journal"]["outputs"]["changed"] == 1  # out; x was only read
         assert torch.equal(call.outputs["out"], (x * 3).cpu())
         assert torch.equal(call.args[1], torch.zeros(64))  # before the call
 
@@ -82,7 +84,7 @@ def test_graph_replay_bundle_holds_that_replays_outputs(tmp_path, held):
         call = b.calls[-1]
         assert call.meta["journal"]["replay"] >= 4
         assert torch.equal(call.args[0], fed[-1].cpu())  # the snapshot before the kernel
-        assert call.inplace == [(1, 0)], call.meta["journal"]
+        assert recorded_outputs(call) == ["x", "out"], call.meta["journal"]
         # the copy after the kernel, refreshed by the last replay
         assert torch.equal(call.outputs["out"], (fed[-1] * 3).cpu())
         # before that replay, out held the previous replay's result

@@ -13,9 +13,10 @@ gathered come from the `<journal>.cuda<N>` dumps (kdump.record.devring).
 
 Outputs the recorder copied after the call (journal version 4, `--outputs`) become the bundle's
 `outputs`, as the sync recorder writes them: a storage snapshot after the call per output
-storage and (input tensor, output tensor) `inplace` pairs, keeping only the tensors whose bytes
-the call changed where their bytes before the call are held too (all of them where not). Those
-the slot could not hold are listed in `meta["outputs_not_kept"]`.
+storage and (input tensor, output tensor) `inplace` pairs, every output tensor the slot held
+(one written with the bytes it held is production's result too); `meta.journal.outputs` counts
+those the call changed, where their bytes before the call are held to tell. Those the slot
+could not hold are listed in `meta["outputs_not_kept"]`.
 """
 
 from __future__ import annotations
