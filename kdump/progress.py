@@ -122,7 +122,7 @@ class _RichBar(Bar):
             BarColumn(),
             *counts,
             TimeElapsedColumn(),
-            console=Console(file=stream),
+            console=Console(file=stream, emoji=False),
             transient=True,
         )
         self._progress.start()

@@ -94,6 +94,10 @@ class _Slot:
     def spans(self) -> list[Any]:
         return list(self._spans)
 
+    @property
+    def output_spans(self) -> list[Any]:
+        return []  # no outputs kept after the call (DeepGEMM-like: its spec has a reference)
+
     def commit(self, device: bool = False) -> None:
         self.commits += 1
 

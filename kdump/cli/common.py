@@ -219,7 +219,7 @@ def emit_json(obj: Any) -> None:
 def console() -> Any:
     from rich.console import Console
 
-    return Console()
+    return Console(emoji=False)  # bundle strings never become emoji (markup() escapes too)
 
 
 def human_bytes(n: float) -> str:

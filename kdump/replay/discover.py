@@ -5,10 +5,12 @@ Run on the recorded values, every argument's storage span is compared, byte by b
 span from before the run (the copy the replay keeps to restore its inputs anyway: no dense copy
 of any view): a tensor whose bytes changed is written. A tensor can also be written with the
 values it already held (a serving loop's output buffer holds the previous step's result); each
-argument that kept its bytes therefore gets one more run with only it probed — NaN for floats
-(all-ones bytes), zeros for integers (an index that points anywhere could crash the kernel; zero
-is an index every array has), the inverse for booleans — and counts as written when the run
-replaces the probe with values. An argument that is only read keeps the probe.
+floating-point argument that kept its bytes therefore gets one more run with only it probed with
+NaN (all-ones bytes), and counts as written when the run replaces the probe with values. An
+argument that is only read keeps the probe. Integer and boolean arguments are never probed: a
+changed index or mask could send the kernel past a buffer sized for the recorded values (a crash
+of the probe's making); one the call writes with the values it held counts as untouched (the
+recorder keeps every argument after the call, so the replay still compares it with production).
 
 A written tensor is also checked for being read: the written tensors are probed together (one
 by one when that changes anything) and a tensor whose written elements come out exactly as
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 
 from kdump.bundle import MaterializedCall
-from kdump.bundle.tensors import Allocation
+from kdump.bundle.tensors import Allocation, clone_layout
 from kdump.replay.compare import agree, poison, unwritten
 
 # At most this many probe runs per call; arguments beyond it count as read (said in the note).
@@ -101,19 +103,21 @@ def discover(
         flags = _element_flags(mc.tensors[i], a, changed_spans[j])
         if bool(flags.any()):
             written[i] = flags
-    first = {i: mc.tensors[i].clone() for i in written}
+    first = {i: clone_layout(mc.tensors[i]) for i in written}
 
     probes = 0
     same_values: list[int] = []
     not_probed: list[int] = []
     for i in sorted((i for i in tensors if i not in written), key=lambda i: mc.tensors[i].numel()):
-        if probes >= MAX_PROBES:
+        t = mc.tensors[i]
+        if not _probed_kind(t):
+            continue  # never probed: a changed index or mask could make the kernel stray
+        if probes >= MAX_PROBES or _overlaps(t):
             not_probed.append(i)
             continue
         probes += 1
         restore()
-        t = mc.tensors[i]
-        original = t.clone()
+        original = clone_layout(t)
         _probe(t, original)
         found.runs += 1
         try:
@@ -158,9 +162,13 @@ def _write_only(
         return set()
 
     def unchanged_with(probed: Sequence[int], label: str) -> bool:
+        if any(_overlaps(mc.tensors[i]) or not _probed_kind(mc.tensors[i]) for i in probed):
+            # never poisoned: a view whose elements share bytes, an integer or boolean output
+            # (it may be an index or a mask the call also reads)
+            return False
         restore()
         for i in probed:
-            _probe(mc.tensors[i], mc.tensors[i].clone())
+            _probe(mc.tensors[i], clone_layout(mc.tensors[i]))
         found.runs += 1
         try:
             run(label)
@@ -171,17 +179,30 @@ def _write_only(
         return all(_same_where(mc.tensors[i], first[i], written[i]) for i in written)
 
     names = mc.tensor_names
-    if unchanged_with(list(written), "(outputs probed)"):
-        return set(written)
+    floats = [i for i in written if _probed_kind(mc.tensors[i])]
+    if floats and unchanged_with(floats, "(outputs probed)"):
+        return set(floats)
     out: set[int] = set()
-    if len(written) == 1:
+    if len(floats) <= 1:
         return out
-    for k, i in enumerate(written):
+    for k, i in enumerate(floats):
         if k >= MAX_PROBES:
             break
         if unchanged_with([i], f"({names[i]} probed)"):
             out.add(i)
     return out
+
+
+def _probed_kind(t: torch.Tensor) -> bool:
+    """Only floating-point arguments are probed (with NaN): an integer or boolean one may be an
+    index or a mask, and a changed one could send the kernel anywhere (past a buffer sized for
+    the recorded values, on a GPU: a crash that is the probe's, not production's)."""
+    return t.dtype.is_floating_point
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether elements of `t` share memory (a broadcast view): in-place fills refuse it."""
+    return any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape))
 
 
 def _same_where(got: torch.Tensor, base: torch.Tensor, where: torch.Tensor) -> bool:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from kdump.bundle import Call, MaterializedCall
+from kdump.bundle.tensors import clone_layout
 from kdump.replay import oracle
 from kdump.replay.compare import _expand_mask, distinct_results
 from kdump.replay.overreads import Differential, differential, report
@@ -70,7 +71,7 @@ def run_eager(req: Request, progress: Progress) -> Verdict:
         poison_outputs(s, mc, outputs)
         if s.run_kernel(fn, mc, trial) is None:
             return None
-        return {name: mc.tensors[idx].clone() for name, idx in outputs.items()}
+        return {name: clone_layout(mc.tensors[idx]) for name, idx in outputs.items()}
 
     for r in range(1, max(1, req.repeat) + 1):
         step = f"eager/run {r}"
@@ -83,7 +84,7 @@ def run_eager(req: Request, progress: Progress) -> Verdict:
             return s.verdict
         s.step(step, "ok", f"poisoned {', '.join(poisoned) or 'nothing'}", seconds)
         s.check_halos(mc, step)
-        actual = {name: mc.tensors[idx].clone() for name, idx in outputs.items()}
+        actual = {name: clone_layout(mc.tensors[idx]) for name, idx in outputs.items()}
         runs.append(actual)
         if r == 1:
             diff: Differential | None = Differential()

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from kdump.bundle import Call, MaterializedCall, capture_call, load_bundle, save_calls
-from kdump.bundle.tensors import capture
+from kdump.bundle.tensors import capture, clone_layout
 from kdump.errors import CannotRunError, UsageError, error_line
 from kdump.replay import oracle
 from kdump.replay.overreads import Differential, differential, report
@@ -134,7 +134,7 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
     masks = {name: s.spec.meaningful(bound, name) for name in outputs}
 
     def outputs_now() -> dict[str, torch.Tensor]:
-        return {name: mc.tensors[idx].clone() for name, idx in outputs.items()}
+        return {name: clone_layout(mc.tensors[idx]) for name, idx in outputs.items()}
 
     def judge(
         step: str,

@@ -699,8 +699,7 @@ def _first_fails(
                 s.device.type == "cuda" and not _cuda_usable(s.device)
             ):
                 why = (
-                    " (while probing which arguments the call writes: the probed argument held "
-                    "NaN, zeros or inverted booleans)"
+                    " (while probing which arguments the call writes: the probed argument held NaN)"
                 )
                 s.failed(f"{step} {label}", exc, why=why)
                 raise ProbeFailed(error_line(exc)) from None
