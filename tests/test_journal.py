@@ -347,6 +347,11 @@ def test_salvage_bundles_bitwise_equal(tmp_path: Path) -> None:
     for p in paths:
         c = load_bundle(p).calls[0]
         i = c.meta["journal"]["call_index"]
+        marks = {k: c.meta["crash"].pop(k) for k in ("at_this_call", "crashed_at")}
+        # the process died: its calls still in flight (and the graph's last) are where it may
+        # have died, and every bundle names them
+        assert marks["at_this_call"] == (p.name in marks["crashed_at"])
+        assert paths[0].name in marks["crashed_at"]
         assert c.meta["crash"] == crash and c.meta["journal"]["graph_id"] == 9
         assert c.target == TARGET and c.kwargs == {"mode": "nt"} and c.args[3:5] == [3, 0.5]
         for got, want in zip(c.args[:3], lives[i]):

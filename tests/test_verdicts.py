@@ -251,7 +251,7 @@ def test_folder_with_unreadable_bundle_replays_the_others(
     codes = {Path(v["bundle"]).name: v["exit_code"] for v in doc["verdicts"]}
     assert codes == {"a.kdump": 0, "b.kdump": 2}
     code, out, _ = _cli(["replay", str(folder), "--device", "cpu", "--repeat", "1"], capsys)
-    assert code == 2 and "2 replays, 1 clean, 1 not: exit 2" in out
+    assert code == 2 and "2 replays: 1 clean, 1 failed: exit 2" in out
 
 
 def test_render_fits_80_columns_and_escapes(tmp_path: Path, capsys) -> None:
