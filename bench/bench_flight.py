@@ -345,8 +345,8 @@ def _recorded(
 GENERIC = "kdump_bench_generic:scale"
 GENERIC_KIB = (64, 512)
 GENERIC_HEADER = (
-    "| x, out KiB each | plain ms | none, held | kept, held | none, not held | kept, not held | "
-    "eager us plain | eager us none | eager us kept | outputs held |"
+    "| x, out KiB each (slot) | plain ms | none, held | kept, held | none, not held | "
+    "kept, not held | eager us plain | eager us none | eager us kept | outputs held |"
 )
 
 
@@ -395,6 +395,15 @@ def _generic_host_us(fn: Callable[..., Any], args: tuple, calls: int) -> float:
     return total / calls * 1e6
 
 
+def generic_slot_bytes(nbytes: int) -> int:
+    """A slot that holds both arguments before the call and both again after it (the
+    default keeps every tensor argument of a generic target): 1 MiB, doubled as needed."""
+    slot = 1 << 20
+    while slot * 0.9 < 4 * (nbytes + 64):
+        slot *= 2
+    return slot
+
+
 def generic_recorded(
     x: torch.Tensor, out: torch.Tensor, shm: Path, outputs: str, held: bool, iters: int
 ) -> dict[str, Any]:
@@ -405,7 +414,8 @@ def generic_recorded(
 
     fn = _generic_fn()
     device_bytes = 1 << 30 if x.is_cuda else 0
-    ring = RingConfig(slots=64, slot_bytes=1 << 20, journal_dir=shm, device_bytes=device_bytes)
+    slot = generic_slot_bytes(x.numel() * x.element_size())
+    ring = RingConfig(slots=64, slot_bytes=slot, journal_dir=shm, device_bytes=device_bytes)
     res: dict[str, Any] = {}
     with kdump.recording(
         GENERIC, out=shm / "out-generic", mode="ring", ring=ring, outputs=outputs
@@ -441,7 +451,7 @@ def generic_row(kib: int, plain_ms: float | None, plain_us: float, res: dict) ->
     none_us = statistics.median(res[k]["host"] for k in res if k[0] == "none")
     kept_us = statistics.median(res[k]["host"] for k in res if k[0] == "default")
     cells = [
-        str(kib),
+        f"{kib} ({generic_slot_bytes(kib * 1024) >> 20}M)",
         f"{plain_ms:.4f}" if plain_ms is not None else "-",
         step(("none", True)),
         step(("default", True)),

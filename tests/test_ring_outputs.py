@@ -352,7 +352,8 @@ def test_bench_flight_outputs_column_runs_on_cpu(bench_import, tmp_path):
     assert rows[0] == flight.GENERIC_HEADER
     cells = [c.strip() for c in rows[2].strip("|").split("|")]
     assert len(cells) == rows[0].count("|") - 1 == 10
-    assert cells[0] == "4" and cells[1:6] == ["-"] * 5  # no graph step on the CPU
+    assert cells[0] == "4 (1M)" and cells[1:6] == ["-"] * 5  # no graph step on the CPU
+    assert flight.generic_slot_bytes(512 << 10) == 4 << 20  # both, before and after the call
     assert cells[-1] == "yes"  # the default kept the outputs of the newest call
     none = flight.generic_recorded(torch.ones(8), torch.zeros(8), tmp_path, "none", True, 2)
     assert none["held"] is False and none["host"] > 0 and "step" not in none
