@@ -42,6 +42,7 @@ def command(bundles: tuple[str, ...], verify: bool, as_json: bool) -> int:
 def _render(rep: dict) -> None:
     from rich.table import Table
 
+    from kdump.bundle.inspect import outputs_line
     from kdump.text import markup as m  # everything below comes from the bundle
 
     con = console()
@@ -117,8 +118,4 @@ def _render(rep: dict) -> None:
         if call["aliasing"]:
             groups = "; ".join(" = ".join(m(n) for n in g) for g in call["aliasing"])
             con.print("shared storage: " + groups)
-        outputs = call["outputs"]
-        con.print(
-            "outputs recorded: "
-            + (", ".join(markup(o) for o in outputs) if outputs else "none (inputs only)")
-        )
+        con.print(markup(outputs_line(call), None))
