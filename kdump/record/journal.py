@@ -488,22 +488,15 @@ class Slot:
         """Host path, after the call: output m's payload from host address `sources[m]` (its
         storage's span: as many bytes as the payload), then the `out` marker; under the
         journal's lock, so the ring cannot reuse the slot meanwhile (nothing when it did)."""
-        j = self._journal
-        if j._fd < 0:
-            return
-        with j._lock:
-            view, base = j._view, self._base
-            (seq,) = _U64.unpack_from(view, base + 8)
-            if seq != self.seq:
-                return
-            at = j.address + base
-            spans = self._spans
+        spans = self._spans
+
+        def fill(at: int) -> None:
             for m, src in enumerate(sources):
                 sp = spans[self.inputs + m]
                 if sp is not None and sp[1]:
                     _memmove(at + sp[0], src, sp[1])
-            t = base + j.slot_bytes - _TRAILER.size + _MARKER_AT["out"]
-            view[t : t + 8] = _U64.pack(token)
+
+        self._store_marker("out", token, fill)
 
     def current(self) -> bool:
         """Whether the slot still holds this call (the ring has not reused it)."""
@@ -513,7 +506,11 @@ class Slot:
         (seq,) = _U64.unpack_from(j._view, self._base + 8)
         return bool(seq == self.seq)
 
-    def _store_marker(self, name: str, token: int) -> None:
+    def _store_marker(
+        self, name: str, token: int, fill: Callable[[int], None] | None = None
+    ) -> None:
+        """Marker `name` = `token`, after `fill(slot address)` when given; under the journal's
+        lock and only while the slot still holds this call."""
         j = self._journal
         if j._fd < 0:
             return
@@ -521,6 +518,8 @@ class Slot:
             view, base = j._view, self._base
             (seq,) = _U64.unpack_from(view, base + 8)
             if seq == self.seq:
+                if fill is not None:
+                    fill(j.address + base)
                 t = base + j.slot_bytes - _TRAILER.size + _MARKER_AT[name]
                 view[t : t + 8] = _U64.pack(token)
 

@@ -29,7 +29,7 @@ import torch
 
 from kdump.bundle import MaterializedCall
 from kdump.bundle.tensors import Allocation, clone_layout
-from kdump.replay.compare import agree, poison, unwritten
+from kdump.replay.compare import _as_int, agree, poison, unwritten
 
 # At most this many probe runs per call; arguments beyond it count as read (said in the note).
 MAX_PROBES = 32
@@ -241,16 +241,12 @@ def _element_flags(t: torch.Tensor, a: Allocation, changed: torch.Tensor) -> tor
 
 def elements_unchanged(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     """Per element: the same bytes in `before` and `after` (same dtype and shape)."""
-    if before.dtype == torch.bool:
-        return before == after
     size = before.element_size()
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    kind = ints.get(size)
-    if kind is None:
-        a = before.contiguous().view(torch.uint8).view(*before.shape, size)
-        b = after.contiguous().view(torch.uint8).view(*after.shape, size)
-        return (a == b).all(-1)
-    return before.contiguous().view(kind) == after.contiguous().view(kind)
+    if size <= 8:
+        return _as_int(before) == _as_int(after)
+    a = before.contiguous().view(torch.uint8).view(*before.shape, size)  # complex128
+    b = after.contiguous().view(torch.uint8).view(*after.shape, size)
+    return (a == b).all(-1)
 
 
 def tensor_view(like: torch.Tensor, a: Allocation, span: torch.Tensor) -> torch.Tensor:
