@@ -36,3 +36,9 @@ def test_golden_bundles_load() -> None:
             for call in b.calls:
                 assert call.target == golden.TARGET
                 assert len(call.args) == 5
+
+
+def test_writing_twice_in_one_process_gives_the_same_bytes(tmp_path: Path) -> None:
+    golden.write_all(tmp_path / "a")
+    golden.write_all(tmp_path / "b")
+    assert _files(tmp_path / "a") == _files(tmp_path / "b")
