@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import test_devcopy_memo as stand_in
 from _machine import cpu_model
 
-from kdump.record import devcopy
+from kdump.record.flight import devcopy
 
 
 def _batch(

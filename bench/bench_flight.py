@@ -39,7 +39,7 @@ holding the device tier (DeepGEMM keeps none by default: the rows above are its 
 
 `--pdl` launches the GEMM with programmatic dependent launch (DeepGEMM's `set_pdl(True)`), every
 column of the run: the snapshot kernel lets such a kernel start its prologue early.
-`--define KD_EARLY_LAUNCH=2` records with that #define of kdump/record/snapshot.cu changed
+`--define KD_EARLY_LAUNCH=2` records with that #define of kdump/record/flight/snapshot.cu changed
 (`--define KD_DENSE=0`: case (i)'s scales read only where rows are touched, after the rule, not
 as whole windows before it; `--define KD_OVERLAP=0`: case (ii)'s rows of A, then their scales,
 not side by side);
@@ -69,8 +69,8 @@ from _timing import CHUNK, host_us, new_step_objects
 
 import kdump
 from kdump.kernels import registry
-from kdump.record import ring as ring_mod
 from kdump.record.config import RingConfig
+from kdump.record.flight import recorder as ring_mod
 
 SHAPES = ((512, 4096), (4096, 256))
 TOKENS = (1, 32, 113)
@@ -133,7 +133,7 @@ def _with_empty_nodes(fn: Callable[..., Any], count: int = 2) -> Callable[..., A
     """`fn` after one (`count` 1) or between two one-thread kernels (kdump's done-marker kernel
     reading and writing one word): in a graph, the step of any recorder that launches a snapshot
     before the kernel (and a marker after it) costs at least this much."""
-    from kdump.record import gather
+    from kdump.record.flight import gather
 
     mark = gather.get_kernel(torch.cuda.current_device()).mark
     word = torch.zeros(2, dtype=torch.int64, device="cuda")
@@ -229,7 +229,7 @@ def _with_floor_node(fn: Callable[..., Any], args: tuple, ring: bool = False) ->
     after kd_floor_ring, the same written plainly for a compacting ring (a reference)."""
     from bench_snapshot_kernel import load_function
 
-    from kdump.nvrtc import check, driver
+    from kdump.cuda.nvrtc import check, driver
 
     d = driver()
     name = "kd_floor_ring" if ring else "kd_floor"
@@ -307,7 +307,7 @@ class _ScalesOnly:
                 return None, None
             from dataclasses import replace
 
-            from kdump.record.gather import RECORD_HEAD
+            from kdump.record.flight.gather import RECORD_HEAD
 
             keep = plan.gathers[1:]
             off, moved = RECORD_HEAD, []
@@ -410,7 +410,7 @@ def generic_recorded(
     """The generic target recorded with `--outputs` `outputs`: "host" (µs per eager call),
     "step" (ms per graph replay; CUDA tensors only) and "held" (whether the journal's newest
     complete slot holds the outputs of its call, read after the copies landed)."""
-    from kdump.record.journal import SlotState, read_journal
+    from kdump.record.flight.journal import SlotState, read_journal
 
     fn = _generic_fn()
     device_bytes = 1 << 30 if x.is_cuda else 0
@@ -608,8 +608,8 @@ def apply_kernel_options(opt: argparse.Namespace) -> None:
 def _set_carveout(pct: int) -> None:
     """Load kd_snapshot with CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = pct: an SM
     whose carveout differs between two kernels is reconfigured between them."""
-    from kdump.nvrtc import check, driver
-    from kdump.record import gather
+    from kdump.cuda.nvrtc import check, driver
+    from kdump.record.flight import gather
 
     allow = gather.allow_smem
 
@@ -628,7 +628,7 @@ def _redefine(defines: list[str]) -> None:
     bench_snapshot_kernel.py changes them (its own cache entry)."""
     from bench_snapshot_kernel import variant_source
 
-    from kdump.record import gather
+    from kdump.record.flight import gather
 
     src = variant_source(",".join(defines))[0]
     gather.kernel_source = lambda: src  # type: ignore[assignment]
@@ -652,8 +652,8 @@ def _throughput(shm: Path) -> None:
     """Tier copy rates: the snapshot kernel (plain byte ranges; a row gather) against a plain D2D
     copy of the same bytes; the journal's registered pinned memory against a plain pinned buffer."""
     from kdump.bundle.tensors import group_storages
-    from kdump.record import gather
-    from kdump.record.journal import Journal
+    from kdump.record.flight import gather
+    from kdump.record.flight.journal import Journal
 
     kernels = gather.get_kernel(torch.cuda.current_device())
     fn = kernels.snapshot

@@ -83,7 +83,7 @@ def main() -> None:
             g = _cli("replay", str(path), *common, "--mode", "graph", "--mutations", "0")
             rows.append(("graph (6 synthesised phases)", g, g / eager, "eager replay"))
         if device == "cuda" and "sanitizer" in modes:
-            from kdump.tools import find_tool
+            from kdump.cuda.tools import find_tool
 
             if find_tool("compute-sanitizer"):
                 m = _cli("replay", str(path), *common, "--mode", "sanitizer", "--timeout", "580")

@@ -47,8 +47,8 @@ from _timing import new_step_objects
 
 import kdump
 from kdump.kernels import registry
-from kdump.record import ring as ring_module
 from kdump.record.config import RingConfig
+from kdump.record.flight import recorder as ring_module
 
 TARGET = "deep_gemm:m_grouped_fp8_gemm_nt_contiguous"
 
@@ -82,7 +82,7 @@ def outputs_column(
     """Host µs per call of a generic target: (unhooked, recorded with --outputs none, recorded
     with its outputs kept (default), bundles' slots that hold outputs out of those checked).
     Sessions alternate per round, each warmed up outside the timing."""
-    from kdump.record.journal import SlotState, read_journal
+    from kdump.record.flight.journal import SlotState, read_journal
 
     saved = sys.modules.get("kdump_bench_generic")
     module = sys.modules["kdump_bench_generic"] = _generic_module()

@@ -4,8 +4,8 @@ the kernel as shipped and for variants of its compile-time constants, all in one
     python bench/bench_snapshot_kernel.py
     python bench/bench_snapshot_kernel.py --variant KD_UNROLL=8u --variant min_blocks=4
 
-A variant is comma-separated `NAME=VALUE` pairs: a `#define` of kdump/record/snapshot.cu replaced
-(KD_UNROLL, KD_THREADS, KD_ROWS_PER_BLOCK, KD_BULK (0: no bulk copies), KD_BULK_WARPS,
+A variant is comma-separated `NAME=VALUE` pairs: a `#define` of kdump/record/flight/snapshot.cu
+replaced (KD_UNROLL, KD_THREADS, KD_ROWS_PER_BLOCK, KD_BULK (0: no bulk copies), KD_BULK_WARPS,
 KD_BULK_STAGES, KD_BULK_STAGE, KD_DENSE (0: no window of scales read whole), KD_OVERLAP (0: a call's
 rows, then its scales, not side by side), KD_SPLIT_BYTES (a unit's rows at most, in bytes:
 1073741824 = one unit per window), KD_UNITS, KD_MIN_BLOCKS or `min_blocks` (the kernel's
@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from kdump.bundle.tensors import group_storages
-from kdump.record import gather
+from kdump.record.flight import gather
 
 G, BLOCK, K = 288, 128, 4096
 M = G * BLOCK
@@ -163,7 +163,7 @@ def load_function(src: str, name: str) -> Any:
     """Kernel `name` of CUDA source `src`, compiled by NVRTC for the current GPU and loaded."""
     from cuda.core import Program, ProgramOptions
 
-    from kdump.nvrtc import check, driver
+    from kdump.cuda.nvrtc import check, driver
 
     arch = gather.arch_of(torch.cuda.get_device_capability())
     obj = Program(src, "c++", ProgramOptions(arch=arch, std="c++17")).compile("cubin")
@@ -181,7 +181,7 @@ def load(src: str) -> Any:
 
 def launch(fn: Any, p: gather.SnapParams, threads: int, grid: int, smem: int) -> None:
     """gather.launch with the build's own block size (gather.launch uses the shipped one)."""
-    from kdump.nvrtc import check, driver
+    from kdump.cuda.nvrtc import check, driver
 
     d = driver()
     args = (ctypes.c_void_p * 1)(ctypes.addressof(p))

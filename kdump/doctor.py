@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kdump import __version__
-from kdump.tools import find_tool, tool_version
+from kdump.cuda.tools import find_tool, tool_version
 
 
 def _check(name: str, ok: bool, detail: str, fix: str = "") -> dict[str, Any]:

@@ -157,7 +157,7 @@ def _floor_fns(fn: Any) -> dict[str, Any]:
     import ctypes
     import inspect
 
-    from kdump.record import cudrv, gather
+    from kdump.record.flight import cudrv, gather
 
     sig = inspect.Signature(
         [
@@ -250,7 +250,7 @@ def _interleaved(
 
 def _as_before(recorder: Any, fn: Any, args: tuple, kwargs: dict, calls: int) -> float:
     """Host us per recorded call with batches of one host copy and lanes that never match."""
-    from kdump.record import ring as ring_mod
+    from kdump.record.flight import recorder as ring_mod
 
     cuda = recorder._cuda
     batch, tensors = cuda.batch, ring_mod._Lane.tensors
@@ -269,7 +269,7 @@ def _as_before(recorder: Any, fn: Any, args: tuple, kwargs: dict, calls: int) ->
 def _without_memo(fn: Any, args: tuple, kwargs: dict, calls: int) -> float:
     """Host us per recorded call with `DeviceCopies.copy` given no memo (an eager repeat's
     enqueue computed in full every call, as before the memo)."""
-    from kdump.record import devcopy
+    from kdump.record.flight import devcopy
 
     copy0 = devcopy.DeviceCopies.copy
 
@@ -289,8 +289,8 @@ def _split(fn: Any, args: tuple, kwargs: dict, calls: int) -> dict[str, float]:
     path's bookkeeping (`_again` less the device enqueue), the device enqueue (`DeviceCopies.
     copy` and the done marker after the call: its driver calls), and the rest (the hook, the
     trigger, the call itself)."""
-    from kdump.record import devcopy
-    from kdump.record import ring as ring_mod
+    from kdump.record.flight import devcopy
+    from kdump.record.flight import recorder as ring_mod
 
     acc = dict.fromkeys(("repeat decision", "bookkeeping", "device enqueue", "total"), 0.0)
     clock = time.perf_counter

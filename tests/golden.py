@@ -145,8 +145,8 @@ def _flight(root: Path) -> None:
 
 def write_all(root: Path) -> list[Path]:
     """Writes every golden file under `root`; returns them (relative paths are stable)."""
-    from kdump.record.journal import Journal, meta_from_call
-    from kdump.record.salvage import salvage_journal
+    from kdump.record.flight.journal import Journal, meta_from_call
+    from kdump.record.flight.salvage import salvage_journal
 
     root.mkdir(parents=True, exist_ok=True)
     calls = [make_call(s) for s in (1, 2, 3)]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kdump.bundle import load_bundle
-from kdump.tools import find_tool
+from kdump.cuda.tools import find_tool
 
 pytestmark = pytest.mark.gpu
 TESTS = Path(__file__).parent

@@ -1,6 +1,6 @@
 """bench/bench_snapshot_kernel.py's timing experiments (PATCHES) are text substitutions on
-kdump/record/snapshot.cu: each must still find its text exactly once in the shipped kernel, and
-the patched kernels must still compile, or a refactor of the kernel breaks them silently."""
+kdump/record/flight/snapshot.cu: each must still find its text exactly once in the shipped kernel,
+and the patched kernels must still compile, or a refactor of the kernel breaks them silently."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kdump.record import gather
+from kdump.record.flight import gather
 
 
 @pytest.fixture

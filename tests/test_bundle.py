@@ -25,11 +25,11 @@ from kdump.bundle import (
     save_calls,
 )
 from kdump.bundle.argtree import Opaque, RecordedEnum
-from kdump.bundle.format import FORMAT_VERSION, Checksum
 from kdump.bundle.store import blob_digests, fast_checksum
 from kdump.bundle.tensors import ALIGN_MOD
 from kdump.errors import BundleError, KdumpError
 from kdump.errors import BundleErrorKind as K
+from kdump.format.records import FORMAT_VERSION, Checksum
 
 GEN = torch.Generator().manual_seed(99)
 

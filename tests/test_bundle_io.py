@@ -333,7 +333,7 @@ def test_sync_recording_keeps_small_blobs_inline_and_large_ones_in_the_store(tmp
     import types
 
     import kdump
-    from kdump.bundle.format import Where
+    from kdump.format.records import Where
 
     mod = types.ModuleType("kdump_io_target")
 

@@ -206,7 +206,8 @@ def test_gpu_facts_are_collected_once_cuda_is_initialised(monkeypatch, cuda_call
 
 
 def test_tools_find_cuda_home_through_config(tmp_path, monkeypatch):
-    from kdump import config, tools
+    from kdump import config
+    from kdump.cuda import tools
 
     tool = tmp_path / "bin" / "cuobjdump"
     tool.parent.mkdir()

@@ -1,7 +1,7 @@
-"""The ctypes entry points of the recorder's per-call driver calls (kdump.record.cudrv): result
-codes are checked and named, handles of either kind are plain addresses, and a machine without
-libcuda gets None (the cuda-bindings path) instead of an error. Also the device copies' chain
-cells, which carry a graph site's done marker to the next snapshot (the GPU side is
+"""The ctypes entry points of the recorder's per-call driver calls (kdump.record.flight.cudrv):
+result codes are checked and named, handles of either kind are plain addresses, and a machine
+without libcuda gets None (the cuda-bindings path) instead of an error. Also the device copies'
+chain cells, which carry a graph site's done marker to the next snapshot (the GPU side is
 tests/test_snapshot_gpu.py)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import ctypes
 
 import pytest
 
-from kdump.nvrtc import LaunchError
-from kdump.record import cudrv
+from kdump.cuda.nvrtc import LaunchError
+from kdump.record.flight import cudrv
 
 
 class _Fake:
@@ -99,11 +99,12 @@ def test_handles_of_either_kind_are_addresses():
 
 
 def test_graph_sites_share_one_chain_cell_per_capture_and_stream():
-    """The done-marker chain (kdump.record.devcopy): the first site of a (capture, stream) names
-    the cell, later sites of the same pair share it, another capture or stream gets its own."""
+    """The done-marker chain (kdump.record.flight.devcopy): the first site of a (capture, stream)
+    names the cell, later sites of the same pair share it, another capture or stream gets its
+    own."""
     from types import SimpleNamespace
 
-    from kdump.record.devcopy import DeviceCopies
+    from kdump.record.flight.devcopy import DeviceCopies
 
     base = 0x7000_0000
     fake = SimpleNamespace(_chains={}, _cells=SimpleNamespace(data_ptr=lambda: base))
@@ -152,7 +153,7 @@ def test_a_batch_copies_runs_of_consecutive_slots_as_one_strided_copy_each():
     number of copies starts a new run; `post` (each entry's last copy) is left to the caller."""
     from types import SimpleNamespace
 
-    from kdump.record.devcopy import DeviceCopies
+    from kdump.record.flight.devcopy import DeviceCopies
 
     sb, addr, twin, side = 1 << 20, 0x7F00_0000_0000, 0x9000_0000, 0x55
     cu = _Recorded()
@@ -194,7 +195,7 @@ def test_a_driver_that_refuses_the_strided_copy_gets_one_copy_per_slot():
     run is copied slot by slot, as later runs are."""
     from types import SimpleNamespace
 
-    from kdump.record.devcopy import DeviceCopies
+    from kdump.record.flight.devcopy import DeviceCopies
 
     class Refusing(_Recorded):
         code = 1
@@ -244,7 +245,7 @@ def test_an_eager_done_marker_is_one_stream_write_until_the_driver_refuses_it():
     launches the marker kernel)."""
     from types import SimpleNamespace
 
-    from kdump.record.devcopy import _DONE_AT, DeviceCopies
+    from kdump.record.flight.devcopy import _DONE_AT, DeviceCopies
 
     writes: list[tuple] = []
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from kdump.record import devcopy, gather
-from kdump.record.journal import MARKER_AT, TRAILER_BYTES
+from kdump.record.flight import devcopy, gather
+from kdump.record.flight.journal import MARKER_AT, TRAILER_BYTES
 
 
 class _Driver:

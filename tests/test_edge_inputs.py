@@ -289,8 +289,8 @@ ODD_SLOTS = {
 
 @pytest.mark.parametrize("case", sorted(ODD_SLOTS))
 def test_salvage_keeps_the_good_slots_beside_an_unusable_one(tmp_path, case):
-    from kdump.record.journal import Journal, SlotMeta
-    from kdump.record.salvage import salvage_journal
+    from kdump.record.flight.journal import Journal, SlotMeta
+    from kdump.record.flight.salvage import salvage_journal
 
     change, state = ODD_SLOTS[case]
     j = Journal.create(tmp_path / "shm", slots=4, slot_bytes=64 << 10)
@@ -341,7 +341,7 @@ def test_a_call_too_big_for_a_slot_leaves_recording_on_for_the_next_calls(tmp_pa
 def test_salvage_of_device_rows_where_only_the_last_row_was_touched(tmp_path):
     from test_gather import _fake_call
 
-    from kdump.record.salvage import salvage_journal
+    from kdump.record.flight.salvage import salvage_journal
 
     path, (a, sfa, labels) = _fake_call(tmp_path, last_row_only=True)
     res = salvage_journal(path, tmp_path / "out")
@@ -419,7 +419,7 @@ def test_a_storage_of_outputs_alone_is_not_copied(tmp_path, fake_deep_gemm):
 
 def test_an_empty_storage_is_placed_even_in_a_full_slot(tmp_path):
     """An empty tensor's payload has no bytes: it is never "missing", however full the slot."""
-    from kdump.record.journal import Journal, SlotMeta, SlotState, read_journal
+    from kdump.record.flight.journal import Journal, SlotMeta, SlotState, read_journal
 
     j = Journal.create(tmp_path / "shm", slots=2, slot_bytes=8192)
     for n in range(8192, 0, -1):  # the largest first payload that fits: the slot is then full
@@ -442,7 +442,7 @@ def test_an_empty_storage_is_placed_even_in_a_full_slot(tmp_path):
 def test_a_long_call_ending_after_the_ring_reused_its_slot_leaves_the_new_call_alone(tmp_path):
     """Two threads: one call runs long while the other's calls wrap the ring over its slot. Its
     end must not mark the slot's new call (still running) finished."""
-    from kdump.record.journal import SlotState, read_journal
+    from kdump.record.flight.journal import SlotState, read_journal
 
     x = torch.arange(4.0)
     opts: dict[str, Any] = {"out": tmp_path / "out", "mode": "ring", "ring": _ring(tmp_path, 4)}
@@ -463,7 +463,7 @@ def test_a_long_call_ending_after_the_ring_reused_its_slot_leaves_the_new_call_a
 
 
 def test_notes_of_raised_calls_stay_bounded_by_the_ring(tmp_path):
-    from kdump.record.salvage import raised_path, read_raised
+    from kdump.record.flight.salvage import raised_path, read_raised
 
     x = torch.zeros(3)
     opts: dict[str, Any] = {"out": tmp_path / "out", "mode": "ring", "ring": _ring(tmp_path, 4)}

@@ -425,9 +425,9 @@ def test_independent_reader_reads_sparse_and_synthetic(tmp_path: Path) -> None:
 
     from kdump import capture_call
     from kdump.bundle import load_bundle
-    from kdump.bundle.format import GeneratorRecord, Source, Stats
     from kdump.bundle.store import sha256_hex
     from kdump.bundle.writer import _entries, save_entries
+    from kdump.format.records import GeneratorRecord, Source, Stats
 
     tensors = [
         torch.randn(64, 16),

@@ -36,9 +36,9 @@ from kdump.bundle import (
     load_bundle,
     save_calls,
 )
-from kdump.bundle.format import PREFIX_LIMIT, Limits, StorageRecord
-from kdump.bundle.validate import load_bytes
 from kdump.errors import BundleError, BundleErrorKind
+from kdump.format.records import PREFIX_LIMIT, Limits, StorageRecord
+from kdump.format.validate import load_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 CAPTURES = sorted((ROOT / "captures").glob("*.kdump"))
@@ -94,9 +94,9 @@ def bases(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _slim_base(path: Path) -> Path:
     """A version-4 bundle with a sparse storage and synthetic ones (what `kdump slim` writes)."""
-    from kdump.bundle.format import GeneratorRecord, Source, Stats
     from kdump.bundle.store import sha256_hex
     from kdump.bundle.writer import _entries, save_entries
+    from kdump.format.records import GeneratorRecord, Source, Stats
 
     rec = capture_call("m:f", [_rand(64, 16, seed=7), _rand(40, 8, seed=8).half()], {})
     [entry] = _entries([rec], ["0" * 64] * len(rec.inputs.storages))

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from kdump.bundle import argtree, load_bundle
-from kdump.bundle.format import Source
 from kdump.bundle.tensors import group_storages
+from kdump.format.records import Source
 from kdump.kernels import registry
 from kdump.kernels.deepgemm import reference as ref_
 from kdump.kernels.deepgemm.scales import align
-from kdump.record import devring, gather
-from kdump.record.journal import CALL_RECORD_BYTES, Journal, SlotMeta
-from kdump.record.salvage import salvage_journal
+from kdump.record.flight import devring, gather
+from kdump.record.flight.journal import CALL_RECORD_BYTES, Journal, SlotMeta
+from kdump.record.flight.salvage import salvage_journal
 
 CONTIG = "deep_gemm:m_grouped_fp8_gemm_nt_contiguous"
 MASKED = "deep_gemm:m_grouped_fp8_gemm_nt_masked"
@@ -515,12 +515,12 @@ class _FakeOccupancy:
 
 
 def test_resident_blocks_is_blocks_per_sm_times_sms(monkeypatch):
-    import kdump.nvrtc
+    import kdump.cuda.nvrtc
 
     fake = _FakeOccupancy(3, 132)
-    monkeypatch.setattr(kdump.nvrtc, "driver", lambda: fake)
+    monkeypatch.setattr(kdump.cuda.nvrtc, "driver", lambda: fake)
     assert gather.resident_blocks("fn", 32768) == 396
     assert fake.asked == [("fn", gather.THREADS, 32768)]
     for fail in ("occupancy", "raise"):  # unknown: one block per unit
-        monkeypatch.setattr(kdump.nvrtc, "driver", lambda f=fail: _FakeOccupancy(3, 132, f))
+        monkeypatch.setattr(kdump.cuda.nvrtc, "driver", lambda f=fail: _FakeOccupancy(3, 132, f))
         assert gather.resident_blocks("fn", 32768) == 0

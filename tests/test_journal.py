@@ -19,10 +19,10 @@ import torch
 from click.testing import CliRunner
 
 from kdump.bundle import capture_call, load_bundle
-from kdump.bundle.format import Source
 from kdump.cli import cli
-from kdump.record import journal as jmod
-from kdump.record.journal import (
+from kdump.format.records import Source
+from kdump.record.flight import journal as jmod
+from kdump.record.flight.journal import (
     Journal,
     JournalError,
     SlotMeta,
@@ -30,7 +30,7 @@ from kdump.record.journal import (
     meta_from_call,
     read_journal,
 )
-from kdump.record.salvage import salvage, salvage_journal
+from kdump.record.flight.salvage import salvage, salvage_journal
 
 TARGET = "tests.fake_kernels:grouped_gemm"
 
@@ -316,7 +316,7 @@ def test_ring_shrinks_to_the_free_space(
     slot = 64 << 10
     # 20 slots' worth free: the ring may take half, less the header.
     monkeypatch.setattr(jmod.os, "statvfs", _fake_statvfs(20 * slot))
-    with caplog.at_level("WARNING", logger="kdump.record.journal"):
+    with caplog.at_level("WARNING", logger="kdump.record.flight.journal"):
         j = Journal.create(tmp_path, slots=64, slot_bytes=slot)
     assert j.slot_count == 9
     assert os.path.getsize(j.path) == 4096 + 9 * slot
@@ -325,7 +325,7 @@ def test_ring_shrinks_to_the_free_space(
     j.unlink()
     caplog.clear()
     monkeypatch.setattr(jmod.os, "statvfs", _fake_statvfs(1 << 30))
-    with caplog.at_level("WARNING", logger="kdump.record.journal"):
+    with caplog.at_level("WARNING", logger="kdump.record.flight.journal"):
         j = Journal.create(tmp_path, slots=16, slot_bytes=slot)
     assert j.slot_count == 16 and caplog.records == []
     j.unlink()
@@ -365,7 +365,7 @@ def test_salvage_bundles_bitwise_equal(tmp_path: Path) -> None:
 
 WRITER = r"""
 import dataclasses, os, random, sys
-from kdump.record.journal import Journal, SlotMeta
+from kdump.record.flight.journal import Journal, SlotMeta
 
 path, slots, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 

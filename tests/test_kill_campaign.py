@@ -21,7 +21,8 @@ import torch
 from test_salvager import FAKE_SALVAGER, KDUMP_ROOT, STANDINS, _fake_start
 
 from kdump.bundle import load_bundle
-from kdump.record import launcher, salvager
+from kdump.record import launcher
+from kdump.record.flight import salvager
 
 TRIALS = 40
 
@@ -33,7 +34,7 @@ import os, random, signal, sys, time
 from pathlib import Path
 import torch
 import plainmod
-from kdump.record.salvager import announce
+from kdump.record.flight.salvager import announce
 
 def fed(step):
     g = torch.Generator().manual_seed(1000 + step)
@@ -195,7 +196,7 @@ def test_gpu_kill_campaign_of_the_moe_decode_loop(tmp_path):
 
 def _recorded_a_call(pid: int) -> bool:
     """Whether the live process `pid`'s journal holds a complete call yet."""
-    from kdump.record.journal import SlotState, read_journal
+    from kdump.record.flight.journal import SlotState, read_journal
 
     for j in Path("/dev/shm").glob(f"kdump-run-*/kdump-journal-{pid}-*"):
         if "." in j.name:  # its static region, device-tier files

@@ -118,7 +118,7 @@ def test_bundle_round_trip_keeps_layout_under_halo_and_flush(tmp_path: Path) -> 
 @pytest.mark.parametrize("mode", ["eager", "graph", "sanitizer"])
 def test_gpu_replay_keeps_layout_in_every_mode(tmp_path: Path, mode: str) -> None:
     if mode == "sanitizer":
-        from kdump.tools import find_tool
+        from kdump.cuda.tools import find_tool
 
         if find_tool("compute-sanitizer") is None:
             pytest.skip("compute-sanitizer is not installed on this machine")

@@ -22,11 +22,11 @@ from kdump.bundle import (
     pack,
     save_calls,
 )
-from kdump.bundle.format import Source
 from kdump.bundle.spool import StoreSpool
 from kdump.bundle.store import Pieces, piece_bytes, piece_cuts, sha256_hex, span_digests
 from kdump.bundle.writer import open_spool
 from kdump.errors import UsageError
+from kdump.format.records import Source
 
 MIB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""kdump.record.pinned against a fake CUDA runtime (registrations tracked by address)."""
+"""kdump.record.flight.pinned against a fake CUDA runtime (registrations tracked by address)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdump.record import pinned
-from kdump.record.journal import JournalError
+from kdump.record.flight import pinned
+from kdump.record.flight.journal import JournalError
 
 
 class FakeRuntime:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kdump.bundle import load_bundle
-from kdump.bundle.format import Source
+from kdump.format.records import Source
 
 try:
     import xxhash

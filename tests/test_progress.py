@@ -178,7 +178,7 @@ def test_salvage_advances_a_bar_per_call_written(
     import kdump
     from kdump.progress import Bar
     from kdump.record.config import RingConfig
-    from kdump.record.salvage import salvage_journal
+    from kdump.record.flight.salvage import salvage_journal
 
     monkeypatch.setenv("KDUMP_RECORD", "1")  # as under `kdump record`: the journal stays
     ring = RingConfig(slots=8, slot_bytes=256 << 10, journal_dir=tmp_path / "shm")

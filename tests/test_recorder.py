@@ -190,7 +190,7 @@ def test_without_exception_trigger_unselected_raising_calls_are_not_dumped(tmp_p
 
 
 def test_metadata_only_under_graph_capture(tmp_path, monkeypatch):
-    import kdump.record.sync as recorder
+    import kdump.record.sync.recorder as recorder
 
     monkeypatch.setattr(recorder, "cuda_state", lambda tensors: (True, 1234))
     x = torch.randn(6, 4, device="cpu")[:, 1:]

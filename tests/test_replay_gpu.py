@@ -63,7 +63,7 @@ def test_planted_tma_overread_is_caught_by_halo(tmp_path: Path) -> None:
     assert mem, v.headline()
     assert mem[0].details["tensors"] == ["x"] and mem[0].details["side"] == "after"
     assert v.exit_code == ExitCode.MEMORY_FINDING
-    from kdump.tools import find_tool
+    from kdump.cuda.tools import find_tool
 
     if find_tool("compute-sanitizer"):
         [s] = replay([path], mode="sanitizer", timeout=300)
@@ -159,7 +159,7 @@ def test_deepgemm_recorded_call_replays_clean(tmp_path: Path, n: int, k: int) ->
     [g] = replay([path], mode="graph", backend="deep_gemm", options={"mutations": 2})
     assert g.exit_code == 0, g.headline()
     assert sum(s.name.startswith("graph/replay") and s.status == "ok" for s in g.steps) >= 5
-    from kdump.tools import find_tool
+    from kdump.cuda.tools import find_tool
 
     if find_tool("compute-sanitizer") and n == 512:
         [m] = replay([path], mode="sanitizer", backend="deep_gemm", timeout=500)
@@ -206,7 +206,7 @@ def test_packaged_fault_variant_caught_by_graph_and_memcheck(tmp_path: Path) -> 
     assert any(f.kind == "memory" and f.message.startswith("stray write") for f in at_replay)
     assert any(f.kind == "mismatch" and "never written" in f.message for f in at_replay)
     assert not [f for f in v.findings if not f.step.startswith("graph/replay ")]
-    from kdump.tools import find_tool
+    from kdump.cuda.tools import find_tool
 
     if find_tool("compute-sanitizer"):
         opts = {"then": [str(tmp_path / "b.kdump")], "mutations": 0}
@@ -293,7 +293,7 @@ def test_graph_atomics_noise_clean_with_note(tmp_path: Path) -> None:
         # atomics noise is not an over-read: every differential is clean
         diffs = [st for st in v.steps if st.name.endswith("halo differential")]
         assert diffs and all(st.status == "ok" for st in diffs), (mode, diffs)
-    from kdump.tools import find_tool
+    from kdump.cuda.tools import find_tool
 
     if find_tool("compute-sanitizer"):
         [m] = replay([path], mode="sanitizer", sanitize_graph=True, timeout=300)
@@ -375,8 +375,8 @@ def test_graph_overread_named_by_halo_pass(tmp_path: Path) -> None:
 def test_fault_variant_stray_write_attributed_to_d_by_memcheck(tmp_path: Path) -> None:
     """Under the sanitizer every storage ends flush against address space of no allocation, so
     memcheck sees the fault variant's first stray store and kdump maps it to d."""
+    from kdump.cuda.tools import find_tool
     from kdump.kernels.registry import spec_for
-    from kdump.tools import find_tool
 
     if not find_tool("compute-sanitizer"):
         pytest.skip("compute-sanitizer is not installed here")

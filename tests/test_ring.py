@@ -18,8 +18,8 @@ import kdump
 from kdump import config
 from kdump.bundle import load_bundle
 from kdump.record.config import RingConfig
-from kdump.record.journal import SlotState, read_journal
-from kdump.record.ring import _CaptureTracker
+from kdump.record.flight.journal import SlotState, read_journal
+from kdump.record.flight.recorder import _CaptureTracker
 
 T = __name__
 
@@ -102,7 +102,7 @@ def test_capture_sites_numbered_per_capture():
 
 
 def test_pinned_site_slot_survives_rotation(tmp_path):
-    from kdump.record.journal import Journal, SlotMeta
+    from kdump.record.flight.journal import Journal, SlotMeta
 
     j = Journal.create(tmp_path, slots=4, slot_bytes=4096)
     pinned = j.pin_next()
@@ -120,7 +120,7 @@ def test_pinned_site_slot_survives_rotation(tmp_path):
 
 def test_device_marker_states(tmp_path):
     """Slots whose payloads device copies write: markers decide in flight / done."""
-    from kdump.record.journal import Journal, SlotMeta
+    from kdump.record.flight.journal import Journal, SlotMeta
 
     j = Journal.create(tmp_path, slots=4, slot_bytes=4096)
     meta = SlotMeta(call_index=1, target="t", storages=[{"span_nbytes": 8}])
@@ -259,7 +259,7 @@ def _recorded_child(journals: Path, ready: int) -> None:
 def test_sigkill_campaign_never_corrupt(tmp_path):
     """SIGKILL a recording process at random moments (50 trials): salvage gives only bundles
     that load and verify, each holding exactly what its step fed."""
-    from kdump.record.salvage import salvage_journal
+    from kdump.record.flight.salvage import salvage_journal
 
     rnd = random.Random(7)
     total = 0
@@ -294,7 +294,7 @@ def test_by_reference_and_missing_storages_materialise_from_stats(tmp_path):
     from dataclasses import replace
 
     from kdump.bundle import capture_call, save_calls
-    from kdump.bundle.format import Source, Stats
+    from kdump.format.records import Source, Stats
 
     w = torch.randn(64, 32, device="cpu") * 3 + 1
     x = torch.randn(8, 32, device="cpu")
@@ -322,7 +322,7 @@ def test_by_reference_and_missing_storages_materialise_from_stats(tmp_path):
 def test_capture_site_bundle_pairs_the_eager_call_before_capture(tmp_path, monkeypatch):
     """Graph logic with a fake capturing flag: the site's slot is pinned, the eager call on the
     same buffers before capture stays, and salvage writes both as one two-call bundle."""
-    from kdump.record.ring import RingRecorder
+    from kdump.record.flight.recorder import RingRecorder
 
     g = torch.Generator(device="cpu").manual_seed(3)
     a = torch.randn(16, 8, generator=g, device="cpu")
@@ -382,8 +382,8 @@ def test_close_with_capture_sites_keeps_the_journal_mapped(tmp_path, monkeypatch
     """Captured graphs write into the journal at every replay, also after the recording ends:
     with capture sites, leaving the recording writes the bundles and removes the file but keeps
     the mapping for the life of the process."""
-    from kdump.record import ring as ring_mod
-    from kdump.record.ring import RingRecorder
+    from kdump.record.flight import recorder as ring_mod
+    from kdump.record.flight.recorder import RingRecorder
 
     capturing = [False]
     monkeypatch.setattr(RingRecorder, "_is_capturing", staticmethod(lambda cuda: capturing[0]))
@@ -405,7 +405,7 @@ def test_close_with_capture_sites_keeps_the_journal_mapped(tmp_path, monkeypatch
 
 
 def test_close_without_capture_sites_removes_the_journal(tmp_path):
-    from kdump.record import ring as ring_mod
+    from kdump.record.flight import recorder as ring_mod
 
     kept = len(ring_mod._RETIRED)
     with kdump.recording(
@@ -419,7 +419,7 @@ def test_close_without_capture_sites_removes_the_journal(tmp_path):
 def test_a_second_flush_writes_only_what_changed(tmp_path, monkeypatch):
     """Flushes of a live process (the flush signal, then the exit) write a bundle again only when
     its slot changed: the unchanged ones stay as the first flush wrote them."""
-    from kdump.record import salvage as salvage_mod
+    from kdump.record.flight import salvage as salvage_mod
 
     writes: list[str] = []
     real = salvage_mod._write_bundle

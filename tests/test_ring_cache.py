@@ -16,9 +16,9 @@ import torch
 import kdump
 from kdump.bundle import load_bundle
 from kdump.record.config import RingConfig
-from kdump.record.journal import SlotState, read_journal
-from kdump.record.ring import RingRecorder, SpanViews
-from kdump.record.statics import first_views
+from kdump.record.flight.journal import SlotState, read_journal
+from kdump.record.flight.recorder import RingRecorder, SpanViews
+from kdump.record.flight.statics import first_views
 
 T = __name__
 
@@ -198,7 +198,7 @@ def test_span_views_match_byte_views():
 def test_current_stream_handle_matches_torch():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from kdump.record.devcopy import current_stream
+    from kdump.record.flight.devcopy import current_stream
 
     dev = torch.cuda.current_device()
     assert current_stream(dev) == int(torch.cuda.current_stream().cuda_stream)

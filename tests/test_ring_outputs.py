@@ -19,7 +19,7 @@ import kdump
 from kdump.bundle import load_bundle
 from kdump.bundle.inspect import describe_call, outputs_line, recorded_outputs
 from kdump.record.config import RingConfig
-from kdump.record.journal import (
+from kdump.record.flight.journal import (
     MARKER_AT,
     TRAILER_BYTES,
     Journal,

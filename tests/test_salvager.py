@@ -27,9 +27,10 @@ import torch
 
 import kdump
 from kdump import config
-from kdump.record import devshare, launcher, salvager
-from kdump.record.salvage import pid_alive
-from kdump.record.salvager import ENV, Salvager, announce, device_file, request
+from kdump.record import launcher
+from kdump.record.flight import devshare, salvager
+from kdump.record.flight.salvage import pid_alive
+from kdump.record.flight.salvager import ENV, Salvager, announce, device_file, request
 
 KDUMP_ROOT = str(Path(kdump.__file__).resolve().parent.parent)
 STANDINS = Path(__file__).parent / "standins"
@@ -47,7 +48,7 @@ FAKE_SALVAGER = f"""
 import sys, time
 sys.path.insert(0, {KDUMP_ROOT!r})
 import torch
-from kdump.record import salvager
+from kdump.record.flight import salvager
 
 def shm_importer(doc):
     return torch.from_file(doc["path"], shared=True, size=doc["nbytes"], dtype=torch.uint8)
@@ -77,7 +78,7 @@ time.sleep(3600)  # accepts nothing, answers nothing
 OWNER = """
 import os, sys, time
 from pathlib import Path
-from kdump.record.salvager import announce
+from kdump.record.flight.salvager import announce
 journal, mem = Path(sys.argv[1]), Path(sys.argv[2])
 mem.write_bytes(bytes(4096))
 print(announce(journal, 0, {"path": str(mem), "nbytes": 4096}), flush=True)
@@ -234,7 +235,7 @@ def test_announce_is_bounded_when_the_salvage_process_hangs(short_dir, monkeypat
 KDUMP_STANDIN = """
 import sys, time
 from pathlib import Path
-from kdump.record import salvager
+from kdump.record.flight import salvager
 got = salvager.start(Path(sys.argv[1]), {}, argv=[sys.executable, sys.argv[2], "0"])
 print(got.socket_path, got.proc.pid, flush=True)
 time.sleep(120)
@@ -300,7 +301,7 @@ def _launch(tmp_path: Path, monkeypatch, program: str, *args: str, **opts) -> tu
 ANNOUNCER = """
 import os, sys, time
 from pathlib import Path
-from kdump.record.salvager import ENV, announce
+from kdump.record.flight.salvager import ENV, announce
 mem = Path(sys.argv[1])
 mem.write_bytes(bytes(4096))
 journal = Path(os.environ["KDUMP_JOURNAL_DIR"]) / f"kdump-journal-{os.getpid()}-fake"
@@ -339,7 +340,7 @@ print("socket:", os.environ.get("KDUMP_SALVAGER"), flush=True)
 sock = os.environ.get("KDUMP_SALVAGER")
 if sock:
     print("mode:", oct(os.stat(os.path.dirname(sock)).st_mode & 0o777), flush=True)
-    from kdump.record.salvager import announce
+    from kdump.record.flight.salvager import announce
     print("announce:", announce(os.path.join(os.environ["KDUMP_JOURNAL_DIR"],
           f"kdump-journal-{os.getpid()}-x"), 0, {"kind": "nonsense"}), flush=True)
 """
@@ -393,7 +394,7 @@ def test_kdump_salvage_removes_the_device_tier_files_with_the_journal(tmp_path):
     from click.testing import CliRunner
 
     from kdump.cli.salvage import command
-    from kdump.record.journal import Journal
+    from kdump.record.flight.journal import Journal
 
     shm = tmp_path / "shm"
     shm.mkdir()
@@ -426,7 +427,7 @@ def test_kdump_salvage_looks_into_run_folders_a_killed_kdump_record_left(tmp_pat
     from click.testing import CliRunner
 
     from kdump.cli.salvage import command
-    from kdump.record.journal import RUN_PREFIX, Journal
+    from kdump.record.flight.journal import RUN_PREFIX, Journal
 
     shm = tmp_path / "shm"
     run = shm / f"{RUN_PREFIX}abc123"
@@ -526,8 +527,8 @@ def test_devshare_export_refuses_what_it_cannot_share():
 GPU_OWNER = """
 import ctypes, os, sys, time
 import torch
-from kdump.record.devshare import export_cuda
-from kdump.record.salvager import announce
+from kdump.record.flight.devshare import export_cuda
+from kdump.record.flight.salvager import announce
 journal, mode = sys.argv[1], sys.argv[2]
 buf = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
 torch.cuda.synchronize()

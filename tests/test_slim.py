@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from kdump.bundle import attach_outputs, capture_call, input_tensors, load_bundle, save_calls
-from kdump.bundle.format import Source
 from kdump.cli import main
 from kdump.errors import ExitCode, UntrustedTargetError, UsageError
+from kdump.format.records import Source
 from kdump.kernels.registry import spec_for
 from kdump.replay import replay
 from kdump.replay.options import ReplayOptions

@@ -269,7 +269,7 @@ def test_missing_cuda_headers_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_nvrtc_newer_than_driver_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kdump import nvrtc  # the toolchain check every kdump kernel shares
+    from kdump.cuda import nvrtc  # the toolchain check every kdump kernel shares
 
     monkeypatch.setattr(nvrtc, "driver_version", lambda: (12, 8))
     monkeypatch.setattr(nvrtc, "nvrtc_version", lambda: (13, 0))

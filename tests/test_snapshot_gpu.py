@@ -15,8 +15,8 @@ import torch
 
 from kdump.bundle import argtree, load_bundle
 from kdump.bundle.tensors import group_storages
-from kdump.record import devring, gather
-from kdump.record.journal import (
+from kdump.record.flight import devring, gather
+from kdump.record.flight.journal import (
     CALL_RECORD_BYTES,
     TRAILER_BYTES,
     Journal,
@@ -24,8 +24,8 @@ from kdump.record.journal import (
     SlotState,
     read_journal,
 )
-from kdump.record.ring import _span_views, _storage_dict, _tensor_dict
-from kdump.record.salvage import salvage_journal
+from kdump.record.flight.recorder import _span_views, _storage_dict, _tensor_dict
+from kdump.record.flight.salvage import salvage_journal
 
 pytestmark = pytest.mark.gpu
 CONTIG = "deep_gemm:m_grouped_fp8_gemm_nt_contiguous"
@@ -61,7 +61,7 @@ def shm():
 
 
 def _devcopies(shm: Path, budget: int = 64 << 20):
-    from kdump.record.devcopy import DeviceCopies
+    from kdump.record.flight.devcopy import DeviceCopies
 
     j = Journal.create(shm, slots=8, slot_bytes=256 << 10)
     return j, DeviceCopies(j, torch.device("cuda", torch.cuda.current_device()), budget)
@@ -342,8 +342,8 @@ def test_eager_repeats_around_the_ring_use_the_enqueue_memo_and_stay_bitwise(
     import kdump
     from kdump.kernels import registry
     from kdump.kernels.sm120 import api
-    from kdump.record import devcopy
     from kdump.record.config import RingConfig
+    from kdump.record.flight import devcopy
 
     taken = []
     again = devcopy.DeviceCopies._copy_again
@@ -389,8 +389,8 @@ def test_graphs_captured_while_recording_replay_after_the_recording_ends(tmp_pat
     import kdump
     from kdump.kernels import registry
     from kdump.kernels.sm120 import api
-    from kdump.record import ring as ring_mod
     from kdump.record.config import RingConfig
+    from kdump.record.flight import recorder as ring_mod
 
     spec = registry.spec_for(CONTIG)
     args, kwargs = spec.generate(

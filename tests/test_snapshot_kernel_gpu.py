@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kdump.bundle.tensors import group_storages
-from kdump.record import gather
+from kdump.record.flight import gather
 
 pytestmark = pytest.mark.gpu
 _SLOT = struct.Struct("<IIQQQIIQQQ")  # SlotHead
@@ -339,7 +339,7 @@ def _build(**defines: int):
         return _builds[key]
     from cuda.core import Program, ProgramOptions
 
-    from kdump.nvrtc import check, driver
+    from kdump.cuda.nvrtc import check, driver
 
     # the shipped kernel's loader makes torch's context current on this thread (a worker whose
     # first test builds a variant has none yet)

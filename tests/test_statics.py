@@ -1,6 +1,6 @@
-"""Static operands in ring mode (kdump.record.statics) on CPU: copied once per (storage, version),
-statistics at record time, salvage into shared blobs or by-reference storages, damage detection,
-lazy conj / neg views recorded as the kernel saw them; the MoE example on a GPU."""
+"""Static operands in ring mode (kdump.record.flight.statics) on CPU: copied once per (storage,
+version), statistics at record time, salvage into shared blobs or by-reference storages, damage
+detection, lazy conj / neg views recorded as the kernel saw them; the MoE example on a GPU."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import torch
 
 import kdump
 from kdump.bundle import load_bundle
-from kdump.bundle.format import Source
+from kdump.format.records import Source
 from kdump.record.config import RingConfig
-from kdump.record.statics import (
+from kdump.record.flight.statics import (
     ENTRY_BYTES,
     decode_stats,
     read_region,
@@ -272,7 +272,7 @@ def test_overwritten_static_entry_is_detected(tmp_path):
 
 
 def test_static_first_seen_during_capture_is_by_reference_then_filled(tmp_path, monkeypatch):
-    from kdump.record.ring import RingRecorder
+    from kdump.record.flight.recorder import RingRecorder
 
     g = torch.Generator().manual_seed(6)
     w = torch.randn(*W_SHAPE, generator=g)
@@ -381,7 +381,7 @@ def test_device_fill_protocol_on_host_memory(tmp_path, monkeypatch):
     """The device path's markers and statistics (queued copies; on CPU they run at once): salvage
     takes the bytes on the markers alone (no CRC), the statistics by their own marker, and an
     entry whose `post` marker was never written reads as in flight."""
-    from kdump.record.statics import Statics
+    from kdump.record.flight.statics import Statics
 
     monkeypatch.setattr(Statics, "_fill_for", lambda self, t: self._device_fill)
     monkeypatch.setattr(Statics, "_register", lambda self: True)

@@ -1,4 +1,4 @@
-"""The sync recorder's exact-repeat path (kdump.record.sync_repeat) writes what the ordinary path
+"""The sync recorder's exact-repeat path (kdump.record.sync.repeat) writes what the ordinary path
 writes, and leaves it for every fact that changed: a scalar, a new shape or dtype at the same
 address, a storage resized, the library state, a rank variable, a tensor modified in place, an
 output the call changed or left, an exception, a return value. A new tensor object with the
@@ -20,9 +20,9 @@ import torch
 import kdump
 from kdump import envinfo
 from kdump.bundle import load_bundle
-from kdump.bundle.format import MANIFEST_KEY
+from kdump.format.records import MANIFEST_KEY
 from kdump.record.capture_dir import INDEX_NAME
-from kdump.record.sync import SyncRecorder
+from kdump.record.sync.recorder import SyncRecorder
 from tests.test_format_reader import read_call
 
 Step = Callable[[Any], Any]
@@ -175,7 +175,7 @@ def test_new_tensor_objects_at_the_same_address_write_the_same(tmp_path, monkeyp
 def test_a_tensor_on_another_device_or_storage_size_is_not_taken() -> None:
     """What the key cannot tell apart from the recorded tensor at the same address: a tensor on
     another device, a storage of another size (allocators hand addresses out again)."""
-    from kdump.record.sync_repeat import SyncRepeat
+    from kdump.record.sync.repeat import SyncRepeat
 
     class Elsewhere:
         is_cpu = False

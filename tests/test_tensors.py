@@ -17,8 +17,8 @@ from kdump.bundle.tensors import (
     materialize,
     view_byte_extent,
 )
-from kdump.bundle.validate import validate_records
 from kdump.errors import BundleError
+from kdump.format.validate import validate_records
 
 GEN = torch.Generator().manual_seed(1234)
 

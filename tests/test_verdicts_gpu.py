@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kdump.bundle import attach_outputs, capture_call, input_tensors, save_calls
+from kdump.cuda.tools import find_tool
 from kdump.errors import ExitCode
 from kdump.replay import replay
-from kdump.tools import find_tool
 
 pytestmark = pytest.mark.gpu
 TESTS = Path(__file__).parent

@@ -20,7 +20,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from kdump.bundle import argtree
-from kdump.bundle.format import (
+from kdump.bundle.reader import Bundle, Call, MaterializedCall, iter_bundles, load_bundle
+from kdump.bundle.store import BlobStore, atomic_write
+from kdump.format.records import (
     FORMAT_VERSION,
     SUPPORTED_VERSIONS,
     BlobRecord,
@@ -31,8 +33,6 @@ from kdump.bundle.format import (
     StorageRecord,
     TensorRecord,
 )
-from kdump.bundle.reader import Bundle, Call, MaterializedCall, iter_bundles, load_bundle
-from kdump.bundle.store import BlobStore, atomic_write
 
 if TYPE_CHECKING:
     from kdump.bundle.tensors import Captured, Placement

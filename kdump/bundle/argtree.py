@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kdump.bundle.format import DTYPE_SIZES, Limits
 from kdump.errors import BundleError
 from kdump.errors import BundleErrorKind as K
+from kdump.format.records import DTYPE_SIZES, Limits
 
 LIMITS = Limits()
 MAX_DEPTH = LIMITS.max_tree_depth

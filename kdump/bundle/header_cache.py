@@ -20,9 +20,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from kdump.bundle.argtree import LIMITS as _LIMITS
-from kdump.bundle.format import MAX_HEADER, Source, Where
 from kdump.bundle.store import fast_checksum
 from kdump.bundle.tensors import Captured
+from kdump.format.records import MAX_HEADER, Source, Where
 
 if TYPE_CHECKING:
     from kdump.bundle.writer import CallRecord
@@ -68,8 +68,8 @@ class HeaderCache:
 
     The env and info a recorder passes are encoded again only when they are other objects than
     the previous bundle's: a recorder builds a new dict when a fact changes and never edits one
-    it passed (kdump.record.sync). A call signature is looked up first by the identity of the
-    call's frozen storage and tensor records (a call whose tensors keep their addresses has the
+    it passed (kdump.record.sync.recorder). A call signature is looked up first by the identity of
+    the call's frozen storage and tensor records (a call whose tensors keep their addresses has the
     same records: `kdump.bundle.tensors` remembers them by layout facts), the entry holding
     those records so that their identities stay theirs."""
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from kdump.bundle import Bundle, Call
-from kdump.bundle.format import ALIGN_MOD, Where
+from kdump.format.records import ALIGN_MOD, Where
 from kdump.text import visible
 
 SHOW_DEPTH = 6

@@ -14,7 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from kdump.bundle import argtree
-from kdump.bundle.format import (
+from kdump.bundle.store import BlobStore, can_check, hasher, pool, submit_or_run
+from kdump.errors import BundleError
+from kdump.errors import BundleErrorKind as K
+from kdump.format.parse import parse_header, parse_manifest, read_header
+from kdump.format.records import (
     ALIGN_MOD,
     HELD_SOURCES,
     STORE_DIRNAME,
@@ -28,11 +32,7 @@ from kdump.bundle.format import (
     TensorRecord,
     Where,
 )
-from kdump.bundle.parse import parse_header, parse_manifest, read_header
-from kdump.bundle.store import BlobStore, can_check, hasher, pool, submit_or_run
-from kdump.bundle.validate import check_load, default_limits, validate_manifest
-from kdump.errors import BundleError
-from kdump.errors import BundleErrorKind as K
+from kdump.format.validate import check_load, default_limits, validate_manifest
 
 if TYPE_CHECKING:
     import torch

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 
 from kdump.bundle import bytecmp
-from kdump.bundle.format import ALIGN_MOD, STORE_DIRNAME
 from kdump.bundle.store import (
     HASH_THREADS,
     BlobStore,
@@ -45,6 +44,7 @@ from kdump.bundle.store import (
 )
 from kdump.errors import BundleError
 from kdump.errors import BundleErrorKind as K
+from kdump.format.records import ALIGN_MOD, STORE_DIRNAME
 
 Digests = tuple[str, str]  # (SHA-256 name, fast check digest or "")
 Named = Digests | Pieces  # a span's digests: one blob's, or one per piece (a large span)

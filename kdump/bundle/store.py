@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from kdump.bundle.format import STORE_DIRNAME, Checksum
+from kdump.format.records import STORE_DIRNAME, Checksum
 
 try:  # optional: without it blobs are checked by their SHA-256 name (slower, same safety)
     import xxhash as _xxhash

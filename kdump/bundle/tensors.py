@@ -17,14 +17,14 @@ from typing import Any, Protocol
 import torch
 
 from kdump.bundle import bytecmp
-from kdump.bundle.format import (
+from kdump.errors import BundleError, CannotRunError
+from kdump.format.records import (
     ALIGN_MOD,
     DTYPE_SIZES,
     StorageRecord,
     TensorRecord,
     view_byte_extent,
 )
-from kdump.errors import BundleError, CannotRunError
 
 # Every dtype a bundle may hold that this torch has, by its stable name in the format.
 DTYPES: dict[str, torch.dtype] = {

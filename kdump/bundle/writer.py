@@ -18,21 +18,6 @@ from typing import Any, BinaryIO
 import torch
 
 from kdump.bundle import argtree
-from kdump.bundle.format import (
-    ALIGN_MOD,
-    FORMAT_VERSION,
-    MANIFEST_KEY,
-    MAX_HEADER,
-    STORE_DIRNAME,
-    BlobRecord,
-    CallEntry,
-    Manifest,
-    OutputsRecord,
-    Source,
-    StorageRecord,
-    Where,
-    manifest_json,
-)
 from kdump.bundle.header_cache import HeaderCache
 from kdump.bundle.spool import Spool, StoreSpool, cpu_view
 from kdump.bundle.store import (
@@ -49,6 +34,21 @@ from kdump.bundle.store import (
 from kdump.bundle.tensors import Captured, capture
 from kdump.errors import BundleError, UsageError
 from kdump.errors import BundleErrorKind as K
+from kdump.format.records import (
+    ALIGN_MOD,
+    FORMAT_VERSION,
+    MANIFEST_KEY,
+    MAX_HEADER,
+    STORE_DIRNAME,
+    BlobRecord,
+    CallEntry,
+    Manifest,
+    OutputsRecord,
+    Source,
+    StorageRecord,
+    Where,
+    manifest_json,
+)
 
 # The data section starts at a multiple of ALIGN_MOD and each large blob at an offset congruent to
 # its storage's recorded address modulo ALIGN_MOD, so a page-aligned map of the file hands out

@@ -256,7 +256,7 @@ def _replay(
     strict: bool = False,
 ) -> int:
     from kdump.errors import KdumpError, UsageError, worst_exit_code
-    from kdump.record.salvage import salvaged_graph_replays
+    from kdump.record.flight.salvage import salvaged_graph_replays
     from kdump.replay.options import GraphOptions, ReplayOptions, SanitizerOptions
 
     escalate = mode is None  # a crash bundle's default replay escalates to memcheck

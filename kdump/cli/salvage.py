@@ -44,9 +44,9 @@ def command(
 
     from kdump.progress import PLAIN_INTERVAL_S, progress
     from kdump.record.capture_dir import remove_stale_temporaries
-    from kdump.record.journal import DEFAULT_DIR, RUN_PREFIX, read_pid
-    from kdump.record.salvage import dead_journals, pid_alive, salvage_journal
-    from kdump.record.salvager import device_files, is_device_file
+    from kdump.record.flight.journal import DEFAULT_DIR, RUN_PREFIX, read_pid
+    from kdump.record.flight.salvage import dead_journals, pid_alive, salvage_journal
+    from kdump.record.flight.salvager import device_files, is_device_file
     from kdump.text import visible as v  # names and paths may come from a journal
 
     for left in remove_stale_temporaries(output):  # a killed writer's partial files
@@ -106,8 +106,8 @@ def _left_run_folders(top: Path) -> list[Path]:
     that this left empty. A folder without such files is kept: it may belong to a live run."""
     import contextlib
 
-    from kdump.record.journal import RUN_PREFIX
-    from kdump.record.salvage import pid_alive
+    from kdump.record.flight.journal import RUN_PREFIX
+    from kdump.record.flight.salvage import pid_alive
     from kdump.record.session import STATUS_PREFIX
 
     if not top.is_dir():

@@ -1,7 +1,7 @@
 """Parse a bundle's header and manifest JSON into typed records (torch-free, type-strict).
 
 Only types and shapes are checked here (an int is an int: never a bool or a float); how the records
-relate to each other is checked once, afterwards, by `kdump.bundle.validate`.
+relate to each other is checked once, afterwards, by `kdump.format.validate`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
-from kdump.bundle.format import (
+from kdump.errors import BundleError
+from kdump.errors import BundleErrorKind as K
+from kdump.format.records import (
     DTYPE_SIZES,
     FORMAT_NAME,
     MANIFEST_KEY,
@@ -33,8 +35,6 @@ from kdump.bundle.format import (
     TensorRecord,
     Where,
 )
-from kdump.errors import BundleError
-from kdump.errors import BundleErrorKind as K
 
 _STORAGE_INTS = ("base_ptr", "storage_nbytes", "span_start", "span_nbytes")
 _STORAGE_FIELDS = {1: {"device", "blob", *_STORAGE_INTS}}

@@ -1,7 +1,7 @@
 """The bundle format's constants and its manifest as frozen typed records (torch-free).
 
-A reader parses the manifest into these records once (`kdump.bundle.parse`), validates them in one
-pass (`kdump.bundle.validate`) and keeps them; the writer builds them and serialises them with
+A reader parses the manifest into these records once (`kdump.format.parse`), validates them in one
+pass (`kdump.format.validate`) and keeps them; the writer builds them and serialises them with
 `manifest_json`. docs/FORMAT.md is the normative description.
 """
 

@@ -1,6 +1,6 @@
 """One validation pass over a parsed manifest (torch-free).
 
-The parser (`kdump.bundle.parse`) has already checked every type and count; this checks how the
+The parser (`kdump.format.parse`) has already checked every type and count; this checks how the
 records fit together and with the container: blob sizes, views inside their spans, tensor
 references, argument trees within their limits, and the bytes a load will allocate (before anything
 is allocated: `load_bytes`, `check_load`).
@@ -13,7 +13,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from kdump.bundle import argtree
-from kdump.bundle.format import (
+from kdump.errors import BundleError
+from kdump.errors import BundleErrorKind as K
+from kdump.format.records import (
     ALIGN_MOD,
     DTYPE_SIZES,
     MAX_DIM,
@@ -29,8 +31,6 @@ from kdump.bundle.format import (
     Where,
     view_byte_extent,
 )
-from kdump.errors import BundleError
-from kdump.errors import BundleErrorKind as K
 
 
 def default_limits() -> Limits:

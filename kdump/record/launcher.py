@@ -22,8 +22,9 @@ from typing import Any
 from kdump import config
 from kdump.errors import ExitCode, UsageError
 from kdump.progress import Bar
-from kdump.record import capture_dir, salvager
-from kdump.record.journal import RUN_PREFIX
+from kdump.record import capture_dir
+from kdump.record.flight import salvager
+from kdump.record.flight.journal import RUN_PREFIX
 from kdump.text import visible as v
 
 STARTUP_DIR = Path(__file__).resolve().parent / "_startup"
@@ -307,9 +308,9 @@ def _salvage_each(
     echo: Callable[[str], None],
     failed: list[Path],
 ) -> list[Path]:
-    from kdump.record.journal import read_pid
-    from kdump.record.salvage import CRASH_SUFFIX, RAISED_SUFFIX, salvage_journal
-    from kdump.record.statics import STATIC_SUFFIX
+    from kdump.record.flight.journal import read_pid
+    from kdump.record.flight.salvage import CRASH_SUFFIX, RAISED_SUFFIX, salvage_journal
+    from kdump.record.flight.statics import STATIC_SUFFIX
 
     cores = context.get("cuda_coredumps") or {}
     written: list[Path] = []

@@ -14,7 +14,7 @@ from kdump import envinfo
 from kdump.errors import UsageError
 from kdump.log import log
 from kdump.record.hooks import HookState, TargetSpec, busy
-from kdump.record.sync import cuda_state, output_indices, own_tensor_work
+from kdump.record.sync.recorder import cuda_state, output_indices, own_tensor_work
 
 if TYPE_CHECKING:
     from kdump.bundle.spool import Spool

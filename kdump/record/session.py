@@ -5,10 +5,10 @@
     print(rec.written)
 
 Where bundles go: kdump.record.capture_dir. How calls are kept: a `Recorder`, the seam between
-the hooks and the recording mode. `SyncRecorder` (kdump.record.sync) snapshots inputs before the
-call and in-place outputs after it and writes a bundle at once. The flight recorder
-(`mode="ring"`, kdump.record.ring) implements the same three methods: `on_call` (hot path entry
-for a considered call), `flush` (called at exit, SIGTERM/SIGINT and the flush signal) and
+the hooks and the recording mode. `SyncRecorder` (kdump.record.sync.recorder) snapshots inputs
+before the call and in-place outputs after it and writes a bundle at once. The flight recorder
+(`mode="ring"`, kdump.record.flight.recorder) implements the same three methods: `on_call` (hot
+path entry for a considered call), `flush` (called at exit, SIGTERM/SIGINT and the flush signal) and
 `close`.
 
 Failure isolation: everything kdump does around a call is inside try/except; a failure logs one
@@ -35,8 +35,8 @@ from kdump.errors import UsageError
 from kdump.kernels import registry as kernel_registry
 from kdump.log import log, log_once
 from kdump.record.config import RecordConfig
+from kdump.record.flight.journal import RUN_PREFIX
 from kdump.record.hooks import HookState, PatchSet, parse_targets
-from kdump.record.journal import RUN_PREFIX
 from kdump.record.triggers import Trigger
 
 
@@ -69,10 +69,10 @@ def check_mode(mode: str) -> None:
 def make_recorder(cfg: RecordConfig, session: Recording) -> Recorder:
     check_mode(cfg.mode)
     if cfg.mode == "ring":
-        from kdump.record.ring import RingRecorder
+        from kdump.record.flight.recorder import RingRecorder
 
         return RingRecorder(cfg, session)
-    from kdump.record.sync import SyncRecorder
+    from kdump.record.sync.recorder import SyncRecorder
 
     return SyncRecorder(cfg, session)
 

@@ -14,13 +14,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kdump.cuda.tools import find_tool, tool_version
 from kdump.errors import CannotRunError, FindingKind
 from kdump.replay.addresses import PlacedTensor, locate_access
 from kdump.replay.child import child_environment, judge, launch
 from kdump.replay.options import TOOLS as TOOLS
 from kdump.replay.session import Request
 from kdump.replay.verdict import Finding, Step, Verdict
-from kdump.tools import find_tool, tool_version
 
 MAX_FINDINGS = 20  # findings per tool and replay; the rest are counted
 SANITIZER_EXIT = 86  # --error-exitcode: tells "errors found" apart from the program's own codes

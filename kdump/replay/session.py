@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from kdump.bundle import Bundle, Call, MaterializedCall, load_bundle
-from kdump.bundle.format import HELD_SOURCES
 from kdump.bundle.tensors import Placement
 from kdump.errors import CannotRunError, ExitCode, KdumpError, UsageError, error_line
+from kdump.format.records import HELD_SOURCES
 from kdump.kernels import registry
 from kdump.kernels.generic import GenericSpec
 from kdump.kernels.registry import choose_backend

@@ -32,13 +32,6 @@ from typing import Any
 import torch
 
 from kdump.bundle import Bundle, Call, load_bundle
-from kdump.bundle.format import (
-    GeneratorRecord,
-    Source,
-    Stats,
-    StorageRecord,
-    TensorRecord,
-)
 from kdump.bundle.store import sha256_hex
 from kdump.bundle.synthetic import DEFAULT_GENERATOR, DEFAULT_VERSION, SEED_LIMIT, splitmix64
 from kdump.bundle.synthetic import DTYPES as SYNTHETIC_DTYPES
@@ -49,6 +42,13 @@ from kdump.errors import (
     InternalError,
     UsageError,
     precedence_rank,
+)
+from kdump.format.records import (
+    GeneratorRecord,
+    Source,
+    Stats,
+    StorageRecord,
+    TensorRecord,
 )
 from kdump.kernels.spec import KernelSpec, Role
 from kdump.replay.options import ReplayOptions
@@ -285,7 +285,7 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def _touched(rec: TensorRecord, st: StorageRecord, mask: torch.Tensor) -> list[tuple[int, int]]:
     """Span-relative byte ranges of the elements of `rec` whose leading indices `mask` (bool
     over the leading dims) selects; the whole extent when they cannot be told apart cheaply."""
-    from kdump.bundle.format import view_byte_extent
+    from kdump.format.records import view_byte_extent
 
     lead = mask.dim()
     size = rec.itemsize

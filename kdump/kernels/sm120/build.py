@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kdump import config
-from kdump.errors import InternalError
-from kdump.nvrtc import ToolchainError, nvrtc_version
+from kdump.cuda.nvrtc import ToolchainError, nvrtc_version
 
 # re-exported: part of the packaged kernel's build API
-from kdump.nvrtc import check_nvrtc_vs_driver as check_nvrtc_vs_driver
-from kdump.nvrtc import driver_version as driver_version
+from kdump.cuda.nvrtc import check_nvrtc_vs_driver as check_nvrtc_vs_driver
+from kdump.cuda.nvrtc import driver_version as driver_version
+from kdump.errors import InternalError
 
 from .configs import TileConfig
 
@@ -42,7 +42,7 @@ KERNEL_NAMES: tuple[str, ...] = (
 )
 
 
-# The packaged kernel's prerequisites fail like every kdump kernel's (kdump.nvrtc).
+# The packaged kernel's prerequisites fail like every kdump kernel's (kdump.cuda.nvrtc).
 PackagedKernelError = ToolchainError
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from kdump.nvrtc import LaunchError, check, driver
+from kdump.cuda.nvrtc import LaunchError, check, driver
 
 from .build import (
     KERNEL_NAMES,

@@ -14,7 +14,7 @@ import ctypes
 import threading
 from typing import Any
 
-from kdump.nvrtc import LaunchError
+from kdump.cuda.nvrtc import LaunchError
 
 _u = ctypes.c_uint
 _p = ctypes.c_void_p

@@ -1,8 +1,8 @@
 """Per-call device-side copies of the flight recorder: the snapshot, the host copy, the markers.
 
-With the snapshot kernel (kdump.record.gather), a recorded CUDA call costs on its stream one
+With the snapshot kernel (kdump.record.flight.gather), a recorded CUDA call costs on its stream one
 kernel launch before the call: small arguments go D2D into the journal slot's twin
-(kdump.record.devring), touched rows of bulky ones into a device ring slot, the slot's `pre`
+(kdump.record.flight.devring), touched rows of bulky ones into a device ring slot, the slot's `pre`
 marker is stored through the journal's mapped address. The twin then reaches the pinned host
 slot as ONE D2H copy, followed by an 8-byte copy of the call's token into `post`:
 
@@ -36,11 +36,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kdump import nvrtc
+from kdump.cuda import nvrtc
 from kdump.log import log_once
-from kdump.record import cudrv, gather, pinned
-from kdump.record.devring import DeviceTier, DeviceTierError
-from kdump.record.journal import (
+from kdump.record.flight import cudrv, gather, pinned
+from kdump.record.flight.devring import DeviceTier, DeviceTierError
+from kdump.record.flight.journal import (
     CALL_RECORD_BYTES,
     MARKER_AT,
     TRAILER_BYTES,
@@ -141,7 +141,7 @@ class DeviceCopies:
             self.notes.append(f"no device tier: {exc}")
         self.max_sites = max(1, journal.slot_count // 2)
         if self.tier is not None:
-            from kdump.record.devring import MAX_SITES
+            from kdump.record.flight.devring import MAX_SITES
 
             self.max_sites = min(self.max_sites, MAX_SITES)
         with torch.cuda.device(self.device):

@@ -10,14 +10,14 @@ Layout of the allocation (every integer little-endian; offsets from its first by
     1024    3072  replay counters of capture sites (u64 each, MAX_SITES)
     4096    T     twin: slot_count x slot_bytes, the device copy of each journal slot's payload
                   area (same offsets as the host slot); its last 128..64 bytes before the host
-                  trailer hold the snapshot's call record (kdump.record.gather.CALL_RECORD)
+                  trailer hold the snapshot's call record (kdump.record.flight.gather.CALL_RECORD)
     R       N     ring: device ring slots, each a 64-byte SlotHead then one record per touched
-                  row (kdump.record.gather); a slot never straddles the end
+                  row (kdump.record.flight.gather); a slot never straddles the end
 
 The allocation is made at the first recorded CUDA call outside capture and never during one;
 it is exported through CUDA IPC to the salvage process of `kdump record`
-(kdump.record.devshare / kdump.record.salvager), which writes it to `<journal>.cuda<N>` when the
-process ends, however it ends. `read_dump` parses such a file strictly.
+(kdump.record.flight.devshare / kdump.record.flight.salvager), which writes it to
+`<journal>.cuda<N>` when the process ends, however it ends. `read_dump` parses such a file strictly.
 """
 
 from __future__ import annotations
@@ -179,7 +179,10 @@ class DeviceTier:
     def _announce(self, journal_path: Path) -> tuple[bool, str]:
         """Hand the memory to the salvage process (contract: devshare / salvager)."""
         try:
-            from kdump.record import devshare, salvager  # type: ignore[attr-defined]
+            from kdump.record.flight import (
+                devshare,  # type: ignore[attr-defined]
+                salvager,
+            )
         except ImportError:
             return False, "this kdump has no device-tier salvage process"
         try:

@@ -7,7 +7,7 @@ touched row, `[u32 row, 12 zero bytes]` then each gathered tensor's bytes of tha
 the two bit for bit) and `place_back` its inverse, used by salvage.
 
 The kernel (snapshot.cu) is compiled with NVRTC for the device's arch and cached on disk like the
-packaged GEMM (the toolchain in kdump.nvrtc); it is launched with cuLaunchKernel on the current
+packaged GEMM (the toolchain in kdump.cuda.nvrtc); it is launched with cuLaunchKernel on the current
 torch stream with its descriptor table passed by value, so a capture freezes it into the graph
 node.
 """
@@ -490,7 +490,7 @@ def gather_grid(
 
 def resident_blocks(fn: Any, smem: int, threads: int = THREADS) -> int:
     """How many blocks of kd_snapshot `fn` the current device holds at once (0: unknown)."""
-    from kdump.nvrtc import driver as _driver
+    from kdump.cuda.nvrtc import driver as _driver
 
     d = _driver()
     try:
@@ -521,8 +521,8 @@ def allow_smem(fn: Any, smem: int) -> None:
     under the default limit is valid everywhere)."""
     if smem <= 0:
         return
-    from kdump.nvrtc import check as _check
-    from kdump.nvrtc import driver as _driver
+    from kdump.cuda.nvrtc import check as _check
+    from kdump.cuda.nvrtc import driver as _driver
 
     driver = _driver()
     attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -530,7 +530,7 @@ def allow_smem(fn: Any, smem: int) -> None:
 
 
 def cache_path(arch: str) -> Path:
-    from kdump.nvrtc import nvrtc_version
+    from kdump.cuda.nvrtc import nvrtc_version
 
     root = config.get("KDUMP_CACHE_DIR") or str(Path.home() / ".cache" / "kdump")
     h = hashlib.sha256(kernel_source().encode())
@@ -540,7 +540,7 @@ def cache_path(arch: str) -> Path:
 
 def build_cubin(arch: str, use_cache: bool = True) -> bytes:
     """Compile (or fetch from the cache) the snapshot kernel for `arch` (e.g. sm_90a)."""
-    from kdump.nvrtc import ToolchainError
+    from kdump.cuda.nvrtc import ToolchainError
 
     try:
         from cuda.core import Program, ProgramOptions
@@ -583,9 +583,9 @@ def get_kernel(device_index: int) -> Kernels:
     """The snapshot module's functions for a device, built and loaded once per process."""
     import torch
 
-    from kdump.nvrtc import check as _check
-    from kdump.nvrtc import check_nvrtc_vs_driver
-    from kdump.nvrtc import driver as _driver
+    from kdump.cuda.nvrtc import check as _check
+    from kdump.cuda.nvrtc import check_nvrtc_vs_driver
+    from kdump.cuda.nvrtc import driver as _driver
 
     with _lock:
         fn = _functions.get(device_index)
@@ -655,8 +655,8 @@ def grid_for(params: SnapParams) -> int:
 
 def launch_mark(fn: Any, src: int, dst: int, stream: Any) -> None:
     """Enqueue kd_mark: the u64 at device address `src` to `dst` (a mapped host address)."""
-    from kdump.nvrtc import check as _check
-    from kdump.nvrtc import driver as _driver
+    from kdump.cuda.nvrtc import check as _check
+    from kdump.cuda.nvrtc import driver as _driver
 
     driver = _driver()
     ptrs = (ctypes.c_uint64 * 2)(src, dst)
@@ -684,8 +684,8 @@ def launch(
 ) -> None:
     """Enqueue the snapshot on `stream` (a handle or a CUstream; no sync, no allocation:
     capturable); `smem` is the build's smem_bytes (default: the shipped source's)."""
-    from kdump.nvrtc import check as _check
-    from kdump.nvrtc import driver as _driver
+    from kdump.cuda.nvrtc import check as _check
+    from kdump.cuda.nvrtc import driver as _driver
 
     driver = _driver()
     args = (ctypes.c_void_p * 1)(ctypes.addressof(params))

@@ -48,7 +48,7 @@ Slot (slot i starts at header_bytes + i * slot_bytes):
     ...           payloads, each at a 64-byte aligned offset, before the call record: the
                   storages' (before the call), then the outputs' (after it)
     S-128   64    call record: what the device snapshot wrote for this call (device slot, rows,
-                  token; kdump.record.devring), zero without a device tier
+                  token; kdump.record.flight.devring), zero without a device tier
     S-64    64    trailer: magic b"KDTR" (b"KDTX" while refilling), flags (bit 0: the
                   checksum covers the payloads; bit 1: device copies write the payloads after
                   the trailer), seq (u64), CRC-32 of the slot header bytes [0, 72 + 16K + J)
@@ -65,7 +65,7 @@ CUDA graph (a device-side counter the graph increments, copied by the graph itse
 crash): it reads as in flight. Otherwise it is complete, and `done == post` says the kernel
 finished; `done < post` that it was running (or queued) when the process died, or, for a
 CUDA-graph site, that no later recorded call of its graph had started yet (the next snapshot of
-the site's chain writes its `done`: kdump.record.devcopy).
+the site's chain writes its `done`: kdump.record.flight.devcopy).
 
 Device payloads are copied on the call's stream, so the stream order (markers, payloads, kernel,
 marker) replaces the payload checksum there.
@@ -149,7 +149,7 @@ TRAILER_FLAG_DEVICE = 2
 MIN_SLOT_BYTES = 1024
 CALL_RECORD_BYTES = 64  # before the trailer: the device snapshot's call record (devring)
 
-log = logging.getLogger("kdump.record.journal")
+log = logging.getLogger("kdump.record.flight.journal")
 
 
 class JournalError(KdumpError):

@@ -4,7 +4,7 @@ Per recorded call the host writes a compact header into the next journal slot (c
 target, argument tree and layouts, stream, capture and graph ids) and the call's small arguments
 are copied into the slot before the kernel runs: by the host for CPU tensors, asynchronously on
 the call's own stream for CUDA tensors (the journal is pinned shared memory), with the slot's
-markers ordered around them (kdump.record.journal). Nothing synchronises on the hot path.
+markers ordered around them (kdump.record.flight.journal). Nothing synchronises on the hot path.
 
 What is copied, in priority order while the slot has room: arguments whose spec role is routing,
 scalar or hint, inputs no bigger than `SMALL_BYTES`, then the other inputs, smallest first; what
@@ -21,7 +21,7 @@ CUDA graphs: a call made during stream capture gets its own slot for its capture
 id + position in the capture), pinned outside the ring's rotation; its copies are captured into
 the graph, together with an `add_` on a device-side counter that the graph copies into the
 slot's markers, so every replay refreshes the slot before the kernel; with the snapshot kernel
-the next snapshot of the site's chain (kdump.record.devcopy) marks it done.
+the next snapshot of the site's chain (kdump.record.flight.devcopy) marks it done.
 At most half the ring's slots are pinned (`Journal.pin`); a site over that budget keeps its
 header only, in a rotating slot, marked `site_over_budget`. When a site is made, the last eager
 call of the same target on the same buffers is pinned too (what the buffers held before
@@ -52,10 +52,9 @@ from typing import TYPE_CHECKING, Any
 
 from kdump import config
 from kdump.log import log_once
-from kdump.record.hooks import HookState, busy
-from kdump.record.journal import Journal, Slot, SlotMeta, SlotTemplate, SlotTooSmall
-from kdump.record.salvage import CRASH_SUFFIX, raised_path
-from kdump.record.statics import (
+from kdump.record.flight.journal import Journal, Slot, SlotMeta, SlotTemplate, SlotTooSmall
+from kdump.record.flight.salvage import CRASH_SUFFIX, raised_path
+from kdump.record.flight.statics import (
     Candidates,
     Statics,
     first_views,
@@ -63,10 +62,11 @@ from kdump.record.statics import (
     storage_meta,
     version_of,
 )
+from kdump.record.hooks import HookState, busy
 
 if TYPE_CHECKING:
     from kdump.record.config import RecordConfig
-    from kdump.record.devcopy import DeviceCopies
+    from kdump.record.flight.devcopy import DeviceCopies
     from kdump.record.session import Recording
 
 _ACTIVE: RingRecorder | None = None  # the recorder whose captures torch's patched graph reports
@@ -153,7 +153,7 @@ class RingRecorder:
         self.fast_calls = 0  # calls recorded by the exact-repeat path (`_again`)
         self.too_big = 0  # calls whose metadata did not fit a slot (not recorded)
         self._hooks_installed = False
-        self.statics: Statics | None = None  # made with the journal (kdump.record.statics)
+        self.statics: Statics | None = None  # made with the journal (kdump.record.flight.statics)
 
     def after_fork(self) -> None:
         # The parent's journal and its mapping belong to the parent; the child starts its own.
@@ -172,7 +172,7 @@ class RingRecorder:
             )
             self._install_last_words()
         if cuda_device is not None and self._cuda is None:
-            from kdump.record.devcopy import DeviceCopies
+            from kdump.record.flight.devcopy import DeviceCopies
 
             self._cuda = DeviceCopies(self.journal, cuda_device, self.cfg.ring.device_bytes)
             global _ACTIVE
@@ -411,7 +411,7 @@ class RingRecorder:
                 site_key = self.captures.next_site(capturing)
                 stream = 0
                 if cuda:
-                    from kdump.record.devcopy import current_stream
+                    from kdump.record.flight.devcopy import current_stream
 
                     stream = current_stream(torch.cuda.current_device())
                 extra: dict[str, Any] = {
@@ -692,7 +692,7 @@ class RingRecorder:
             if cuda:
                 import torch
 
-                from kdump.record.devcopy import current_stream
+                from kdump.record.flight.devcopy import current_stream
 
                 stream = current_stream(torch.cuda.current_device())
             values += (index, time.time_ns())
@@ -792,7 +792,7 @@ class RingRecorder:
                     return []
             except Exception as exc:  # no spec to ask: a generic target
                 log_once(f"ringspec:{st.id}", f"flight recorder: no spec for {st.id}: {exc}")
-        from kdump.record.sync import output_indices
+        from kdump.record.sync.recorder import output_indices
 
         idx = output_indices(wanted, st.spec, st.names(), tensors, args, kwargs)
         by_storage: dict[int, list[int]] = {}
@@ -906,7 +906,7 @@ class RingRecorder:
         layout: _Layout,
         capturing: bool,
     ) -> list[dict | None]:
-        """Per storage: its static reference (kdump.record.statics), None when not static."""
+        """Per storage: its static reference (kdump.record.flight.statics), None when not static."""
         budget = self.cfg.ring.static_bytes
         if budget <= 0 or self.journal is None:
             return [None] * len(storages)
@@ -942,7 +942,7 @@ class RingRecorder:
             j = self.journal
             if j is None:
                 return
-            from kdump.record.salvage import salvage_journal
+            from kdump.record.flight.salvage import salvage_journal
 
             # The folder and names the launcher's salvage uses: flushing twice writes the same.
             out = Path(self.cfg.out) / f"flight.{socket.gethostname()}"
@@ -970,7 +970,7 @@ class RingRecorder:
         """A live process reads its own device tier: to `<journal>.cuda<N>` when no salvage
         process holds it (the launcher's salvage after exit finds it there), else to a temporary
         file for this flush only (the salvage process writes the final one)."""
-        from kdump.record.devring import dump_path
+        from kdump.record.flight.devring import dump_path
 
         cuda = self._cuda
         if cuda is None or cuda.tier is None:
@@ -1018,7 +1018,7 @@ class RingRecorder:
                 if self._cuda is not None:
                     self._cuda.release()
                     if self._cuda.tier is not None:
-                        from kdump.record.devring import dump_path
+                        from kdump.record.flight.devring import dump_path
 
                         dump_path(self.journal.path, self._cuda.tier.index).unlink(missing_ok=True)
                 if self.statics is not None:
@@ -1030,7 +1030,7 @@ class RingRecorder:
 
 
 def _retired_files(journal: Path) -> list[Path]:
-    from kdump.record.devring import dump_paths
+    from kdump.record.flight.devring import dump_paths
 
     return [journal, raised_path(journal), *dump_paths(journal).values()]
 
@@ -1428,7 +1428,7 @@ class _Layout:
         refs: list[dict | None],
         lazy: list[dict | None],
     ) -> list[dict[str, Any]]:
-        """This call's storage dicts (kdump.record.statics.storage_meta): the previous call's
+        """This call's storage dicts (kdump.record.flight.statics.storage_meta): the previous call's
         list object when every value is the same."""
         versions = tuple(version_of(tensors[f]) for f in self.firsts)
         key = (versions, refs, lazy)
@@ -1582,11 +1582,11 @@ def _tensor_roles(
 def _plan_for(
     st: HookState, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[Any]
 ) -> tuple[Any, Any]:
-    """The spec's touch declaration turned into a gather plan (kdump.record.gather)."""
+    """The spec's touch declaration turned into a gather plan (kdump.record.flight.gather)."""
     from kdump.bundle import argtree
     from kdump.bundle.tensors import group_storages
     from kdump.kernels import registry
-    from kdump.record import gather
+    from kdump.record.flight import gather
 
     spec = registry.spec_for(st.id, st.names())
     bound = spec.bind(args, kwargs)

@@ -5,11 +5,11 @@ API and read back before it counts, so a damaged slot can never become a corrupt
 flight at the crash are reported with their metadata only; torn slots with why. Storages whose
 bytes the journal lacks (bulky inputs, outputs, what did not fit a slot) keep their layouts with
 storage source `missing` (docs/FORMAT.md); their tensors are listed under
-`journal.missing_tensors` in the call's meta. Static operands (kdump.record.statics) come from the
-static region next to the journal: complete copies become blobs of the folder's shared store (one
-copy for every bundle), the others `by-reference` with their statistics
+`journal.missing_tensors` in the call's meta. Static operands (kdump.record.flight.statics) come
+from the static region next to the journal: complete copies become blobs of the folder's shared
+store (one copy for every bundle), the others `by-reference` with their statistics
 (`journal.by_reference_tensors`; `journal.statics` says which and why). Rows the device tier
-gathered come from the `<journal>.cuda<N>` dumps (kdump.record.devring).
+gathered come from the `<journal>.cuda<N>` dumps (kdump.record.flight.devring).
 
 Outputs the recorder copied after the call (journal version 4, `--outputs`) become the bundle's
 `outputs`, as the sync recorder writes them: a storage snapshot after the call per output
@@ -32,8 +32,8 @@ from typing import Any
 
 from kdump.errors import BundleError
 from kdump.progress import Bar
-from kdump.record import devring, gather
-from kdump.record.journal import (
+from kdump.record.flight import devring, gather
+from kdump.record.flight.journal import (
     CALL_RECORD_BYTES,
     FILE_PREFIX,
     RUN_PREFIX,
@@ -45,7 +45,7 @@ from kdump.record.journal import (
     read_journal,
     read_pid,
 )
-from kdump.record.statics import (
+from kdump.record.flight.statics import (
     Region,
     private_bytes,
     read_region,
@@ -150,7 +150,7 @@ def salvage_journal(
         for r in complete
         if r.seq in died_at
     )
-    region = read_region(contents.path)  # static operands copied once (kdump.record.statics)
+    region = read_region(contents.path)  # static operands copied once (kdump.record.flight.statics)
     if progress is not None:
         progress.total = (progress.total or 0) + len(complete)
     # A later copy into the static region can fill a weight an older bundle held by reference.
@@ -293,8 +293,8 @@ def _write_bundle(
     captured over), then the replay's values, so a graph replay of call 0 replays the
     production sequence (`--then`-style phases come from the bundle's later calls)."""
     from kdump.bundle import load_bundle, save_calls
-    from kdump.bundle.format import Where
     from kdump.bundle.store import BlobStore
+    from kdump.format.records import Where
 
     calls = [_call_record(rec, contents, crash_context, dumps, region, raised)]
     if before is not None:

@@ -5,9 +5,9 @@ it no time to: but a *sibling* process that imported that memory through CUDA IP
 also after the owner was SIGKILLed. So `kdump record` starts this process (a child of kdump, in
 its own session, not of the recorded program: a tree kill of the program does not reach it)
 before the program. Each recorded process announces its device-tier memory right after it
-allocated it (`announce`); this process imports it (kdump.record.devshare) and keeps it. When the
-process dies (noticed through a pidfd, or by polling where there is none), or when kdump says
-that the program ended, it writes each import to `<journal>.cuda<device>` (raw bytes,
+allocated it (`announce`); this process imports it (kdump.record.flight.devshare) and keeps it.
+When the process dies (noticed through a pidfd, or by polling where there is none), or when kdump
+says that the program ended, it writes each import to `<journal>.cuda<device>` (raw bytes,
 atomically), then releases it. The recorder's salvage reads those files; what lies inside them is
 the recorder's business.
 
@@ -48,11 +48,13 @@ from typing import Any
 
 from kdump import config
 from kdump.errors import UsageError
-from kdump.record.devring import DUMP_SUFFIX
-from kdump.record.journal import FILE_PREFIX
+from kdump.record.flight.devring import DUMP_SUFFIX
+from kdump.record.flight.journal import FILE_PREFIX
 
 ENV = "KDUMP_SALVAGER"
-DEVICE_SUFFIX = DUMP_SUFFIX  # <journal>.cuda<N>: named by the recorder (kdump.record.devring)
+DEVICE_SUFFIX = (
+    DUMP_SUFFIX  # <journal>.cuda<N>: named by the recorder (kdump.record.flight.devring)
+)
 MAX_FRAME = 64 << 10  # a description is well under 2 KiB; replies list paths
 IO_TIMEOUT = 5.0  # one request's reads and writes on the server side
 ANNOUNCE_TIMEOUT = 5.0  # all of announce(), CUDA start-up of the salvage process included
@@ -197,7 +199,7 @@ class _Watched:
 
 
 def _default_importer(doc: dict[str, Any]) -> Any:
-    from kdump.record.devshare import import_cuda
+    from kdump.record.flight.devshare import import_cuda
 
     return import_cuda(doc)
 
@@ -211,7 +213,7 @@ def _write_memory(memory: Any, dest: Path) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
-    from kdump.record.salvage import pid_alive
+    from kdump.record.flight.salvage import pid_alive
 
     return pid_alive(pid)
 
@@ -437,7 +439,7 @@ def _say(line: str) -> None:
 
 
 def main(argv: list[str] | None = None, importer: Importer = _default_importer) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kdump.record.salvager", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m kdump.record.flight.salvager", description=__doc__)
     ap.add_argument("--socket", required=True, type=Path)
     ap.add_argument("--journal-dir", required=True, type=Path)
     ap.add_argument("--parent", type=int, help="exit (after writing) when this process is gone")
@@ -506,7 +508,8 @@ def start(
     argv: list[str] | None = None,
 ) -> Started | str:
     """Start the salvage process and wait until it listens: its handle, or why it did not start.
-    `argv` replaces `python -m kdump.record.salvager` (tests give one with a fake importer)."""
+    `argv` replaces `python -m kdump.record.flight.salvager` (tests give one with a fake
+    importer)."""
     tmp = tempfile.gettempdir()
     if len(os.path.join(tmp, "kdump-salvager-XXXXXXXX", SOCKET_NAME)) > 100:
         tmp = "/tmp"  # a Unix socket path has a 108-byte limit
@@ -514,7 +517,7 @@ def start(
     sock = folder / SOCKET_NAME
     env = {k: v for k, v in base_env.items() if k not in ("KDUMP_RECORD", ENV)}
     env["PYTHONPATH"] = _kdump_pythonpath(base_env)
-    cmd = list(argv or [sys.executable, "-m", "kdump.record.salvager"])
+    cmd = list(argv or [sys.executable, "-m", "kdump.record.flight.salvager"])
     cmd += ["--socket", str(sock), "--journal-dir", str(journal_dir), "--parent", str(os.getpid())]
     if flush_signal:
         cmd += ["--ignore-signal", str(flush_signal)]

@@ -8,7 +8,7 @@
 // position is chosen on the device from the ring's head, so a captured graph picks a fresh slot
 // at every replay; the last block to finish writes the slot header and the twin's call record,
 // then advances the head and the replay token. No includes: NVRTC compiles it without headers.
-// Mirrors kdump/record/gather.py (SnapParams, the record layouts); keep both in step.
+// Mirrors kdump/record/flight/gather.py (SnapParams, the record layouts); keep both in step.
 
 typedef unsigned long long u64;
 typedef long long i64;
@@ -22,7 +22,7 @@ typedef unsigned int u32;
                                // rows at 113)
 // A window's touched rows are shared among up to Params.split units of work, each reserving its
 // own records: the host picks split so that a unit copies at most about KD_SPLIT_BYTES when every
-// row is touched (kdump/record/gather.py reads this define), and launches about as many gather
+// row is touched (kdump/record/flight/gather.py reads this define), and launches about as many gather
 // blocks as the GPU holds at once, each taking units round robin. One block per window left a
 // big gather in a wave and a tail of large blocks; one block per unit made sparse routing pay a
 // wave of idle blocks per unit of split. (A split chosen to fill the waves instead, fewer and
@@ -57,7 +57,7 @@ typedef unsigned int u32;
 // each with KD_BULK_STAGES buffers of KD_BULK_STAGE bytes, so a block keeps WARPS x STAGES row
 // pieces in flight with a few registers. KD_BULK 0: the plain loads and stores everywhere.
 // The buffer is the launch's dynamic shared memory, KD_BUF_WORDS words: the host reads its size
-// from these defines (kdump/record/gather.py, smem_bytes), so it may exceed the 48 KiB that
+// from these defines (kdump/record/flight/gather.py, smem_bytes), so it may exceed the 48 KiB that
 // static shared memory allows.
 #define KD_BULK 1
 #define KD_BULK_WARPS 4
@@ -168,7 +168,7 @@ struct Record {
   u64 head_after;
 };
 
-// The host mirrors (kdump/record/gather.py) rely on these sizes.
+// The host mirrors (kdump/record/flight/gather.py) rely on these sizes.
 static_assert(sizeof(Copy) == 24, "Copy layout");
 static_assert(sizeof(Gather) == 48, "Gather layout");
 static_assert(sizeof(Params) == 720, "Params layout");

@@ -71,10 +71,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kdump.bundle.format import DTYPE_SIZES, Source, Stats
+from kdump.format.records import DTYPE_SIZES, Source, Stats
 from kdump.log import log_once
-from kdump.record import pinned
-from kdump.record.journal import PAGE, SHM_SHARE, JournalError
+from kdump.record.flight import pinned
+from kdump.record.flight.journal import PAGE, SHM_SHARE, JournalError
 
 STATIC_SUFFIX = ".static"
 REGION_MAGIC = b"KDSTAT\x00\x01"
@@ -96,7 +96,7 @@ _ENTRY = struct.Struct("<4sIQQQQQQQIi")  # through the device index; its CRC fol
 _AT_CRC, _AT_PRE, _AT_POST, _AT_DATA_CRC, _AT_STATS, _AT_STATS_MARK = 72, 80, 88, 96, 104, 144
 _DTYPES = sorted(DTYPE_SIZES)
 
-log = logging.getLogger("kdump.record.statics")
+log = logging.getLogger("kdump.record.flight.statics")
 
 
 def region_path(journal: Path) -> Path:

@@ -6,7 +6,7 @@ sync recorder then writes the call's metadata only (argument tree, shapes, dtype
 addresses; no bytes) and marks it `capturing: true, data: metadata-only`.
 
 A small CPU call repeated exactly (same argument values, tensor addresses and layouts, env) is
-written by its repeat (kdump.record.sync_repeat): the same bundle for less work.
+written by its repeat (kdump.record.sync.repeat): the same bundle for less work.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from kdump.bundle.spool import StoreSpool
     from kdump.record.session import Recording
-    from kdump.record.sync_repeat import SyncRepeat
+    from kdump.record.sync.repeat import SyncRepeat
 
 CAPTURE_NOTE = (
     "recorded during CUDA-graph capture: a sync recorder cannot read tensor data there; the "
@@ -112,7 +112,7 @@ class SyncRecorder:
     """Snapshot before the call, outputs after it, one bundle per call written at once."""
 
     mode = "sync"
-    repeat = True  # exact repeats of a small CPU call take kdump.record.sync_repeat's path
+    repeat = True  # exact repeats of a small CPU call take kdump.record.sync.repeat's path
     REPEATS_MAX = 64  # repeats kept (the least recently used goes first)
     SIGHTED_MAX = 1024
 
@@ -570,10 +570,10 @@ _SYNC_REPEAT: Any = None
 
 
 def _sync_repeat() -> Any:
-    """kdump.record.sync_repeat, imported on first need (it imports torch)."""
+    """kdump.record.sync.repeat, imported on first need (it imports torch)."""
     global _SYNC_REPEAT
     if _SYNC_REPEAT is None:
-        from kdump.record import sync_repeat
+        from kdump.record.sync import repeat as sync_repeat
 
         _SYNC_REPEAT = sync_repeat
     return _SYNC_REPEAT

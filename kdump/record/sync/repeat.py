@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 from kdump.bundle import bytecmp
 from kdump.bundle import writer as _writer
 from kdump.bundle.argtree import LIMITS
-from kdump.bundle.format import MAX_HEADER, Source
 from kdump.bundle.header_cache import RepeatForm, _encode, _escaped
 from kdump.bundle.spool import cpu_view
 from kdump.bundle.store import blob_digests
 from kdump.bundle.tensors import Captured, layout_facts
-from kdump.record.ring import _repeat_key
+from kdump.format.records import MAX_HEADER, Source
+from kdump.record.flight.recorder import _repeat_key
 
 # The flight recorder's repeat key: calls with equal keys encode equal argument trees and layouts.
 repeat_key = _repeat_key
@@ -75,7 +75,7 @@ class SyncRepeat:
     """What an exact repeat of one recorded call needs (`make`); used by one call at a time (the
     recorder takes it out of its table while a call uses it)."""
 
-    key: Any  # kdump.record.ring._repeat_key's key of the call
+    key: Any  # kdump.record.flight.recorder._repeat_key's key of the call
     checks: tuple[tuple[int, int], ...]  # (tensor index, storage bytes) of each storage
     names: Any  # the hook's positional names at the call
     pos_names: list[str] | None
