@@ -20,6 +20,7 @@ from kdump.format.records import (
     FORMAT_NAME,
     MANIFEST_KEY,
     MAX_HEADER,
+    STORAGE_LAYOUT_FIELDS,
     SUPPORTED_VERSIONS,
     XXH3_DIGEST_LEN,
     BlobRecord,
@@ -34,10 +35,11 @@ from kdump.format.records import (
     StorageRecord,
     TensorRecord,
     Where,
+    tensor_from_json,
 )
 
-_STORAGE_INTS = ("base_ptr", "storage_nbytes", "span_start", "span_nbytes")
-_STORAGE_FIELDS = {1: {"device", "blob", *_STORAGE_INTS}}
+_STORAGE_INTS = STORAGE_LAYOUT_FIELDS[1:]  # all but the device
+_STORAGE_FIELDS = {1: {*STORAGE_LAYOUT_FIELDS, "blob"}}
 _STORAGE_FIELDS[2] = _STORAGE_FIELDS[1] | {"source"}
 _STORAGE_FIELDS[3] = _STORAGE_FIELDS[2] | {"stats"}
 _STORAGE_FIELDS[4] = _STORAGE_FIELDS[3] | {"ranges", "generator"}
@@ -315,7 +317,8 @@ class _Parser:
                 generator = self.generator(s["generator"], stats, where, j)
             out.append(
                 StorageRecord(
-                    **{k: s[k] for k in ("device", "blob", *_STORAGE_INTS)},
+                    **{k: s[k] for k in STORAGE_LAYOUT_FIELDS},
+                    blob=s["blob"],
                     source=source,
                     stats=stats,
                     ranges=ranges,
@@ -452,17 +455,7 @@ class _Parser:
             ):
                 raise self.fail(where, f"tensor {j} is malformed")
             self.string(t["dtype"], where, f"tensor {j}'s dtype")
-            out.append(
-                TensorRecord(
-                    storage=t["storage"],
-                    dtype=t["dtype"],
-                    shape=tuple(t["shape"]),
-                    stride=tuple(t["stride"]),
-                    storage_offset=t["storage_offset"],
-                    requires_grad=t.get("requires_grad", False),
-                    data_ptr=t.get("data_ptr", 0),
-                )
-            )
+            out.append(tensor_from_json(t))
         return tuple(out)
 
     def call(self, c: Any, i: int, version: int) -> CallEntry:

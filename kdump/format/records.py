@@ -273,16 +273,37 @@ class Manifest:
     calls: tuple[CallEntry, ...]
 
 
-def storage_json(st: StorageRecord) -> dict[str, Any]:
-    out: dict[str, Any] = {
+# The one definition of the storage and tensor records' JSON fields, in the order they are
+# written: the manifest's storages and tensors, the journal slot's (which adds a tensor's "nbytes")
+# and the strict parser (kdump.format.parse) all use these.
+STORAGE_LAYOUT_FIELDS = ("device", "base_ptr", "storage_nbytes", "span_start", "span_nbytes")
+TENSOR_FIELDS = (
+    "storage",
+    "dtype",
+    "shape",
+    "stride",
+    "storage_offset",
+    "requires_grad",
+    "data_ptr",
+)
+
+
+def storage_layout_json(st: StorageRecord) -> dict[str, Any]:
+    """Where a storage lived and which span of it is recorded (no bytes, no source): what the
+    flight recorder's slot says of a storage before its bytes are known."""
+    return {
         "device": st.device,
         "base_ptr": st.base_ptr,
         "storage_nbytes": st.storage_nbytes,
         "span_start": st.span_start,
         "span_nbytes": st.span_nbytes,
-        "blob": st.blob,
-        "source": st.source.value,
     }
+
+
+def storage_json(st: StorageRecord) -> dict[str, Any]:
+    out = storage_layout_json(st)
+    out["blob"] = st.blob
+    out["source"] = st.source.value
     if st.stats is not None:
         s = st.stats
         out["stats"] = {
@@ -303,8 +324,10 @@ def storage_json(st: StorageRecord) -> dict[str, Any]:
     return out
 
 
-def tensor_json(t: TensorRecord) -> dict[str, Any]:
-    return {
+def tensor_json(t: TensorRecord, *, nbytes: bool = False) -> dict[str, Any]:
+    """A tensor record's JSON; `nbytes` adds the view's element bytes (the journal slot's field,
+    which sizes the call's payloads without the dtype table)."""
+    out: dict[str, Any] = {
         "storage": t.storage,
         "dtype": t.dtype,
         "shape": list(t.shape),
@@ -313,6 +336,39 @@ def tensor_json(t: TensorRecord) -> dict[str, Any]:
         "requires_grad": t.requires_grad,
         "data_ptr": t.data_ptr,
     }
+    if nbytes:
+        out["nbytes"] = t.numel * t.itemsize
+    return out
+
+
+def storage_from_json(d: dict[str, Any]) -> StorageRecord:
+    """A storage record from a trusted dict (the journal's own, one `storage_json` wrote): no
+    checks beyond Python's; a manifest from a file goes through `kdump.format.parse` instead.
+    The fields after the layout are optional (a journal slot holds only the layout)."""
+    stats = d.get("stats")
+    generator = d.get("generator")
+    return StorageRecord(
+        **{k: d[k] for k in STORAGE_LAYOUT_FIELDS},
+        blob=d.get("blob", ""),
+        source=Source(d.get("source", Source.BLOB.value)),
+        stats=Stats(**stats) if stats is not None else None,
+        ranges=tuple((b, e) for b, e in d.get("ranges", ())),
+        generator=GeneratorRecord(**generator) if generator is not None else None,
+        pieces=tuple((sha, n) for sha, n in d.get("pieces", ())),
+    )
+
+
+def tensor_from_json(d: dict[str, Any]) -> TensorRecord:
+    """A tensor record from a trusted dict (`tensor_json`'s, with or without "nbytes")."""
+    return TensorRecord(
+        storage=d["storage"],
+        dtype=d["dtype"],
+        shape=tuple(d["shape"]),
+        stride=tuple(d["stride"]),
+        storage_offset=d["storage_offset"],
+        requires_grad=d.get("requires_grad", False),
+        data_ptr=d.get("data_ptr", 0),
+    )
 
 
 def call_json(c: CallEntry) -> dict[str, Any]:
