@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from kdump._version import __version__
 
 if TYPE_CHECKING:
     from kdump.bundle import Bundle, Call, CallRecord, capture_call, load_bundle, pack, save_calls

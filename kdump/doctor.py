@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kdump import __version__
+from kdump._version import __version__
 from kdump.cuda.tools import find_tool, tool_version
 
 

@@ -163,6 +163,6 @@ def _process_facts() -> dict[str, Any]:
 
 
 def _kdump_version() -> str:
-    from kdump import __version__
+    from kdump._version import __version__
 
     return __version__

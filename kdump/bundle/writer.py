@@ -17,6 +17,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from kdump._version import __version__
 from kdump.bundle import argtree
 from kdump.bundle.header_cache import HeaderCache
 from kdump.bundle.spool import Spool, StoreSpool, cpu_view
@@ -58,12 +59,6 @@ DATA_ALIGN = ALIGN_MOD
 ALIGNED_BLOB_MIN = 64 << 10
 PAD_PREFIX = "kdump.pad."
 Digests = tuple[str, str]  # (SHA-256 name, fast check digest or "")
-
-
-def _kdump_version() -> str:
-    from kdump import __version__
-
-    return __version__
 
 
 @dataclass
@@ -508,7 +503,7 @@ def _manifest_maker(
         return manifest_json(
             Manifest(
                 version=FORMAT_VERSION,
-                writer=f"kdump {_kdump_version()}",
+                writer=f"kdump {__version__}",
                 created=created,
                 env=env or {},
                 info=info or {},
@@ -832,7 +827,7 @@ def save_entries(
             views[sha] = (view, aligns[sha])
     manifest = Manifest(
         version=FORMAT_VERSION,
-        writer=f"kdump {_kdump_version()}",
+        writer=f"kdump {__version__}",
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         env=env or {},
         info=info or {},

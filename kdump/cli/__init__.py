@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from kdump import __version__
+from kdump._version import __version__
 from kdump.errors import exit_codes_help
 
 COMMANDS = {

@@ -51,7 +51,7 @@ class PackagedBackend(Backend):
         return fn
 
     def version(self) -> str | None:
-        from kdump import __version__
+        from kdump._version import __version__
 
         return f"kdump {__version__}"
 
