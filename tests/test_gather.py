@@ -139,22 +139,55 @@ def test_params_mirror_the_kernel_struct():
     assert gather.SnapParams.rule.offset == 16 * 24 + 4 * 48
 
 
-def test_launch_constants_mirror_the_kernel_source():
-    """The host sizes the grid from these: a mismatch would leave rows or chunks uncopied."""
-    defines = dict(re.findall(r"^#define (KD_\w+) (\d+)", gather.kernel_source(), re.M))
-    assert int(defines["KD_ROWS_PER_BLOCK"]) == gather.ROWS_PER_BLOCK
-    assert int(defines["KD_THREADS"]) == gather.THREADS
-    assert int(defines["KD_CHUNK"]) == gather.COPY_CHUNK
-    assert int(defines["KD_MAX_COPIES"]) == gather.MAX_COPIES
-    assert int(defines["KD_MAX_GATHERS"]) == gather.MAX_GATHERS
+def test_launch_constants_reach_the_kernel_as_defines():
+    """The host sizes the grid from these: the kernel is built with the same values, passed as
+    -D flags, and its source defines none of them (no second copy to drift)."""
+    src = gather.kernel_source()
+    flags = dict(f.split("=", 1) for f in gather.define_flags())
+    assert flags == gather.DEFINES
+    for name in gather.DEFINES:
+        assert not re.search(rf"^\s*#\s*define\s+{name}\b", src, re.M), name
+        assert not re.search(rf"#\s*if(n?def)?\b.*\b{name}\b", src), name  # no default
+    assert not re.search(r"#\s*ifndef", src)
+    assert int(flags["KD_ROWS_PER_BLOCK"]) == gather.ROWS_PER_BLOCK
+    assert int(flags["KD_THREADS"]) == gather.THREADS
+    assert int(flags["KD_CHUNK"].rstrip("ul")) == gather.COPY_CHUNK
+    assert int(flags["KD_MAX_COPIES"]) == gather.MAX_COPIES
+    assert int(flags["KD_MAX_GATHERS"]) == gather.MAX_GATHERS
+    assert int(flags["KD_PARAMS_BYTES"]) == ctypes.sizeof(gather.SnapParams)
+
+
+def _nvrtc(defines: dict[str, str], arch: str = "sm_90a") -> bytes:
+    cuda_core = pytest.importorskip("cuda.core")
+    flags = gather.define_flags(defines)
+    opts = cuda_core.ProgramOptions(arch=arch, std="c++17", define_macro=flags)
+    return bytes(cuda_core.Program(gather.kernel_source(), "c++", opts).compile("cubin").code)
+
+
+@pytest.mark.parametrize("name", ["KD_THREADS", "KD_BULK_STAGE", "KD_MIN_BLOCKS_SMALL_SMEM"])
+def test_a_missing_define_does_not_compile(name):
+    """No default in the source: a build that misses one of the host's constants fails, for
+    constants only some archs' code uses too."""
+    assert _nvrtc(gather.DEFINES)[:4] == b"\x7fELF"
+    with pytest.raises(Exception, match=name):
+        _nvrtc({k: v for k, v in gather.DEFINES.items() if k != name})
+
+
+def test_struct_sizes_are_checked_against_the_host_mirrors():
+    """The ctypes mirrors pass their sizes: a mirror that drifts from the kernel's struct fails
+    the build instead of launching with a shifted descriptor table."""
+    for name in ("KD_PARAMS_BYTES", "KD_MARKS_BYTES", "KD_RECORD_BYTES", "KD_SLOT_HEAD_BYTES"):
+        wrong = {**gather.DEFINES, name: str(int(gather.DEFINES[name]) + 8)}
+        with pytest.raises(Exception, match="layout"):
+            _nvrtc(wrong)
 
 
 def test_gather_grid_splits_windows_by_their_worst_case_bytes():
     """A window of ROWS_PER_BLOCK rows becomes as many units as it takes for each to copy at
     most KD_SPLIT_BYTES when every row is touched; small records keep one unit per window; the
     blocks are as many as the units, at most what the GPU holds at once."""
-    split_bytes = gather.define(gather.kernel_source(), "KD_SPLIT_BYTES")
-    assert split_bytes == gather.shipped_split_bytes() > 0
+    split_bytes = gather.SPLIT_BYTES
+    assert split_bytes > 0
     rpb = gather.ROWS_PER_BLOCK
     # A's rows of 4 KiB plus their scales: records of 4,240 bytes
     blocks, split = gather.gather_grid(36_864, 4240)
@@ -179,20 +212,18 @@ def test_set_plan_fills_the_split():
     assert (p.gather_blocks, p.split) == (0, 1)
 
 
-def test_dynamic_shared_memory_follows_the_buffer_defines():
-    """kd_snapshot's gather buffer is dynamic shared memory of the size the host computes from
-    the source: too little and the bulk gathers would write past it."""
+def test_dynamic_shared_memory_holds_the_buffer():
+    """kd_snapshot's gather buffer is dynamic shared memory of the size the host launches with:
+    too little and the bulk gathers would write past it (the kernel refuses to build then)."""
     src = gather.kernel_source()
     assert "extern __shared__" in src and "s_stage[KD_BUF_WORDS]" not in src
-    d = {k: int(v) for k, v in re.findall(r"^#define (KD_\w+) (\d+)", src, re.M)}
-    bulk = d["KD_BULK_WARPS"] * d["KD_BULK_STAGES"] * d["KD_BULK_STAGE"]
-    assert gather.shipped_smem() == gather.smem_bytes(src) == max(bulk, 4 * d["KD_STAGE_WORDS"])
+    bulk = gather.BULK_WARPS * gather.BULK_STAGES * gather.BULK_STAGE
+    assert gather.SMEM_BYTES == 4 * gather.BUF_WORDS == max(bulk, 4 * gather.STAGE_WORDS)
     # an SM of sm_90 / sm_120 gives one block at most 227 / 99 KiB, static shared memory included
-    assert gather.shipped_smem() <= 96 * 1024
-    bigger = re.sub(r"^#define KD_BULK_STAGES \d+", "#define KD_BULK_STAGES 64", src, flags=re.M)
-    assert gather.smem_bytes(bigger) == d["KD_BULK_WARPS"] * 64 * d["KD_BULK_STAGE"]
-    with pytest.raises(gather.SnapshotSourceError, match="KD_BULK_STAGE"):
-        gather.smem_bytes(src.replace("#define KD_BULK_STAGE ", "#define KD_BULK_STAGE_X "))
+    assert gather.SMEM_BYTES <= 96 * 1024
+    small = {**gather.DEFINES, "KD_BUF_WORDS": str(gather.BUF_WORDS // 2)}
+    with pytest.raises(Exception, match="the buffer holds"):
+        _nvrtc(small)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
@@ -203,6 +234,9 @@ def test_snapshot_kernel_compiles_under_nvrtc(arch, tmp_path, monkeypatch):
     assert cubin[:4] == b"\x7fELF"
     assert gather.build_cubin(arch) == cubin  # from the cache
     assert gather.cache_path(arch).is_file()
+    path = gather.cache_path(arch)
+    monkeypatch.setitem(gather.DEFINES, "KD_UNITS", "4")  # another build: another cache entry
+    assert gather.cache_path(arch) != path
 
 
 # -- salvage from a fake device-tier dump -------------------------------------------------------

@@ -6,7 +6,6 @@ counts that leave a partial block, and plain copies of odd sizes and alignments.
 
 from __future__ import annotations
 
-import re
 import struct
 from dataclasses import replace
 
@@ -197,13 +196,11 @@ def _mn_major(rows, cols, seed, pad=0, dtype=torch.float32):
     return t
 
 
-@pytest.fixture(params=["shipped", "KD_DENSE flipped"])
+@pytest.fixture(params=["built for this GPU", "plain path"])
 def whole_windows(request):
-    """The shipped kernel (None) and one built with the other KD_DENSE: whole windows read
-    before the rule, or only the touched rows, are both checked whichever is shipped."""
-    if request.param == "shipped":
-        return None
-    return _build(KD_DENSE=1 - gather.define(gather.kernel_source(), "KD_DENSE"))
+    """The kernel as built for this GPU (None: sm_90+ reads whole windows of scales before the
+    rule) and its plain path (what a GPU before sm_90 runs: only the touched rows, after it)."""
+    return None if request.param == "built for this GPU" else _plain_build()
 
 
 @pytest.mark.parametrize(
@@ -253,14 +250,12 @@ def test_whole_windows_under_the_masked_and_psum_rules(max_m, pad, whole_windows
     _check([flat, ends], [0], "psum", ends, 1, alignment=128, fn=whole_windows)
 
 
-@pytest.fixture(params=["shipped", "KD_OVERLAP flipped"])
+@pytest.fixture(params=["built for this GPU", "plain path"])
 def side_by_side(request):
-    """The shipped kernel (None) and one built with the other KD_OVERLAP: a call's rows and its
-    strided scales gathered side by side, or one after the other, are both checked whichever is
-    shipped."""
-    if request.param == "shipped":
-        return None
-    return _build(KD_OVERLAP=1 - gather.define(gather.kernel_source(), "KD_OVERLAP"))
+    """The kernel as built for this GPU (None: sm_90+ gathers a call's rows and its strided
+    scales side by side) and its plain path (what a GPU before sm_90 runs: one after the
+    other, without bulk copies)."""
+    return None if request.param == "built for this GPU" else _plain_build()
 
 
 @pytest.mark.parametrize(
@@ -329,37 +324,30 @@ def test_windows_split_into_units(split, blocks, side_by_side):
     )
 
 
-_builds: dict[tuple[tuple[str, int], ...], object] = {}
+_plain: list[object] = []
 
 
-def _build(**defines: int):
-    """kd_snapshot compiled with these #defines of snapshot.cu changed, loaded once per set."""
-    key = tuple(sorted(defines.items()))
-    if key in _builds:
-        return _builds[key]
+def _plain_build():
+    """kd_snapshot as a GPU before sm_90 runs it (no bulk copies, no whole windows, one gather
+    after the other): compiled to sm_80 PTX, which the driver compiles for this GPU at load;
+    loaded once."""
+    if _plain:
+        return _plain[0]
     from cuda.core import Program, ProgramOptions
 
     from kdump.cuda.nvrtc import check, driver
 
-    # the shipped kernel's loader makes torch's context current on this thread (a worker whose
-    # first test builds a variant has none yet)
+    # the kernel's loader makes torch's context current on this thread (a worker whose first
+    # test builds the plain path has none yet)
     gather.get_kernel(torch.cuda.current_device())
-    src = gather.kernel_source()
-    for name, value in defines.items():
-        src, n = re.subn(rf"#define {name} \S+", f"#define {name} {value}", src)
-        assert n == 1, name
-    arch = gather.arch_of(torch.cuda.get_device_capability())
-    obj = Program(src, "c++", ProgramOptions(arch=arch, std="c++17")).compile("cubin")
-    module = check(driver().cuModuleLoadData(bytes(obj.code)), "cuModuleLoadData")
+    opts = ProgramOptions(arch="sm_80", std="c++17", define_macro=gather.define_flags())
+    ptx = bytes(Program(gather.kernel_source(), "c++", opts).compile("ptx").code)
+    assert b"cp.async.bulk" not in ptx and b".target sm_80" in ptx
+    module = check(driver().cuModuleLoadData(ptx.rstrip(b"\0") + b"\0"), "cuModuleLoadData")
     fn = check(driver().cuModuleGetFunction(module, b"kd_snapshot"), "get kd_snapshot")
-    gather.allow_smem(fn, gather.smem_bytes(src))
-    _builds[key] = fn
+    gather.allow_smem(fn, gather.SMEM_BYTES)
+    _plain.append(fn)
     return fn
-
-
-def _plain_build():
-    """kd_snapshot compiled without the bulk copies (what devices before sm_90 run)."""
-    return _build(KD_BULK=0)
 
 
 def test_plain_build_gathers_the_same_rows():

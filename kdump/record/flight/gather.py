@@ -7,7 +7,8 @@ touched row, `[u32 row, 12 zero bytes]` then each gathered tensor's bytes of tha
 the two bit for bit) and `place_back` its inverse, used by salvage.
 
 The kernel (snapshot.cu) is compiled with NVRTC for the device's arch and cached on disk like the
-packaged GEMM (the toolchain in kdump.cuda.nvrtc); it is launched with cuLaunchKernel on the current
+packaged GEMM (the toolchain in kdump.cuda.nvrtc), with its constants passed from here as -D flags
+(DEFINES: the one place they are written); it is launched with cuLaunchKernel on the current
 torch stream with its descriptor table passed by value, so a capture freezes it into the graph
 node.
 """
@@ -15,10 +16,8 @@ node.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import importlib.resources
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,17 +32,61 @@ SOURCE_NAME = "snapshot.cu"
 KERNEL = "kd_snapshot"
 MARK_KERNEL = "kd_mark"
 MARKS_KERNEL = "kd_marks"
-MAX_MARKS = 32  # KD_MAX_MARKS in snapshot.cu: the `post` markers one kd_marks launch writes
-MAX_COPIES = 16
-MAX_GATHERS = 4
-ROWS_PER_BLOCK = 128  # KD_ROWS_PER_BLOCK in snapshot.cu
-THREADS = 256  # KD_THREADS in snapshot.cu
+
+# The kernel's constants. snapshot.cu defines none of them: DEFINES passes each as a -D flag, and
+# the host sizes its grids, buffers and descriptor tables from the same names.
+MAX_MARKS = 32  # the `post` markers one kd_marks launch writes
+MAX_COPIES = 16  # plain byte ranges in one launch's descriptor table
+MAX_GATHERS = 4  # row gathers sharing one compaction
+# Rows of a window: fewer windows cost fewer counter round trips; smaller ones spread uneven
+# routing over the SMs (H200: 128 beat 64 and 256 at 1-32 tokens per expert, 64 was 6 % faster
+# with A rows at 113).
+ROWS_PER_BLOCK = 128
+THREADS = 256
+UNROLL = 4  # loads in flight per thread before its stores
+COPY_CHUNK = THREADS * 16 * UNROLL  # bytes of a plain copy per block step
+MAX_COPY_BLOCKS = 1024  # blocks taking the plain copies' chunks at most
+MAX_GRID = (1 << 31) - 1 - MAX_COPY_BLOCKS  # the grid's x limit, less the plain copies' blocks
+# A window's touched rows are shared among up to Params.split units of work, each reserving its
+# own records: the host picks split so that a unit copies at most about SPLIT_BYTES when every row
+# is touched (gather_grid), and launches about as many gather blocks as the GPU holds at once,
+# each taking units round robin. One block per window left a big gather in a wave and a tail of
+# large blocks; one block per unit made sparse routing pay a wave of idle blocks per unit of
+# split. (A split chosen to fill the waves instead, fewer and larger units where the units would
+# have made the busiest blocks copy two while most copied one, measured slower on the H100:
+# 256 MB 0.86x against 0.88x, decode 32 / A+scales 43.2 against 41.6 us.) H100 (2026-12-06),
+# with MIN_BLOCKS 3: 131072 against 65536 the same on big gathers and 1-6 us faster at every
+# decode shape (fewer rounds of UNITS). Host only: the kernel reads Params.split.
+SPLIT_BYTES = 131072
+UNITS = 8  # units a gather block tests the rule of at once (one round trip for them)
+# Blocks an SM should hold at once (__launch_bounds__' register cap): 3 against the 2 that 256
+# threads held without it, H100: 0.5-1.2 us faster at every decode shape, big gathers within
+# 0.03x. SMs with about 100 KiB of shared memory (sm_86/89, sm_120) fit only 2 blocks of the
+# buffer's 32 KiB and more, so there the cap would only spill (sm_120a, by ptxas: 88 bytes of
+# spill stores at 3, none at 2): the kernel takes MIN_BLOCKS_SMALL_SMEM there.
+MIN_BLOCKS = 3
+MIN_BLOCKS_SMALL_SMEM = 2
+STAGE_WORDS = 4096  # shared-memory words staging a block's strided 4-byte rows
+# Loads in flight per thread in the staged gather (H200: 8 and 16 were 1.3-3.7 us slower at every
+# decode shape).
+STAGE_UNROLL = 4
+# The bulk gather (sm_90+): BULK_WARPS issuing threads, each with BULK_STAGES buffers of
+# BULK_STAGE bytes (a multiple of 16).
+BULK_WARPS = 4
+BULK_STAGES = 4
+BULK_STAGE = 2048
+# Pieces in flight per issuer when a call's rows and its strided scales are gathered side by side
+# (the rest of the buffer stages the scales).
+OVERLAP_STAGES = 3
+# The dynamic shared memory buffer in 4-byte words: the larger of the bulk gather's stages and
+# the staged gather's words.
+BUF_WORDS = max(BULK_WARPS * BULK_STAGES * BULK_STAGE // 4, STAGE_WORDS)
 RULES = {"all": 0, "labels": 1, "masked": 2, "psum": 3}
 RECORD_HEAD = 16  # u32 row index, 12 zero bytes
 SLOT_HEAD = 64  # SlotHead in snapshot.cu
 CALL_RECORD = 64  # Record in snapshot.cu
-SLOT_MAGIC = 0x5352444B
-RECORD_MAGIC = 0x5244444B
+SLOT_MAGIC = 0x5352444B  # "KDRS": a device ring slot header
+RECORD_MAGIC = 0x5244444B  # "KDDR": the call record in the twin
 SLOT_ALIGN = 256
 
 
@@ -435,34 +478,51 @@ class Kernels(NamedTuple):
     seconds: float  # what building and loading it took
     mark: Any  # kd_mark: one done marker
     marks: Any  # kd_marks: a batch of `post` markers
-    smem: int  # dynamic shared memory bytes of every kd_snapshot launch (smem_bytes)
+    smem: int  # dynamic shared memory bytes of every kd_snapshot launch (SMEM_BYTES)
     resident: int  # kd_snapshot blocks the device holds at once (resident_blocks; 0: unknown)
+
+
+# The -D flags of every build: name -> C literal (the unrolls and the chunk keep the unsigned types
+# the kernel's arithmetic was written for).
+DEFINES: dict[str, str] = {
+    "KD_MAX_COPIES": str(MAX_COPIES),
+    "KD_MAX_GATHERS": str(MAX_GATHERS),
+    "KD_MAX_MARKS": str(MAX_MARKS),
+    "KD_ROWS_PER_BLOCK": str(ROWS_PER_BLOCK),
+    "KD_UNITS": str(UNITS),
+    "KD_MIN_BLOCKS": str(MIN_BLOCKS),
+    "KD_MIN_BLOCKS_SMALL_SMEM": str(MIN_BLOCKS_SMALL_SMEM),
+    "KD_THREADS": str(THREADS),
+    "KD_UNROLL": f"{UNROLL}u",
+    "KD_CHUNK": f"{COPY_CHUNK}ull",
+    "KD_STAGE_WORDS": str(STAGE_WORDS),
+    "KD_STAGE_UNROLL": f"{STAGE_UNROLL}u",
+    "KD_BULK_WARPS": str(BULK_WARPS),
+    "KD_BULK_STAGES": str(BULK_STAGES),
+    "KD_BULK_STAGE": str(BULK_STAGE),
+    "KD_OVERLAP_STAGES": str(OVERLAP_STAGES),
+    "KD_BUF_WORDS": str(BUF_WORDS),
+    "KD_RULE_LABELS": str(RULES["labels"]),
+    "KD_RULE_MASKED": str(RULES["masked"]),
+    "KD_RULE_PSUM": str(RULES["psum"]),
+    "KD_SLOT_MAGIC": f"{SLOT_MAGIC:#x}u",
+    "KD_RECORD_MAGIC": f"{RECORD_MAGIC:#x}u",
+    "KD_SLOT_HEAD_BYTES": str(SLOT_HEAD),
+    "KD_RECORD_BYTES": str(CALL_RECORD),
+    "KD_PARAMS_BYTES": str(ctypes.sizeof(SnapParams)),
+    "KD_MARKS_BYTES": str(ctypes.sizeof(Marks)),
+}
+# Dynamic shared memory of every kd_snapshot launch: its buffer of BUF_WORDS words.
+SMEM_BYTES = 4 * BUF_WORDS
 
 
 def kernel_source() -> str:
     return importlib.resources.files(__package__).joinpath(SOURCE_NAME).read_text(encoding="utf-8")
 
 
-def define(src: str, name: str) -> int:
-    """The value of a numeric `#define name` of a snapshot kernel source."""
-    m = re.search(rf"^#define {name} (\d+)u?(?:ll|ull)?\b", src, re.MULTILINE)
-    if m is None:
-        raise SnapshotSourceError(f"{SOURCE_NAME} has no numeric #define {name}")
-    return int(m.group(1))
-
-
-def smem_bytes(src: str) -> int:
-    """The dynamic shared memory a kd_snapshot built from `src` launches with: its buffer of
-    KD_BUF_WORDS words, the larger of the bulk gather's buffers (KD_BULK_WARPS x KD_BULK_STAGES x
-    KD_BULK_STAGE bytes) and the staged gather's KD_STAGE_WORDS."""
-    bulk = define(src, "KD_BULK_WARPS") * define(src, "KD_BULK_STAGES")
-    return max(bulk * define(src, "KD_BULK_STAGE"), 4 * define(src, "KD_STAGE_WORDS"))
-
-
-@functools.cache
-def shipped_split_bytes() -> int:
-    """KD_SPLIT_BYTES of the shipped snapshot.cu."""
-    return define(kernel_source(), "KD_SPLIT_BYTES")
+def define_flags(defines: dict[str, str] = DEFINES) -> list[str]:
+    """`defines` as NVRTC's define_macro entries (NAME=VALUE)."""
+    return [f"{name}={value}" for name, value in defines.items()]
 
 
 def gather_grid(
@@ -474,13 +534,13 @@ def gather_grid(
 ) -> tuple[int, int]:
     """(gather blocks, units per window) of a gather of `rows` rows of `rec_bytes`-byte records:
     windows of `rows_per_block` rows, each split into as many units as it takes for one unit to
-    copy at most about `split_bytes` (default: the shipped KD_SPLIT_BYTES) when every row is
+    copy at most about `split_bytes` (default: SPLIT_BYTES) when every row is
     touched (at most one unit per row); as many blocks as units, at most `resident` (the blocks
     the GPU holds at once; 0: no limit), each taking units round robin."""
     windows = -(-rows // rows_per_block)
     if windows == 0:
         return 0, 1
-    unit_bytes = max(1, shipped_split_bytes() if split_bytes is None else split_bytes)
+    unit_bytes = max(1, SPLIT_BYTES if split_bytes is None else split_bytes)
     units_needed = -(-rows_per_block * rec_bytes // unit_bytes)
     # at most one unit per row and 2^32 units of work
     split = max(1, min(rows_per_block, units_needed, ((1 << 32) - 1) // windows))
@@ -509,12 +569,6 @@ def resident_blocks(fn: Any, smem: int, threads: int = THREADS) -> int:
     return max(0, int(per_sm) * int(sms))
 
 
-@functools.cache
-def shipped_smem() -> int:
-    """smem_bytes of the shipped snapshot.cu."""
-    return smem_bytes(kernel_source())
-
-
 def allow_smem(fn: Any, smem: int) -> None:
     """Let `fn` (a loaded kd_snapshot) launch with `smem` dynamic shared bytes: past 48 KiB with
     its static shared memory the driver wants the function's opt-in first (set always: a value
@@ -534,7 +588,7 @@ def cache_path(arch: str) -> Path:
 
     root = config.get("KDUMP_CACHE_DIR") or str(Path.home() / ".cache" / "kdump")
     h = hashlib.sha256(kernel_source().encode())
-    h.update(repr((arch, nvrtc_version())).encode())
+    h.update(repr((arch, nvrtc_version(), define_flags())).encode())
     return Path(root).expanduser() / "snapshot" / f"snapshot-{arch}-{h.hexdigest()[:32]}.cubin"
 
 
@@ -549,7 +603,9 @@ def build_cubin(arch: str, use_cache: bool = True) -> bytes:
     path = cache_path(arch)
     if use_cache and path.is_file():
         return path.read_bytes()
-    opts = ProgramOptions(name=SOURCE_NAME, arch=arch, std="c++17", lineinfo=True)
+    opts = ProgramOptions(
+        name=SOURCE_NAME, arch=arch, std="c++17", lineinfo=True, define_macro=define_flags()
+    )
     try:
         obj = Program(kernel_source(), "c++", opts).compile("cubin", logs=None)
     except Exception as exc:
@@ -605,20 +661,15 @@ def get_kernel(device_index: int) -> Kernels:
                 _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
             module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
             fn = _check(driver.cuModuleGetFunction(module, KERNEL.encode()), f"get {KERNEL}")
-            allow_smem(fn, shipped_smem())
+            allow_smem(fn, SMEM_BYTES)
             mark, marks = (
                 _check(driver.cuModuleGetFunction(module, name.encode()), f"get {name}")
                 for name in (MARK_KERNEL, MARKS_KERNEL)
             )
-            resident = resident_blocks(fn, shipped_smem())
-        k = Kernels(fn, module, time.perf_counter() - t0, mark, marks, shipped_smem(), resident)
+            resident = resident_blocks(fn, SMEM_BYTES)
+        k = Kernels(fn, module, time.perf_counter() - t0, mark, marks, SMEM_BYTES, resident)
         _functions[device_index] = k
         return k
-
-
-COPY_CHUNK = 16384  # KD_CHUNK in snapshot.cu
-MAX_COPY_BLOCKS = 1024
-MAX_GRID = (1 << 31) - 1 - MAX_COPY_BLOCKS  # the grid's x limit, less the plain copies' blocks
 
 
 def set_plan(
@@ -683,7 +734,7 @@ def launch(
     fn: Any, params: SnapParams, stream: Any, grid: int | None = None, smem: int | None = None
 ) -> None:
     """Enqueue the snapshot on `stream` (a handle or a CUstream; no sync, no allocation:
-    capturable); `smem` is the build's smem_bytes (default: the shipped source's)."""
+    capturable); `smem`: its dynamic shared memory (default: SMEM_BYTES)."""
     from kdump.cuda.nvrtc import check as _check
     from kdump.cuda.nvrtc import driver as _driver
 
@@ -698,7 +749,7 @@ def launch(
             THREADS,
             1,
             1,
-            shipped_smem() if smem is None else smem,
+            SMEM_BYTES if smem is None else smem,
             stream if isinstance(stream, driver.CUstream) else driver.CUstream(stream),
             ctypes.addressof(args),
             0,

@@ -8,92 +8,58 @@
 // position is chosen on the device from the ring's head, so a captured graph picks a fresh slot
 // at every replay; the last block to finish writes the slot header and the twin's call record,
 // then advances the head and the replay token. No includes: NVRTC compiles it without headers.
-// Mirrors kdump/record/flight/gather.py (SnapParams, the record layouts); keep both in step.
+//
+// Every constant the host also uses comes from kdump/record/flight/gather.py as a -D flag
+// (gather.DEFINES, where each value's reasons are written); none has a default here, so a build
+// that misses one does not compile. The structs below are what gather.py's ctypes mirrors
+// describe: it passes their sizes too, checked by static_assert.
 
 typedef unsigned long long u64;
 typedef long long i64;
 typedef unsigned int u32;
 
-#define KD_MAX_COPIES 16
-#define KD_MAX_GATHERS 4
-#define KD_ROWS_PER_BLOCK 128  // rows of a window: fewer windows cost fewer counter round trips;
-                               // smaller ones spread uneven routing over the SMs (H200: 128 beat
-                               // 64 and 256 at 1-32 tokens per expert, 64 was 6 % faster with A
-                               // rows at 113)
-// A window's touched rows are shared among up to Params.split units of work, each reserving its
-// own records: the host picks split so that a unit copies at most about KD_SPLIT_BYTES when every
-// row is touched (kdump/record/flight/gather.py reads this define), and launches about as many gather
-// blocks as the GPU holds at once, each taking units round robin. One block per window left a
-// big gather in a wave and a tail of large blocks; one block per unit made sparse routing pay a
-// wave of idle blocks per unit of split. (A split chosen to fill the waves instead, fewer and
-// larger units where the units would have made the busiest blocks copy two while most copied
-// one, measured slower on the H100: 256 MB 0.86x against 0.88x, decode 32 / A+scales 43.2
-// against 41.6 us.)
-// H100, bench/bench_snapshot_kernel.py (2026-12-06), with KD_MIN_BLOCKS 3: 131072 against 65536
-// the same on big gathers and 1-6 us faster at every decode shape (fewer rounds of KD_UNITS).
-#define KD_SPLIT_BYTES 131072
-#define KD_UNITS 8  // units a gather block tests the rule of at once (one round trip for them)
-// Blocks an SM should hold at once (the register cap this sets): 3 against the 2 that 256
-// threads held without it, H100: 0.5-1.2 us faster at every decode shape, big gathers within
-// 0.03x. SMs with about 100 KiB of shared memory (sm_86/89, sm_120) fit only 2 blocks of the
-// buffer's 32 KiB and more, so there the cap would only spill (sm_120a, by ptxas: 88 bytes of
-// spill stores at 3, none at 2).
-#define KD_MIN_BLOCKS 3
-#define KD_MIN_BLOCKS_SMALL_SMEM 2
+// The constants from the host (gather.DEFINES); naming each here makes a missing one an error.
+static_assert(KD_MAX_COPIES > 0 && KD_MAX_GATHERS > 0 && KD_MAX_MARKS > 0, "table sizes");
+static_assert(KD_THREADS > 0 && KD_UNROLL > 0 && KD_CHUNK > 0 && KD_ROWS_PER_BLOCK > 0 &&
+                  KD_UNITS > 0,
+              "launch shape");
+static_assert(KD_MIN_BLOCKS > 0 && KD_MIN_BLOCKS_SMALL_SMEM > 0, "blocks per SM");
+static_assert(KD_STAGE_WORDS > 0 && KD_STAGE_UNROLL > 0 && KD_BUF_WORDS > 0, "staged gather");
+static_assert(KD_BULK_WARPS > 0 && KD_BULK_STAGES > 0 && KD_BULK_STAGE > 0 &&
+                  KD_OVERLAP_STAGES > 0,
+              "bulk gather");
+static_assert(KD_RULE_LABELS != KD_RULE_MASKED && KD_RULE_MASKED != KD_RULE_PSUM &&
+                  KD_RULE_LABELS != KD_RULE_PSUM,
+              "row rules (any other kind: every row)");
+static_assert(KD_SLOT_MAGIC != KD_RECORD_MAGIC, "magics");
+static_assert(KD_SLOT_HEAD_BYTES > 0 && KD_RECORD_BYTES > 0 && KD_PARAMS_BYTES > 0 &&
+                  KD_MARKS_BYTES > 0,
+              "struct sizes");
+
+// Blocks an SM should hold at once (the register cap __launch_bounds__ sets): SMs with about
+// 100 KiB of shared memory (sm_86/89, sm_120) fit fewer blocks of the buffer, so there the
+// larger cap would only spill.
 #if defined(__CUDA_ARCH__) && \
     ((__CUDA_ARCH__ >= 860 && __CUDA_ARCH__ < 900) || __CUDA_ARCH__ >= 1200)
 #define KD_LAUNCH_MIN_BLOCKS KD_MIN_BLOCKS_SMALL_SMEM
 #else
 #define KD_LAUNCH_MIN_BLOCKS KD_MIN_BLOCKS
 #endif
-#define KD_THREADS 256
-#define KD_UNROLL 4u  // loads in flight per thread before its stores
-#define KD_CHUNK 16384ull  // bytes of a plain copy per block step (KD_THREADS x 16 x KD_UNROLL)
-#define KD_STAGE_WORDS 4096  // shared-memory words staging a block's strided 4-byte rows
-#define KD_STAGE_UNROLL 4u  // loads in flight per thread in the staged gather (H200: 8 and 16
-                            // were 1.3-3.7 us slower at every decode shape)
 // Contiguous row gathers on sm_90+ go through shared memory with bulk asynchronous copies
 // (cp.async.bulk, the TMA's 1-D form): KD_BULK_WARPS issuing threads (lane 0 of the first warps),
 // each with KD_BULK_STAGES buffers of KD_BULK_STAGE bytes, so a block keeps WARPS x STAGES row
-// pieces in flight with a few registers. KD_BULK 0: the plain loads and stores everywhere.
-// The buffer is the launch's dynamic shared memory, KD_BUF_WORDS words: the host reads its size
-// from these defines (kdump/record/flight/gather.py, smem_bytes), so it may exceed the 48 KiB that
-// static shared memory allows.
-#define KD_BULK 1
-#define KD_BULK_WARPS 4
-#define KD_BULK_STAGES 4
-#define KD_BULK_STAGE 2048  // bytes, a multiple of 16
-#define KD_BULK_BYTES (KD_BULK_WARPS * KD_BULK_STAGES * KD_BULK_STAGE)
-#define KD_BUF_WORDS (KD_BULK_BYTES / 4 > KD_STAGE_WORDS ? KD_BULK_BYTES / 4 : KD_STAGE_WORDS)
-// Windows read whole before their rows are known (see dense_ok): 1 on sm_90+, 0 never (H100,
-// kd_snapshot in a recorded step of scales alone: 1.0 us shorter at 1 token per expert, 3.7 us
-// at 113; bench/RESULTS.md). A window's column takes KD_DENSE_LD words of the buffer (16-byte
-// aligned for the bulk copies), so at most KD_DENSE_COLS columns (fp32 scales of K up to 7,936).
-#define KD_DENSE 1
+// pieces in flight with a few registers; before sm_90, plain loads and stores. The buffer is the
+// launch's dynamic shared memory, KD_BUF_WORDS words (the host sizes the launch from it), so it
+// may exceed the 48 KiB that static shared memory allows.
+// Windows read whole before their rows are known (see dense_ok): a window's column takes
+// KD_DENSE_LD words of the buffer (16-byte aligned for the bulk copies), so at most
+// KD_DENSE_COLS columns (fp32 scales of K up to 7,936).
 #define KD_DENSE_LD (KD_ROWS_PER_BLOCK + 4)
 #define KD_DENSE_COLS (KD_BUF_WORDS / KD_DENSE_LD)
 // A call's contiguous rows and its strided 4-byte rows (A and its MN-major scales) gathered side
-// by side (see gather_pair): 1 on sm_90+, 0 one after the other. The rows then keep
-// KD_OVERLAP_STAGES pieces in flight per issuer, and the strided rows stage through the rest of
-// the buffer (H100, kd_snapshot in a recorded step of A and its scales: 1.3 us shorter at 32
-// tokens per expert, 2.7 us at 113; alone, 2.2 and 3.9 us; bench/RESULTS.md).
-#define KD_OVERLAP 1
-#define KD_OVERLAP_STAGES 3
+// by side (see gather_pair): the rows then keep KD_OVERLAP_STAGES pieces in flight per issuer,
+// and the strided rows stage through the rest of the buffer.
 #define KD_OVERLAP_BULK_WORDS (KD_BULK_WARPS * KD_OVERLAP_STAGES * KD_BULK_STAGE / 4)
-// A recorded kernel launched with programmatic dependent launch (DeepGEMM's set_pdl) may start
-// its prologue once every block of the snapshot has said so (sm_90+): 1 at a block's start, 2
-// after its copies (before the publication), 0 never. H200, DeepGEMM with PDL, metadata and
-// scales: the same step within 0.01x at 1 and 32 tokens per expert, and at 113 tokens 1.11x (1)
-// and 1.08x (2) against 1.06x (0): the GEMM's early blocks slow the snapshot's.
-#define KD_EARLY_LAUNCH 0
-
-#define RULE_ALL 0
-#define RULE_LABELS 1
-#define RULE_MASKED 2
-#define RULE_PSUM 3
-
-#define SLOT_MAGIC 0x5352444bu    // "KDRS": a device ring slot header
-#define RECORD_MAGIC 0x5244444bu  // "KDDR": the call record in the twin
 
 struct Copy {
   u64 src;
@@ -171,12 +137,15 @@ struct Record {
 // The host mirrors (kdump/record/flight/gather.py) rely on these sizes.
 static_assert(sizeof(Copy) == 24, "Copy layout");
 static_assert(sizeof(Gather) == 48, "Gather layout");
-static_assert(sizeof(Params) == 720, "Params layout");
-static_assert(sizeof(SlotHead) == 64, "SlotHead layout");
-static_assert(sizeof(Record) == 64, "Record layout");
+static_assert(sizeof(Params) == KD_PARAMS_BYTES, "Params layout (gather.SnapParams)");
+static_assert(sizeof(SlotHead) == KD_SLOT_HEAD_BYTES, "SlotHead layout (gather.SLOT_HEAD)");
+static_assert(sizeof(Record) == KD_RECORD_BYTES, "Record layout (gather.CALL_RECORD)");
 static_assert(KD_ROWS_PER_BLOCK <= KD_THREADS, "a gather block tests one row per thread");
 static_assert(KD_CHUNK == KD_THREADS * 16 * KD_UNROLL, "a plain-copy step is one unrolled round");
 static_assert(KD_BULK_STAGE % 16 == 0 && KD_BULK_WARPS * 32 <= KD_THREADS, "bulk gather shape");
+static_assert(KD_BUF_WORDS * 4 >= KD_BULK_WARPS * KD_BULK_STAGES * KD_BULK_STAGE &&
+                  KD_BUF_WORDS >= KD_STAGE_WORDS,
+              "the buffer holds the bulk gather's stages and the staged gather's words");
 static_assert(KD_OVERLAP_STAGES <= KD_BULK_STAGES && KD_OVERLAP_BULK_WORDS < KD_BUF_WORDS &&
                   KD_BULK_WARPS * 32 < KD_THREADS,
               "gather_pair's share of the buffer and of the warps");
@@ -191,13 +160,13 @@ __device__ __forceinline__ u64 slot_pos(const Params& p, u64 head) {
 __device__ __forceinline__ bool touched(const Params& p, u32 r) {
   const int* rule = (const int*)p.rule;
   switch (p.rule_kind) {
-    case RULE_LABELS:
+    case KD_RULE_LABELS:
       return r < p.rule_n && rule[r] >= 0;
-    case RULE_MASKED: {
+    case KD_RULE_MASKED: {
       u32 g = r / p.inner;
       return g < p.rule_n && (int)(r % p.inner) < rule[g];
     }
-    case RULE_PSUM: {
+    case KD_RULE_PSUM: {
       // group g: rows [align(end[g-1]), end[g]); the first group whose end is above r.
       u32 lo = 0, hi = p.rule_n;
       while (lo < hi) {
@@ -382,7 +351,7 @@ __device__ void gather_strided_staged(const Gather& g, const u32* outer, const u
   }
 }
 
-#if KD_BULK && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define KD_HAVE_BULK 1
 __device__ __forceinline__ u32 smem_addr(const void* p) {
   return (u32)__cvta_generic_to_shared(p);
@@ -487,10 +456,12 @@ __device__ void gather_bulk(const Gather& g, const u32* outer, const u32* inner,
   __syncthreads();  // the buffers are free again (the staged gathers use them next)
 }
 
-// A call's two gathers side by side (KD_OVERLAP): contiguous rows (A) by bulk copies, issued by
+// A call's two gathers side by side: contiguous rows (A) by bulk copies, issued by
 // lane 0 of the first KD_BULK_WARPS warps with KD_OVERLAP_STAGES buffers each, while the other
 // warps stage 4-byte strided rows (A's MN-major scales) through the rest of the buffer. One after
-// the other, each unit paid the scales' load round trip after the rows' last piece had landed.
+// the other, each unit paid the scales' load round trip after the rows' last piece had landed
+// (H100, kd_snapshot in a recorded step of A and its scales: side by side 1.3 us shorter at 32
+// tokens per expert, 2.7 us at 113; alone, 2.2 and 3.9 us; lab/results/RESULTS.md).
 // Every thread of the block calls it.
 __device__ void gather_pair(const Gather& rows, const Gather& strided, const u32* outer,
                             const u32* inner, u32 count, char* out, u32 rec_bytes, u32 tid,
@@ -513,7 +484,7 @@ __device__ void gather_pair(const Gather& rows, const Gather& strided, const u32
 // is contiguous rows the bulk copies take (16-byte aligned) and the other strided 4-byte rows the
 // rest of the buffer stages (the record's alignment is checked per unit).
 __device__ __forceinline__ int pair_rows(const Params& p) {
-  if (!KD_OVERLAP || p.n_gathers != 2) return -1;
+  if (p.n_gathers != 2) return -1;
   for (int a = 0; a < 2; ++a) {
     const Gather& r = p.gathers[a];
     const Gather& s = p.gathers[1 - a];
@@ -529,7 +500,7 @@ __device__ __forceinline__ int pair_rows(const Params& p) {
   return -1;
 }
 
-// Windows read whole (KD_DENSE): when a call gathers one tensor of 4-byte elements whose rows
+// Windows read whole: when a call gathers one tensor of 4-byte elements whose rows
 // are adjacent in a column (MN-major scales) and a window's columns fit the buffer, a gather
 // block copies its next window's columns whole (every row, touched or not: they lie inside the
 // tensor) into shared memory with bulk copies, issued before it knows which rows are touched.
@@ -538,9 +509,11 @@ __device__ __forceinline__ int pair_rows(const Params& p) {
 // the publication. Column c of the window sits at KD_DENSE_LD * c words of the buffer. The
 // untouched rows' bytes are read, never stored: a tool that reports reads of memory nothing
 // wrote (compute-sanitizer's initcheck) may name this kernel where padding rows of the scales
-// were left unwritten (KD_DENSE 0 reads only the touched rows).
+// were left unwritten (the plain path, before sm_90, reads only the touched rows). H100,
+// kd_snapshot in a recorded step of scales alone: 1.0 us shorter at 1 token per expert, 3.7 us
+// at 113, than reading only the touched rows (lab/results/RESULTS.md).
 __device__ __forceinline__ bool dense_ok(const Params& p) {
-  if (!KD_DENSE || p.n_gathers != 1 || p.split > 1) return false;
+  if (p.n_gathers != 1 || p.split > 1) return false;
   const Gather& g = p.gathers[0];
   const bool one_outer = p.inner >= p.rows;
   return g.elem == 4 && g.inner_stride == 4 && g.cols > 1 && g.cols <= KD_DENSE_COLS &&
@@ -668,12 +641,6 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_LAUNCH_MIN_BLOCKS)
   Record* rec = (Record*)p.record;
   volatile u64* ctrl = (volatile u64*)p.ctrl;
   const u32 tid = threadIdx.x;
-  // The recorded kernel's grid-dependency wait still holds it until this grid has finished and
-  // its writes are visible, so it never runs ahead of the snapshot of its inputs. Without PDL on
-  // the next launch this does nothing.
-#if KD_EARLY_LAUNCH == 1 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
   // The launch is a chain of dependent memory round trips (the rule, the ring head, the row
   // counter, the rows, the block counter, the publication): every step below overlaps what it
   // can, a recorded graph step pays the chain before its kernel runs.
@@ -826,9 +793,6 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_LAUNCH_MIN_BLOCKS)
       first += chunks;
     }
   }
-#if KD_EARLY_LAUNCH == 2 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
   // The last block to finish publishes the call: what it writes, one fence, then the marks that
   // say it is complete (a reader that sees a mark sees everything before it).
   __threadfence();
@@ -850,7 +814,7 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_LAUNCH_MIN_BLOCKS)
   SlotHead* h = (SlotHead*)((char*)p.ring + (p.ring_bytes ? pos % p.ring_bytes : 0));
   if (p.gather_blocks) {
     used = ((u64)sizeof(SlotHead) + (u64)rows * p.rec_bytes + 255) / 256 * 256;
-    h->magic = SLOT_MAGIC;
+    h->magic = KD_SLOT_MAGIC;
     h->slot_index = p.slot_index;
     h->seq = p.seq;
     h->token = token;
@@ -860,7 +824,7 @@ extern "C" __global__ void __launch_bounds__(KD_THREADS, KD_LAUNCH_MIN_BLOCKS)
     h->used = used;
     h->call_index = p.call_index;
   }
-  rec->magic = RECORD_MAGIC;
+  rec->magic = KD_RECORD_MAGIC;
   rec->rows = rows;
   rec->seq = p.seq;
   rec->pos = p.gather_blocks ? pos : ~0ull;
@@ -887,7 +851,6 @@ extern "C" __global__ void kd_mark(const u64* src, u64* dst) {
 
 // A batch of `post` markers (eager calls' host copies, issued on the side stream after the
 // batch's D2H copies): thread k copies word src[k] to dst[k], k < n. One block of KD_MAX_MARKS.
-#define KD_MAX_MARKS 32
 struct Marks {
   u64 n;
   const u64* src[KD_MAX_MARKS];
@@ -898,3 +861,5 @@ extern "C" __global__ void kd_marks(const Marks m) {
   const unsigned k = threadIdx.x;
   if (k < m.n) *(volatile u64*)m.dst[k] = *(const volatile u64*)m.src[k];
 }
+
+static_assert(sizeof(Marks) == KD_MARKS_BYTES, "Marks layout (gather.Marks)");
