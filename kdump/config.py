@@ -180,6 +180,21 @@ def get_flag(name: str, env: Mapping[str, str] | None = None) -> bool:
     return value is not None and value.strip().lower() in ("1", "true", "yes", "on")
 
 
+# --- units: what the variables and the command line give as sizes -----------------------------
+_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'512', '10K', '1.5G', '2GiB' -> bytes (binary units)."""
+    if isinstance(text, int):
+        return text
+    m = _BYTES_RE.match(text)
+    if not m:
+        raise UsageError(f"bad byte count {text!r}: use e.g. 500M or 2G")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
 def is_secret(name: str) -> bool:
     upper = name.upper()
     return any(marker in upper for marker in SECRET_MARKERS)

@@ -1,4 +1,4 @@
-"""Strings from bundles made safe to show.
+"""Text kdump shows: strings from bundles made safe, and sizes in words.
 
 A bundle is untrusted input: its target names, environment values and exception texts may hold
 terminal escape sequences (an OSC 52 clipboard write, a screen clear), rich markup, lone
@@ -78,3 +78,18 @@ def markdown(value: object, limit: int | None = DEFAULT_LIMIT) -> str:
     """For a Markdown table cell or inline text: visible, with Markdown and HTML syntax
     escaped so the text renders as itself."""
     return _MARKDOWN.sub(r"\\\1", visible(value, limit))
+
+
+# --- sizes ---------------------------------------------------------------------------------------
+def human_bytes(n: float) -> str:
+    """A size for a summary line: '512 B', '1.5 MiB' (binary units, one decimal)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def exact_bytes(n: int) -> str:
+    """A size that must stay exact (a halo read so far): '4 KiB' for whole KiB, else '5 bytes'."""
+    return f"{n // 1024} KiB" if n >= 1024 and n % 1024 == 0 else f"{n} byte" + "s" * (n != 1)

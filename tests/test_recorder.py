@@ -13,9 +13,10 @@ import torch
 
 import kdump
 from kdump.bundle import load_bundle
+from kdump.config import parse_bytes
 from kdump.errors import UsageError
 from kdump.record.capture_dir import INDEX_NAME, read_index
-from kdump.record.triggers import Limits, Trigger, TriggerConfig, Written, parse_bytes, parse_ranges
+from kdump.record.triggers import Limits, Trigger, TriggerConfig, Written, parse_ranges
 
 STANDINS = Path(__file__).parent / "standins"
 

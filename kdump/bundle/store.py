@@ -264,8 +264,8 @@ def piece_bytes() -> int:
     raw = config.get("KDUMP_PIECE_BYTES")
     if raw == _piece_cache[0]:
         return _piece_cache[1]
+    from kdump.config import parse_bytes
     from kdump.errors import UsageError
-    from kdump.record.triggers import parse_bytes
 
     assert raw is not None  # declared with a default
     n = parse_bytes(raw)

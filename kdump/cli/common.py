@@ -155,7 +155,7 @@ def _print_traceback() -> None:
 def _set_max_load(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
     if value is None:
         return
-    from kdump.record.triggers import parse_bytes
+    from kdump.config import parse_bytes
 
     try:
         n = parse_bytes(value)
@@ -220,14 +220,6 @@ def console() -> Any:
     from rich.console import Console
 
     return Console(emoji=False)  # bundle strings never become emoji (markup() escapes too)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON output.")

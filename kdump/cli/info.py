@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import click
 
-from kdump.cli.common import console, emit_json, human_bytes, json_option, max_load_option
-from kdump.text import markup
+from kdump.cli.common import console, emit_json, json_option, max_load_option
+from kdump.text import human_bytes, markup
 
 
 @click.command("info")

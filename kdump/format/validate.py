@@ -40,7 +40,7 @@ def default_limits() -> Limits:
     raw = config.get("KDUMP_MAX_LOAD_BYTES")
     if raw is None:
         return Limits()
-    from kdump.record.triggers import parse_bytes
+    from kdump.config import parse_bytes
 
     return replace(Limits(), max_load_bytes=parse_bytes(raw))
 

@@ -39,7 +39,7 @@ class RingConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RingConfig:
-        from kdump.record.triggers import parse_bytes
+        from kdump.config import parse_bytes
 
         def get(name: str) -> str:
             value = config.get(name, env)

@@ -464,7 +464,7 @@ def summarize(
     """What the run wrote (bundles newer than `since`, read through the folders' indexes), and
     the exact next command. `status`: what the processes said about their targets; `failed`:
     something could not be written (then "no calls were recorded" would be false)."""
-    from kdump.cli.common import human_bytes
+    from kdump.text import human_bytes
 
     status = status or RunStatus()
     bundles: list[Path] = []

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kdump.config import parse_bytes
 from kdump.errors import UsageError
 
 KEEP_CHOICES = ("oldest", "newest")
@@ -116,20 +117,6 @@ def parse_ranges(text: str | Iterable[int]) -> RangeSet:
                 continue
         merged.append((lo, hi))
     return RangeSet(tuple(merged))
-
-
-_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_bytes(text: str | int) -> int:
-    """'512', '10K', '1.5G', '2GiB' -> bytes (binary units)."""
-    if isinstance(text, int):
-        return text
-    m = _BYTES_RE.match(text)
-    if not m:
-        raise UsageError(f"bad byte count {text!r}: use e.g. 500M or 2G")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
 def parse_positive(text: str | int, what: str) -> int:

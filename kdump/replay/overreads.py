@@ -21,6 +21,7 @@ from kdump.bundle.tensors import Allocation, TensorRecord, dtype_from_name
 from kdump.replay import halo
 from kdump.replay.compare import _as_int, _expand_mask, default_tolerance
 from kdump.replay.session import Session
+from kdump.text import exact_bytes
 
 # run(step) restores the inputs, poisons the outputs, runs the call once with the halos as they
 # are and returns the outputs (None: it failed, a finding already says how).
@@ -30,10 +31,6 @@ Run = Callable[[str], "dict[str, torch.Tensor] | None"]
 # Confirmation rounds of a single-halo trial when the controls showed nondeterminism (see
 # `differential`): 0.25 ** 10 is about 1e-6 per element.
 ROUNDS_NONDETERMINISTIC = 10
-
-
-def human_bytes(n: int) -> str:
-    return f"{n // 1024} KiB" if n >= 1024 and n % 1024 == 0 else f"{n} byte" + "s" * (n != 1)
 
 
 @dataclass(frozen=True)
@@ -52,11 +49,11 @@ class Overread:
         if self.side == "after":
             return (
                 f"reads past the end of {who}: {', '.join(self.where)} follow the poison after "
-                f"{who}, {human_bytes(self.nbytes)}"
+                f"{who}, {exact_bytes(self.nbytes)}"
             )
         return (
             f"reads before the start of {who}: {', '.join(self.where)} follow the poison before "
-            f"{who}, {human_bytes(self.nbytes)}"
+            f"{who}, {exact_bytes(self.nbytes)}"
         )
 
 
