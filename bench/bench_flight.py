@@ -410,7 +410,8 @@ def generic_recorded(
     """The generic target recorded with `--outputs` `outputs`: "host" (µs per eager call),
     "step" (ms per graph replay; CUDA tensors only) and "held" (whether the journal's newest
     complete slot holds the outputs of its call, read after the copies landed)."""
-    from kdump.record.flight.journal import SlotState, read_journal
+    from kdump.format.journal import SlotState
+    from kdump.record.flight.journal_reader import read_journal
 
     fn = _generic_fn()
     device_bytes = 1 << 30 if x.is_cuda else 0

@@ -82,7 +82,8 @@ def outputs_column(
     """Host µs per call of a generic target: (unhooked, recorded with --outputs none, recorded
     with its outputs kept (default), bundles' slots that hold outputs out of those checked).
     Sessions alternate per round, each warmed up outside the timing."""
-    from kdump.record.flight.journal import SlotState, read_journal
+    from kdump.format.journal import SlotState
+    from kdump.record.flight.journal_reader import read_journal
 
     saved = sys.modules.get("kdump_bench_generic")
     module = sys.modules["kdump_bench_generic"] = _generic_module()

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from kdump.format.journal import MARKER_AT, TRAILER_BYTES
 from kdump.record.flight import devcopy, gather
-from kdump.record.flight.journal import MARKER_AT, TRAILER_BYTES
 
 
 class _Driver:
@@ -119,7 +119,7 @@ def _copies(mark: bool) -> Any:
     dc.mark = object() if mark else None
     dc._cu = _Driver()
     dc._fn_h, dc._mark_h, dc._marks_h = 11, 12, 13
-    dc._smem = gather.shipped_smem()
+    dc._smem = gather.SMEM_BYTES
     dc._resident = 396  # 3 blocks on each of 132 SMs
     dc._params = gather.SnapParams()
     dc._snap_args = (ctypes.c_void_p * 1)(ctypes.addressof(dc._params))
@@ -207,7 +207,7 @@ def test_memo_enqueues_what_the_full_computation_enqueues(mark: bool, plan: Any)
     assert sorted(memo) == [0, 1]
     launches = [e for e in full if e[0] == "launch" and e[5] == "snapshot"]
     assert len(launches) == len(CALLS)
-    assert {e[7] for e in launches} == {gather.shipped_smem()}, "its buffer is dynamic smem"
+    assert {e[7] for e in launches} == {gather.SMEM_BYTES}, "its buffer is dynamic smem"
     p = gather.SnapParams.from_buffer_copy(launches[-1][6])
     assert (p.seq, p.call_index, p.slot_index) == (100 + len(CALLS) - 1, 7 + len(CALLS) - 1, 1)
     assert p.n_gathers == (1 if plan is not None else 0)

@@ -289,7 +289,8 @@ ODD_SLOTS = {
 
 @pytest.mark.parametrize("case", sorted(ODD_SLOTS))
 def test_salvage_keeps_the_good_slots_beside_an_unusable_one(tmp_path, case):
-    from kdump.record.flight.journal import Journal, SlotMeta
+    from kdump.format.journal import SlotMeta
+    from kdump.record.flight.journal import Journal
     from kdump.record.flight.salvage import salvage_journal
 
     change, state = ODD_SLOTS[case]
@@ -419,7 +420,9 @@ def test_a_storage_of_outputs_alone_is_not_copied(tmp_path, fake_deep_gemm):
 
 def test_an_empty_storage_is_placed_even_in_a_full_slot(tmp_path):
     """An empty tensor's payload has no bytes: it is never "missing", however full the slot."""
-    from kdump.record.flight.journal import Journal, SlotMeta, SlotState, read_journal
+    from kdump.format.journal import SlotMeta, SlotState
+    from kdump.record.flight.journal import Journal
+    from kdump.record.flight.journal_reader import read_journal
 
     j = Journal.create(tmp_path / "shm", slots=2, slot_bytes=8192)
     for n in range(8192, 0, -1):  # the largest first payload that fits: the slot is then full
@@ -442,7 +445,8 @@ def test_an_empty_storage_is_placed_even_in_a_full_slot(tmp_path):
 def test_a_long_call_ending_after_the_ring_reused_its_slot_leaves_the_new_call_alone(tmp_path):
     """Two threads: one call runs long while the other's calls wrap the ring over its slot. Its
     end must not mark the slot's new call (still running) finished."""
-    from kdump.record.flight.journal import SlotState, read_journal
+    from kdump.format.journal import SlotState
+    from kdump.record.flight.journal_reader import read_journal
 
     x = torch.arange(4.0)
     opts: dict[str, Any] = {"out": tmp_path / "out", "mode": "ring", "ring": _ring(tmp_path, 4)}

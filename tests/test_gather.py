@@ -15,12 +15,13 @@ import torch
 
 from kdump.bundle import argtree, load_bundle
 from kdump.bundle.tensors import group_storages
+from kdump.format.journal import CALL_RECORD_BYTES, SlotMeta
 from kdump.format.records import Source
 from kdump.kernels import registry
 from kdump.kernels.deepgemm import reference as ref_
 from kdump.kernels.deepgemm.scales import align
 from kdump.record.flight import devring, gather
-from kdump.record.flight.journal import CALL_RECORD_BYTES, Journal, SlotMeta
+from kdump.record.flight.journal import Journal
 from kdump.record.flight.salvage import salvage_journal
 
 CONTIG = "deep_gemm:m_grouped_fp8_gemm_nt_contiguous"

@@ -20,16 +20,11 @@ from click.testing import CliRunner
 
 from kdump.bundle import capture_call, load_bundle
 from kdump.cli import cli
+from kdump.format.journal import JournalError, SlotMeta, SlotState
 from kdump.format.records import Source
 from kdump.record.flight import journal as jmod
-from kdump.record.flight.journal import (
-    Journal,
-    JournalError,
-    SlotMeta,
-    SlotState,
-    meta_from_call,
-    read_journal,
-)
+from kdump.record.flight.journal import Journal, meta_from_call
+from kdump.record.flight.journal_reader import read_journal
 from kdump.record.flight.salvage import salvage, salvage_journal
 
 TARGET = "tests.fake_kernels:grouped_gemm"
@@ -365,7 +360,8 @@ def test_salvage_bundles_bitwise_equal(tmp_path: Path) -> None:
 
 WRITER = r"""
 import dataclasses, os, random, sys
-from kdump.record.flight.journal import Journal, SlotMeta
+from kdump.format.journal import SlotMeta
+from kdump.record.flight.journal import Journal
 
 path, slots, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 

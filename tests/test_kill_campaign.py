@@ -196,7 +196,8 @@ def test_gpu_kill_campaign_of_the_moe_decode_loop(tmp_path):
 
 def _recorded_a_call(pid: int) -> bool:
     """Whether the live process `pid`'s journal holds a complete call yet."""
-    from kdump.record.flight.journal import SlotState, read_journal
+    from kdump.format.journal import SlotState
+    from kdump.record.flight.journal_reader import read_journal
 
     for j in Path("/dev/shm").glob(f"kdump-run-*/kdump-journal-{pid}-*"):
         if "." in j.name:  # its static region, device-tier files

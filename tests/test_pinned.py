@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kdump.format.journal import JournalError
 from kdump.record.flight import pinned
-from kdump.record.flight.journal import JournalError
 
 
 class FakeRuntime:

@@ -17,8 +17,9 @@ import torch
 import kdump
 from kdump import config
 from kdump.bundle import load_bundle
+from kdump.format.journal import SlotState
 from kdump.record.config import RingConfig
-from kdump.record.flight.journal import SlotState, read_journal
+from kdump.record.flight.journal_reader import read_journal
 from kdump.record.flight.recorder import _CaptureTracker
 
 T = __name__
@@ -102,7 +103,8 @@ def test_capture_sites_numbered_per_capture():
 
 
 def test_pinned_site_slot_survives_rotation(tmp_path):
-    from kdump.record.flight.journal import Journal, SlotMeta
+    from kdump.format.journal import SlotMeta
+    from kdump.record.flight.journal import Journal
 
     j = Journal.create(tmp_path, slots=4, slot_bytes=4096)
     pinned = j.pin_next()
@@ -120,7 +122,8 @@ def test_pinned_site_slot_survives_rotation(tmp_path):
 
 def test_device_marker_states(tmp_path):
     """Slots whose payloads device copies write: markers decide in flight / done."""
-    from kdump.record.flight.journal import Journal, SlotMeta
+    from kdump.format.journal import SlotMeta
+    from kdump.record.flight.journal import Journal
 
     j = Journal.create(tmp_path, slots=4, slot_bytes=4096)
     meta = SlotMeta(call_index=1, target="t", storages=[{"span_nbytes": 8}])

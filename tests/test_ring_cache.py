@@ -15,8 +15,9 @@ import torch
 
 import kdump
 from kdump.bundle import load_bundle
+from kdump.format.journal import SlotState
 from kdump.record.config import RingConfig
-from kdump.record.flight.journal import SlotState, read_journal
+from kdump.record.flight.journal_reader import read_journal
 from kdump.record.flight.recorder import RingRecorder, SpanViews
 from kdump.record.flight.statics import first_views
 

@@ -24,9 +24,10 @@ import torch
 
 import kdump
 from kdump.bundle import load_bundle
+from kdump.format.journal import SlotState
 from kdump.record.config import RingConfig
 from kdump.record.flight import recorder as ring_module
-from kdump.record.flight.journal import SlotState, read_journal
+from kdump.record.flight.journal_reader import read_journal
 
 T = __name__
 

@@ -18,16 +18,10 @@ import torch
 import kdump
 from kdump.bundle import load_bundle
 from kdump.bundle.inspect import describe_call, outputs_line, recorded_outputs
+from kdump.format.journal import MARKER_AT, TRAILER_BYTES, JournalError, SlotMeta, SlotState
 from kdump.record.config import RingConfig
-from kdump.record.flight.journal import (
-    MARKER_AT,
-    TRAILER_BYTES,
-    Journal,
-    JournalError,
-    SlotMeta,
-    SlotState,
-    read_journal,
-)
+from kdump.record.flight.journal import Journal
+from kdump.record.flight.journal_reader import read_journal
 
 T = __name__
 

@@ -427,7 +427,8 @@ def test_kdump_salvage_looks_into_run_folders_a_killed_kdump_record_left(tmp_pat
     from click.testing import CliRunner
 
     from kdump.cli.salvage import command
-    from kdump.record.flight.journal import RUN_PREFIX, Journal
+    from kdump.format.journal import RUN_PREFIX
+    from kdump.record.flight.journal import Journal
 
     shm = tmp_path / "shm"
     run = shm / f"{RUN_PREFIX}abc123"

@@ -15,15 +15,10 @@ import torch
 
 from kdump.bundle import argtree, load_bundle
 from kdump.bundle.tensors import group_storages
+from kdump.format.journal import CALL_RECORD_BYTES, TRAILER_BYTES, SlotMeta, SlotState
 from kdump.record.flight import devring, gather
-from kdump.record.flight.journal import (
-    CALL_RECORD_BYTES,
-    TRAILER_BYTES,
-    Journal,
-    SlotMeta,
-    SlotState,
-    read_journal,
-)
+from kdump.record.flight.journal import Journal
+from kdump.record.flight.journal_reader import read_journal
 from kdump.record.flight.recorder import _span_views, _storage_dict, _tensor_dict
 from kdump.record.flight.salvage import salvage_journal
 

@@ -306,7 +306,7 @@ def test_spec_weight_is_static_from_its_first_call_and_inputs_never_are(tmp_path
     """A spec's weight role: copied at the first call; an input that does not change stays in
     the slots (only a spec's weights are static for a target with a spec)."""
     from kdump.kernels import registry
-    from kdump.kernels.spec import KernelSpec, Param, Role
+    from kdump.kernels.plugin import KernelSpec, Param, Role
 
     class Spec(KernelSpec):
         params = (Param("x", Role.INPUT), Param("w", Role.WEIGHT), Param("out", Role.OUTPUT))

@@ -42,9 +42,10 @@ def command(
     """
     import contextlib
 
+    from kdump.format.journal import DEFAULT_DIR, RUN_PREFIX
     from kdump.progress import PLAIN_INTERVAL_S, progress
     from kdump.record.capture_dir import remove_stale_temporaries
-    from kdump.record.flight.journal import DEFAULT_DIR, RUN_PREFIX, read_pid
+    from kdump.record.flight.journal_reader import read_pid
     from kdump.record.flight.salvage import dead_journals, pid_alive, salvage_journal
     from kdump.record.flight.salvager import device_files, is_device_file
     from kdump.text import visible as v  # names and paths may come from a journal
@@ -106,7 +107,7 @@ def _left_run_folders(top: Path) -> list[Path]:
     that this left empty. A folder without such files is kept: it may belong to a live run."""
     import contextlib
 
-    from kdump.record.flight.journal import RUN_PREFIX
+    from kdump.format.journal import RUN_PREFIX
     from kdump.record.flight.salvage import pid_alive
     from kdump.record.session import STATUS_PREFIX
 

@@ -21,10 +21,10 @@ from typing import Any
 
 from kdump import config
 from kdump.errors import ExitCode, UsageError
+from kdump.format.journal import RUN_PREFIX
 from kdump.progress import Bar
 from kdump.record import capture_dir
 from kdump.record.flight import salvager
-from kdump.record.flight.journal import RUN_PREFIX
 from kdump.text import visible as v
 
 STARTUP_DIR = Path(__file__).resolve().parent / "_startup"
@@ -308,7 +308,7 @@ def _salvage_each(
     echo: Callable[[str], None],
     failed: list[Path],
 ) -> list[Path]:
-    from kdump.record.flight.journal import read_pid
+    from kdump.record.flight.journal_reader import read_pid
     from kdump.record.flight.salvage import CRASH_SUFFIX, RAISED_SUFFIX, salvage_journal
     from kdump.record.flight.statics import STATIC_SUFFIX
 

@@ -32,10 +32,10 @@ from typing import Any, Protocol
 
 from kdump import config
 from kdump.errors import UsageError
+from kdump.format.journal import RUN_PREFIX
 from kdump.kernels import registry as kernel_registry
 from kdump.log import log, log_once
 from kdump.record.config import RecordConfig
-from kdump.record.flight.journal import RUN_PREFIX
 from kdump.record.hooks import HookState, PatchSet, parse_targets
 from kdump.record.triggers import Trigger
 

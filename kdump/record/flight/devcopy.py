@@ -37,16 +37,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kdump.cuda import nvrtc
+from kdump.format.journal import CALL_RECORD_BYTES, MARKER_AT, TRAILER_BYTES
 from kdump.log import log_once
 from kdump.record.flight import cudrv, gather, pinned
 from kdump.record.flight.devring import DeviceTier, DeviceTierError
-from kdump.record.flight.journal import (
-    CALL_RECORD_BYTES,
-    MARKER_AT,
-    TRAILER_BYTES,
-    Journal,
-    Slot,
-)
+from kdump.record.flight.journal import Journal, Slot
 
 RECORD_COMPLETE_AT = 40  # the call record's `complete` word: the token, once the snapshot ran
 _TRAILER_BYTES = TRAILER_BYTES

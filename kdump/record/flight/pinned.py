@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kdump.record.flight.journal import JournalError
+from kdump.format.journal import JournalError
 
 # cudaHostRegister flags
 PORTABLE = 1

@@ -51,8 +51,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kdump import config
+from kdump.format.journal import SlotMeta, SlotTooSmall
 from kdump.log import log_once
-from kdump.record.flight.journal import Journal, Slot, SlotMeta, SlotTemplate, SlotTooSmall
+from kdump.record.flight.journal import Journal, Slot, SlotTemplate
 from kdump.record.flight.salvage import CRASH_SUFFIX, raised_path
 from kdump.record.flight.statics import (
     Candidates,

@@ -31,9 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kdump.errors import BundleError
-from kdump.progress import Bar
-from kdump.record.flight import devring, gather
-from kdump.record.flight.journal import (
+from kdump.format.journal import (
     CALL_RECORD_BYTES,
     FILE_PREFIX,
     RUN_PREFIX,
@@ -42,9 +40,10 @@ from kdump.record.flight.journal import (
     JournalError,
     SlotRecord,
     SlotState,
-    read_journal,
-    read_pid,
 )
+from kdump.progress import Bar
+from kdump.record.flight import devring, gather
+from kdump.record.flight.journal_reader import read_journal, read_pid
 from kdump.record.flight.statics import (
     Region,
     private_bytes,

@@ -48,8 +48,8 @@ from typing import Any
 
 from kdump import config
 from kdump.errors import UsageError
+from kdump.format.journal import FILE_PREFIX
 from kdump.record.flight.devring import DUMP_SUFFIX
-from kdump.record.flight.journal import FILE_PREFIX
 
 ENV = "KDUMP_SALVAGER"
 DEVICE_SUFFIX = (

@@ -71,10 +71,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kdump.format.journal import PAGE, JournalError
 from kdump.format.records import DTYPE_SIZES, Source, Stats
 from kdump.log import log_once
 from kdump.record.flight import pinned
-from kdump.record.flight.journal import PAGE, SHM_SHARE, JournalError
+from kdump.record.flight.journal import SHM_SHARE
 
 STATIC_SUFFIX = ".static"
 REGION_MAGIC = b"KDSTAT\x00\x01"
