@@ -1,8 +1,7 @@
-"""Host time of eager GPU calls, shared by the benchmarks and scripts/profile_recorder.py."""
+"""Host time of eager GPU calls, shared by bench/bench_flight.py and the lab's profilers."""
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -61,14 +60,3 @@ def new_step_objects(args: tuple) -> tuple:
     output and routing in the caching allocator's blocks of the step before, its weights the
     same objects."""
     return (new_objects(args[0]), args[1], *(new_objects(a) for a in args[2:]))
-
-
-def interleaved(measures: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
-    """The median of `rounds` results of each measurement, the measurements taken in turn within
-    each round (in the dict's order), so that a change of the host's load between rounds reaches
-    every one of them alike, where one after the other it would favour some."""
-    got: dict[str, list[float]] = {name: [] for name in measures}
-    for _ in range(rounds):
-        for name, measure in measures.items():
-            got[name].append(measure())
-    return {name: statistics.median(values) for name, values in got.items()}

@@ -2,7 +2,6 @@
 
     python bench/bench_bundle.py                 # 2 GB: 8 tensors x 256 MB of mixed dtypes
     python bench/bench_bundle.py --gb 0.25       # smoke run
-    python bench/bench_bundle.py --record        # also append the table to bench/RESULTS.md
 
 Write: kdump `save_calls` of a captured call (SHA-256 names and xxh3-128 checks of every blob +
 the file) vs `safetensors.torch.save_file` of the same tensors vs one raw `write` of the same
@@ -101,10 +100,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensors", type=int, default=8, help="number of tensors (default 8)")
     ap.add_argument("--repeat", type=int, default=5, help="rounds per side; the median counts")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the files go")
-    ap.add_argument("--record", action="store_true", help="append results to --results")
-    ap.add_argument(
-        "--results", default=str(Path(__file__).with_name("RESULTS.md")), help="results file"
-    )
     args = ap.parse_args(argv)
 
     from safetensors.torch import load_file, save_file
@@ -237,13 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         f"0.5×), {loads['safetensors'] / loads['kdump-noverify']:.2f}× unverified (goal ≥ 0.9×); "
         f"blob check {fast_checksum().value}",
     ]
-    print("\n".join(lines))
-    if args.record:
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        out = Path(args.results)
-        with open(out, "a") as f:
-            f.write(f"\n## bench_bundle\n\n{stamp} — {machine()}\n\n" + "\n".join(lines) + "\n")
-        print(f"appended to {out}")
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"{stamp} — {machine()}\n\n" + "\n".join(lines))
     return 0
 
 

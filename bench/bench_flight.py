@@ -9,18 +9,6 @@ expert (A is always 36,864 rows: every expert padded to 128). For each:
   (host copy before the kernel); for (ii) the HBM bound of copying those rows (their bytes at the
   plain D2D rate measured here), the floor it sets ((plain + bound) / plain: no recorder that
   copies those rows before the kernel steps faster) and the added time against the bound;
-* the step with one empty one-thread kernel before the GEMM (the floor of any recorder that adds
-  one node per recorded call: the snapshot kernel, which also writes the previous site's done
-  marker) and with two around it (what a snapshot plus a done-marker node would cost);
-* (i) floor: the step with one kernel before the GEMM that reads the labels, copies them and the
-  touched rows' scales (to the same places of a buffer of the scales' layout) and marks each
-  block done behind a fence (no compaction, no ring slot, no publication): what no snapshot of
-  case (i) that copies only the touched rows and says it completed can beat;
-* (i) plain ring: the same kernel writing the touched rows compacted (one row-counter atomic per
-  block of 128 rows) and published by the last block to finish (a block counter behind a fence,
-  then the row count and the token), as a compacting ring needs (the next slot starts after
-  this one's rows): what the compaction and the publication add when written plainly, beside
-  kdump's snapshot (a reference, not a bound: a tuned kernel may beat it);
 * eager host time per call, unhooked and recorded (the call signature cache warm), at least
   400 calls timed in chunks with the device synchronised between them (bench/_timing.py), and
   recorded with A, its scales, D and the labels new tensor objects over the same memory at
@@ -34,18 +22,12 @@ with its outputs kept (the default for a target without a reference spec: out co
 slot after the kernel, a captured node in the graph), with and without a salvage process
 holding the device tier (DeepGEMM keeps none by default: the rows above are its cost).
 
-    python bench/bench_flight.py [--iters 50] [--pdl] [--define NAME=VALUE] [--carveout PCT]
-        [--shape 512x4096] [--tokens 1,32] [--generic-kib 64,512] [--only-generic]
+    python bench/bench_flight.py [--iters 50] [--pdl] [--shape 512x4096] [--tokens 1,32]
+        [--generic-kib 64,512] [--only-generic]
 
 `--pdl` launches the GEMM with programmatic dependent launch (DeepGEMM's `set_pdl(True)`), every
-column of the run: the snapshot kernel lets such a kernel start its prologue early.
-`--define KD_EARLY_LAUNCH=2` records with that #define of kdump/record/flight/snapshot.cu changed
-(`--define KD_DENSE=0`: case (i)'s scales read only where rows are touched, after the rule, not
-as whole windows before it; `--define KD_OVERLAP=0`: case (ii)'s rows of A, then their scales,
-not side by side);
-`--define patch=fixed-rows+no-copies` with bench_snapshot_kernel.py's timing experiments (parts
-of the launch taken out: the step's cost of each, not a valid recording); `--carveout 100` with
-the snapshot kernel preferring the SM's whole shared-memory carveout (as the GEMM does).
+column of the run. The floors of any device-side recorder (empty nodes, a kernel that copies the
+touched rows and publishes nothing) and variants of the snapshot kernel are lab/flight_variants.py.
 
 Needs DeepGEMM (the GEMM measured) or --backend packaged (kdump's packaged kernel).
 """
@@ -79,7 +61,7 @@ TARGET = "deep_gemm:m_grouped_fp8_gemm_nt_contiguous"
 MODULES = {"deep_gemm": "deep_gemm", "packaged": "kdump.kernels.sm120.api"}
 
 
-def _case(n: int, k: int, tokens: int) -> tuple[tuple, dict]:
+def case(n: int, k: int, tokens: int) -> tuple[tuple, dict]:
     spec = registry.spec_for(TARGET)
     args, kwargs = spec.generate(
         seed=1, device="cuda", scale_format="fp32", num_groups=G, n=n, k=k, expected_m=tokens
@@ -127,150 +109,6 @@ def _graph_ms(fn: Callable[..., Any], args: tuple, kwargs: dict, iters: int) -> 
         torch.cuda.synchronize()
         best = min(best, (time.perf_counter() - t0) / iters * 1e3)
     return best
-
-
-def _with_empty_nodes(fn: Callable[..., Any], count: int = 2) -> Callable[..., Any]:
-    """`fn` after one (`count` 1) or between two one-thread kernels (kdump's done-marker kernel
-    reading and writing one word): in a graph, the step of any recorder that launches a snapshot
-    before the kernel (and a marker after it) costs at least this much."""
-    from kdump.record.flight import gather
-
-    mark = gather.get_kernel(torch.cuda.current_device()).mark
-    word = torch.zeros(2, dtype=torch.int64, device="cuda")
-
-    def wrapped(*a: Any, **k: Any) -> Any:
-        stream = torch.cuda.current_stream().cuda_stream
-        gather.launch_mark(mark, word.data_ptr(), word.data_ptr() + 8, stream)
-        out = fn(*a, **k)
-        if count > 1:
-            gather.launch_mark(mark, word.data_ptr(), word.data_ptr() + 8, stream)
-        return out
-
-    return wrapped
-
-
-_FLOOR_SRC = r"""
-// The floor of case (i) for any device-side snapshot that copies only the rows a call touches:
-// one node that reads the labels, copies them and the touched rows' scales (MN-major fp32, to
-// the same places of a buffer of the same layout: neighbouring threads read and write
-// neighbouring words), then marks each block done behind a fence (per-block completion flags):
-// no compaction, no ring slot, no publication of a slot (what kdump's snapshot adds for its
-// ring).
-extern "C" __global__ void kd_floor(const int* __restrict__ labels, const float* __restrict__ sf,
-                                    long long col_stride, unsigned cols, unsigned rows,
-                                    float* __restrict__ out, int* __restrict__ out_labels,
-                                    unsigned long long* flags, const unsigned long long* token) {
-  const unsigned r = blockIdx.x * blockDim.x + threadIdx.x;
-  const unsigned long long tok = *(const volatile unsigned long long*)token;
-  if (r < rows) {
-    const int l = labels[r];
-    out_labels[r] = l;
-    if (l >= 0) {
-#pragma unroll 8
-      for (unsigned c = 0; c < cols; ++c) out[r + c * col_stride] = sf[r + c * col_stride];
-    }
-  }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) *(volatile unsigned long long*)&flags[blockIdx.x] = tok;
-}
-
-// Case (i) written plainly for a compacting ring (kdump's design: a slot holds only the touched
-// rows, so the next slot starts after them): kd_floor's reads, but each block reserves its
-// touched rows' places with one atomic on a row counter and writes them compacted (the row
-// index, then the scales column by column: coalesced), and the last block to finish (a block
-// counter behind a fence) publishes the row count and the token as the slot's head and resets
-// both counters. No slot position from a ring head, no call record, no plain copies of B's
-// scales. A reference for what compaction and publication add, not a bound.
-extern "C" __global__ void kd_floor_ring(const int* __restrict__ labels,
-                                         const float* __restrict__ sf, long long col_stride,
-                                         unsigned cols, unsigned rows, float* __restrict__ out,
-                                         int* __restrict__ out_rows, unsigned* counters,
-                                         unsigned long long* head,
-                                         const unsigned long long* token) {
-  __shared__ unsigned warp_sum[4];
-  __shared__ unsigned base;
-  const unsigned r = blockIdx.x * blockDim.x + threadIdx.x;
-  const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-  const unsigned long long tok = *(const volatile unsigned long long*)token;
-  const bool hit = r < rows && labels[r] >= 0;
-  const unsigned ballot = __ballot_sync(0xffffffffu, hit);
-  if (lane == 0) warp_sum[warp] = __popc(ballot);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned n = warp_sum[0] + warp_sum[1] + warp_sum[2] + warp_sum[3];
-    base = n ? atomicAdd(&counters[0], n) : 0u;
-  }
-  __syncthreads();
-  if (hit) {
-    unsigned pos = base + __popc(ballot & ((1u << lane) - 1u));
-    for (unsigned w = 0; w < warp; ++w) pos += warp_sum[w];
-    out_rows[pos] = (int)r;
-#pragma unroll 8
-    for (unsigned c = 0; c < cols; ++c) out[pos + c * rows] = sf[r + c * col_stride];
-  }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0 && atomicAdd(&counters[1], 1u) == gridDim.x - 1) {
-    __threadfence();
-    const unsigned n = atomicExch(&counters[0], 0u);
-    counters[1] = 0u;
-    head[1] = n;
-    __threadfence();
-    *(volatile unsigned long long*)&head[0] = tok;
-  }
-}
-"""
-
-
-def _with_floor_node(fn: Callable[..., Any], args: tuple, ring: bool = False) -> Callable[..., Any]:
-    """`fn` after kd_floor (_FLOOR_SRC) over its labels and A's scales: the step of case (i)
-    that no snapshot copying the touched rows (and marking itself complete) can beat; `ring`:
-    after kd_floor_ring, the same written plainly for a compacting ring (a reference)."""
-    from bench_snapshot_kernel import load_function
-
-    from kdump.cuda.nvrtc import check, driver
-
-    d = driver()
-    name = "kd_floor_ring" if ring else "kd_floor"
-    kernel = load_function(_FLOOR_SRC, name)
-    labels, sf = args[3], args[0][1]
-    rows, cols = sf.shape
-    assert sf.dtype == torch.float32 and sf.stride(0) == 1, "MN-major fp32 scales"
-    out = torch.empty_like(sf)  # kd_floor: the same strides, the copy keeps the scales' layout
-    out_labels = torch.empty_like(labels)  # kd_floor_ring: the touched rows' indices
-    blocks = -(-rows // 128)
-    # kd_floor: a flag per block; kd_floor_ring: its two counters, then the slot head
-    flags = torch.zeros(max(blocks, 4), dtype=torch.int64, device="cuda")
-    token = torch.ones(1, dtype=torch.int64, device="cuda")
-    ptr = flags.data_ptr()
-    tail = (ptr, ptr + 16) if ring else (ptr,)
-    vals = (
-        ctypes.c_uint64(labels.data_ptr()),
-        ctypes.c_uint64(sf.data_ptr()),
-        ctypes.c_int64(sf.stride(1)),
-        ctypes.c_uint32(cols),
-        ctypes.c_uint32(rows),
-        ctypes.c_uint64(out.data_ptr()),
-        ctypes.c_uint64(out_labels.data_ptr()),
-        *(ctypes.c_uint64(v) for v in tail),
-        ctypes.c_uint64(token.data_ptr()),
-    )
-    params = (ctypes.c_void_p * len(vals))(*(ctypes.addressof(v) for v in vals))
-    keep = (out, out_labels, flags, token, vals, params)
-
-    def wrapped(*a: Any, **k: Any) -> Any:
-        assert keep
-        stream = d.CUstream(torch.cuda.current_stream().cuda_stream)
-        check(
-            d.cuLaunchKernel(
-                kernel, blocks, 1, 1, 128, 1, 1, 0, stream, ctypes.addressof(params), 0
-            ),
-            f"cuLaunchKernel({name})",
-        )
-        return fn(*a, **k)
-
-    return wrapped
 
 
 def _eager_host_us(
@@ -337,7 +175,7 @@ def _recorded(
         step = _graph_ms(fn, args, kwargs, iters)
         facts = cuda.facts()
         # Leaving writes every slot as a bundle: not what this bench measures (the salvage's
-        # time is scripts/profile_recorder.py's), and it took most of the run's time.
+        # time is lab/profile_recorder.py's), and it took most of the run's time.
         rec.recorder.flush = lambda: None
     return step, host, facts, renewed
 
@@ -490,7 +328,6 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--backend", choices=sorted(MODULES), default="deep_gemm")
     p.add_argument("--pdl", action="store_true", help="launch the GEMM with PDL (set_pdl)")
-    add_kernel_options(p)
     p.add_argument("--shape", action="append", default=[], metavar="NxK", help="only these")
     p.add_argument("--tokens", default="", metavar="T,...", help="only these tokens per expert")
     p.add_argument(
@@ -510,7 +347,6 @@ def main() -> None:
         return
     shapes = [tuple(int(v) for v in s.split("x")) for s in opt.shape] or list(SHAPES)
     token_counts = [int(t) for t in opt.tokens.split(",") if t] or list(TOKENS)
-    apply_kernel_options(opt)
     fn = gemm(opt.backend)
     if opt.pdl:
         import deep_gemm
@@ -523,56 +359,13 @@ def main() -> None:
     shm = Path(tempfile.mkdtemp(prefix="kdump-bench-", dir="/dev/shm"))
     d2d = _d2d_gbs(256 << 20)
     print(f"plain D2D: {d2d:.0f} GB/s (HBM bound below uses it)\n")
-    print(
-        "| N | K | tok/exp | plain ms | 1 empty node | 2 empty nodes | (i) floor | "
-        "(i) plain ring | (i) held | "
-        "(i) not held | (ii) held | "
-        "(ii) not held | rows MB | HBM bound ms | (ii) floor | (ii) held added / bound | "
-        "eager us plain | eager us rec | eager us rec, new objects |"
-    )
-    print("|" + "---|" * 19)
+    print(HEADER)
+    print("|" + "---|" * (HEADER.count("|") - 1))
     facts: dict = {}
     for n, k in shapes:
         for tokens in token_counts:
-            args, kwargs = _case(n, k, tokens)
-            plain = _graph_ms(fn, args, kwargs, opt.iters)
-            node1 = _graph_ms(_with_empty_nodes(fn, 1), args, kwargs, opt.iters)
-            nodes = _graph_ms(_with_empty_nodes(fn), args, kwargs, opt.iters)
-            floor_i = _graph_ms(_with_floor_node(fn, args), args, kwargs, opt.iters)
-            floor_r = _graph_ms(_with_floor_node(fn, args, ring=True), args, kwargs, opt.iters)
-            plain_h = _eager_host_us(fn, args, kwargs, opt.iters)
-            res = {}
-            with _ScalesOnly():
-                for held in (True, False):
-                    res["i", held] = _recorded(fn, args, kwargs, shm, held, opt.iters)
-            for held in (True, False):
-                res["ii", held] = _recorded(fn, args, kwargs, shm, held, opt.iters)
-            facts = res["ii", True][2]
-            rows = G * tokens
-            row_bytes = k + (k // 128) * 4 + 16
-            mb = rows * row_bytes / 1e6
-            bound = rows * row_bytes / (d2d * 1e9) * 1e3  # those bytes at the plain D2D rate
-            added = res["ii", True][0] - plain
-            cells = [
-                f"{plain:.3f}",
-                f"{node1:.3f} ({node1 / plain:.3f}x)",
-                f"{nodes:.3f} ({nodes / plain:.3f}x)",
-                f"{floor_i:.3f} ({floor_i / plain:.3f}x)",
-                f"{floor_r:.3f} ({floor_r / plain:.3f}x)",
-                *(
-                    f"{res[c, h][0]:.3f} ({res[c, h][0] / plain:.2f}x)"
-                    for c in ("i", "ii")
-                    for h in (True, False)
-                ),
-                f"{mb:.1f}",
-                f"{bound:.4f}",
-                # no recorder that copies those rows before the kernel can step faster than this
-                f"{(plain + bound) / plain:.3f}x",
-                f"{added / bound:.2f}" if bound else "-",
-                f"{plain_h:.1f}",
-                f"{res['ii', True][1]:.1f} (+{res['ii', True][1] - plain_h:.1f})",
-                f"{res['ii', True][3]:.1f} (+{res['ii', True][3] - plain_h:.1f})",
-            ]
+            args, kwargs = case(n, k, tokens)
+            cells, facts = case_cells(fn, args, kwargs, k, tokens, d2d, shm, opt.iters)
             print(f"| {n} | {k} | {tokens} | " + " | ".join(cells) + " |")
     print(f"\ndevice tier: {facts}")
     _throughput(shm)
@@ -580,62 +373,55 @@ def main() -> None:
     print("\n".join(generic_table(shm, generic_kib, opt.iters, "cuda")))
 
 
-def add_kernel_options(p: argparse.ArgumentParser) -> None:
-    """`--define NAME=VALUE` (repeatable): what `_redefine` takes; `--carveout PCT`: what
-    `_set_carveout` takes. `apply_kernel_options` applies both."""
-    p.add_argument(
-        "--define",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="record with snapshot.cu built with this #define changed (repeatable)",
-    )
-    p.add_argument(
-        "--carveout",
-        type=int,
-        metavar="PCT",
-        help="record with kd_snapshot's preferred shared-memory carveout set to PCT %% of the"
-        " SM's unified L1 (100: all the shared memory the SM has, as big GEMMs run)",
-    )
+HEADER = (
+    "| N | K | tok/exp | plain ms | (i) held | (i) not held | (ii) held | (ii) not held | rows MB "
+    "| HBM bound ms | (ii) floor | (ii) held added / bound | eager us plain | eager us rec "
+    "| eager us rec, new objects |"
+)
 
 
-def apply_kernel_options(opt: argparse.Namespace) -> None:
-    if opt.define:
-        _redefine(opt.define)
-    if opt.carveout is not None:
-        _set_carveout(opt.carveout)
-
-
-def _set_carveout(pct: int) -> None:
-    """Load kd_snapshot with CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = pct: an SM
-    whose carveout differs between two kernels is reconfigured between them."""
-    from kdump.cuda.nvrtc import check, driver
-    from kdump.record.flight import gather
-
-    allow = gather.allow_smem
-
-    def allow_and_prefer(fn: Any, smem: int) -> None:
-        allow(fn, smem)
-        d = driver()
-        attr = d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-        check(d.cuFuncSetAttribute(fn, attr, pct), f"cuFuncSetAttribute(carveout {pct} %)")
-
-    gather.allow_smem = allow_and_prefer  # type: ignore[assignment]
-    print(f"kd_snapshot's preferred shared-memory carveout: {pct} %")
-
-
-def _redefine(defines: list[str]) -> None:
-    """Record with a variant of the snapshot kernel: its #defines changed as
-    bench_snapshot_kernel.py changes them (its own cache entry)."""
-    from bench_snapshot_kernel import variant_source
-
-    from kdump.record.flight import gather
-
-    src = variant_source(",".join(defines))[0]
-    gather.kernel_source = lambda: src  # type: ignore[assignment]
-    gather.shipped_smem.cache_clear()
-    gather.shipped_split_bytes.cache_clear()
-    print(f"snapshot kernel built with {', '.join(defines)}")
+def case_cells(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    k: int,
+    tokens: int,
+    d2d: float,
+    shm: Path,
+    iters: int,
+) -> tuple[list[str], dict]:
+    """The cells of one case's row of HEADER after its N, K and tokens, and the device tier's
+    facts: the plain step, cases (i) and (ii) held and not held, the HBM bound of (ii)'s rows
+    and the eager host times, each against its baseline of the same run."""
+    plain = _graph_ms(fn, args, kwargs, iters)
+    plain_h = _eager_host_us(fn, args, kwargs, iters)
+    res = {}
+    with _ScalesOnly():
+        for held in (True, False):
+            res["i", held] = _recorded(fn, args, kwargs, shm, held, iters)
+    for held in (True, False):
+        res["ii", held] = _recorded(fn, args, kwargs, shm, held, iters)
+    rows = G * tokens
+    row_bytes = k + (k // 128) * 4 + 16
+    bound = rows * row_bytes / (d2d * 1e9) * 1e3  # those bytes at the plain D2D rate
+    added = res["ii", True][0] - plain
+    cells = [
+        f"{plain:.3f}",
+        *(
+            f"{res[c, h][0]:.3f} ({res[c, h][0] / plain:.2f}x)"
+            for c in ("i", "ii")
+            for h in (True, False)
+        ),
+        f"{rows * row_bytes / 1e6:.1f}",
+        f"{bound:.4f}",
+        # no recorder that copies those rows before the kernel can step faster than this
+        f"{(plain + bound) / plain:.3f}x",
+        f"{added / bound:.2f}" if bound else "-",
+        f"{plain_h:.1f}",
+        f"{res['ii', True][1]:.1f} (+{res['ii', True][1] - plain_h:.1f})",
+        f"{res['ii', True][3]:.1f} (+{res['ii', True][3] - plain_h:.1f})",
+    ]
+    return cells, res["ii", True][2]
 
 
 def _timed(run: Callable[[], None], nbytes: int) -> float:

@@ -1,7 +1,7 @@
 """Hook overhead: an armed hook whose trigger is not met vs the unpatched call (cheap Python
 target), and sync-mode capture cost per MB vs a plain `tensor.cpu()` of the same bytes.
 
-    python bench/bench_hooks.py          # prints tables, appends them to bench/RESULTS.md
+    python bench/bench_hooks.py          # prints its tables (the latest: bench/RESULTS.md)
 """
 
 from __future__ import annotations
@@ -13,15 +13,12 @@ import tempfile
 import time
 import timeit
 import types
-from pathlib import Path
 
 import torch
 from _machine import cpu_model
 
 import kdump
 from kdump.bundle import capture_call
-
-RESULTS = Path(__file__).parent / "RESULTS.md"
 
 
 def _per_call_ns(fn, number: int = 200_000, repeat: int = 15) -> float:
@@ -92,8 +89,6 @@ def main() -> None:
     body += capture_cost(device)
     text = head + "\n".join(body) + "\n"
     print(text)
-    with RESULTS.open("a", encoding="utf-8") as f:  # append only: other benches add sections
-        f.write(text)
 
 
 if __name__ == "__main__":

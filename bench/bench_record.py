@@ -3,31 +3,28 @@
     python bench/bench_record.py                # CPU parts (and the GPU part where CUDA is)
     python bench/bench_record.py --calls 2000   # shorter run of the per-call part
     python bench/bench_record.py --gpu          # only the GPU part (needs CUDA)
-    python bench/bench_record.py --record       # also append the table to bench/RESULTS.md
-    python bench/bench_record.py --profile 2000 # cProfile of 2000 recorded small calls, then exit
 
 1. Sync recording of a small call (two 1 KiB tensors): host time of recorded call 10 and of the
    calls around call `--calls` (the same within noise: nothing grows with the number of bundles),
    against an atomic write (temporary file + rename) of a new file of the bundle's size, one
    after each recorded call.
-   Also the recorder's own work per call: the same calls with the bundle file's write replaced
-   by building its bytes (everything but the temporary file, its write and its rename).
 2. `kdump.dump_call` of a `--mb` MB call (mixed dtypes, a view with a storage offset, a shared
    storage) against `safetensors.torch.save_file` of the same tensors, median of `--repeat`;
-   each timed write makes a new file (the previous one is deleted untimed).
-   Also the same call recorded by sync recording into a capture directory, and the write alone
-   (the same bytes in pieces: one writer, the pool into one file, a file per piece, the writer's
-   one-pass hash + write).
+   each timed write makes a new file (the previous one is deleted untimed). Also the same call
+   recorded by sync recording into a capture directory, and the floor of any writer that names
+   its blobs by SHA-256 on this machine (the hashing and one raw write of the bytes).
 3. GPU (CUDA only): recording a `--gpu-mb` MB call from GPU memory with dump_call and with sync
    recording (device spans staged through pinned buffers, the copy of one chunk overlapping the
    hashing and the write of the previous one) against a plain copy of the same bytes to pinned
    host memory plus a raw write of them, median of `--repeat`, alternating in one run.
+
+The write path taken apart (piece sizes, the write alone, the recorder's own work, cProfile):
+lab/sync_write.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import shutil
 import statistics
@@ -41,9 +38,6 @@ from pathlib import Path
 import torch
 from bench_bundle import best_of as median_time  # alternating runs, median of each
 from bench_bundle import machine
-
-# Piece sizes dump_call is also timed at beside the default (KDUMP_PIECE_BYTES).
-PIECE_CHOICES = ("32M", "64M")
 
 
 def remover(*paths: Path) -> Callable[[], None]:
@@ -133,65 +127,6 @@ def per_call(work: Path, calls: int) -> list[tuple[str, float, float, str]]:
     ]
 
 
-def _recorded_calls(work: Path, calls: int, write: bool) -> list[tuple[float, float]]:
-    """(wall, CPU) seconds of each of `calls` recorded small calls; with write=False the bundle
-    files are built but not written (kdump.bundle.writer's atomic_write replaced)."""
-    import kdump
-    from kdump.bundle import writer
-
-    mod = _target_module()
-    x, out = torch.randn(256), torch.empty(256)
-    saved = writer.atomic_write
-    if not write:
-        writer.atomic_write = lambda path, content: bytes(content)  # type: ignore[assignment]
-    rows: list[tuple[float, float]] = []
-    try:
-        with kdump.recording(f"{mod.__name__}:scale", out=work):
-            for _ in range(calls):
-                t0, c0 = time.perf_counter(), time.thread_time()
-                mod.scale(x, out)
-                rows.append((time.perf_counter() - t0, time.thread_time() - c0))
-    finally:
-        writer.atomic_write = saved
-    return rows
-
-
-def own_work(work: Path, calls: int) -> tuple[float, float]:
-    """Median (wall, CPU) ms of the recorder's own work per call over the last half of `calls`
-    recorded calls whose bundle files are built, not written."""
-    rows = _recorded_calls(work / "own", calls, write=False)[calls // 2 :]
-    shutil.rmtree(work / "own", ignore_errors=True)
-    return (
-        statistics.median(r[0] for r in rows) * 1e3,
-        statistics.median(r[1] for r in rows) * 1e3,
-    )
-
-
-def profile(work: Path, calls: int) -> str:
-    """cProfile of `calls` recorded small calls (after 200 unprofiled ones), top functions."""
-    import cProfile
-    import io
-    import pstats
-
-    import kdump
-
-    mod = _target_module()
-    x, out = torch.randn(256), torch.empty(256)
-    prof = cProfile.Profile()
-    with kdump.recording(f"{mod.__name__}:scale", out=work / "prof"):
-        for _ in range(200):
-            mod.scale(x, out)
-        prof.enable()
-        for _ in range(calls):
-            mod.scale(x, out)
-        prof.disable()
-    text = io.StringIO()
-    stats = pstats.Stats(prof, stream=text)
-    stats.sort_stats("tottime").print_stats(30)
-    stats.sort_stats("cumulative").print_stats(45)
-    return text.getvalue()
-
-
 def mixed_call(nbytes: int, device: str) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     kinds = [torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int32]
@@ -206,7 +141,7 @@ def mixed_call(nbytes: int, device: str) -> list[torch.Tensor]:
 
 def byte_views(tensors: list[torch.Tensor]) -> list[memoryview]:
     """The bytes of contiguous CPU tensors, without a copy."""
-    from kdump.bundle.spool import cpu_view
+    from kdump.bundle.fileio import cpu_view
 
     return [cpu_view(t.reshape(-1).view(torch.uint8)) for t in tensors]
 
@@ -245,142 +180,6 @@ def pieces_of(tensors: list[torch.Tensor]) -> list[memoryview]:
     return [v[lo:hi] for v in byte_views(tensors) for lo, hi in piece_cuts(len(v), piece)]
 
 
-def _pwrite_all(fd: int, view: memoryview, at: int) -> None:
-    from kdump.bundle.spool import pwrite_all
-
-    for lo in range(0, len(view), 1 << 20):  # the writer's pass chunk
-        pwrite_all(fd, view[lo : lo + (1 << 20)], at + lo)
-
-
-def _offsets(views: list[memoryview]) -> list[int]:
-    out, pos = [], 0
-    for v in views:
-        out.append(pos)
-        pos += len(v)
-    return out
-
-
-def one_writer(path: Path, views: list[memoryview]) -> None:
-    """One thread writes every piece, in order, into one file."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for v, at in zip(views, _offsets(views)):
-            _pwrite_all(fd, v, at)
-    finally:
-        os.close(fd)
-
-
-def parallel_one_fd(path: Path, views: list[memoryview]) -> None:
-    """The pool writes the pieces at their offsets into one file through one descriptor."""
-    from kdump.bundle.store import pool
-
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        jobs = [pool().submit(_pwrite_all, fd, v, at) for v, at in zip(views, _offsets(views))]
-        for j in jobs:
-            j.result()
-    finally:
-        os.close(fd)
-
-
-def parallel_files(folder: Path, views: list[memoryview]) -> None:
-    """The pool writes each piece into a file of its own (what the shared store does)."""
-    from kdump.bundle.store import pool
-
-    folder.mkdir(exist_ok=True)
-
-    def one(i: int, v: memoryview) -> None:
-        fd = os.open(folder / f"{i}.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            _pwrite_all(fd, v, 0)
-        finally:
-            os.close(fd)
-
-    for j in [pool().submit(one, i, v) for i, v in enumerate(views)]:
-        j.result()
-
-
-def parallel_map(path: Path, views: list[memoryview]) -> None:
-    """The pool copies the pieces into a shared map of one file (sized first): page faults of
-    one file take no lock that writes of one file take (the inode's), so copies may scale."""
-    import ctypes
-    import mmap
-
-    from kdump.bundle.store import pool
-
-    offs = _offsets(views)
-    total = offs[-1] + len(views[-1]) if views else 0
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.ftruncate(fd, total)
-        m = mmap.mmap(fd, total)
-        base = ctypes.addressof(ctypes.c_char.from_buffer(m))
-
-        def one(v: memoryview, at: int) -> None:
-            src = ctypes.addressof(ctypes.c_char.from_buffer(v))
-            for lo in range(0, len(v), 1 << 20):
-                ctypes.memmove(base + at + lo, src + lo, min(1 << 20, len(v) - lo))
-
-        for j in [pool().submit(one, v, at) for v, at in zip(views, offs)]:
-            j.result()
-        m.close()
-    finally:
-        os.close(fd)
-
-
-def parallel_hash_write(path: Path, views: list[memoryview]) -> None:
-    """Each piece hashed and written in one pass by a pool worker (what the store's files of
-    their own are written by; the bundle writer did this too before it kept one writer)."""
-    from kdump.bundle.spool import hash_write
-    from kdump.bundle.store import pool
-
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        offs = _offsets(views)
-        for j in [pool().submit(hash_write, fd, v, at) for v, at in zip(views, offs)]:
-            j.result()
-    finally:
-        os.close(fd)
-
-
-def hash_beside_one_writer(path: Path, views: list[memoryview]) -> None:
-    """What the bundle writer does: the calling thread writes the pieces in file order while
-    pool workers hash them (largest first), then hashes what is left beside them."""
-    from kdump.bundle.spool import write_and_hash
-
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        write_and_hash(fd, list(zip(views, _offsets(views))), views)
-    finally:
-        os.close(fd)
-
-
-def write_apart(work: Path, mb: float, repeat: int) -> dict[str, float]:
-    """The parallel write measured on its own against one writer of the same bytes."""
-    tensors = mixed_call(int(mb * 1e6), "cpu")
-    views = pieces_of(tensors)
-    sides: dict[str, Callable[[], object]] = {
-        "one writer, one file": lambda: one_writer(work / "w1.bin", views),
-        "pool, one descriptor, pwrite at offsets": lambda: parallel_one_fd(work / "wp.bin", views),
-        "pool, a file per piece": lambda: parallel_files(work / "wf", views),
-        "pool, copies into a shared map of one file": lambda: parallel_map(work / "wm.bin", views),
-        "pool, hash + write in one pass": lambda: parallel_hash_write(work / "wh.bin", views),
-        "pool hashes, the caller writes (the writer)": lambda: hash_beside_one_writer(
-            work / "wo.bin", views
-        ),
-    }
-
-    def clean() -> None:
-        for p in ("w1.bin", "wp.bin", "wh.bin", "wo.bin", "wm.bin"):
-            (work / p).unlink(missing_ok=True)
-        shutil.rmtree(work / "wf", ignore_errors=True)
-
-    times = median_time(repeat, sides, between=clean, warmup=1)
-    times["bytes"] = float(sum(len(v) for v in views))
-    times["pieces"] = float(len(views))
-    return times
-
-
 def write_rate(work: Path, mb: float, repeat: int, device: str) -> dict[str, float]:
     from safetensors.torch import save_file
 
@@ -415,29 +214,10 @@ def write_rate(work: Path, mb: float, repeat: int, device: str) -> dict[str, flo
     recorder = kdump.recording(f"{sync_mod.__name__}:noop", out=work / "sync")
     recorder.__enter__()
 
-    def dump_in(piece: str) -> Callable[[], object]:
-        def side() -> object:
-            kept = os.environ.get("KDUMP_PIECE_BYTES")
-            os.environ["KDUMP_PIECE_BYTES"] = piece
-            try:
-                return kdump.dump_call(work / "d.kdump", fn, *args)
-            finally:
-                if kept is None:
-                    del os.environ["KDUMP_PIECE_BYTES"]
-                else:
-                    os.environ["KDUMP_PIECE_BYTES"] = kept
-
-        return side
-
     sides: dict[str, Callable[[], object]] = {
         "dump_call": lambda: kdump.dump_call(work / "d.kdump", fn, *args),
         "sync recording": lambda: sync_mod.noop(*args),
     }
-    if device == "cpu":
-        # The piece size sets how far the hashing spreads (each piece on one core).
-        for piece in PIECE_CHOICES:
-            sides[f"dump_call, pieces of {piece}iB"] = dump_in(piece)
-    sides |= {}
     if device == "cpu":
         st = {f"t{i}": t for i, t in enumerate(tensors)}
         sides["save_file"] = lambda: save_file(st, str(work / "s.safetensors"))
@@ -473,22 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=5, help="rounds per side; the median counts")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the files go")
     ap.add_argument("--gpu", action="store_true", help="only the GPU part (needs CUDA)")
-    ap.add_argument("--record", action="store_true", help="append results to --results")
-    ap.add_argument(
-        "--profile", type=int, metavar="N", help="print a cProfile of N recorded calls and exit"
-    )
-    ap.add_argument(
-        "--results", default=str(Path(__file__).with_name("RESULTS.md")), help="results file"
-    )
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="kdump-bench-record-", dir=args.dir))
-    if args.profile:
-        try:
-            print(profile(work, args.profile))
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        return 0
-    lines: list[str] = [f"load average (1, 5, 15 min) at the start: {_load()}", ""]
+    lines = [machine(), f"load average (1, 5, 15 min) at the start: {_load()}", ""]
     if args.gpu and not torch.cuda.is_available():
         print("bench_record: --gpu needs a CUDA device")
         return 2
@@ -501,12 +268,6 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     lines.append(f"\nload average (1, 5, 15 min) at the end: {_load()}")
     print("\n".join(lines))
-    if args.record:
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        out = Path(args.results)
-        with open(out, "a") as f:
-            f.write(f"\n## bench_record\n\n{stamp} — {machine()}\n\n" + "\n".join(lines) + "\n")
-        print(f"appended to {out}")
     return 0
 
 
@@ -517,8 +278,6 @@ def _load() -> str:
 def cpu_parts(work: Path, args: argparse.Namespace) -> list[str]:
     lines: list[str] = []
     rows = per_call(work, args.calls)
-    own = own_work(work, min(args.calls, 4000))
-    rows.append(("recorder's own work (bundle bytes built, not written), median", *own, ""))
     lines += [
         "Sync recording of a small call (2 x 1 KiB tensors), host time per call:",
         "",
@@ -540,7 +299,6 @@ def cpu_parts(work: Path, args: argparse.Namespace) -> list[str]:
             for k in (
                 "save_file",
                 "dump_call",
-                *(f"dump_call, pieces of {p}iB" for p in PIECE_CHOICES),
                 "sync recording",
                 "ref: SHA-256 of the bytes",
                 "ref: SHA-256 on one thread",
@@ -584,24 +342,6 @@ def cpu_parts(work: Path, args: argparse.Namespace) -> list[str]:
         f"with the fast check digests (xxh3-128 when written, again for the output compare): "
         f"{full:.3f} s; dump_call = {full / w['dump_call']:.2f}× that"
     )
-    from kdump.bundle.store import HASH_THREADS, piece_bytes
-
-    a = write_apart(work, args.mb, args.repeat)
-    one = a["one writer, one file"]
-    lines += [
-        "",
-        f"The write alone: the same {a['bytes'] / 1e6:.0f} MB in {a['pieces']:.0f} pieces "
-        f"(piece size {piece_bytes() >> 20} MiB, pool of {HASH_THREADS}), median of "
-        f"{args.repeat}:",
-        "",
-        "| what | seconds | MB/s | speed vs one writer |",
-        "|---|---:|---:|---:|",
-        *(
-            f"| {k} | {a[k]:.3f} | {a['bytes'] / a[k] / 1e6:.0f} | {one / a[k]:.2f}× |"
-            for k in a
-            if k not in ("bytes", "pieces")
-        ),
-    ]
     return lines
 
 

@@ -5,7 +5,7 @@ backend, measured in the same run.
 
 Eager: wall time of `kdump replay` from command start to verdict (two runs, first-call JIT
 excluded by a warm-up replay) / the bare call's time on the same inputs. Graph and sanitizer: their
-time to verdict / one eager replay's. Appends a table to bench/RESULTS.md.
+time to verdict / one eager replay's. Prints a table (the latest: bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ import torch
 
 from kdump.bundle import capture_call, save_calls
 from kdump.kernels.registry import get_backend, spec_for
-
-RESULTS = Path(__file__).with_name("RESULTS.md")
 
 
 def _cli(*args: str) -> float:
@@ -93,8 +91,6 @@ def main() -> None:
         f"G={args.groups} N={args.n} K={args.k}, {args.tokens} tokens/expert, backend "
         f"{args.backend}, {device} ({gpu})"
     )
-    print(title)
-    print(f"bare call: {bare * 1e3:.2f} ms")
     lines = [
         "",
         f"### bench_replay — {datetime.date.today()} — {platform.node()} — {title}",
@@ -105,10 +101,8 @@ def main() -> None:
         "|---|---|---|---|",
     ]
     for name, secs, ratio, against in rows:
-        print(f"{name:32s} {secs:8.2f} s  {ratio:10.1f}x {against}")
         lines.append(f"| {name} | {secs:.2f} | {ratio:.1f}x | {against} |")
-    with RESULTS.open("a") as f:
-        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -5,17 +5,21 @@
 #   Three stages cover the WHOLE test suite, each under the machine's 10-minute command limit:
 #   STAGE=tests  : every test not marked gpu (CPU tests must pass on a GPU machine too)
 #   STAGE=gpu    : every gpu-marked test except the packaged kernel's
-#   STAGE=bench  : replay / reference / hooks benchmarks, and the planted-bug CLI demos
+#   STAGE=bench  : replay / hooks benchmarks (and the lab's reference timing), and the planted-bug
+#                  CLI demos
 #   STAGE=flight : the flight recorder: its GPU tests, the MoE decode example recorded with the
 #                  fault variant and salvaged/replayed through the CLI, bench/bench_flight.py,
-#                  bench/bench_snapshot_kernel.py and scripts/profile_flight_step.py
+#                  lab/bench_snapshot_kernel.py and lab/profile_flight_step.py
 #                  (SNAP_ARGS: more arguments of bench_snapshot_kernel.py, e.g. "--variant
-#                  KD_OVERLAP=0"; FLIGHT_ARGS: of bench_flight.py, e.g. "--define KD_DENSE=0")
+#                  KD_OVERLAP=0"; FLIGHT_ARGS: of bench_flight.py, e.g. "--tokens 1,32";
+#                  LAB_FLIGHT_ARGS, when set, runs lab/flight_variants.py with them, e.g.
+#                  "--define KD_DENSE=0")
 #   STAGE=sm120  : the packaged kernel: its GPU tests, `kdump doctor --selftest`, its benchmark
-#                  (SWEEP=1 adds bench/sweep_sm120.py, SWEEP_ARGS its variants; NOBENCH=1 skips)
+#                  (lab/bench_sm120.py; SWEEP=1 adds lab/sweep_sm120.py, SWEEP_ARGS its variants;
+#                  NOBENCH=1 skips)
 #   STAGE=profile: Nsight Compute on the packaged kernel, CASES="shape:tokens ..." (default
 #                  "w13:1 w13:113": decode and MMA-bound); VARIANT="k=v,..." profiles a
-#                  TileConfig variant (see bench/sweep_sm120.py)
+#                  TileConfig variant (see lab/sweep_sm120.py)
 set -o pipefail
 OUT=${OUT:-/tmp/kdump-gpu-out}
 mkdir -p "$OUT"
@@ -41,10 +45,11 @@ flight)
   b=$(python3 -c "import glob, kdump; print(max((p for p in glob.glob('/tmp/fl/flight.*/journal-*.kdump') if 'graph_replay' in kdump.load_bundle(p).info), key=lambda p: kdump.load_bundle(p).calls[-1].meta['journal']['seq']))")
   timeout 120 python3 -m kdump replay "$b" --backend packaged-faulty 2>&1 | tee "$OUT/flight-replay.log"; echo "replay exit ${PIPESTATUS[0]}" | tee -a "$OUT/flight-replay.log"
   timeout 240 python3 bench/bench_flight.py ${FLIGHT_ARGS} 2>&1 | tee "$OUT/bench-flight.log"
+  [ -n "$LAB_FLIGHT_ARGS" ] && timeout 240 python3 lab/flight_variants.py ${LAB_FLIGHT_ARGS} 2>&1 | tee "$OUT/lab-flight.log"
   # the snapshot kernel alone against a plain copy (add --variant NAME=VALUE to compare builds)
-  timeout 120 python3 bench/bench_snapshot_kernel.py ${SNAP_ARGS} 2>&1 | tee "$OUT/bench-snapshot-kernel.log"
+  timeout 120 python3 lab/bench_snapshot_kernel.py ${SNAP_ARGS} 2>&1 | tee "$OUT/bench-snapshot-kernel.log"
   # one recorded graph step's device timeline (kernels, memcpys), metadata and scales only
-  timeout 60 python3 scripts/profile_flight_step.py --tokens 1 --scales-only 2>&1 | tee "$OUT/profile-step.log"
+  timeout 60 python3 lab/profile_flight_step.py --tokens 1 --scales-only 2>&1 | tee "$OUT/profile-step.log"
   ;;
 bench)
   # planted bug (packaged kernel's stale-schedule variant) and a clean DeepGEMM call through the
@@ -63,17 +68,15 @@ PY
   timeout 200 python3 -m kdump replay /tmp/fault.kdump --backend packaged-faulty --mode sanitizer --graph --sanitizer-logs "$OUT/san" 2>&1 | tee "$OUT/cli-fault-sanitizer.log"
   timeout 200 python3 -m kdump replay /tmp/dg.kdump --backend deep_gemm --mode all --sanitizer-logs "$OUT/san" 2>&1 | tee "$OUT/cli-dg-all.log"
   timeout 200 python3 bench/bench_replay.py --backend deep_gemm --tokens 32 2>&1 | tee "$OUT/bench-replay.log"
-  timeout 150 python3 bench/bench_reference.py 2>&1 | tee "$OUT/bench-reference.log"
+  timeout 150 python3 lab/bench_reference.py --no-append 2>&1 | tee "$OUT/bench-reference.log"
   timeout 100 python3 bench/bench_hooks.py 2>&1 | tee "$OUT/bench-hooks.log"
-  cp bench/RESULTS.md "$OUT/RESULTS.md"
   ;;
 sm120)
   timeout 60 python3 scripts/sm120-smoke.py 2>&1 | tee "$OUT/smoke.log" || exit 1
   timeout 220 python3 -m pytest -m gpu -q -x tests/test_sm120_gpu.py 2>&1 | tee "$OUT/pytest-sm120.log"
   timeout 40 python3 -m kdump doctor --selftest 2>&1 | tee "$OUT/doctor-selftest.log"
-  [ -n "$SWEEP" ] && timeout 300 python3 bench/sweep_sm120.py --iters 10 ${SWEEP_ARGS} 2>&1 | tee "$OUT/sweep-sm120.log"
-  [ -z "$NOBENCH" ] && timeout 240 python3 bench/bench_sm120.py --iters 15 2>&1 | tee "$OUT/bench-sm120.log"
-  cp bench/RESULTS_sm120.md "$OUT/RESULTS_sm120.md"
+  [ -n "$SWEEP" ] && timeout 300 python3 lab/sweep_sm120.py --iters 10 ${SWEEP_ARGS} 2>&1 | tee "$OUT/sweep-sm120.log"
+  [ -z "$NOBENCH" ] && timeout 240 python3 lab/bench_sm120.py --iters 15 --out "$OUT/RESULTS_sm120.md" 2>&1 | tee "$OUT/bench-sm120.log"
   ;;
 profile)
   # ncu locks the SM clock (1.37 GHz on the H200): compare ratios, not durations, with the bench
@@ -85,7 +88,7 @@ profile)
       --section WarpStateStats --section SourceCounters --section ComputeWorkloadAnalysis \
       --section InstructionStats \
       --import-source yes -f -o "$OUT/$shape-$t" \
-      python3 scripts/profile_case.py "$shape" "$t" ${VARIANT:+--variant "$VARIANT"} \
+      python3 lab/profile_case.py "$shape" "$t" ${VARIANT:+--variant "$VARIANT"} \
       > "$OUT/ncu-$shape-$t.log" 2>&1
     "$ncu" -i "$OUT/$shape-$t.ncu-rep" >> "$OUT/ncu-$shape-$t.log" 2>&1
     # per-SASS-instruction samples (stall reasons) for reading offline

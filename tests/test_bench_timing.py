@@ -1,6 +1,5 @@
-"""bench/_timing.py's helpers that run without a GPU: the interleaved measurement (each round
-takes every measurement in turn; the result is each one's median) and the new tensor objects a
-serving step passes (same memory and layout, other objects; the weights the same)."""
+"""bench/_timing.py's helpers that run without a GPU: the new tensor objects a serving step
+passes (same memory and layout, other objects; the weights the same)."""
 
 from __future__ import annotations
 
@@ -13,22 +12,6 @@ import torch
 @pytest.fixture
 def timing(bench_import: Any) -> Any:
     return bench_import("_timing")
-
-
-def test_interleaved_takes_every_measurement_in_turn_and_reports_medians(timing):
-    order: list[str] = []
-    values = {"a": iter([5.0, 1.0, 3.0]), "b": iter([2.0, 9.0, 4.0])}
-
-    def measure(name: str) -> Any:
-        def take() -> float:
-            order.append(name)
-            return next(values[name])
-
-        return take
-
-    got = timing.interleaved({"a": measure("a"), "b": measure("b")}, 3)
-    assert order == ["a", "b"] * 3
-    assert got == {"a": 3.0, "b": 4.0}
 
 
 def test_new_step_objects_keep_the_memory_and_the_weights(timing):

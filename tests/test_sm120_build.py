@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import importlib.util
 import re
 import shutil
@@ -42,15 +41,13 @@ def _cuobjdump() -> str | None:
     return shutil.which("cuobjdump")
 
 
-# The default build of each architecture, and Hopper's with the opt-in split of thin tiles.
-@pytest.fixture(scope="module", params=["sm_90a", "sm_120a", "sm_90a+split"])
+# The default build of each architecture.
+@pytest.fixture(scope="module", params=["sm_90a", "sm_120a"])
 def cubin(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     if _why_not is not None:
         pytest.skip(f"cannot compile: {_why_not}")
-    arch, _, variant = request.param.partition("+")
+    arch = request.param
     cfg = configs.CONFIGS[90 if arch == "sm_90a" else 120]
-    if variant == "split":
-        cfg = dataclasses.replace(cfg, split_thin=1)
     result = build.build_cubin(BuildRequest(arch, cfg), use_cache=False)
     path = tmp_path_factory.mktemp(request.param) / "grouped_gemm.cubin"
     path.write_bytes(result.cubin)

@@ -20,7 +20,6 @@ if not torch.cuda.is_available():  # the lead's conftest skips gpu tests too; be
 
 from kdump.errors import ContractViolation  # noqa: E402
 from kdump.kernels import sm120  # noqa: E402
-from kdump.kernels.sm120 import launch  # noqa: E402
 
 _ok, _why = sm120.is_available()
 if not _ok:
@@ -204,18 +203,15 @@ def test_odd_and_empty_groups_strided_d(ue8m0: bool) -> None:
     assert torch.isnan(buf[:, n:]).all(), "wrote outside the strided view"
 
 
-@pytest.mark.parametrize("split", [0, 1], ids=["nosplit", "split"])
 @pytest.mark.parametrize("k", [128, 256, 512, 640])
-def test_thin_tiles_any_k_blocks(k: int, split: int) -> None:
-    """Thin tiles with 1, 2, 4 and 5 K blocks, in the default build and in the one whose tiles of
-    at most 32 rows split 4 or more K blocks over both warp rows and add the sums at the end."""
+def test_thin_tiles_any_k_blocks(k: int) -> None:
+    """Thin tiles with 1, 2, 4 and 5 K blocks."""
     counts = [1, 16, 33, 64, 65, 0, 100, 8]
     labels = labels_for(counts, 128)
     p = Problem((labels.numel(),), len(counts), 256, k, True, seed=k)
     d = poisoned((labels.numel(), 256))
-    with launch.config_override(split_thin=split):
-        sm120.m_grouped_fp8_gemm_nt_contiguous(p.a, p.b, d, labels)
-        torch.cuda.synchronize()
+    sm120.m_grouped_fp8_gemm_nt_contiguous(p.a, p.b, d, labels)
+    torch.cuda.synchronize()
     check_contiguous(p, labels, d)
 
 

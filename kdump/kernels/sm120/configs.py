@@ -40,17 +40,6 @@ class TileConfig:
     kk_unroll: int = 4  # unroll of the four k32 steps of warps with more m16 blocks than that
     a_box: int = 16  # rows per A TMA box; a tile loads only the boxes that hold its rows
     l2_promote_b: int = 256  # L2 promotion of the B descriptor in bytes (0: none); host side
-    # Measurement only (bench/sweep_sm120.py), results are wrong: 1 = math warps release every
-    # stage unread (the load path alone), 2 = scale words are constants (no global loads there),
-    # 3 = no output stores, 4 = no MMAs (everything else kept).
-    probe: int = 0
-    # 1: tiles of at most bm / warps_m rows split their K blocks over the two warp rows (decode).
-    # Off by default: on the H200 the kernel without that code path measured 3-7% faster at every
-    # batch size (bench/RESULTS_sm120_tuning.md, 2026-11-30), decode included.
-    split_thin: int = 0
-    # 1: whole N tiles pack every output pair, then store rows with predicated stores (0: a
-    # branch per row and column checks everywhere; kept for comparison in the sweep).
-    pred_stores: int = 1
     # 1: the psum layout finds a tile's group with lane ballots over chunks of group ends, one
     # round of loads fetched a tile ahead (up to 993 groups); 0: a binary search per tile.
     psum_ballot: int = 1
@@ -86,10 +75,8 @@ class TileConfig:
             f"KD_KK_UNROLL={self.kk_unroll}",
             f"KD_UNROLL_BLOCKS={self.unroll_blocks}",
             f"KD_A_BOX={self.a_box}",
-            f"KD_SPLIT_THIN={self.split_thin}",
-            f"KD_PRED_STORES={self.pred_stores}",
             f"KD_PSUM_BALLOT={self.psum_ballot}",
-        ] + ([f"KD_PROBE={self.probe}"] if self.probe else [])
+        ]
 
     def check(self) -> None:
         """Raise ValueError when the shape breaks an assumption of the kernel."""
@@ -106,14 +93,8 @@ class TileConfig:
             raise ValueError(f"{self}: A boxes must be whole m16 blocks that tile BM")
         if self.bm not in (64, 128):
             raise ValueError(f"{self}: M tiles must tile the 128-row group alignment (64 or 128)")
-        for flag in ("split_thin", "pred_stores", "psum_ballot"):
-            if getattr(self, flag) not in (0, 1):
-                raise ValueError(f"{self}: {flag} is 0 or 1")
-        if self.probe not in range(5):
-            raise ValueError(
-                f"{self}: probe is 0 (off), 1 (no math), 2 (constant scales), 3 (no stores) "
-                "or 4 (no MMAs)"
-            )
+        if self.psum_ballot not in (0, 1):
+            raise ValueError(f"{self}: psum_ballot is 0 or 1")
         if self.l2_promote_b not in (0, 64, 128, 256):
             raise ValueError(f"{self}: L2 promotion is 0 (none), 64, 128 or 256 bytes")
 

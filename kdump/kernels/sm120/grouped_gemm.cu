@@ -56,13 +56,6 @@ using cuda::std::void_t;
 #ifndef KD_PSUM_BALLOT
 #define KD_PSUM_BALLOT 1  // psum layout: group lookup by lane ballots (0: binary search always)
 #endif
-#ifndef KD_PRED_STORES
-#define KD_PRED_STORES 1  // whole N tiles: packed pairs, then predicated row stores (0: branches)
-#endif
-#ifndef KD_PROBE
-#define KD_PROBE 0  // measurement only, results wrong: 1 = no math, 2 = constant scale words,
-                    // 3 = no output stores, 4 = no MMAs (stages released unread, rest kept)
-#endif
 #ifndef KD_WARPS_M
 #define KD_WARPS_M 2
 #endif
@@ -110,16 +103,6 @@ static_assert(BM <= 256 && BN <= 256, "a TMA box dimension is at most 256");
 static_assert(128 % WN == 0, "fp32 B scales: one 128-column scale block per math warp");
 static_assert(BM % A_BOX == 0 && A_BOX % 16 == 0, "A boxes: whole m16 blocks, 1 KiB aligned");
 static_assert(MI <= 8, "the MMA step dispatch has copies for 1..8 m16 blocks per warp");
-// Thin tiles (up to SPLIT_ROWS rows) split their K blocks over two warp rows (see the math
-// loop); their sums meet in the B tile of the last stage.
-#ifndef KD_SPLIT_THIN
-#define KD_SPLIT_THIN 0
-#endif
-constexpr bool SPLIT_THIN = KD_SPLIT_THIN && WARPS_M == 2;
-constexpr int SPLIT_ROWS = WM < 32 ? WM : 32;
-static_assert(!SPLIT_THIN || 1 + WARPS_N <= 15, "named barriers 2..1+WARPS_N (16 ids in all)");
-static_assert(!SPLIT_THIN || WARPS_N * (SPLIT_ROWS / 16) * NI * 4 * 32 * 4 <= B_TILE_BYTES,
-              "the split-K reduction fits in a B tile");
 
 enum Layout : int { kLabels = 0, kPsum = 1, kMasked = 2 };
 
@@ -391,15 +374,6 @@ __device__ __forceinline__ void mma_block(float (&part)[MI][NI][4], const uint32
 }
 #endif
 
-// Named barriers (id 0 is __syncthreads): all math warps (id 1), or the two warps (64 threads)
-// of one math-warp column (ids 2..).
-__device__ __forceinline__ void math_sync() {
-  asm volatile("bar.sync 1, %0;\n" ::"n"(MATH_WARPS * 32) : "memory");
-}
-__device__ __forceinline__ void pair_sync(int id) {
-  asm volatile("bar.sync %0, 64;\n" ::"r"(id) : "memory");
-}
-
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
@@ -660,22 +634,13 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
     if (sj.n0 < 0) break;
     const int kb = sj.kb;
     const int a_group = LAYOUT == kMasked ? sj.group : 0;
-    // Thin tiles (decode: at most SPLIT_ROWS rows) would leave the second warp row idle.
-    // Instead both rows compute the first rows, taking alternate K blocks, and add their sums at
-    // the end of the tile (warp-uniform, the same for every warp of the tile). Not worth its
-    // end-of-tile reduction below 4 K blocks.
-    const bool split = SPLIT_THIN && sj.rows <= SPLIT_ROWS && p.k_blocks >= 4;
-    const int wm0 = split ? 0 : wrow * WM;
-    const bool mine = !split || (kb & 1) == wrow;  // this warp computes this K block
+    // Thin (decode) tiles leave the second warp row idle: splitting their K blocks over both rows
+    // and adding the sums at the end of the tile measured 3-7% slower on the H200 at every batch
+    // size, decode included (lab/results/RESULTS_sm120_tuning.md, 2026-11-30).
+    const int wm0 = wrow * WM;
     const bool last = kb + 1 == p.k_blocks;
     // m16 row blocks of this warp that hold rows of the tile (warp-uniform).
     const int mi_on = max(0, min(MI, (sj.rows - wm0 + 15) / 16));
-    if constexpr (KD_PROBE == 1) {
-      __syncwarp();
-      compiler_fence();
-      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&empty_bar[s]);
-      continue;
-    }
     if (mi_on == 0) {
       // Nothing of this tile in this warp's rows: release the stage at once.
       __syncwarp();
@@ -689,13 +654,6 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
     // (On the H200, prefetching them one block ahead measured 10-30% slower, and TMA-loading
     // them with each stage no faster, for (BM + BN) * 4 bytes of shared memory per stage.)
     auto load_words = [&](int kbw) {
-      if constexpr (KD_PROBE == 2) {
-#pragma unroll
-        for (int i = 0; i < MI; ++i) wa[i][0] = wa[i][1] = UE8M0 ? 0x7f7f7f7fu : 0x3f800000u;
-#pragma unroll
-        for (int j = 0; j < NI; ++j) wb[j][0] = wb[j][1] = UE8M0 ? 0x7f7f7f7fu : 0x3f800000u;
-        return;
-      }
       // One address per thread and operand, rows / columns at fixed strides from it, clamped to
       // the last row / column (words past M or N only scale results that are never stored).
       // Unconditional loads: predicated ones let the compiler hoist the fp32 scale products
@@ -733,148 +691,112 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
                          kbw * p.sfb_stride_k);
       }
     };
-    // A UE8M0 word serves four K blocks, computed by either warp row when split.
-    if (UE8M0 ? (kb & 3) == 0 : mine) load_words(kb);
+    // A UE8M0 word serves four K blocks.
+    if (!UE8M0 || (kb & 3) == 0) load_words(kb);
     auto release = [&]() {
       __syncwarp();
       compiler_fence();  // every read of the stage stays before its release
       if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&empty_bar[s]);
     };
-    if (!mine) {
-      if (!last) {
-        release();
-        continue;
-      }
-    } else {
+    const uint32_t sb_base = smem_base + sj.off;
+    const uint32_t sa_base = sb_base + B_TILE_BYTES;
+    float part[MI][NI][4];
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+      for (int j = 0; j < NI; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) part[i][j][c] = 0.f;
 
-      const uint32_t sb_base = smem_base + sj.off;
-      const uint32_t sa_base = sb_base + B_TILE_BYTES;
-      float part[MI][NI][4];
-#pragma unroll
-      for (int i = 0; i < MI; ++i)
-#pragma unroll
-        for (int j = 0; j < NI; ++j)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) part[i][j][c] = 0.f;
-
-      // On sm_90 each FP8 MMA is unpacks plus two FP16 MMAs (mma_block); unrolling the k32 steps
-      // can let the scheduler hoist unpacks until the accumulators spill (KD_KK_UNROLL);
-      // thin tiles (up to KD_UNROLL_BLOCKS m16 blocks) have the registers to unroll fully.
-      // Each count of m16 blocks gets its own branch-free copy (ON blocks): a branch per m16 block
-      // makes sm_90 unpack the B fragments once per block and serializes the MMA chains.
-      auto mma_steps = [&](auto on) {
-        constexpr int ON = decltype(on)::value;
-        constexpr int UNROLL = ON <= KD_UNROLL_BLOCKS ? 4 : KD_KK_UNROLL;
+    // On sm_90 each FP8 MMA is unpacks plus two FP16 MMAs (mma_block); unrolling the k32 steps
+    // can let the scheduler hoist unpacks until the accumulators spill (KD_KK_UNROLL);
+    // thin tiles (up to KD_UNROLL_BLOCKS m16 blocks) have the registers to unroll fully.
+    // Each count of m16 blocks gets its own branch-free copy (ON blocks): a branch per m16 block
+    // makes sm_90 unpack the B fragments once per block and serializes the MMA chains.
+    auto mma_steps = [&](auto on) {
+      constexpr int ON = decltype(on)::value;
+      constexpr int UNROLL = ON <= KD_UNROLL_BLOCKS ? 4 : KD_KK_UNROLL;
 #pragma unroll UNROLL
-        for (int kk = 0; kk < BK / 32; ++kk) {
-          uint32_t af[ON][4];
-          uint32_t bf[NI][2];
+      for (int kk = 0; kk < BK / 32; ++kk) {
+        uint32_t af[ON][4];
+        uint32_t bf[NI][2];
 #pragma unroll
-          for (int j = 0; j < NI; j += 2)
-            ldsm_x4(sb_base + b_ld_off[kk] + j * 8 * BK, bf[j][0], bf[j][1],
-                    bf[j + 1][0], bf[j + 1][1]);
+        for (int j = 0; j < NI; j += 2)
+          ldsm_x4(sb_base + b_ld_off[kk] + j * 8 * BK, bf[j][0], bf[j][1],
+                  bf[j + 1][0], bf[j + 1][1]);
 #pragma unroll
-          for (int i = 0; i < ON; ++i)
-            ldsm_x4(sa_base + a_ld_off[kk] + (wm0 + i * 16) * BK, af[i][0], af[i][1], af[i][2],
-                    af[i][3]);
-          mma_block<ON>(part, af, bf);
-        }
-      };
-      // Promote the 128-K partial sums of ON m16 blocks with their block scales in fp32; this
-      // warp's first K block of a tile sets the sums instead (split tiles: row 1 starts at 1).
-      const bool first = kb == (split ? wrow : 0);
-      auto promote = [&](auto on) {
-        constexpr int ON = decltype(on)::value;
-        float sb[NI][2];
-        // fp32: the scale products need only the freshly loaded words, and ptxas hoists them
-        // above the MMAs, where they wait for the loads (H200: up to 35% slower). One product
-        // input made to depend on the MMAs' result (exactly: a finite value times 0) keeps them
-        // after. (The same on the UE8M0 scales measured 1-7% slower.)
-        const float sb_fp32 =
-            UE8M0 ? 0.f
-                  : fmaf(fminf(fabsf(part[0][0][0]), 1.f), 0.f, scale_of<false>(wb[0][0], kb));
+        for (int i = 0; i < ON; ++i)
+          ldsm_x4(sa_base + a_ld_off[kk] + (wm0 + i * 16) * BK, af[i][0], af[i][1], af[i][2],
+                  af[i][3]);
+        mma_block<ON>(part, af, bf);
+      }
+    };
+    // Promote the 128-K partial sums of ON m16 blocks with their block scales in fp32; this
+    // warp's first K block of a tile sets the sums instead.
+    const bool first = kb == 0;
+    auto promote = [&](auto on) {
+      constexpr int ON = decltype(on)::value;
+      float sb[NI][2];
+      // fp32: the scale products need only the freshly loaded words, and ptxas hoists them
+      // above the MMAs, where they wait for the loads (H200: up to 35% slower). One product
+      // input made to depend on the MMAs' result (exactly: a finite value times 0) keeps them
+      // after. (The same on the UE8M0 scales measured 1-7% slower.)
+      const float sb_fp32 =
+          UE8M0 ? 0.f
+                : fmaf(fminf(fabsf(part[0][0][0]), 1.f), 0.f, scale_of<false>(wb[0][0], kb));
+#pragma unroll
+      for (int j = 0; j < NI; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          sb[j][h] = UE8M0 ? scale_of<true>(wb[j][h], kb) : sb_fp32;
+      float s[ON][NI][4];
+#pragma unroll
+      for (int i = 0; i < ON; ++i) {
+        const float sa0 = scale_of<UE8M0>(wa[i][0], kb);
+        const float sa1 = scale_of<UE8M0>(wa[i][1], kb);
 #pragma unroll
         for (int j = 0; j < NI; ++j)
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-            sb[j][h] = UE8M0 ? scale_of<true>(wb[j][h], kb) : sb_fp32;
-        float s[ON][NI][4];
+          for (int c = 0; c < 4; ++c) s[i][j][c] = (c < 2 ? sa0 : sa1) * sb[j][c % 2];
+      }
+      if (first) {
 #pragma unroll
-        for (int i = 0; i < ON; ++i) {
-          const float sa0 = scale_of<UE8M0>(wa[i][0], kb);
-          const float sa1 = scale_of<UE8M0>(wa[i][1], kb);
+        for (int i = 0; i < ON; ++i)
 #pragma unroll
           for (int j = 0; j < NI; ++j)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) s[i][j][c] = (c < 2 ? sa0 : sa1) * sb[j][c % 2];
+            for (int c = 0; c < 4; ++c) acc[i][j][c] = part[i][j][c] * s[i][j][c];
+      } else {
+#pragma unroll
+        for (int i = 0; i < ON; ++i)
+#pragma unroll
+          for (int j = 0; j < NI; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+              acc[i][j][c] = fmaf(part[i][j][c], s[i][j][c], acc[i][j][c]);
+      }
+    };
+    // mi_on is warp-uniform and 1..MI here. The stage goes back to the producer between the
+    // MMAs and the promotion.
+    auto run_if = [&](auto on) {
+      if constexpr (decltype(on)::value <= MI) {
+        if (mi_on == decltype(on)::value) {
+          mma_steps(on);
+          release();
+          promote(on);
+          return true;
         }
-        if (first) {
-#pragma unroll
-          for (int i = 0; i < ON; ++i)
-#pragma unroll
-            for (int j = 0; j < NI; ++j)
-#pragma unroll
-              for (int c = 0; c < 4; ++c) acc[i][j][c] = part[i][j][c] * s[i][j][c];
-        } else {
-#pragma unroll
-          for (int i = 0; i < ON; ++i)
-#pragma unroll
-            for (int j = 0; j < NI; ++j)
-#pragma unroll
-              for (int c = 0; c < 4; ++c)
-                acc[i][j][c] = fmaf(part[i][j][c], s[i][j][c], acc[i][j][c]);
-        }
-      };
-      // mi_on is warp-uniform and 1..MI here. The stage goes back to the producer between the
-      // MMAs and the promotion (a split tile's last stage is kept for adding the two warp rows'
-      // sums).
-      auto run_if = [&](auto on) {
-        if constexpr (decltype(on)::value <= MI) {
-          if (mi_on == decltype(on)::value) {
-            if constexpr (KD_PROBE != 4) mma_steps(on);
-            if (!(split && last)) release();
-            promote(on);
-            return true;
-          }
-        }
-        return false;
-      };
-      using cuda::std::integral_constant;
-      run_if(integral_constant<int, MI>{}) || run_if(integral_constant<int, 1>{}) ||
-          run_if(integral_constant<int, 2>{}) || run_if(integral_constant<int, 3>{}) ||
-          run_if(integral_constant<int, 4>{}) || run_if(integral_constant<int, 5>{}) ||
-          run_if(integral_constant<int, 6>{}) || run_if(integral_constant<int, 7>{}) ||
-          run_if(integral_constant<int, 8>{});
-    }  // mine
+      }
+      return false;
+    };
+    using cuda::std::integral_constant;
+    run_if(integral_constant<int, MI>{}) || run_if(integral_constant<int, 1>{}) ||
+        run_if(integral_constant<int, 2>{}) || run_if(integral_constant<int, 3>{}) ||
+        run_if(integral_constant<int, 4>{}) || run_if(integral_constant<int, 5>{}) ||
+        run_if(integral_constant<int, 6>{}) || run_if(integral_constant<int, 7>{}) ||
+        run_if(integral_constant<int, 8>{});
 
     if (!last) continue;
-    if (split) {
-      // Warp (1, c) hands its sums to warp (0, c) through the last stage's shared memory, laid
-      // out [element][lane] so the accesses are conflict-free.
-      float* red = reinterpret_cast<float*>(
-                       smem_raw +
-                       (smem_base - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)))) +
-                   sj.off / 4 + wcol * ((SPLIT_ROWS / 16) * NI * 4 * 32) + lane;
-      // f(accumulator, its slot in red) for the accumulators of the tile's m16 blocks.
-      auto each_sum = [&](auto&& f) {
-#pragma unroll
-        for (int i = 0; i < MI; ++i)
-          if (i < mi_on)
-#pragma unroll
-            for (int j = 0; j < NI; ++j)
-#pragma unroll
-              for (int c = 0; c < 4; ++c) f(acc[i][j][c], red[((i * NI + j) * 4 + c) * 32]);
-      };
-      // Every math warp must be done reading the stage before it is overwritten.
-      math_sync();
-      if (wrow == 1) each_sum([](float& sum, float& slot) { slot = sum; });
-      pair_sync(2 + wcol);
-      if (wrow == 0) each_sum([](float& sum, float& slot) { sum += slot; });
-      // Those ordinary stores must be ordered before the TMA writes that refill the stage.
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      release();
-      if (wrow == 1) continue;
-    }
     // Epilogue: bf16 pairs straight from registers. Rows past the tile's extent or row_end and
     // columns past N are left untouched. One 64-bit address per thread; rows step by 8 * stride
     // and the n8 blocks are immediate offsets.
@@ -885,9 +807,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* tmap_a, const TensorM
     const long long row_step = 8 * p.d_stride_m;
     __nv_bfloat16* dst = p.d + (LAYOUT == kMasked ? sj.group * p.d_stride_g : 0ll) +
                          row_base * p.d_stride_m + col_base;
-    // (p.reserved is 0: the stores stay in the code, so the values they need are still computed)
-    if (KD_PROBE == 3 && p.reserved != 12345) continue;
-    if (KD_PRED_STORES && sj.n0 + BN <= p.n) {
+    if (sj.n0 + BN <= p.n) {
       // Whole N tiles (all but a partial last one): every pair packed first, then predicated
       // row stores without column checks.
       uint32_t pk[MI][2][NI];

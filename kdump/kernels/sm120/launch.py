@@ -8,11 +8,9 @@ captured into a CUDA graph.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kdump.cuda.nvrtc import LaunchError, check, driver
@@ -23,7 +21,7 @@ from .build import (
     build_cubin,
     check_nvrtc_vs_driver,
 )
-from .configs import CONFIGS, TileConfig, arch_family, config_for
+from .configs import TileConfig, arch_family, config_for
 
 if TYPE_CHECKING:
     import torch
@@ -120,28 +118,6 @@ def get_module(device: torch.device) -> LoadedModule:
         loaded = LoadedModule(module, functions, config, arch)
         _modules[key] = loaded
         return loaded
-
-
-@contextlib.contextmanager
-def config_override(**changes: int) -> Iterator[TileConfig]:
-    """Run the packaged kernel with fields of the current device's TileConfig replaced (the
-    benchmark sweep and tests of non-default code paths); modules loaded inside are dropped on
-    exit, so later calls get the default configuration again."""
-    import torch
-
-    family = arch_family(torch.cuda.get_device_capability())
-    base = CONFIGS[family]
-    cfg = replace(base, **changes)
-    cfg.check()
-    with _lock:
-        CONFIGS[family] = cfg
-        _modules.clear()
-    try:
-        yield cfg
-    finally:
-        with _lock:
-            CONFIGS[family] = base
-            _modules.clear()
 
 
 # L2 promotion in bytes -> the suffix of its CUtensorMapL2promotion member.

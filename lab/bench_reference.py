@@ -5,9 +5,9 @@ expert, each expert padded to 128 rows (contiguous layout, packed UE8M0 scales).
 reference's time, its effective GFLOP/s counting valid rows only, and the ratio to one dense fp32
 torch.mm with the same FLOPs ([valid rows, K] @ [K, N]) timed in the same run on the same device.
 
-    python bench/bench_reference.py [--device cpu|cuda|all] [--no-append] [--results FILE]
+    python lab/bench_reference.py [--device cpu|cuda|all] [--no-append] [--results FILE]
 
-Appends a table to bench/RESULTS.md under "## bench_reference" (append only).
+Appends a table to lab/results/RESULTS.md under "## bench_reference" (append only).
 """
 
 from __future__ import annotations
@@ -16,19 +16,22 @@ import argparse
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # _machine, _timing
 from _machine import cpu_model
 
 from kdump.kernels.deepgemm.generators import label_layout
 from kdump.kernels.deepgemm.scales import empty_mn_major
 from kdump.kernels.deepgemm.specs import MGroupedFP8NTContiguous
 
-RESULTS = Path(__file__).parent / "RESULTS.md"
+RESULTS = Path(__file__).parent / "results" / "RESULTS.md"
 GROUPS = 288
 LAYERS = {"w13": (512, 4096), "w2": (4096, 256)}
 TOKENS = (1, 32, 113)

@@ -2,8 +2,8 @@
 machine: one live process per tree, alternating rounds of `--calls` recorded calls (the order
 flips every round), so both see the same load minute by minute.
 
-    python bench/lockstep_record.py OLD_TREE NEW_TREE                # recorder's own work
-    python bench/lockstep_record.py OLD_TREE NEW_TREE --write        # with the bundle files
+    python lab/lockstep_record.py OLD_TREE NEW_TREE                # recorder's own work
+    python lab/lockstep_record.py OLD_TREE NEW_TREE --write        # with the bundle files
 
 Without --write the bundle files are built but not written (kdump.bundle.writer's atomic_write
 replaced, and os.stat answered for them, for trees whose index asks the file system for the

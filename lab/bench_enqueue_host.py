@@ -5,7 +5,7 @@ per-slot memo of an eager repeat and without it (the full computation every call
 us per call (the best of the rounds) and Python function calls per call (cProfile), both ways,
 in the same run; the driver's own time is not in it (on the H200 host: 3-12 us per driver call).
 
-    python bench/bench_enqueue_host.py [--calls 20000] [--slots 64] [--rounds 5]
+    python lab/bench_enqueue_host.py [--calls 20000] [--slots 64] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # _machine, _timing
 
 import test_devcopy_memo as stand_in
 from _machine import cpu_model

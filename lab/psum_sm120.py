@@ -4,7 +4,7 @@ Both layouts describe the same rows (expert g owns rows [g * slot, g * slot + to
 difference is the producer's tile decision: a label scan against a psum group lookup, by lane
 ballots (default) or by binary search (psum_ballot=0). CUDA-graph replay, UE8M0, us.
 
-Usage: python bench/psum_sm120.py [--iters 20]
+Usage: python lab/psum_sm120.py [--iters 20]
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_sm120 import G, make_case, operands, time_graph
-
 from kdump.kernels import sm120
-from kdump.kernels.sm120 import launch
+from sm120_variants import lab_config
 
 
 def main() -> None:
@@ -42,7 +41,7 @@ def main() -> None:
         psum = functools.partial(fn, ends, use_psum_layout=True)
         psum_us = time_graph(psum, args.iters)
         same = torch.allclose(d, ref, rtol=0, atol=0, equal_nan=True)
-        with launch.config_override(psum_ballot=0):
+        with lab_config(psum_ballot=0):
             search_us = time_graph(psum, args.iters)
         same = same and torch.allclose(d, ref, rtol=0, atol=0, equal_nan=True)
         flag = "" if same else " (OUTPUTS DIFFER)"

@@ -5,7 +5,7 @@ The unhooked call, the recorded call (the same tensor objects, and new objects o
 memory) and the floors of any device-side recorder are also measured interleaved, in rounds
 (medians), so that the host's load reaches each alike.
 
-    python scripts/profile_recorder.py [--calls 200] [--backend deep_gemm|packaged] [--top 40]
+    python lab/profile_recorder.py [--calls 200] [--backend deep_gemm|packaged] [--top 40]
         [--rounds 5]
 """
 
@@ -16,17 +16,19 @@ import cProfile
 import importlib
 import io
 import pstats
+import statistics
 import sys
 import tempfile
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from _timing import host_us, interleaved, new_step_objects
+from _timing import host_us, new_step_objects
 
 import kdump
 from kdump.kernels import registry
@@ -343,6 +345,17 @@ def _split(fn: Any, args: tuple, kwargs: dict, calls: int) -> dict[str, float]:
     parts = out["repeat decision"] + out["bookkeeping"] + out["device enqueue"]
     out["rest (hook, trigger, call)"] = out.pop("total") - parts
     return out
+
+
+def interleaved(measures: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
+    """The median of `rounds` results of each measurement, the measurements taken in turn within
+    each round (in the dict's order), so that a change of the host's load between rounds reaches
+    every one of them alike, where one after the other it would favour some."""
+    got: dict[str, list[float]] = {name: [] for name in measures}
+    for _ in range(rounds):
+        for name, measure in measures.items():
+            got[name].append(measure())
+    return {name: statistics.median(values) for name, values in got.items()}
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The flight recorder's host time per recorded eager call on CPU (ring mode, no device tier).
 
 A stand-in `deep_gemm` module whose `m_grouped_fp8_gemm_nt_contiguous` does nothing is recorded
-with arguments of the GPU profile's shape (scripts/profile_recorder.py: G=288, N=512, K=4096, 32
+with arguments of the GPU profile's shape (lab/profile_recorder.py: G=288, N=512, K=4096, 32
 tokens per expert), made on the CPU. What the slot gets there: the routing labels and the small
 scales are copied by the host, the weights go once to the static region, A and the output keep
 their layouts only (too big for a 1 MiB slot); torch runs one intra-op thread. Unhooked and
@@ -21,7 +21,7 @@ without a reference spec: out is copied into the slot again after the call, then
 marker) and with `--outputs none`, in alternating sessions of the same process; the stand-in
 DeepGEMM keeps none by default (its spec has a reference), so its rows above are unchanged.
 
-    python bench/bench_ring_host.py [--calls 300] [--rounds 7] [--k 4096] [--groups 288]
+    python lab/bench_ring_host.py [--calls 300] [--rounds 7] [--k 4096] [--groups 288]
         [--copies host|off] [--out-kib 64]
 """
 
@@ -42,6 +42,8 @@ import types
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # _machine, _timing
 from _machine import cpu_model
 from _timing import new_step_objects
 

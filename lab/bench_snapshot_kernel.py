@@ -1,22 +1,25 @@
 """The flight recorder's snapshot kernel on its own, against a plain copy of the same bytes, for
 the kernel as shipped and for variants of its compile-time constants, all in one run on one GPU.
 
-    python bench/bench_snapshot_kernel.py
-    python bench/bench_snapshot_kernel.py --variant KD_UNROLL=8u --variant min_blocks=4
+    python lab/bench_snapshot_kernel.py
+    python lab/bench_snapshot_kernel.py --variant KD_UNROLL=8u --variant min_blocks=4
 
-A variant is comma-separated `NAME=VALUE` pairs: a `#define` of kdump/record/flight/snapshot.cu
-replaced (KD_UNROLL, KD_THREADS, KD_ROWS_PER_BLOCK, KD_BULK (0: no bulk copies), KD_BULK_WARPS,
-KD_BULK_STAGES, KD_BULK_STAGE, KD_DENSE (0: no window of scales read whole), KD_OVERLAP (0: a call's
-rows, then its scales, not side by side), KD_SPLIT_BYTES (a unit's rows at most, in bytes:
-1073741824 = one unit per window), KD_UNITS, KD_MIN_BLOCKS or `min_blocks` (the kernel's
-`__launch_bounds__` minimum blocks per SM); KD_CHUNK follows KD_THREADS x 16 x KD_UNROLL), or
-`resident=N` (at most N gather blocks taking the units round robin; 0: one block per unit; default:
-as many as the GPU holds at once, as the recorder launches), `balance=1` (as few of those blocks as
-take the same number of rounds of units, so that every block takes as many), or `patch=NAME+NAME`
-(timing experiments that take a part of the launch out: fixed-rows, no-counter, no-publication,
-no-host-writes, no-gather, no-fence, no-copies; see PATCHES). The host side (gather.py) must agree
-with KD_THREADS and KD_ROWS_PER_BLOCK: variants of those launch with the variant's own grid.
-bench/bench_flight.py --define takes the same pairs.
+A variant is comma-separated `NAME=VALUE` pairs: one of the -D flags kdump/record/flight/gather.py
+builds snapshot.cu with (gather.DEFINES) replaced (KD_UNROLL, KD_THREADS, KD_ROWS_PER_BLOCK,
+KD_BULK_WARPS, KD_BULK_STAGES, KD_BULK_STAGE, KD_UNITS, KD_MIN_BLOCKS or `min_blocks` (the
+kernel's `__launch_bounds__` minimum blocks per SM), ...; KD_CHUNK follows KD_THREADS x 16 x
+KD_UNROLL and KD_BUF_WORDS the buffers), KD_SPLIT_BYTES (a unit's rows at most, in bytes:
+1073741824 = one unit per window; the host's gather.SPLIT_BYTES), the switches the shipped
+kernel no longer has, as patches: KD_BULK=0 (no bulk copies), KD_DENSE=0 (no window of scales
+read whole), KD_OVERLAP=0 (a call's rows, then its scales, not side by side), KD_EARLY_LAUNCH=1|2
+(let a PDL-launched kernel start at a block's start | after its copies); or `resident=N` (at most
+N gather blocks taking the units round robin; 0: one block per unit; default: as many as the GPU
+holds at once, as the recorder launches), `balance=1` (as few of those blocks as take the same
+number of rounds of units, so that every block takes as many), or `patch=NAME+NAME` (see
+PATCHES: timing experiments that take a part of the launch out: fixed-rows, no-counter,
+no-publication, no-host-writes, no-gather, no-fence, no-copies; and the switches above). The host
+side (gather.py) must agree with KD_THREADS and KD_ROWS_PER_BLOCK: variants of those launch with
+the variant's own grid. lab/flight_variants.py --define takes the same pairs.
 
 Cases (the reference decode shape: G = 288 experts padded to 128 rows, M = 36,864, K = 4096):
 - bytes: 64 MB in 16 plain byte ranges (the kernel's copy blocks);
@@ -39,7 +42,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -51,7 +53,7 @@ from kdump.record.flight import gather
 G, BLOCK, K = 288, 128, 4096
 M = G * BLOCK
 # A loaded build: (kd_snapshot, threads per block, rows per gather window, plain-copy chunk bytes,
-# dynamic shared memory bytes, KD_SPLIT_BYTES, gather blocks at most (0: one per unit), balance=1)
+# dynamic shared memory bytes, split bytes, gather blocks at most (0: one per unit), balance=1)
 Kernel = tuple[Any, int, int, int, int, int, int, bool]
 
 
@@ -112,7 +114,57 @@ PATCHES: dict[str, tuple[tuple[str, str], ...]] = {
     ),
     # the plain copies' blocks copy nothing
     "no-copies": (("for (u32 c = 0; c < p.n_copies; ++c) {", "for (u32 c = 0; c < 0u; ++c) {"),),
+    # The switches the shipped kernel had (its values then are the shipped paths). KD_BULK=0:
+    # the plain loads and stores everywhere (what a GPU before sm_90 runs).
+    "no-bulk": (
+        (
+            "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900\n#define KD_HAVE_BULK 1",
+            "#if 0\n#define KD_HAVE_BULK 1",
+        ),
+    ),
+    # KD_DENSE=0: scales read only where rows are touched, after the rule (no whole windows)
+    "no-dense": (("  if (p.n_gathers != 1 || p.split > 1) return false;", "  return false;"),),
+    # KD_OVERLAP=0: a call's rows, then its scales, not side by side
+    "no-overlap": (("  if (p.n_gathers != 2) return -1;", "  return -1;"),),
+    # KD_EARLY_LAUNCH=1: a recorded kernel launched with programmatic dependent launch
+    # (DeepGEMM's set_pdl) may start its prologue once every block of the snapshot has started
+    # (its grid-dependency wait still holds it until this grid has finished and its writes are
+    # visible). H200, DeepGEMM with PDL, metadata and scales: the same step within 0.01x at 1
+    # and 32 tokens per expert, and at 113 tokens 1.11x against 1.06x without: the GEMM's early
+    # blocks slow the snapshot's. Not shipped.
+    "early-launch-start": (
+        (
+            "  const u32 tid = threadIdx.x;\n  // The launch is a chain",
+            "  const u32 tid = threadIdx.x;\n"
+            "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900\n"
+            '  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");\n'
+            "#endif\n"
+            "  // The launch is a chain",
+        ),
+    ),
+    # KD_EARLY_LAUNCH=2: the same after a block's copies, before the publication (H200, same
+    # step: 1.08x at 113 tokens against 1.06x). Not shipped.
+    "early-launch-end": (
+        (
+            "  // The last block to finish publishes the call",
+            "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900\n"
+            '  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");\n'
+            "#endif\n"
+            "  // The last block to finish publishes the call",
+        ),
+    ),
 }
+
+# The old #define switches of snapshot.cu, as the patches above (results history and the
+# commands written there keep working).
+SWITCHES = {
+    ("KD_BULK", "0"): "no-bulk",
+    ("KD_DENSE", "0"): "no-dense",
+    ("KD_OVERLAP", "0"): "no-overlap",
+    ("KD_EARLY_LAUNCH", "1"): "early-launch-start",
+    ("KD_EARLY_LAUNCH", "2"): "early-launch-end",
+}
+SHIPPED = {("KD_BULK", "1"), ("KD_DENSE", "1"), ("KD_OVERLAP", "1"), ("KD_EARLY_LAUNCH", "0")}
 
 # A patch that is only safe beside another. Without fixed-rows the row counter would no longer
 # be reset after every block reserved its records; a publication without the fence could
@@ -136,46 +188,76 @@ def patched(src: str, names: str) -> str:
     return src
 
 
-def variant_source(spec: str) -> tuple[str, int, int, int]:
-    """(source, threads, rows per block, plain-copy chunk bytes) of a variant spec ("" = as
-    shipped)."""
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A build of snapshot.cu: its source (patched or not) and -D flags, and what the host
+    launches it with."""
+
+    source: str
+    defines: dict[str, str]
+    threads: int
+    rows_per_block: int
+    chunk: int
+    smem: int
+    split_bytes: int
+
+
+def _num(value: str) -> int:
+    return int(value.rstrip("uUlL"), 0)
+
+
+def variant(spec: str) -> Variant:
+    """The build of a variant spec ("" = as shipped)."""
     src = gather.kernel_source()
-    defs = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
-    for name, value in defs.items():
-        if name in ("resident", "balance"):
+    defines = dict(gather.DEFINES)
+    split_bytes = gather.SPLIT_BYTES
+    patches: list[str] = []
+    for kv in (kv for kv in spec.split(",") if kv):
+        name, value = kv.split("=", 1)
+        if name in ("resident", "balance") or (name, value) in SHIPPED:
             continue
         if name == "patch":
-            src = patched(src, value)
-            continue
-        if name == "min_blocks":
-            name = "KD_MIN_BLOCKS"
-        src, n = re.subn(rf"(#define {name}) \S+", rf"\1 {value}", src)
-        if n != 1:
-            raise SystemExit(f"no #define {name} in snapshot.cu")
-
-    threads, unroll = gather.define(src, "KD_THREADS"), gather.define(src, "KD_UNROLL")
+            patches += [n for n in value.split("+") if n]
+        elif (name, value) in SWITCHES:
+            patches.append(SWITCHES[name, value])
+        elif name == "KD_SPLIT_BYTES":
+            split_bytes = _num(value)
+        else:
+            name = "KD_MIN_BLOCKS" if name == "min_blocks" else name
+            if name not in defines or name in ("KD_CHUNK", "KD_BUF_WORDS"):
+                raise SystemExit(f"no -D {name} to vary: one of {', '.join(gather.DEFINES)}")
+            defines[name] = value
+    src = patched(src, "+".join(patches))
+    threads, unroll = _num(defines["KD_THREADS"]), _num(defines["KD_UNROLL"])
     chunk = threads * 16 * unroll
-    src = re.sub(r"(#define KD_CHUNK) \S+", rf"\1 {chunk}ull", src)
-    return src, threads, gather.define(src, "KD_ROWS_PER_BLOCK"), chunk
+    defines["KD_CHUNK"] = f"{chunk}ull"
+    bulk = _num(defines["KD_BULK_WARPS"]) * _num(defines["KD_BULK_STAGES"])
+    words = max(bulk * _num(defines["KD_BULK_STAGE"]) // 4, _num(defines["KD_STAGE_WORDS"]))
+    defines["KD_BUF_WORDS"] = str(words)
+    rows = _num(defines["KD_ROWS_PER_BLOCK"])
+    return Variant(src, defines, threads, rows, chunk, 4 * words, split_bytes)
 
 
-def load_function(src: str, name: str) -> Any:
-    """Kernel `name` of CUDA source `src`, compiled by NVRTC for the current GPU and loaded."""
+def load_function(src: str, name: str, defines: dict[str, str] | None = None) -> Any:
+    """Kernel `name` of CUDA source `src` (built with -D `defines`), compiled by NVRTC for the
+    current GPU and loaded."""
     from cuda.core import Program, ProgramOptions
 
     from kdump.cuda.nvrtc import check, driver
 
     arch = gather.arch_of(torch.cuda.get_device_capability())
-    obj = Program(src, "c++", ProgramOptions(arch=arch, std="c++17")).compile("cubin")
+    flags = gather.define_flags(defines) if defines else []
+    opts = ProgramOptions(arch=arch, std="c++17", define_macro=flags)
+    obj = Program(src, "c++", opts).compile("cubin")
     torch.cuda.current_stream()
     module = check(driver().cuModuleLoadData(bytes(obj.code)), "cuModuleLoadData")
     return check(driver().cuModuleGetFunction(module, name.encode()), f"get {name}")
 
 
-def load(src: str) -> Any:
-    """kd_snapshot of a variant's source, allowed its dynamic shared memory."""
-    fn = load_function(src, "kd_snapshot")
-    gather.allow_smem(fn, gather.smem_bytes(src))
+def load(v: Variant) -> Any:
+    """kd_snapshot of a variant, allowed its dynamic shared memory."""
+    fn = load_function(v.source, "kd_snapshot", v.defines)
+    gather.allow_smem(fn, v.smem)
     return fn
 
 
@@ -356,15 +438,16 @@ def main() -> None:
     print(f"plain D2D copy: {rate:.0f} GB/s of data (each byte read and written)\n")
     kernels: list[Kernel] = []
     for spec in specs:
-        src, threads, rows_per_block, chunk = variant_source(spec)
-        split_bytes = gather.define(src, "KD_SPLIT_BYTES")
-        fn, smem = load(src), gather.smem_bytes(src)
+        v = variant(spec)
+        fn = load(v)
         defs = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
         fixed = defs.get("resident")
-        resident = gather.resident_blocks(fn, smem, threads) if fixed is None else int(fixed)
+        resident = gather.resident_blocks(fn, v.smem, v.threads) if fixed is None else int(fixed)
         balance = defs.get("balance") == "1"
         print(f"{spec or 'as shipped'}: {resident} gather blocks at most")
-        kernels.append((fn, threads, rows_per_block, chunk, smem, split_bytes, resident, balance))
+        kernels.append(
+            (fn, v.threads, v.rows_per_block, v.chunk, v.smem, v.split_bytes, resident, balance)
+        )
     head = "| case | bound us | plain copy us | torch row gather us | "
     print(head + " | ".join(s or "as shipped" for s in specs) + " |")
     print("|---|---:|---:|---:|" + "---:|" * len(specs))

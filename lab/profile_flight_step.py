@@ -2,7 +2,7 @@
 memsets) of CUDA-graph replays of the grouped GEMM, without and with the flight recorder, from
 torch's profiler (CUPTI), with one replay's timeline (start offsets and durations in µs).
 
-    python scripts/profile_flight_step.py [--tokens 1] [--n 512] [--k 4096] [--no-held]
+    python lab/profile_flight_step.py [--tokens 1] [--n 512] [--k 4096] [--no-held]
         [--scales-only] [--floor] [--backend deep_gemm|packaged] [--define NAME=VALUE]
         [--carveout PCT]
 
@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import bench_flight
 
+import flight_variants
 import kdump
 from kdump.record.config import RingConfig
 
@@ -70,14 +71,14 @@ def main() -> None:
     p.add_argument(
         "--floor",
         action="store_true",
-        help="profile bench_flight's (i) floor node before the GEMM instead of the recorder",
+        help="profile flight_variants' (i) floor node before the GEMM instead of the recorder",
     )
     p.add_argument("--backend", choices=sorted(bench_flight.MODULES), default="deep_gemm")
-    bench_flight.add_kernel_options(p)
+    flight_variants.add_kernel_options(p)
     opt = p.parse_args()
-    bench_flight.apply_kernel_options(opt)
+    flight_variants.apply_kernel_options(opt)
     fn = bench_flight.gemm(opt.backend)
-    args, kwargs = bench_flight._case(opt.n, opt.k, opt.tokens)
+    args, kwargs = bench_flight.case(opt.n, opt.k, opt.tokens)
 
     def graph() -> Any:
         fn(*args, **kwargs)
@@ -91,7 +92,7 @@ def main() -> None:
     g = graph()
     _report("plain", _replays(g, opt.replays), opt.replays)
     if opt.floor:
-        fn = bench_flight._with_floor_node(fn, args)
+        fn = flight_variants._with_floor_node(fn, args)
         _report("(i) floor", _replays(graph(), opt.replays), opt.replays)
         return
     shm = Path(tempfile.mkdtemp(prefix="kdump-prof-", dir="/dev/shm"))

@@ -7,7 +7,7 @@ torch._scaled_grouped_mm (rowwise scales, valid rows only, if available), and pr
 valid tokens), achieved GB/s (bytes that must move at least once), ratios to each peer, to the
 measured HBM copy bandwidth and to a measured mma.sync FP8 ceiling.
 
-Usage: python bench/bench_sm120.py [--out bench/RESULTS_sm120.md] [--iters 30]
+Usage: python lab/bench_sm120.py [--out lab/results/RESULTS_sm120.md] [--iters 30]
 """
 
 from __future__ import annotations
@@ -306,7 +306,7 @@ def bench_torch_grouped(c: Case, iters: int) -> float | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/RESULTS_sm120.md")
+    ap.add_argument("--out", default="lab/results/RESULTS_sm120.md")
     ap.add_argument("--iters", type=int, default=30)
     args = ap.parse_args()
     ok, why = sm120.is_available()

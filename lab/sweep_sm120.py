@@ -2,9 +2,9 @@
 
 Each variant is compiled (cached like the default one) and timed by CUDA-graph replay on the same
 inputs, so the ratios are comparable within one run. Used to pick CONFIGS in
-kdump/kernels/sm120/configs.py; the tables it printed are in bench/RESULTS_sm120_tuning.md.
+kdump/kernels/sm120/configs.py; the tables it printed are in lab/results/RESULTS_sm120_tuning.md.
 
-Usage: python bench/sweep_sm120.py [--iters 20] [--cases w13:113,w2:512]
+Usage: python lab/sweep_sm120.py [--iters 20] [--cases w13:113,w2:512]
                                   [--variant "a_box=128,stages=5" ...]
 """
 
@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_sm120 import bench_ours, make_case, mn_major
-
-from kdump.kernels.sm120 import configs, launch
+from kdump.kernels.sm120 import configs
+from sm120_variants import lab_config
 
 CASES = (("w13", 1), ("w13", 32), ("w13", 113), ("w2", 1), ("w2", 32), ("w2", 113))
 DEFAULT_VARIANTS = (
@@ -105,7 +105,7 @@ def main() -> None:
     print(f"| variant (sm_{family}) | {header} | check |")
     print("|---" * (len(names) + 2) + "|")
     for spec in args.variant or DEFAULT_VARIANTS:
-        with launch.config_override(**parse(spec)):
+        with lab_config(**parse(spec)):
             verdict = correct()
             times = [bench_ours(c, True, args.iters) for c in cases]
         cells = " | ".join(f"{t:.1f}" for t in times)
