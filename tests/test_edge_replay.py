@@ -13,7 +13,7 @@ import torch
 
 import kdump
 from kdump.errors import ExitCode
-from kdump.kernels.spec import Tolerance
+from kdump.kernels.plugin import Tolerance
 from kdump.replay import replay
 from kdump.replay.compare import agree, compare_to_reference
 

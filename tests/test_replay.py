@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from kdump.bundle import attach_outputs, capture_call, input_tensors, save_calls
-from kdump.bundle.tensors import Placement, capture, materialize
+from kdump.bundle.capture import capture
+from kdump.bundle.materialize import Placement, materialize
 from kdump.cli import main
 from kdump.errors import ExitCode, worst_exit_code
-from kdump.kernels.spec import Tolerance
+from kdump.kernels.plugin import Tolerance
 from kdump.replay import halo, replay
 from kdump.replay.child import ChildRun, _crashed_replay
 from kdump.replay.compare import bitwise_diff, compare_to_reference, poison, unwritten

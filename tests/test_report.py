@@ -12,8 +12,9 @@ import torch
 
 from kdump.bundle import capture_call, load_bundle, save_calls
 from kdump.cli import main
+from kdump.kernels.plugin import summarize_histogram
 from kdump.report.markdown import ReportOptions, render_report
-from kdump.report.routing import routing_summaries, summarize_histogram
+from kdump.report.routing import routing_summaries
 
 CAPTURES = Path(__file__).resolve().parent.parent / "captures"
 HOSTILE = "evil\x1b[31m|`tick`|[bold]red[/]<script>x</script>\n# heading"

@@ -289,7 +289,7 @@ def _thinned(path: Path) -> tuple[Any, list[torch.Tensor], list[torch.Tensor]]:
             spans.append(out)
         else:
             spans.append(full)
-    from kdump.bundle.tensors import materialize
+    from kdump.bundle.materialize import materialize
 
     thin = materialize(storages, call.tensors, spans.__getitem__).tensors
     return call, call.materialize("cpu").tensors, thin
@@ -326,7 +326,8 @@ def test_tier_1_plan_for_the_psum_layout() -> None:
 def test_hostile_slim_requests_are_refused(tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from kdump.bundle.writer import _entries, save_entries
+    from kdump.bundle.manifest import call_entries as _entries
+    from kdump.bundle.writer import save_entries
 
     src = TESTS.parent / "captures" / "contiguous_ue8m0.kdump"
     for opts, needle in [

@@ -16,11 +16,11 @@ from kdump.kernels.deepgemm.specs import (
     MGroupedFP8NNContiguous,
     MGroupedFP8NTContiguous,
     MGroupedFP8NTMasked,
-    library_state,
 )
+from kdump.kernels.deepgemm.state import state as library_state
 from kdump.kernels.generic import GenericSpec
+from kdump.kernels.plugin import Role
 from kdump.kernels.registry import all_specs, spec_for
-from kdump.kernels.spec import Role
 
 SMALL = {"num_groups": 4, "n": 256, "k": 512, "expected_m": 60}
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from kdump.errors import CannotRunError
-from kdump.kernels.spec import Backend, KernelSpec
+from kdump.kernels.plugin import Backend, KernelSpec
 
 
 class GenericSpec(KernelSpec):
@@ -62,20 +62,23 @@ class ReferenceBackend(Backend):
 
 
 class LibraryBackend(Backend):
-    """The recorded target itself, imported by its 'module:qualname' (generic targets)."""
+    """The recorded target itself, imported by its 'module:qualname' (generic targets).
+
+    `find` is the trust rule the replay admitted the target by, handed in by the registry that
+    builds this backend (`registry.resolve_allowed`: never through a module object; a
+    glob-allowed target must be defined by its module): 'module:qualname' -> the object."""
 
     name = "library"
+
+    def __init__(self, find: Callable[[str], Any]) -> None:
+        self._find = find
 
     def available(self, spec: KernelSpec, device: torch.device) -> tuple[bool, str]:
         return True, ""
 
     def resolve(self, spec: KernelSpec, target: str) -> Callable[..., Any]:
-        """The recorded target, resolved under the trust rule the replay admitted it by
-        (`registry.resolve_allowed`: never through a module object; a glob-allowed target must
-        be defined by its module)."""
-        from kdump.kernels.registry import resolve_allowed
-
-        return _checked_signature(resolve_allowed(target), target)
+        """The recorded target, resolved under the trust rule the replay admitted it by."""
+        return _checked_signature(self._find(target), target)
 
 
 def _checked_signature(fn: Any, target: str) -> Any:

@@ -17,12 +17,10 @@ from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 from kdump.errors import CannotRunError, UntrustedTargetError, UsageError
-from kdump.kernels.plugin import KernelPlugin, TargetSpec
+from kdump.kernels.plugin import Backend, KernelPlugin, KernelSpec, TargetSpec
 
 if TYPE_CHECKING:
     import torch
-
-    from kdump.kernels.spec import Backend, KernelSpec
 
 ENTRY_POINT_GROUP = "kdump.kernels"
 GENERIC_BACKENDS = ("reference", "library")  # tried last by `auto`, in this order
@@ -357,7 +355,7 @@ def _backend_index() -> dict[str, tuple[Backend, KernelPlugin | None]]:
 
     index: dict[str, tuple[Backend, KernelPlugin | None]] = {
         "reference": (ReferenceBackend(), None),
-        "library": (LibraryBackend(), None),
+        "library": (LibraryBackend(resolve_allowed), None),
     }
     for p in plugins():
         try:

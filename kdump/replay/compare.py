@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from kdump.kernels.spec import Tolerance
+from kdump.kernels.plugin import Tolerance
 from kdump.replay.metrics import calc_diff
 
 

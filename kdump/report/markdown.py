@@ -13,12 +13,13 @@ from urllib.parse import quote
 
 from kdump.bundle import Bundle, Call
 from kdump.bundle.inspect import aliasing_groups
+from kdump.kernels.plugin import RoutingSummary
 from kdump.report.diff import alignment_class, flatten, scalar_arguments, show
 from kdump.report.difftext import group_ids
 from kdump.report.escape import code_fence, escape_md, escape_text
 from kdump.report.plot import INSTALL_HINT, PlotResult, matplotlib_available
 from kdump.report.redact import Redactor
-from kdump.report.routing import RoutingSummary, routing_summaries
+from kdump.report.routing import routing_summaries
 
 PRIVACY_NOTE = (
     "**Privacy.** A bundle holds the call's real tensors: activations are derived from the "

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kdump.bundle import Bundle, Call
-from kdump.report.routing import RoutingSummary, routing_summaries
+from kdump.kernels.plugin import RoutingSummary
+from kdump.report.routing import routing_summaries
 from kdump.text import visible
 
 DPI = 100

@@ -1,16 +1,13 @@
-"""Routing metadata summarised per group: what the kernel saw of the token distribution.
+"""Routing metadata of recorded calls, as the call's spec summarises it per group: what the
+kernel saw of the token distribution (the report's tables and plot, `kdump diff`).
 
-Layouts (DeepGEMM's m-grouped GEMMs):
-- labels: `grouped_layout` int32 [M], the group of each row, -1 for padding rows;
-- psum: `grouped_layout` int32 [G] of cumulative end rows (`use_psum_layout=True`); group g
-  occupies rows [align(end[g-1], A), end[g]) with A the mk alignment, group 0 starts at row 0;
-- masked: `masked_m` int32 [G], the valid rows of each group's [max_m] block.
-Any other 1-D int32 routing tensor becomes a histogram of its values.
+What a routing argument means is the spec's knowledge (`KernelSpec.routing`, e.g. DeepGEMM's
+labels, psum ends and masked_m in kernels/deepgemm/routing.py); this module hands the spec a
+recorded call's arguments without materialising the call (`Recorded`) and compares summaries.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -18,46 +15,9 @@ from typing import Any
 import torch
 
 from kdump.bundle import Bundle, Call
-from kdump.bundle.tensors import TensorRecord
-from kdump.kernels.plugin import KernelSpec, Role
+from kdump.format.records import TensorRecord
+from kdump.kernels.plugin import KernelSpec, RoutingSummary, RowsUsed
 from kdump.kernels.registry import spec_for
-
-DEFAULT_MK_ALIGNMENT = 128
-
-
-@dataclass(frozen=True)
-class RoutingSummary:
-    argument: str
-    layout: str  # labels | psum | masked | histogram
-    groups: tuple[int, ...]  # group ids (histogram: the distinct values)
-    counts: tuple[int, ...]  # rows (tokens) of each group
-    padding: int | None = None  # rows that belong to no group (None: not defined for the layout)
-    invalid: int = 0  # labels outside [-1, G), negative or decreasing psum ends
-    rows: int | None = None  # rows of the M dimension the layout covers
-
-    @property
-    def empty_groups(self) -> tuple[int, ...]:
-        return tuple(g for g, c in zip(self.groups, self.counts) if c == 0)
-
-    @property
-    def tokens(self) -> int:
-        return sum(self.counts)
-
-    def count(self, group: int) -> int | None:
-        return dict(zip(self.groups, self.counts)).get(group)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "argument": self.argument,
-            "layout": self.layout,
-            "groups": list(self.groups),
-            "counts": list(self.counts),
-            "tokens": self.tokens,
-            "empty_groups": list(self.empty_groups),
-            "padding": self.padding,
-            "invalid": self.invalid,
-            "rows": self.rows,
-        }
 
 
 def call_spec(bundle: Bundle, call: Call) -> KernelSpec:
@@ -108,101 +68,43 @@ def read_tensor(bundle: Bundle, call: Call, index: int) -> torch.Tensor:
     return mat.tensors[0]
 
 
-def _first_dim(call: Call, node: Any, dim: int) -> int | None:
-    ref = tensor_ref(node)
-    if ref is None or ref >= len(call.tensors):
-        return None
-    shape = call.tensors[ref].shape
-    return shape[dim] if len(shape) > dim else None
+class Recorded:
+    """A recorded call's arguments by the spec's parameter names, read from the bundle one
+    tensor at a time (kernels.plugin.RecordedArgs)."""
+
+    def __init__(self, bundle: Bundle, call: Call, spec: KernelSpec) -> None:
+        self.bundle, self.call = bundle, call
+        self.bound = bind_encoded(spec, call)
+
+    def value(self, name: str) -> Any:
+        return self.bound.get(name)
+
+    def _ref(self, name: str) -> int | None:
+        ref = tensor_ref(self.bound.get(name))
+        return ref if ref is not None and ref < len(self.call.tensors) else None
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        ref = self._ref(name)
+        return None if ref is None else tuple(self.call.tensors[ref].shape)
+
+    def dtype(self, name: str) -> str | None:
+        ref = self._ref(name)
+        return None if ref is None else self.call.tensors[ref].dtype
+
+    def read(self, name: str) -> torch.Tensor | None:
+        ref = self._ref(name)
+        return None if ref is None else read_tensor(self.bundle, self.call, ref)
 
 
 def routing_summaries(bundle: Bundle, call: Call) -> list[RoutingSummary]:
     """A summary of every routing argument of `call` that is a 1-D integer tensor."""
     spec = call_spec(bundle, call)
-    bound = bind_encoded(spec, call)
-    out = []
-    for name in spec.names_with_role(Role.ROUTING):
-        ref = tensor_ref(bound.get(name))
-        if ref is None or not isinstance(bound.get(name), dict) or ref >= len(call.tensors):
-            continue
-        rec = call.tensors[ref]
-        if len(rec.shape) != 1 or rec.dtype not in ("int32", "int64"):
-            continue
-        values = [int(v) for v in read_tensor(bundle, call, ref).tolist()]
-        groups = _first_dim(call, bound.get("b"), 0)
-        if name == "masked_m":
-            out.append(summarize_masked(name, values, _first_dim(call, bound.get("a"), 1)))
-        elif name == "grouped_layout" and bound.get("use_psum_layout") is True:
-            alignment = getattr(spec, "mk_alignment", DEFAULT_MK_ALIGNMENT)
-            out.append(summarize_psum(name, values, alignment))
-        elif name == "grouped_layout" and groups is not None:
-            out.append(summarize_labels(name, values, groups))
-        else:
-            out.append(summarize_histogram(name, values))
-    return out
+    return spec.routing(Recorded(bundle, call, spec))
 
 
-def summarize_labels(name: str, labels: list[int], groups: int) -> RoutingSummary:
-    tally = Counter(labels)
-    counts = tuple(tally.get(g, 0) for g in range(groups))
-    padding = tally.get(-1, 0)
-    return RoutingSummary(
-        name,
-        "labels",
-        tuple(range(groups)),
-        counts,
-        padding=padding,
-        invalid=len(labels) - padding - sum(counts),
-        rows=len(labels),
-    )
-
-
-def _align(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
-
-
-def summarize_psum(name: str, ends: list[int], alignment: int) -> RoutingSummary:
-    counts, padding, invalid, prev_end = [], 0, 0, 0
-    for g, end in enumerate(ends):
-        start = 0 if g == 0 else _align(prev_end, alignment)
-        if end < start:
-            invalid += 1
-        counts.append(max(0, end - start))
-        padding += start - prev_end if g else 0
-        prev_end = max(end, start)
-    return RoutingSummary(
-        name,
-        "psum",
-        tuple(range(len(ends))),
-        tuple(counts),
-        padding=padding,
-        invalid=invalid,
-        rows=ends[-1] if ends else 0,
-    )
-
-
-def summarize_masked(name: str, masked_m: list[int], max_m: int | None) -> RoutingSummary:
-    invalid = sum(1 for m in masked_m if m < 0 or (max_m is not None and m > max_m))
-    return RoutingSummary(
-        name,
-        "masked",
-        tuple(range(len(masked_m))),
-        tuple(max(0, m) for m in masked_m),
-        padding=None if max_m is None else sum(max_m - min(max(m, 0), max_m) for m in masked_m),
-        invalid=invalid,
-        rows=None if max_m is None else max_m * len(masked_m),
-    )
-
-
-def summarize_histogram(name: str, values: list[int]) -> RoutingSummary:
-    tally = sorted(Counter(values).items())
-    return RoutingSummary(
-        name,
-        "histogram",
-        tuple(v for v, _ in tally),
-        tuple(c for _, c in tally),
-        rows=len(values),
-    )
+def rows_used(bundle: Bundle, call: Call, spec: KernelSpec) -> RowsUsed | None:
+    """The activation rows and weight groups `call` reads, as its spec tells from the routing."""
+    return spec.rows_used(Recorded(bundle, call, spec))
 
 
 @dataclass(frozen=True)

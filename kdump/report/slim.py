@@ -6,8 +6,8 @@ each on top of the last one that held, and the result is replayed after each (th
 `kdump.replay.replay`: child processes, the allow-list):
 
 1. content the call cannot touch is dropped (`sparse` storages; shapes and layouts identical):
-   rows of groups without tokens in the weights, padding rows (label -1, outside psum groups,
-   beyond masked_m) in the activations;
+   the spec says from the routing which activation rows and weight groups the call reads
+   (`KernelSpec.rows_used`; DeepGEMM: groups with tokens, rows that are not padding);
 2. floating-point activations, scales and the outputs' prior contents become `synthetic`
    storages with the recorded per-tensor statistics (integer data, routing above all, stays
    exact); the recorded outputs are dropped: they no longer belong to the inputs;
@@ -33,8 +33,6 @@ import torch
 
 from kdump.bundle import Bundle, Call, load_bundle
 from kdump.bundle.store import sha256_hex
-from kdump.bundle.synthetic import DEFAULT_GENERATOR, DEFAULT_VERSION, SEED_LIMIT, splitmix64
-from kdump.bundle.synthetic import DTYPES as SYNTHETIC_DTYPES
 from kdump.bundle.writer import save_entries
 from kdump.errors import (
     CannotRunError,
@@ -50,7 +48,9 @@ from kdump.format.records import (
     StorageRecord,
     TensorRecord,
 )
-from kdump.kernels.spec import KernelSpec, Role
+from kdump.format.synthetic import DEFAULT_GENERATOR, DEFAULT_VERSION, SEED_LIMIT, splitmix64
+from kdump.format.synthetic import DTYPES as SYNTHETIC_DTYPES
+from kdump.kernels.plugin import KernelSpec, Role
 from kdump.replay.options import ReplayOptions
 from kdump.replay.verdict import Finding, Verdict
 
@@ -190,7 +190,7 @@ def _roles(spec: KernelSpec, call: Call, keep: Sequence[str]) -> _Roles:
     declared = {n for n in bound if params.get(n) is Role.WEIGHT}
     # Weights as the spec declares them; else the GEMM convention: the first input is the
     # activation, the others are weights.
-    weights = declared or set(getattr(spec, "weight_params", inputs[1:]))
+    weights = declared or set(inputs[1:])
     n = len(call.tensors)
     param = [""] * n
     kind = ["activation"] * n  # a spec without roles: everything is data
@@ -221,55 +221,6 @@ def _roles(spec: KernelSpec, call: Call, keep: Sequence[str]) -> _Roles:
 
 # ---------------------------------------------------------------------------------------------
 # Tier 1: the bytes a call can touch
-
-
-@dataclass(frozen=True)
-class _Routing:
-    """Which rows of the activations and which groups of the weights the call uses."""
-
-    rows: torch.Tensor | None  # bool [M] (contiguous) or [G, max_m] (masked)
-    groups: torch.Tensor  # bool [G]
-
-
-def _routing(bundle: Bundle, call: Call, spec: KernelSpec) -> _Routing | None:
-    from kdump.kernels.deepgemm.reference import psum_row_mask
-    from kdump.report.routing import DEFAULT_MK_ALIGNMENT, bind_encoded, read_tensor, tensor_ref
-
-    bound = bind_encoded(spec, call)
-    weights = [i for i, k in enumerate(_roles(spec, call, ()).kind) if k == "weight"]
-    if not weights:
-        return None
-    g = call.tensors[weights[0]].shape[0] if call.tensors[weights[0]].shape else 0
-    ref = tensor_ref(bound.get("masked_m"))
-    if ref is not None:
-        counts = read_tensor(bundle, call, ref).reshape(-1).long()
-        acts = [i for i, k in enumerate(_roles(spec, call, ()).kind) if k == "activation"]
-        if len(counts) != g or not acts or len(call.tensors[acts[0]].shape) < 2:
-            return None
-        max_m = call.tensors[acts[0]].shape[1]
-        rows = torch.arange(max_m).unsqueeze(0) < counts.clamp(0, max_m).unsqueeze(1)
-        return _Routing(rows, counts > 0)
-    ref = tensor_ref(bound.get("grouped_layout"))
-    if ref is None:
-        return None
-    layout = read_tensor(bundle, call, ref).reshape(-1).long()
-    if bound.get("use_psum_layout") is True:
-        acts = [i for i, k in enumerate(_roles(spec, call, ()).kind) if k == "activation"]
-        if not acts or not call.tensors[acts[0]].shape:
-            return None
-        m = call.tensors[acts[0]].shape[0]
-        alignment = getattr(spec, "mk_alignment", DEFAULT_MK_ALIGNMENT)
-        rows = psum_row_mask(layout, alignment, m)
-        ends = layout.tolist()
-        used = []
-        for k, end in enumerate(ends):
-            start = 0 if k == 0 else -(-ends[k - 1] // alignment) * alignment
-            used.append(end > start)
-        return _Routing(rows, torch.tensor(used + [False] * max(0, g - len(used)))[:g])
-    rows = (layout >= 0) & (layout < g)
-    groups = torch.zeros(g, dtype=torch.bool)
-    groups[layout[rows]] = True
-    return _Routing(rows, groups)
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -317,7 +268,9 @@ def _needed(
     bundle: Bundle, call: Call, spec: KernelSpec, roles: _Roles
 ) -> dict[int, list[tuple[int, int]]]:
     """Per storage that tier 1 can thin out: the byte ranges the call can touch."""
-    routing = _routing(bundle, call, spec)
+    from kdump.report.routing import rows_used
+
+    routing = rows_used(bundle, call, spec)
     if routing is None:
         return {}
     per: dict[int, list[tuple[int, int]]] = {}

@@ -10,7 +10,7 @@ import torch
 
 from kdump.errors import CannotRunError
 from kdump.kernels.deepgemm.names import DEEPGEMM_ENTRY_POINTS, DEEPGEMM_MODULES
-from kdump.kernels.spec import Backend, KernelSpec
+from kdump.kernels.plugin import Backend, KernelSpec
 
 
 def _function_name(spec: KernelSpec) -> str:

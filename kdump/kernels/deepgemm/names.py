@@ -105,18 +105,3 @@ for _canon, _aliases in DEEPGEMM_ENTRY_POINTS.items():
 def deepgemm_id(function_name: str) -> str:
     """'deep_gemm:<canonical name>' for any known DeepGEMM entry-point name."""
     return f"deep_gemm:{_ALIAS_TO_CANONICAL.get(function_name, function_name)}"
-
-
-def canonical_id(target: str) -> str:
-    """Canonical id of a target given as 'module:qualname' (or 'module.attr' for torch.ops).
-
-    DeepGEMM names in any binding module (deep_gemm, vllm.third_party.deep_gemm,
-    torch.ops.deep_gemm) map to 'deep_gemm:<canonical function name>'; others stay as given.
-    """
-    module, sep, name = target.partition(":")
-    if not sep:
-        module, _, name = target.rpartition(".")
-    if module in DEEPGEMM_MODULES or module == "torch.ops.deep_gemm":
-        if name in _ALIAS_TO_CANONICAL:
-            return deepgemm_id(name)
-    return f"{module}:{name}" if module else name

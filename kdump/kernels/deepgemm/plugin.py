@@ -12,12 +12,10 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from kdump.kernels.deepgemm import names, state
-from kdump.kernels.plugin import KernelPlugin, TargetSpec
+from kdump.kernels.plugin import Backend, KernelPlugin, KernelSpec, TargetSpec
 
 if TYPE_CHECKING:
     import torch
-
-    from kdump.kernels.spec import Backend, KernelSpec
 
 NAME = "deep_gemm"
 

@@ -30,6 +30,7 @@ Semantics implemented (what a replay against this kernel can rely on):
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from kdump.errors import ContractViolation
@@ -84,11 +85,11 @@ def _fail(msg: str) -> NoReturn:
 
 
 def _check_contract(function: str, bound: dict[str, Any]) -> None:
-    """The structural contract this kernel shares with DeepGEMM's signature (the spec's)."""
-    from kdump.kernels.deepgemm.plugin import PLUGIN
+    """The structural contract this kernel shares with every implementation of DeepGEMM's
+    signature (kdump.kernels.deepgemm.contract: the contract alone, never DeepGEMM's plug-in)."""
+    from kdump.kernels.deepgemm.contract import check_operands
 
-    spec = PLUGIN.spec(f"deep_gemm:{function}")
-    violations = spec.check_operands(bound) if spec is not None else []
+    violations = check_operands(function, bound)
     if violations:
         _fail("; ".join(str(v) for v in violations[:3]))
 
@@ -386,20 +387,23 @@ class StaleScheduleContiguous:
                 return ws
         return None
 
-    def __call__(
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        """The contiguous signature: `m_grouped_fp8_gemm_nt_contiguous`'s parameters."""
+        bound = _CONTIGUOUS.bind(*args, **kwargs)
+        bound.apply_defaults()
+        self._run(**bound.arguments)
+
+    def _run(
         self,
         a: Any,
         b: Any,
         d: torch.Tensor,
         grouped_layout: torch.Tensor,
-        recipe: Any = None,
-        recipe_a: Any = None,
-        recipe_b: Any = None,
-        compiled_dims: str = "nk",
-        disable_ue8m0_cast: bool = False,
-        use_psum_layout: bool = False,
-        ensure_zero_padding: bool = True,
-        expected_m_for_psum_layout: int | None = None,
+        recipe: Any,
+        recipe_a: Any,
+        recipe_b: Any,
+        use_psum_layout: bool,
+        **hints: Any,
     ) -> None:
         import torch
 
@@ -424,6 +428,9 @@ class StaleScheduleContiguous:
                 self._schedules[key] = ws
             p.sched = ws.data_ptr()
             launch_gemm(mod, kernel, ta, tb, p, _grid(dev, p.m_tiles * p.n_tiles), stream)
+
+
+_CONTIGUOUS = inspect.signature(m_grouped_fp8_gemm_nt_contiguous)
 
 
 def make_faulty_contiguous() -> StaleScheduleContiguous:

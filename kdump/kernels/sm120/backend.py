@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from kdump.errors import CannotRunError
-from kdump.kernels.spec import Backend, KernelSpec
+from kdump.kernels.plugin import Backend, KernelSpec
 
 
 def _function_name(spec: KernelSpec) -> str:

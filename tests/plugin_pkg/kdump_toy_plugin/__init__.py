@@ -8,8 +8,16 @@ from typing import Any
 
 import torch
 
-from kdump.kernels.plugin import KernelPlugin, TargetSpec
-from kdump.kernels.spec import Backend, KernelSpec, Param, Role, Tolerance, Violation
+from kdump.kernels.plugin import (
+    Backend,
+    KernelPlugin,
+    KernelSpec,
+    Param,
+    Role,
+    TargetSpec,
+    Tolerance,
+    Violation,
+)
 
 NAME = "toy"
 TARGET_ID = f"{NAME}:scaled_add"
