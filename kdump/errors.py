@@ -211,14 +211,16 @@ def exit_codes_markdown() -> str:
 class KdumpError(Exception):
     """Base of every error kdump raises on purpose. The message is one line that says what to do.
 
-    A subclass names its `finding_kind`; its `exit_code` follows from the table."""
+    A subclass names its `finding_kind` (or inherits it); its `exit_code` always follows from the
+    table, so a replay that meets the error reports its kind as it is and nothing maps exit codes
+    back to kinds."""
 
     finding_kind: ClassVar[FindingKind] = FindingKind.INTERNAL
     exit_code: ClassVar[ExitCode] = FindingKind.INTERNAL.code
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
-        if "finding_kind" in cls.__dict__:
+        if "exit_code" not in cls.__dict__:
             cls.exit_code = cls.finding_kind.code
 
 
@@ -264,7 +266,7 @@ class CannotRunError(KdumpError):
 class InternalError(KdumpError):
     """A bug in kdump itself (e.g. its own CUDA source does not compile)."""
 
-    exit_code = ExitCode.INTERNAL
+    finding_kind = FindingKind.INTERNAL
 
 
 class ContractViolation(KdumpError):

@@ -98,9 +98,7 @@ def test_stale_schedule_caught_at_changed_batch_replay(tmp_path: Path) -> None:
     [eager] = replay([bundles[0]], repeat=2)
     assert eager.exit_code == 0, eager.headline()
     save = tmp_path / "repro"
-    [v] = replay(
-        [bundles[0]], mode="graph", options={"then": [str(bundles[1])], "save_failing": str(save)}
-    )
+    [v] = replay([bundles[0]], mode="graph", then=[str(bundles[1])], save_failing=str(save))
     by_name = {s.name: s for s in v.steps}
     assert by_name["graph/capture"].status == "ok"
     assert all(
@@ -156,7 +154,7 @@ def test_deepgemm_recorded_call_replays_clean(tmp_path: Path, n: int, k: int) ->
     for backend in ("deep_gemm", "reference"):
         [v] = replay([path], backend=backend)
         assert v.exit_code == 0, f"{backend}: {v.headline()}"
-    [g] = replay([path], mode="graph", backend="deep_gemm", options={"mutations": 2})
+    [g] = replay([path], mode="graph", backend="deep_gemm", mutations=2)
     assert g.exit_code == 0, g.headline()
     assert sum(s.name.startswith("graph/replay") and s.status == "ok" for s in g.steps) >= 5
     from kdump.cuda.tools import find_tool
@@ -191,7 +189,8 @@ def test_packaged_fault_variant_caught_by_graph_and_memcheck(tmp_path: Path) -> 
         [path],
         mode="graph",
         backend="packaged-faulty",
-        options={"then": [str(tmp_path / "b.kdump")], "mutations": 0},
+        then=[str(tmp_path / "b.kdump")],
+        mutations=0,
     )
     print("graph verdict:", v.headline())
     for f in v.findings:
@@ -217,7 +216,7 @@ def test_packaged_fault_variant_caught_by_graph_and_memcheck(tmp_path: Path) -> 
             mode="sanitizer",
             backend="packaged-faulty",
             sanitize_graph=True,
-            options=opts,
+            **opts,
             timeout=500,
         )
         print("memcheck verdict:", m.headline())
@@ -265,7 +264,8 @@ def test_deepgemm_graph_then_second_recorded_distribution(tmp_path: Path) -> Non
         [paths[0]],
         mode="graph",
         backend="deep_gemm",
-        options={"then": [str(paths[1])], "mutations": 0},
+        then=[str(paths[1])],
+        mutations=0,
     )
     for s in v.steps:
         print("  ", s.name, s.status, s.message)
@@ -393,7 +393,8 @@ def test_fault_variant_stray_write_attributed_to_d_by_memcheck(tmp_path: Path) -
         mode="sanitizer",
         backend="packaged-faulty",
         sanitize_graph=True,
-        options={"then": [str(tmp_path / "b.kdump")], "mutations": 0},
+        then=[str(tmp_path / "b.kdump")],
+        mutations=0,
         timeout=500,
     )
     print(m.headline())

@@ -95,7 +95,7 @@ def test_first_call_workspace_named_capture_unsafe(tmp_path: Path) -> None:
     for path in (a, b):
         [eager] = replay([path], repeat=2)
         assert eager.exit_code == 0, _show(eager)
-    [v] = replay([a], mode="graph", options={"then": [str(b)], "mutations": 0})
+    [v] = replay([a], mode="graph", then=[str(b)], mutations=0)
     print(_show(v))
     assert v.exit_code == ExitCode.MISMATCH, _show(v)
     steps = {s.name: s for s in v.steps}
@@ -112,7 +112,8 @@ def test_first_call_workspace_named_capture_unsafe(tmp_path: Path) -> None:
         [a],
         mode="sanitizer",
         sanitize_graph=True,
-        options={"then": [str(b)], "mutations": 0},
+        then=[str(b)],
+        mutations=0,
         timeout=300,
     )
     print(_show(m))

@@ -223,3 +223,16 @@ def console() -> Any:
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON output.")
+
+
+def trust_options(allow_help: str, path_help: str, metavar: str = "MOD:FN") -> Any:
+    """`--allow-target` (patterns of targets to run beyond the plug-ins') and `--path` (folders
+    the replays import targets from): the trust options of every command that replays, each
+    command with its own help text."""
+    allow = click.option(
+        "--allow-target", "allow_targets", multiple=True, metavar=metavar, help=allow_help
+    )
+    path = click.option(
+        "--path", "paths", multiple=True, type=click.Path(file_okay=False), help=path_help
+    )
+    return lambda f: allow(path(f))

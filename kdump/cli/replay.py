@@ -5,7 +5,7 @@ from typing import Any
 
 import click
 
-from kdump.cli.common import console, emit_json, json_option, max_load_option
+from kdump.cli.common import console, emit_json, json_option, max_load_option, trust_options
 from kdump.errors import ExitCode, bisect_exit_code, bisect_text, exit_codes_help
 from kdump.kernels.registry import backend_names
 from kdump.replay.options import MODES, ORACLES, TOOLS
@@ -159,20 +159,10 @@ Examples:
 )
 @click.option("--in-process", is_flag=True, help="Do not isolate replays in a child process.")
 @click.option("-v", "--verbose", is_flag=True, help="Show every comparison row.")
-@click.option(
-    "--allow-target",
-    "allow_targets",
-    multiple=True,
-    metavar="MOD:FN",
-    help="Run this target although no kernel plug-in knows it (repeatable; globs like 'mod:*'). "
-    "Only for bundles you trust: the bundle chooses the arguments.",
-)
-@click.option(
-    "--path",
-    "paths",
-    multiple=True,
-    type=click.Path(file_okay=False),
-    help="Folder the replay imports targets from (repeatable); the current folder never is.",
+@trust_options(
+    allow_help="Run this target although no kernel plug-in knows it (repeatable; globs like "
+    "'mod:*'). Only for bundles you trust: the bundle chooses the arguments.",
+    path_help="Folder the replay imports targets from (repeatable); the current folder never is.",
 )
 @click.option(
     "--apply-env",
@@ -226,38 +216,21 @@ def command(bisect: bool, **kwargs: Any) -> int:
 
 def _replay(
     bundles: tuple[str, ...],
-    mode: str,
-    backend: str,
-    device: str,
+    mode: str | None,
     calls: tuple[int, ...],
-    repeat: int,
-    bitwise: bool,
-    oracle: str,
-    then: tuple[str, ...],
-    mutations: int,
-    seed: int,
-    save_failing: str | None,
-    halo: int,
     tools: tuple[str, ...],
-    sanitize_graph: bool,
-    sanitizer: str | None,
-    kernel_filter: str | None,
-    sanitizer_logs: str | None,
-    force: bool,
-    timeout: float,
-    jobs: int,
     in_process: bool,
+    sanitizer_logs: str | None,
     verbose: bool,
-    allow_targets: tuple[str, ...],
-    paths: tuple[str, ...],
-    apply_env: tuple[str, ...],
     quiet: bool,
     as_json: bool,
     strict: bool = False,
+    **flat: Any,
 ) -> int:
+    """`flat`: the other options, by their keyword names (kdump.replay.options.KEYWORDS)."""
     from kdump.errors import KdumpError, UsageError, worst_exit_code
     from kdump.record.flight.salvage import salvaged_graph_replays
-    from kdump.replay.options import GraphOptions, ReplayOptions, SanitizerOptions
+    from kdump.replay.options import from_keywords
 
     escalate = mode is None  # a crash bundle's default replay escalates to memcheck
     if mode is None:
@@ -269,32 +242,14 @@ def _replay(
     try:
         if tools and mode not in ("sanitizer", "all"):
             raise UsageError(f"--tool applies to --mode sanitizer (or all), not {mode}")
-        options = ReplayOptions(
+        options = from_keywords(
+            None,
             mode=mode,
-            backend=backend,
-            device=device,
-            repeat=repeat,
-            bitwise=bitwise,
-            oracle=oracle,
-            force=force,
-            timeout=timeout,
-            halo=halo,
-            then=then,
-            save_failing=save_failing,
             isolate=not in_process,
-            jobs=jobs,
-            allow_targets=allow_targets,
-            paths=paths,
-            apply_env=apply_env,
             escalate=escalate,
-            graph=GraphOptions(mutations=mutations, seed=seed),
-            sanitizer=SanitizerOptions(
-                tools=TOOLS if "all" in tools else (tools or ("memcheck",)),
-                graph=sanitize_graph,
-                binary=sanitizer,
-                kernel_filter=kernel_filter,
-                log_dir=sanitizer_logs,
-            ),
+            tools=TOOLS if "all" in tools else (tools or ("memcheck",)),
+            sanitizer_log_dir=sanitizer_logs,
+            **flat,
         )
         verdicts = _replay_with_progress(bundles, options, calls, not (quiet or as_json))
     except KdumpError as exc:

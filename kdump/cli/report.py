@@ -4,6 +4,8 @@ from pathlib import Path
 
 import click
 
+from kdump.cli.common import trust_options
+
 
 @click.command("report")
 @click.argument("bundle", type=click.Path())
@@ -34,20 +36,11 @@ import click
     type=click.Path(dir_okay=False),
     help="Also write a standalone repro script here (needs torch and the kernel library only).",
 )
-@click.option(
-    "--allow-target",
-    "allow_targets",
-    multiple=True,
-    metavar="PATTERN",
-    help="--script/--replay: also run this target (module:function, globs; repeatable).",
-)
-@click.option(
-    "--path",
-    "paths",
-    multiple=True,
-    type=click.Path(file_okay=False),
-    help="--replay: folder the replays import targets from (repeatable); also written into "
+@trust_options(
+    allow_help="--script/--replay: also run this target (module:function, globs; repeatable).",
+    path_help="--replay: folder the replays import targets from (repeatable); also written into "
     "the report's commands.",
+    metavar="PATTERN",
 )
 def command(
     bundle: str,

@@ -4,7 +4,7 @@ from typing import Any
 
 import click
 
-from kdump.cli.common import emit_json, json_option, max_load_option
+from kdump.cli.common import emit_json, json_option, max_load_option, trust_options
 from kdump.cli.replay import _BackendChoice
 from kdump.errors import exit_codes_help
 
@@ -64,19 +64,9 @@ Examples:
     "--repeat", type=click.IntRange(1, 100), default=2, show_default=True, help="Eager runs."
 )
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds per replay.")
-@click.option(
-    "--allow-target",
-    "allow_targets",
-    multiple=True,
-    metavar="MOD:FN",
-    help="Run this target although no kernel plug-in knows it (as for kdump replay).",
-)
-@click.option(
-    "--path",
-    "paths",
-    multiple=True,
-    type=click.Path(file_okay=False),
-    help="Folder the replays import targets from (repeatable).",
+@trust_options(
+    allow_help="Run this target although no kernel plug-in knows it (as for kdump replay).",
+    path_help="Folder the replays import targets from (repeatable).",
 )
 @click.option("--tool", "tools", multiple=True, help="sanitizer: memcheck (default), racecheck…")
 @click.option("-q", "--quiet", is_flag=True, help="No progress display.")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import queue
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -26,7 +26,7 @@ T = TypeVar("T")
 
 def replay(
     paths: Iterable[str | Path],
-    options: ReplayOptions | Mapping[str, Any] | None = None,
+    options: ReplayOptions | None = None,
     *,
     calls: Sequence[int] | None = None,
     on_done: Callable[[Verdict, int], None] | None = None,
@@ -36,13 +36,9 @@ def replay(
     `on_done(verdict, replays)` runs as each replay ends (progress display; `replays` is how many
     there are), from the thread that ran it.
 
-    `options` is a ReplayOptions; keyword arguments (mode=, backend=, repeat=, tools=, ...) and
-    a plain mapping of the older flat option names (then, mutations, seed, halo, save_failing,
-    sanitizer_log_dir) override it."""
-    if isinstance(options, ReplayOptions):
-        opts = from_keywords(options, **keywords)
-    else:
-        opts = from_keywords(None, **{**dict(options or {}), **keywords})
+    `options` is a ReplayOptions; keyword arguments (mode=, backend=, repeat=, tools=,
+    mutations=, then=, ...: replay.options.KEYWORDS) override it."""
+    opts = from_keywords(options, **keywords)
     paths = [str(p) for p in paths]
     opts.refuse_inapplicable()
     if opts.then:

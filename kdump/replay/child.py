@@ -654,14 +654,18 @@ def run_request(req: Request, progress_path: Path | None) -> Verdict:
     progress("started", {"pid": os.getpid()})
     try:
         _prepare(req)
+
+        def fresh(oracle_req: Request) -> Verdict:  # the fresh-eager oracle's own process
+            return run_child(oracle_req, req.options.timeout).verdict
+
         if req.mode == "eager":
             from kdump.replay.eager import run_eager
 
-            return run_eager(req, progress)
+            return run_eager(req, progress, fresh)
         if req.mode == "graph":
             from kdump.replay.graph import run_graph
 
-            return run_graph(req, progress)
+            return run_graph(req, progress, fresh)
         raise KdumpError(f"a child process runs eager or graph replays, not {req.mode!r}")
     except KdumpError as exc:
         v = Verdict(req.bundle, req.call, "", req.mode)

@@ -33,7 +33,8 @@ def earlier_calls(s: Session) -> list[Call]:
     ]
 
 
-def run_eager(req: Request, progress: Progress) -> Verdict:
+def run_eager(req: Request, progress: Progress, fresh: oracle.Fresh) -> Verdict:
+    """The eager replay of `req`; `fresh` runs the fresh-eager oracle's process."""
     s = Session(req, progress)
     mc = s.materialize()
     bound = s.spec.bind(mc.args, mc.kwargs)
@@ -104,7 +105,7 @@ def run_eager(req: Request, progress: Progress) -> Verdict:
         s.compare_runs(step, bound, actual, runs[0], "run 1", explained)
     _judge_repeats(s, bound, runs, explained)
     if prelude and runs and outputs:
-        _fresh_oracle(s, mc, outputs, pristine, runs[0], reproduced)
+        _fresh_oracle(s, mc, outputs, pristine, runs[0], reproduced, fresh)
     if not outputs and not s.call.has_returned:
         s.note("no outputs to compare: the call wrote none of its tensor arguments")
     return s.verdict
@@ -152,11 +153,12 @@ def _fresh_oracle(
     pristine: list[torch.Tensor],
     result: dict[str, torch.Tensor],
     reproduced: dict[str, bool],
+    fresh: oracle.Fresh,
 ) -> None:
     with tempfile.TemporaryDirectory(prefix="kdump-oracle-") as tmp:
         path = oracle.save_inputs(
             s, mc, pristine, {idx: result[n] for n, idx in outputs.items()}, Path(tmp, "o.kdump")
         )
-        fresh = oracle.run_fresh(s, {"eager/run 1": path})["eager/run 1"]
+        result = oracle.run_fresh(s, {"eager/run 1": path}, fresh)["eager/run 1"]
     rep = all(reproduced.values()) if reproduced else None
-    oracle.judge(s, "eager/run 1", fresh, rep)
+    oracle.judge(s, "eager/run 1", result, rep)

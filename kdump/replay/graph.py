@@ -24,7 +24,8 @@ from typing import Any, Protocol
 import torch
 
 from kdump.bundle import Call, MaterializedCall, capture_call, load_bundle, save_calls
-from kdump.bundle.tensors import capture, clone_layout
+from kdump.bundle.capture import capture
+from kdump.bundle.tensors import clone_layout
 from kdump.errors import CannotRunError, UsageError, error_line
 from kdump.replay import oracle
 from kdump.replay.overreads import Differential, differential, report
@@ -96,11 +97,12 @@ def recorded_phases(s: Session) -> list[Phase]:
     return phases
 
 
-def run_graph(req: Request, progress: Progress) -> Verdict:
+def run_graph(req: Request, progress: Progress, fresh: oracle.Fresh) -> Verdict:
+    """The graph replay of `req` (the module docstring's steps); `fresh` runs the fresh-eager
+    oracle's processes."""
     s = Session(req, progress)
     require_graphs(s.device)
     mc = s.materialize()
-    allocs = mc.materialized.allocations
     bound = s.spec.bind(mc.args, mc.kwargs)
     s.step(
         "materialize",
@@ -112,31 +114,83 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
     s.apply_library_settings()
     fn = s.backend.resolve(s.spec, s.call.target)
     pristine = s.snapshot(mc)
-    found = s.find_outputs(mc, bound, fn, pristine, "graph")
-    if found is None:
+    outputs = s.find_outputs(mc, bound, fn, pristine, "graph")
+    if outputs is None:
         return s.verdict
-    outputs = found
-    skip = set(req.options.graph.skip_steps)
-    save_dir = req.options.save_failing
+    _GraphRun(s, mc, bound, fn, pristine, outputs).run(fresh)
+    return s.verdict
 
-    phases = recorded_phases(s)
-    mutations = req.options.graph.mutations
-    seed = req.options.graph.seed
-    for m in s.spec.mutations(bound, seed=seed, count=mutations):
-        phases.append(Phase(m.name, values=m.values))
-    s.note(f"{len(phases)} mutation(s): {', '.join(p.name for p in phases) or 'none'}")
 
-    def expected_now() -> dict[str, torch.Tensor] | None:
-        if not s.wants_reference():
+class _GraphRun:
+    """One call's graph replay chain, after its outputs are known: the steps share the call's
+    buffers, its pristine inputs and (after capture) the captured graph."""
+
+    def __init__(
+        self,
+        s: Session,
+        mc: MaterializedCall,
+        bound: dict[str, Any],
+        fn: Callable[..., Any],
+        pristine: list[torch.Tensor],
+        outputs: dict[str, int],
+    ) -> None:
+        self.s, self.mc, self.bound, self.fn = s, mc, bound, fn
+        self.pristine, self.outputs = pristine, outputs
+        self.allocs = mc.materialized.allocations
+        self.skip = set(s.req.options.graph.skip_steps)
+        self.save_dir = s.req.options.save_failing
+        self.masks = {name: s.spec.meaningful(bound, name) for name in outputs}
+        self.baseline: dict[str, torch.Tensor] | None = None
+        self.graph: Replayable | None = None
+        self.fresh = s.req.options.wants_fresh_oracle(s.spec.has_reference()) and bool(outputs)
+        self.oracles: dict[str, tuple[Path, dict[str, bool]]] = {}
+        self.elapsed = 0.0  # seconds of the latest graph replay
+
+    def phases(self) -> list[Phase]:
+        """The recorded phases, then the spec's mutations of the routing."""
+        s, opts = self.s, self.s.req.options.graph
+        phases = recorded_phases(s)
+        for m in s.spec.mutations(self.bound, seed=opts.seed, count=opts.mutations):
+            phases.append(Phase(m.name, values=m.values))
+        s.note(f"{len(phases)} mutation(s): {', '.join(p.name for p in phases) or 'none'}")
+        return phases
+
+    def run(self, fresh: oracle.Fresh) -> None:
+        phases = self.phases()
+        if not self.eager() or not self.capture():
+            return
+        # (3) identical inputs, (4) mutations
+        steps = [("graph/replay identical", None)] + [
+            (f"graph/replay {i + 1} ({p.name})", p) for i, p in enumerate(phases)
+        ]
+        oracle_dir = tempfile.TemporaryDirectory(prefix="kdump-oracle-") if self.fresh else None
+        try:
+            for step, phase in steps:
+                if step in self.skip:
+                    continue
+                if not self.replay(step, phase, oracle_dir):
+                    return  # the context is gone; the parent continues in a fresh process
+            if self.oracles:
+                paths = {k: p for k, (p, _) in self.oracles.items()}
+                results = oracle.run_fresh(self.s, paths, fresh)
+                for step, (_, reproduced) in self.oracles.items():
+                    rep = all(reproduced.values()) if reproduced else None
+                    oracle.judge(self.s, step, results[step], rep)
+        finally:
+            if oracle_dir is not None:
+                oracle_dir.cleanup()
+
+    # --- the pieces every step uses -------------------------------------------------------------
+    def expected_now(self) -> dict[str, torch.Tensor] | None:
+        if not self.s.wants_reference():
             return None
-        return {k: v.clone() for k, v in s.spec.reference(bound).items()}
+        return {k: v.clone() for k, v in self.s.spec.reference(self.bound).items()}
 
-    masks = {name: s.spec.meaningful(bound, name) for name in outputs}
-
-    def outputs_now() -> dict[str, torch.Tensor]:
-        return {name: clone_layout(mc.tensors[idx]) for name, idx in outputs.items()}
+    def outputs_now(self) -> dict[str, torch.Tensor]:
+        return {name: clone_layout(self.mc.tensors[idx]) for name, idx in self.outputs.items()}
 
     def judge(
+        self,
         step: str,
         rerun: Callable[[str], dict[str, torch.Tensor] | None],
         expected: dict[str, torch.Tensor] | None,
@@ -145,11 +199,12 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
     ) -> tuple[dict[str, torch.Tensor], dict[str, bool]] | None:
         """Guards, the halo differential (`rerun` runs the step again with the halos as they
         are), then the comparisons; None when a run of the differential failed."""
-        s.check_halos(mc, step)
-        actual = outputs_now()
+        s, bound, outputs = self.s, self.bound, self.outputs
+        s.check_halos(self.mc, step)
+        actual = self.outputs_now()
         diff: Differential | None = Differential()
         if s.placement().halo and outputs:
-            diff = differential(s, mc, actual, masks, rerun, step)
+            diff = differential(s, self.mc, actual, self.masks, rerun, step)
             if diff is None:
                 return None
         symptoms: list[str] = []
@@ -165,142 +220,142 @@ def run_graph(req: Request, progress: Progress) -> Verdict:
         report(s, diff, step, symptoms)
         return actual, reproduced
 
-    def eager_again(trial: str) -> dict[str, torch.Tensor] | None:
-        s.restore(mc, pristine)
-        poison_outputs(s, mc, outputs)
-        return outputs_now() if s.run_kernel(fn, mc, trial) is not None else None
+    def eager_again(self, trial: str) -> dict[str, torch.Tensor] | None:
+        self.s.restore(self.mc, self.pristine)
+        poison_outputs(self.s, self.mc, self.outputs)
+        ran = self.s.run_kernel(self.fn, self.mc, trial)
+        return self.outputs_now() if ran is not None else None
 
-    # (1) eager
-    expected = expected_now()
-    poison_outputs(s, mc, outputs)
-    if "graph/eager" not in skip:
-        dt = s.run_kernel(fn, mc, "graph/eager")
+    # --- (1) eager, (2) capture ------------------------------------------------------------------
+    def eager(self) -> bool:
+        """The eager run the replays are compared with; False when it failed."""
+        s, mc = self.s, self.mc
+        expected = self.expected_now()
+        poison_outputs(s, mc, self.outputs)
+        if "graph/eager" in self.skip:
+            s.run_kernel(self.fn, mc, "graph/eager (again)")
+            self.baseline = self.outputs_now()
+            return True
+        dt = s.run_kernel(self.fn, mc, "graph/eager")
         if dt is None:
-            return s.verdict
+            return False
         s.step("graph/eager", "ok", "", dt)
-        judged = judge(
-            "graph/eager", eager_again, expected, s.call.materialize_outputs(s.device), None
-        )
+        recorded = s.call.materialize_outputs(s.device)
+        judged = self.judge("graph/eager", self.eager_again, expected, recorded, None)
         if judged is None:
-            return s.verdict
-        baseline = judged[0]
-    else:
-        s.run_kernel(fn, mc, "graph/eager (again)")
-        baseline = outputs_now()
+            return False
+        self.baseline = judged[0]
+        return True
 
-    # (2) warm-up on a side stream, then capture
-    s.restore(mc, pristine)
-    s.progress("begin", "graph/capture")
-    t0 = time.perf_counter()
-    try:
-        graph = capture_graph(
-            s, mc, fn, lambda: (s.restore(mc, pristine), poison_outputs(s, mc, outputs))
+    def capture(self) -> bool:
+        """Warm-up on a side stream, then capture; False when capture failed (a finding)."""
+        s, mc = self.s, self.mc
+        s.restore(mc, self.pristine)
+        s.progress("begin", "graph/capture")
+        t0 = time.perf_counter()
+
+        def reset() -> None:
+            s.restore(mc, self.pristine)
+            poison_outputs(s, mc, self.outputs)
+
+        try:
+            self.graph = capture_graph(s, mc, self.fn, reset)
+        except Exception as exc:
+            text = error_line(exc)
+            if s.backend.name == "reference":
+                # The torch reference synchronises with the host (data-dependent shapes): it was
+                # never meant to run inside a graph. Not a finding about the kernel.
+                raise CannotRunError(
+                    "the torch reference backend cannot be captured in a CUDA graph; replay with "
+                    "--mode eager, or choose a kernel backend for graph mode"
+                )
+            s.step("graph/capture", "error", text, time.perf_counter() - t0)
+            s.finding("kernel_error", "graph/capture", f"capture failed: {text}")
+            return False
+        s.step(
+            "graph/capture",
+            "ok",
+            "warm-up on a side stream, then captured",
+            time.perf_counter() - t0,
         )
-    except Exception as exc:
-        text = error_line(exc)
-        if s.backend.name == "reference":
-            # The torch reference synchronises with the host (data-dependent shapes): it was
-            # never meant to run inside a graph. Not a finding about the kernel.
-            raise CannotRunError(
-                "the torch reference backend cannot be captured in a CUDA graph; replay with "
-                "--mode eager, or choose a kernel backend for graph mode"
-            )
-        s.step("graph/capture", "error", text, time.perf_counter() - t0)
-        s.finding("kernel_error", "graph/capture", f"capture failed: {text}")
-        return s.verdict
-    s.step(
-        "graph/capture", "ok", "warm-up on a side stream, then captured", time.perf_counter() - t0
-    )
+        return True
 
-    def prepare(phase: Phase | None) -> None:
-        s.restore(mc, pristine)
-        s.pristine = pristine  # the bytes before this replay (unwritten outputs are judged by)
+    # --- (3), (4) replays ------------------------------------------------------------------------
+    def prepare(self, phase: Phase | None) -> None:
+        s, bound = self.s, self.bound
+        s.restore(self.mc, self.pristine)
+        s.pristine = self.pristine  # the bytes before this replay (unwritten outputs are judged by)
         if phase is not None and phase.spans is not None:
-            for a, data in zip(allocs, phase.spans):
+            for a, data in zip(self.allocs, phase.spans):
                 a.span.copy_(data)
-            s.pristine = [d.to(a.span.device) for a, d in zip(allocs, phase.spans)]
+            s.pristine = [d.to(a.span.device) for a, d in zip(self.allocs, phase.spans)]
         if phase is not None and phase.values is not None:
             for name, value in phase.values.items():
                 target = bound[name]
                 target.copy_(value.to(target.device))
 
-    fresh = req.options.wants_fresh_oracle(s.spec.has_reference()) and bool(outputs)
-    oracle_dir = tempfile.TemporaryDirectory(prefix="kdump-oracle-") if fresh else None
-    oracles: dict[str, tuple[Path, dict[str, bool]]] = {}
-
-    def replay(step: str, phase: Phase | None) -> bool:
-        prepare(phase)
-        exp = expected_now()
-        poison_outputs(s, mc, outputs)
-        inputs = [a.span.clone() for a in allocs] if fresh else []
-        if save_dir:
-            _save_pending(s, mc, save_dir, step, phase)
-        sync(s.device)
+    def replay_graph(self, step: str, crashed: str, timed: bool = True) -> bool:
+        """Replay the captured graph once; False (a kernel_error finding, `crashed` says when)
+        when it raised. `timed`: a step of its own (synchronised first, its time in
+        `self.elapsed`), not a rerun of one."""
+        assert self.graph is not None
+        s = self.s
+        if timed:
+            sync(s.device)
         s.progress("begin", step)
         t = time.perf_counter()
         try:
-            graph.replay()
+            self.graph.replay()
             sync(s.device)
         except Exception as exc:
             text = error_line(exc)
-            s.step(step, "error", text, time.perf_counter() - t)
-            s.finding("kernel_error", step, f"replay crashed: {text}")
+            s.step(step, "error", text, time.perf_counter() - t if timed else 0.0)
+            s.finding("kernel_error", step, f"{crashed}: {text}")
+            return False
+        self.elapsed = time.perf_counter() - t
+        return True
+
+    def replay(
+        self, step: str, phase: Phase | None, oracle_dir: tempfile.TemporaryDirectory[str] | None
+    ) -> bool:
+        s, mc, save_dir = self.s, self.mc, self.save_dir
+        self.prepare(phase)
+        exp = self.expected_now()
+        poison_outputs(s, mc, self.outputs)
+        inputs = [a.span.clone() for a in self.allocs] if self.fresh else []
+        if save_dir:
+            _save_pending(s, mc, save_dir, step, phase)
+        if not self.replay_graph(step, "replay crashed"):
             _keep_pending(save_dir, step)
             return False
-        s.step(step, "ok", "", time.perf_counter() - t)
+        s.step(step, "ok", "", self.elapsed)
         n_before = len(s.verdict.findings)
         recorded = phase.recorded_outputs if phase else None
 
         def again(trial: str) -> dict[str, torch.Tensor] | None:
             # The graph reads the halos placed before capture: only their bytes change.
-            prepare(phase)
-            poison_outputs(s, mc, outputs)
-            s.progress("begin", trial)
-            try:
-                graph.replay()
-                sync(s.device)
-            except Exception as exc:
-                text = error_line(exc)
-                s.step(trial, "error", text)
-                s.finding("kernel_error", trial, f"replay crashed with other halo bytes: {text}")
+            self.prepare(phase)
+            poison_outputs(s, mc, self.outputs)
+            if not self.replay_graph(trial, "replay crashed with other halo bytes", timed=False):
                 return None
-            return outputs_now()
+            return self.outputs_now()
 
-        judged = judge(step, again, exp, recorded, baseline if phase is None else None)
+        baseline = self.baseline if phase is None else None
+        judged = self.judge(step, again, exp, recorded, baseline)
         if judged is None:
             _keep_pending(save_dir, step)
             return False
         actual, reproduced = judged
-        replayed = {idx: actual[name] for name, idx in outputs.items()} if fresh else {}
         if oracle_dir is not None:
             # After the halo differential: saving writes the replay's inputs back into the buffers.
-            path = Path(oracle_dir.name, f"{len(oracles)}.kdump")
-            oracles[step] = (oracle.save_inputs(s, mc, inputs, replayed, path), reproduced)
+            replayed = {idx: actual[name] for name, idx in self.outputs.items()}
+            path = Path(oracle_dir.name, f"{len(self.oracles)}.kdump")
+            self.oracles[step] = (oracle.save_inputs(s, mc, inputs, replayed, path), reproduced)
         if len(s.verdict.findings) > n_before:
             _keep_pending(save_dir, step)
         else:
             _drop_pending(save_dir, step)
         return True
-
-    # (3) identical inputs, (4) mutations
-    steps = [("graph/replay identical", None)] + [
-        (f"graph/replay {i + 1} ({p.name})", p) for i, p in enumerate(phases)
-    ]
-    try:
-        for step, phase in steps:
-            if step in skip:
-                continue
-            if not replay(step, phase):
-                return s.verdict  # the context is gone; the parent continues in a fresh process
-        if oracles:
-            results = oracle.run_fresh(s, {k: p for k, (p, _) in oracles.items()})
-            for step, (_, reproduced) in oracles.items():
-                rep = all(reproduced.values()) if reproduced else None
-                oracle.judge(s, step, results[step], rep)
-    finally:
-        if oracle_dir is not None:
-            oracle_dir.cleanup()
-    return s.verdict
 
 
 class Replayable(Protocol):

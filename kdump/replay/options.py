@@ -170,9 +170,9 @@ def _build(cls: type, d: Mapping[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
-# Keyword arguments of `kdump.replay.replay()` before options were typed, and the keys of its old
-# `options` dict: (section, field).
-_LEGACY: dict[str, tuple[str, str]] = {
+# The flat keyword names of the options, as `kdump.replay.replay()` and `kdump replay` take them:
+# name -> (section, field) of ReplayOptions.
+KEYWORDS: dict[str, tuple[str, str]] = {
     "mode": ("", "mode"),
     "backend": ("", "backend"),
     "device": ("", "device"),
@@ -189,6 +189,7 @@ _LEGACY: dict[str, tuple[str, str]] = {
     "allow_targets": ("", "allow_targets"),
     "paths": ("", "paths"),
     "apply_env": ("", "apply_env"),
+    "escalate": ("", "escalate"),
     "mutations": ("graph", "mutations"),
     "seed": ("graph", "seed"),
     "tools": ("sanitizer", "tools"),
@@ -200,12 +201,12 @@ _LEGACY: dict[str, tuple[str, str]] = {
 
 
 def from_keywords(base: ReplayOptions | None = None, **kw: Any) -> ReplayOptions:
-    """Options from `replay()`'s keyword arguments (and its old flat `options` dict keys)."""
+    """`base` (default: the defaults) with the options named by flat keywords (KEYWORDS)."""
     sections: dict[str, dict[str, Any]] = {"": {}, "graph": {}, "sanitizer": {}}
     for key, value in kw.items():
-        if key not in _LEGACY:
-            raise UsageError(f"unknown replay option {key!r}; known: {', '.join(_LEGACY)}")
-        section, name = _LEGACY[key]
+        if key not in KEYWORDS:
+            raise UsageError(f"unknown replay option {key!r}; known: {', '.join(KEYWORDS)}")
+        section, name = KEYWORDS[key]
         if isinstance(value, list):
             value = tuple(value)
         sections[section][name] = value

@@ -2,14 +2,16 @@
 allocations, no state left by earlier calls), compared with the in-sequence result.
 
 The inputs of the replay being judged are saved as a one-call bundle whose recorded output is the
-in-sequence result; a replay child (kdump.replay.child) replays it with `ReplayOptions.for_oracle`
-and its "vs recorded" step says whether the fresh run agrees. Oracle processes are never reused.
+in-sequence result; a fresh process replays it with `ReplayOptions.for_oracle` and its "vs
+recorded" step says whether the fresh run agrees. Oracle processes are never reused. The process
+is started by the runner the caller hands in (`Fresh`: the replay child protocol of
+kdump.replay.child, which runs eager and graph replays and so cannot be imported from here).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -17,11 +19,14 @@ from pathlib import Path
 import torch
 
 from kdump.bundle import MaterializedCall, capture_call, save_calls
-from kdump.bundle.tensors import capture
+from kdump.bundle.capture import capture
 from kdump.replay.session import Request, Session
 from kdump.replay.verdict import Verdict
 
 ORACLE = "fresh eager"
+
+# Runs one request in a fresh process (never a reused one) and returns its verdict.
+Fresh = Callable[[Request], Verdict]
 
 
 @dataclass(frozen=True)
@@ -61,16 +66,14 @@ def save_inputs(
     return path
 
 
-def run_fresh(s: Session, bundles: dict[str, Path]) -> dict[str, FreshResult]:
-    """Replay each oracle bundle in its own fresh process, in parallel where cores allow."""
-    from kdump.replay.child import run_child
-
+def run_fresh(s: Session, bundles: dict[str, Path], fresh: Fresh) -> dict[str, FreshResult]:
+    """Replay each oracle bundle in its own fresh process (`fresh`), in parallel where cores
+    allow."""
     opts = replace(s.req.options.for_oracle(), device=str(s.device))
     names = list(bundles)
 
     def one(name: str) -> FreshResult:
-        run = run_child(Request(str(bundles[name]), 0, opts), s.req.options.timeout)
-        return read_fresh(run.verdict)
+        return read_fresh(fresh(Request(str(bundles[name]), 0, opts)))
 
     workers = max(1, min(len(names), (os.cpu_count() or 1)))
     with ThreadPoolExecutor(workers) as pool:

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kdump.bundle import MaterializedCall
-from kdump.bundle.tensors import Allocation, TensorRecord, dtype_from_name
+from kdump.bundle.materialize import Allocation
+from kdump.bundle.tensors import dtype_from_name
+from kdump.format.records import TensorRecord
 from kdump.replay import halo
 from kdump.replay.compare import _as_int, _expand_mask, default_tolerance
 from kdump.replay.session import Session
@@ -139,65 +141,66 @@ def differential(
     """The halo differential of a run whose outputs are `first` (halos at the first poison).
     Adds its steps; the caller reports `reads` (`report`) once the mismatch verdicts
     know which failures they explain. None when a run failed."""
-    allocs = mc.materialized.allocations
-    tensors = s.call.tensors
-    step = f"{prefix}/halo differential"
+    d = _Halos(s, mc, first, masks, run, prefix)
+    try:
+        return d.differential()
+    except _RunFailed:
+        return None
+    finally:
+        halo.fill(d.allocs, d.tensors)
+        s.guards = halo.snapshot(d.allocs)
+
+
+class _RunFailed(Exception):
+    """A run of the differential failed (its finding says how): the differential ends."""
+
+
+class _Halos:
+    """One halo differential: its runs, the outputs at the first poison, and the elements that
+    follow the poison."""
+
+    def __init__(
+        self,
+        s: Session,
+        mc: MaterializedCall,
+        first: dict[str, torch.Tensor],
+        masks: dict[str, torch.Tensor | None],
+        run: Run,
+        prefix: str,
+    ) -> None:
+        self.s, self.mc, self.first, self.masks, self._run = s, mc, first, masks, run
+        self.prefix = prefix
+        self.allocs = mc.materialized.allocations
+        self.tensors = s.call.tensors
+        self.step = f"{prefix}/halo differential"
+        self.follow: dict[str, torch.Tensor] = {}
+        self.picks: dict[str, torch.Tensor] = {}
+        self.scales: dict[str, float] = {}
+
+    def run(self, label: str) -> dict[str, torch.Tensor]:
+        got = self._run(label)
+        if got is None:
+            raise _RunFailed(label)
+        return got
 
     def changed(
-        got: dict[str, torch.Tensor], base: dict[str, torch.Tensor] = first
+        self, got: dict[str, torch.Tensor], base: dict[str, torch.Tensor] | None = None
     ) -> dict[str, torch.Tensor]:
         out = {}
-        for name, t in base.items():
+        for name, t in (self.first if base is None else base).items():
             # Never bitwise: what a halo feeds differs grossly (NaN / 1.3e7), atomics do not.
-            d = differs(t, got[name], masks.get(name))
+            d = differs(t, got[name], self.masks.get(name))
             if bool(d.any()):
                 out[name] = d
         return out
 
-    try:
-        halo.fill(allocs, tensors, variant=1)
-        other = run(step)
-        if other is None:
-            return None
-        moved = changed(other)
-        if not moved:
-            s.step(step, "ok", "no output element follows the halo poison (NaN / 1.3e7)")
+    def differential(self) -> Differential:
+        rounds = self.find_follow()
+        if rounds is None:
             return Differential()
-        # Controls: each poison once more. What a read of a halo returns repeats with its
-        # poison; a race or other nondeterminism does not (it moves in one of them).
-        halo.fill(allocs, tensors)
-        again = run(f"{prefix}/halo control")
-        if again is None:
-            return None
-        halo.fill(allocs, tensors, variant=1)
-        other_again = run(f"{prefix}/halo control, second poison")
-        if other_again is None:
-            return None
-        noise = [changed(again), changed(other_again, other)]
-        # Outputs that already changed between two runs of one poison are nondeterministic: an
-        # element of such an output can follow a trial's poison by chance, and with hundreds of
-        # elements some will. A read follows its poison every time, so there the trials below
-        # must repeat it ROUNDS_NONDETERMINISTIC times (chance alone then survives with odds of
-        # at most 1 in 4 per round and element).
-        rounds = ROUNDS_NONDETERMINISTIC if any(n for n in noise) else 1
-        follow = {}
-        for name, d in moved.items():
-            keep = d.clone()
-            for n in noise:
-                if name in n:
-                    keep &= ~n[name]
-            if bool(keep.any()):
-                follow[name] = keep
-        if not follow:
-            s.step(
-                step,
-                "ok",
-                "outputs change from run to run, not with the halo poison: "
-                + ", ".join(where(n, d) for n, d in moved.items()),
-            )
-            return Differential()
+        s, follow = self.s, self.follow
         s.step(
-            step,
+            self.step,
             "fail",
             f"{', '.join(where(n, d) for n, d in follow.items())} change with the halo poison "
             "(NaN / 1.3e7), not between two runs with the same poison",
@@ -205,89 +208,25 @@ def differential(
         result = Differential(follow)
         explained = {n: torch.zeros_like(d) for n, d in follow.items()}
         # The trials below only ask about these elements: compare just them.
-        picks = {n: d.reshape(-1).nonzero().flatten() for n, d in follow.items()}
-        scales = {
-            n: magnitude(first[n].float(), _expand_mask(masks.get(n), first[n])) for n in follow
+        self.picks = {n: d.reshape(-1).nonzero().flatten() for n, d in follow.items()}
+        self.scales = {
+            n: magnitude(self.first[n].float(), _expand_mask(self.masks.get(n), self.first[n]))
+            for n in follow
         }
-
-        def moved_at(got: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            out = {}
-            for n, idx in picks.items():
-                d = differs(
-                    first[n].reshape(-1)[idx], got[n].reshape(-1)[idx], None, scale=scales[n]
-                )
-                if bool(d.any()):
-                    full = torch.zeros(follow[n].numel(), dtype=torch.bool, device=d.device)
-                    full[idx[d]] = True
-                    out[n] = full.view(follow[n].shape)
-            return out
-
-        for a in allocs:
-            names = tuple(n for n, rec in zip(mc.tensor_names, tensors) if rec.storage == a.storage)
-            byte = halo.fill_byte(tensors, a.storage, variant=1)
-            same = halo.fill_byte(tensors, a.storage)
+        for a in self.allocs:
             for side in ("after", "before"):
-                if not halo.halo_bytes(a, side):
+                read = self.trial(a, side, rounds) if halo.halo_bytes(a, side) else None
+                if read is None:
                     continue
-                trial = f"{prefix}/halo {'/'.join(names)} {side}"
-                halo.fill(allocs, tensors)
-                halo.fill_beyond(a, side, 0, byte)
-                got = run(trial)
-                if got is None:
-                    return None
-                hit = moved_at(got)
-                if not hit:
-                    continue
-                # A read of the halo follows its poison's value: the same operations with the
-                # first poison's byte leave the elements where they were, and the second
-                # poison moves them again. What fails either follows the work done before the
-                # run (block scheduling, the order of atomics), not the halo.
-                for k in range(rounds):
-                    for fill, label, keep in (
-                        (same, "first poison", False),
-                        (byte, "again", True),
-                    ):
-                        halo.fill(allocs, tensors)
-                        halo.fill_beyond(a, side, 0, fill)
-                        got = run(f"{trial}, {label}" + (f" ({k + 1})" if k else ""))
-                        if got is None:
-                            return None
-                        hit = _narrow(hit, moved_at(got), keep)
-                        if not hit:
-                            break
-                    if not hit:
-                        break
-                if not hit:
-                    continue
-                reach = _reach(
-                    allocs,
-                    tensors,
-                    a,
-                    side,
-                    byte,
-                    run,
-                    trial,
-                    lambda g, hit=hit: bool(_narrow(hit, moved_at(g), True)),
-                )
-                if reach is None:
-                    return None
-                read = Overread(
-                    a.storage,
-                    names,
-                    side,
-                    reach,
-                    tuple(where(n, d) for n, d in hit.items()),
-                    sum(int(d.sum()) for d in hit.values()),
-                )
-                result.reads.append(read)
+                hit, overread = read
+                result.reads.append(overread)
                 for n, d in hit.items():
                     explained[n] |= d
-                s.step(trial, "fail", read.describe())
         if not result.reads:
             # No halo changed alone moves them the same way twice: the first comparison was
             # nondeterminism that happened to hold over the controls, not a read.
             s.step(
-                f"{prefix}/halo (every one)",
+                f"{self.prefix}/halo (every one)",
                 "ok",
                 f"{', '.join(where(n, d) for n, d in follow.items())} moved with the halo poison "
                 "once, but with no single halo when its poison alone changed: nondeterminism, "
@@ -298,15 +237,117 @@ def differential(
         result.unattributed = tuple(where(n, d) for n, d in left.items() if bool(d.any()))
         if result.unattributed:
             s.step(
-                f"{prefix}/halo (every one)",
+                f"{self.prefix}/halo (every one)",
                 "fail",
                 f"{', '.join(result.unattributed)} follow the halo poison, but no single halo "
                 "explains them",
             )
         return result
-    finally:
+
+    def find_follow(self) -> int | None:
+        """The output elements that move with the second poison and not between two runs with
+        the same one (in `self.follow`), and how many rounds a trial repeats; None (a step
+        says why) when none do."""
+        s, allocs, tensors = self.s, self.allocs, self.tensors
+        halo.fill(allocs, tensors, variant=1)
+        other = self.run(self.step)
+        moved = self.changed(other)
+        if not moved:
+            s.step(self.step, "ok", "no output element follows the halo poison (NaN / 1.3e7)")
+            return None
+        # Controls: each poison once more. What a read of a halo returns repeats with its
+        # poison; a race or other nondeterminism does not (it moves in one of them).
         halo.fill(allocs, tensors)
-        s.guards = halo.snapshot(allocs)
+        again = self.run(f"{self.prefix}/halo control")
+        halo.fill(allocs, tensors, variant=1)
+        other_again = self.run(f"{self.prefix}/halo control, second poison")
+        noise = [self.changed(again), self.changed(other_again, other)]
+        # Outputs that already changed between two runs of one poison are nondeterministic: an
+        # element of such an output can follow a trial's poison by chance, and with hundreds of
+        # elements some will. A read follows its poison every time, so there the trials below
+        # must repeat it ROUNDS_NONDETERMINISTIC times (chance alone then survives with odds of
+        # at most 1 in 4 per round and element).
+        rounds = ROUNDS_NONDETERMINISTIC if any(n for n in noise) else 1
+        for name, d in moved.items():
+            keep = d.clone()
+            for n in noise:
+                if name in n:
+                    keep &= ~n[name]
+            if bool(keep.any()):
+                self.follow[name] = keep
+        if not self.follow:
+            s.step(
+                self.step,
+                "ok",
+                "outputs change from run to run, not with the halo poison: "
+                + ", ".join(where(n, d) for n, d in moved.items()),
+            )
+            return None
+        return rounds
+
+    def moved_at(self, got: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The followed elements that differ from the first run in `got`."""
+        out = {}
+        for n, idx in self.picks.items():
+            first = self.first[n].reshape(-1)[idx]
+            d = differs(first, got[n].reshape(-1)[idx], None, scale=self.scales[n])
+            if bool(d.any()):
+                full = torch.zeros(self.follow[n].numel(), dtype=torch.bool, device=d.device)
+                full[idx[d]] = True
+                out[n] = full.view(self.follow[n].shape)
+        return out
+
+    def trial(
+        self, a: Allocation, side: str, rounds: int
+    ) -> tuple[dict[str, torch.Tensor], Overread] | None:
+        """The elements that read the halo on `side` of `a`, and the over-read (with its step);
+        None when its poison alone moves none of them the same way every time."""
+        allocs, tensors = self.allocs, self.tensors
+        names = tuple(
+            n for n, rec in zip(self.mc.tensor_names, tensors) if rec.storage == a.storage
+        )
+        byte = halo.fill_byte(tensors, a.storage, variant=1)
+        same = halo.fill_byte(tensors, a.storage)
+        trial = f"{self.prefix}/halo {'/'.join(names)} {side}"
+        halo.fill(allocs, tensors)
+        halo.fill_beyond(a, side, 0, byte)
+        hit = self.moved_at(self.run(trial))
+        if not hit:
+            return None
+        # A read of the halo follows its poison's value: the same operations with the first
+        # poison's byte leave the elements where they were, and the second poison moves them
+        # again. What fails either follows the work done before the run (block scheduling, the
+        # order of atomics), not the halo.
+        for k in range(rounds):
+            for fill, label, keep in ((same, "first poison", False), (byte, "again", True)):
+                halo.fill(allocs, tensors)
+                halo.fill_beyond(a, side, 0, fill)
+                got = self.run(f"{trial}, {label}" + (f" ({k + 1})" if k else ""))
+                hit = _narrow(hit, self.moved_at(got), keep)
+                if not hit:
+                    return None
+        reach = _reach(
+            allocs,
+            tensors,
+            a,
+            side,
+            byte,
+            self._run,
+            trial,
+            lambda g, hit=hit: bool(_narrow(hit, self.moved_at(g), True)),
+        )
+        if reach is None:
+            raise _RunFailed(trial)
+        read = Overread(
+            a.storage,
+            names,
+            side,
+            reach,
+            tuple(where(n, d) for n, d in hit.items()),
+            sum(int(d.sum()) for d in hit.values()),
+        )
+        self.s.step(trial, "fail", read.describe())
+        return hit, read
 
 
 def _narrow(

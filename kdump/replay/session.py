@@ -11,13 +11,13 @@ from typing import Any
 import torch
 
 from kdump.bundle import Bundle, Call, MaterializedCall, load_bundle
-from kdump.bundle.tensors import Placement
-from kdump.errors import CannotRunError, ExitCode, KdumpError, UsageError, error_line
+from kdump.bundle.materialize import Placement
+from kdump.errors import CannotRunError, KdumpError, UsageError, error_line
 from kdump.format.records import HELD_SOURCES
 from kdump.kernels import registry
 from kdump.kernels.generic import GenericSpec
+from kdump.kernels.plugin import Backend, KernelSpec, Tolerance
 from kdump.kernels.registry import choose_backend
-from kdump.kernels.spec import Backend, KernelSpec, Tolerance
 from kdump.replay import halo
 from kdump.replay.compare import (
     Agreement,
@@ -374,11 +374,12 @@ class Session:
 
     def failed(self, step: str, exc: Exception, seconds: float = 0.0, why: str = "") -> None:
         """A run that raised: its step and finding. A backend's typed error (cannot run here,
-        contract, kdump bug) keeps its exit code; anything else is the kernel's error."""
+        contract, kdump bug) keeps its kind (and with it its exit code); anything else is the
+        kernel's error."""
         text = error_line(exc)
         self.step(step, "error", text, seconds)
-        kind = _KIND_OF_CODE.get(int(exc.exit_code)) if isinstance(exc, KdumpError) else None
-        if kind is not None:
+        if isinstance(exc, KdumpError):
+            kind = exc.finding_kind.value
             self.finding(kind, step, text.split(": ", 1)[1] or text, {"error": text})
         else:
             self.finding("kernel_error", step, _describe_error(text) + why, {"error": text})
@@ -661,14 +662,6 @@ def _only_at(
 def _plain(metrics: dict[str, Any]) -> dict[str, Any]:
     """Metrics without the keys that would clash with Step's own fields."""
     return {k: v for k, v in metrics.items() if k not in ("message", "name", "status")}
-
-
-_KIND_OF_CODE = {
-    int(ExitCode.CANNOT_RUN): "cannot_run",
-    int(ExitCode.CONTRACT): "contract",
-    int(ExitCode.INTERNAL): "internal",
-    int(ExitCode.USAGE): "usage",
-}
 
 
 def _describe_error(text: str) -> str:
