@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import platform
 import re
 import shlex
-import subprocess
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -188,40 +186,20 @@ def run_selftest() -> dict[str, Any]:
 
 # --- how to replay a bundle here: the commands kdump prints --------------------------------------
 
-_FIND_SPEC = (
-    "import importlib.util, sys\n"
-    "sys.path[:0] = sys.argv[2:]\n"
-    "try:\n    s = importlib.util.find_spec(sys.argv[1])\nexcept Exception:\n    s = None\n"
-    "sys.exit(0 if s is not None else 1)"
-)
 # module:qualname made of Python identifiers: the only targets a printed command names.
 _PLAIN_TARGET = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", re.A)
-_importable_cache: dict[tuple[str, tuple[str, ...]], bool] = {}
 
 
 def importable_at_replay(module: str, paths: Sequence[str] = ()) -> bool:
-    """Whether a replay started here (with `--path paths`) finds `module`: asked of a fresh
-    Python with the replay child's environment (no current folder on sys.path). Only the
-    top-level package is looked up, so none of the user's code runs."""
+    """Whether a replay started here (with `--path paths`) finds `module`
+    (kdump.replay.child.module_origin: the replay child's environment, the top-level package
+    only)."""
     top = module.split(".")[0]
     if not top or top == "torch":
         return True
-    full = tuple(os.path.abspath(p) for p in paths)
-    key = (top, full)
-    if key not in _importable_cache:
-        from kdump.replay.child import child_environment
+    from kdump.replay.child import module_origin
 
-        try:
-            got = subprocess.run(
-                [sys.executable, "-c", _FIND_SPEC, top, *full],
-                env=child_environment(None),
-                capture_output=True,
-                timeout=60,
-            )
-            _importable_cache[key] = got.returncode == 0
-        except (OSError, subprocess.SubprocessError):
-            _importable_cache[key] = False
-    return _importable_cache[key]
+    return module_origin(top, paths) is not None
 
 
 def unclaimed_targets(targets: Iterable[str]) -> list[str]:

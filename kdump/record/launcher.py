@@ -24,7 +24,7 @@ from kdump.errors import ExitCode, UsageError
 from kdump.format.journal import RUN_PREFIX
 from kdump.progress import Bar
 from kdump.record import capture_dir
-from kdump.record.flight import salvager
+from kdump.record.flight import announce, salvager
 from kdump.text import visible as v
 
 STARTUP_DIR = Path(__file__).resolve().parent / "_startup"
@@ -82,7 +82,7 @@ def launch(
     if opts.get("cuda_coredump"):
         env.update(coredump_env(out, env))
     holder: salvager.Started | None = None
-    env.pop(salvager.ENV, None)  # an outer `kdump record`'s salvage process is not ours
+    env.pop(announce.ENV, None)  # an outer `kdump record`'s salvage process is not ours
     # The run's folder: the journals (mode ring) and, in every mode, what each recorded process
     # says about its targets (kdump.record.session.Recording.write_status).
     run_dir = make_run_dir(cfg.ring.journal_dir, ring=cfg.mode == "ring")
@@ -95,7 +95,7 @@ def launch(
             echo(f"kdump: {got}; the flight recorder keeps its host tier only")
         else:
             holder = got
-            env[salvager.ENV] = str(got.socket_path)
+            env[announce.ENV] = str(got.socket_path)
     tail = bytearray()
     rc: int | None = None
     salvage_failed = False
@@ -317,7 +317,7 @@ def _salvage_each(
     for j in sorted(journals.glob("kdump-journal-*")):
         if j.name.endswith(
             (CRASH_SUFFIX, RAISED_SUFFIX, STATIC_SUFFIX, ".tmp")
-        ) or salvager.is_device_file(j):
+        ) or announce.is_device_file(j):
             continue
         own = context
         with contextlib.suppress(Exception):
@@ -553,38 +553,16 @@ def next_command(bundle: Path, status: RunStatus) -> str:
             continue
         words += ["--allow-target", row["id"]]
         root = row.get("root")
-        if isinstance(root, str) and not importable_at_replay(row["module"], root):
+        if isinstance(root, str) and not _replay_imports_from(row["module"], root):
             if root not in words:
                 words += ["--path", root]
     return " ".join(shlex.quote(w) for w in words)
 
 
-_FIND = (
-    "import importlib.util, sys\n"
-    "try:\n    s = importlib.util.find_spec(sys.argv[1])\nexcept Exception:\n    s = None\n"
-    "print(s.origin if s is not None and s.origin else '')"
-)
+def _replay_imports_from(module: str, root: str) -> bool:
+    """Whether a replay child started here imports `module` from `root` (where it finds the
+    package: kdump.replay.child.module_origin)."""
+    from kdump.replay.child import module_origin
 
-
-def importable_at_replay(module: str, root: str) -> bool:
-    """Whether a replay child, started here, imports `module` from `root`: asked of a Python
-    with the replay child's environment (no current folder on sys.path). Only the top-level
-    package is looked up, so nothing of the user's runs."""
-    from kdump.replay.child import child_environment
-
-    top = module.split(".")[0]
-    try:
-        got = subprocess.run(
-            [sys.executable, "-c", _FIND, top],
-            env=child_environment(None),
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return False
-    origin = got.stdout.strip()
-    if got.returncode != 0 or not origin:
-        return False
-    real_root = os.path.realpath(root)
-    return os.path.realpath(origin).startswith(real_root + os.sep)
+    origin = module_origin(module)
+    return bool(origin) and os.path.realpath(origin).startswith(os.path.realpath(root) + os.sep)

@@ -109,6 +109,38 @@ def child_environment(base: dict[str, str] | None, **extra: str) -> dict[str, st
     return env
 
 
+_FIND_SPEC = (
+    "import importlib.util, sys\n"
+    "sys.path[:0] = sys.argv[2:]\n"
+    "try:\n    s = importlib.util.find_spec(sys.argv[1])\nexcept Exception:\n    s = None\n"
+    "print(s.origin or '' if s is not None else '')\n"
+    "sys.exit(0 if s is not None else 1)"
+)
+_origins: dict[tuple[str, tuple[str, ...]], str | None] = {}
+
+
+def module_origin(module: str, paths: Sequence[str] = ()) -> str | None:
+    """Where a replay child started here (with `--path paths`) finds the top-level package of
+    `module`: its origin ('' for one without a file), None when it finds none. Asked of a fresh
+    Python with the replay child's environment (no current folder on sys.path); only the
+    top-level package is looked up, so none of the user's code runs."""
+    top = module.split(".")[0]
+    key = (top, tuple(os.path.abspath(p) for p in paths))
+    if key not in _origins:
+        try:
+            got = subprocess.run(
+                [sys.executable, "-c", _FIND_SPEC, top, *key[1]],
+                env=child_environment(None),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            _origins[key] = got.stdout.strip() if got.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError):
+            _origins[key] = None
+    return _origins[key]
+
+
 # --- the processes and folders kdump started for replays --------------------------------------
 
 GRACE_S = 0.5  # SIGTERM, then this long for a group's processes to clean up, then SIGKILL
