@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from tensor_data import random_bits
 
-from kdump.bundle.tensors import StorageRecord, TensorRecord, capture
+from kdump.bundle.capture import capture
+from kdump.format.records import StorageRecord, TensorRecord
 from kdump.replay.addresses import describe_element, locate_address
 
 GEN = torch.Generator().manual_seed(4321)

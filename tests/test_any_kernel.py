@@ -295,7 +295,7 @@ def test_a_folder_without_oracles_says_so_and_strict_fails(tmp_path: Path) -> No
 def _crash_bundle(tmp_path: Path, here: bool) -> Path:
     """A clean call whose process died of an illegal address at it (as salvage marks it)."""
     from kdump.bundle import capture_call, save_calls
-    from kdump.bundle.writer import attach_outputs
+    from kdump.bundle.capture import attach_outputs
 
     x, out = torch.randn(8, 4), torch.zeros(8, 4)
     crash = {

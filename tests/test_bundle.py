@@ -26,10 +26,9 @@ from kdump.bundle import (
 )
 from kdump.bundle.argtree import Opaque, RecordedEnum
 from kdump.bundle.store import blob_digests, fast_checksum
-from kdump.bundle.tensors import ALIGN_MOD
 from kdump.errors import BundleError, KdumpError
 from kdump.errors import BundleErrorKind as K
-from kdump.format.records import FORMAT_VERSION, Checksum
+from kdump.format.records import ALIGN_MOD, FORMAT_VERSION, PAD_PREFIX, Checksum
 
 GEN = torch.Generator().manual_seed(99)
 
@@ -460,7 +459,7 @@ def test_duplicates_written_before_their_hash_is_known(
     _, manifest, data = read_manifest(path)
     unique = w.numel() * 4 + 4 * 8 * 256 * 4
     assert len(manifest["blobs"]) == 5 and sum(b["nbytes"] for b in manifest["blobs"].values())
-    assert unique <= len(data) < unique + kb.ALIGN_MOD  # one alignment gap at most
+    assert unique <= len(data) < unique + ALIGN_MOD  # one alignment gap at most
     b = load_bundle(path)
     b.verify()
     for call, x in zip(b.calls, xs):
@@ -469,7 +468,7 @@ def test_duplicates_written_before_their_hash_is_known(
         assert_exact(call.args[2], w[1:])
     with safe_open(str(path), framework="pt") as f:
         names = list(f.keys())
-        assert len([k for k in names if not k.startswith(kb.PAD_PREFIX)]) == 5
+        assert len([k for k in names if not k.startswith(PAD_PREFIX)]) == 5
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import torch
 from tensor_data import ROUND_TRIP_DTYPES, bits, random_bits
 
 from kdump.bundle import Placement, capture_call, load_bundle, save_calls
-from kdump.bundle.tensors import ALIGN_MOD
+from kdump.format.records import ALIGN_MOD
 
 pytestmark = pytest.mark.gpu
 

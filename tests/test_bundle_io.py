@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from kdump.bundle import capture_call, load_bundle, save_calls
-from kdump.bundle.tensors import ALIGN_MOD, Placement
+from kdump.bundle.materialize import Placement
 from kdump.errors import BundleError
+from kdump.format.records import ALIGN_MOD
 
 GEN = torch.Generator().manual_seed(99)
 
@@ -161,7 +162,7 @@ def _temporaries(folder: Path) -> list[str]:
 def _large_call(device: str = "cpu") -> list[torch.Tensor]:
     """A call over the spool threshold: mixed dtypes, a view with a storage offset, a shared
     storage, a transposed view, a tiny tensor, and two storages holding the same bytes."""
-    from kdump.bundle.tensors import SINK_MIN
+    from kdump.bundle.capture import SINK_MIN
 
     n = SINK_MIN // 4 + 4099  # not a multiple of any chunk size
     a = torch.randn(n, generator=GEN)
@@ -280,7 +281,7 @@ def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch) -> None:
     def broken(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(writer, "_header_json", broken)
+    monkeypatch.setattr(writer, "header_json", broken)
     with pytest.raises(OSError, match="disk full"):
         save_calls(path, [call], spool=sink)
     assert not path.exists() and _temporaries(tmp_path) == []
@@ -296,7 +297,8 @@ def test_a_killed_writer_leaves_a_temporary_that_the_next_recording_removes(tmp_
 
     code = (
         "import os, sys, torch\n"
-        "from kdump.bundle.writer import capture_call, open_spool\n"
+        "from kdump.bundle.capture import capture_call\n"
+        "from kdump.bundle.writer import open_spool\n"
         "sink = open_spool(sys.argv[1])\n"
         "capture_call('m:f', [torch.zeros(3 << 20)], sink=sink)\n"
         "os._exit(0)\n"  # killed before the header: no rename, no clean-up
@@ -373,9 +375,9 @@ def test_sync_recording_keeps_small_blobs_inline_and_large_ones_in_the_store(tmp
 @pytest.mark.gpu
 def test_gpu_dump_call_stages_spans_in_chunks(tmp_path, monkeypatch) -> None:
     import kdump
-    from kdump.bundle import spool
+    from kdump.bundle import staging
 
-    monkeypatch.setattr(spool, "STAGE_CHUNK", (1 << 20) + 4096)  # many chunks, a ragged last one
+    monkeypatch.setattr(staging, "STAGE_CHUNK", (1 << 20) + 4096)  # many chunks, a ragged last one
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):  # produced on a side stream, not synchronised: the capture
         args = _large_call("cuda")  # must order its copies after this work
@@ -397,10 +399,10 @@ def test_gpu_dump_call_stages_spans_in_chunks(tmp_path, monkeypatch) -> None:
 
 @pytest.mark.gpu
 def test_gpu_unchanged_output_compare_finds_a_late_difference(tmp_path, monkeypatch) -> None:
-    from kdump.bundle import attach_outputs, input_tensors, spool
+    from kdump.bundle import attach_outputs, input_tensors, staging
     from kdump.bundle.writer import open_spool
 
-    monkeypatch.setattr(spool, "STAGE_CHUNK", 1 << 20)
+    monkeypatch.setattr(staging, "STAGE_CHUNK", 1 << 20)
     x = torch.randn(3 << 20, device="cuda")  # 12 MiB: twelve chunks
     before = x.cpu()
     path = tmp_path / "late.kdump"
@@ -420,11 +422,11 @@ def test_gpu_watched_outputs_are_compared_with_device_copies(tmp_path, monkeypat
     """Outputs named before the call get a device copy of their spans (when the free device
     memory allows it) and are compared with it on the device after the call: an unchanged one
     shares its input's blob, a change in the last byte is found, the copies are freed after."""
-    from kdump.bundle import attach_outputs, input_tensors, tensors
+    from kdump.bundle import attach_outputs, capture, input_tensors
     from kdump.bundle.writer import open_spool
 
     if not on_device:  # no free memory share: the comparison goes through the host
-        monkeypatch.setattr(tensors, "DEVICE_COPY_SHARE", 1 << 62)
+        monkeypatch.setattr(capture, "DEVICE_COPY_SHARE", 1 << 62)
     same = torch.randn(1 << 20, device="cuda")
     moved = torch.randint(0, 255, (5 << 20,), dtype=torch.uint8, device="cuda")
     before = [same.cpu(), moved.cpu()]

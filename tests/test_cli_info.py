@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from kdump.bundle import BlobStore, capture_call, load_bundle, save_calls
-from kdump.bundle.tensors import ALIGN_MOD
 from kdump.cli import main
-from kdump.format.records import FORMAT_VERSION
+from kdump.format.records import ALIGN_MOD, FORMAT_VERSION
 
 GEN = torch.Generator().manual_seed(3)
 

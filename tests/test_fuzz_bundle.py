@@ -94,12 +94,13 @@ def bases(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _slim_base(path: Path) -> Path:
     """A version-4 bundle with a sparse storage and synthetic ones (what `kdump slim` writes)."""
+    from kdump.bundle.manifest import call_entries
     from kdump.bundle.store import sha256_hex
-    from kdump.bundle.writer import _entries, save_entries
+    from kdump.bundle.writer import save_entries
     from kdump.format.records import GeneratorRecord, Source, Stats
 
     rec = capture_call("m:f", [_rand(64, 16, seed=7), _rand(40, 8, seed=8).half()], {})
-    [entry] = _entries([rec], ["0" * 64] * len(rec.inputs.storages))
+    [entry] = call_entries([rec], ["0" * 64] * len(rec.inputs.storages))
     data = bytes(rec.inputs.data[0].numpy())
     ranges = ((0, 128), (1024, 2048))
     held = b"".join(data[b:e] for b, e in ranges)
@@ -121,8 +122,9 @@ def _pieces_base(path: Path) -> Path:
     """A version-5 bundle whose first storage is 3 pieces and a short one (the first and third
     equal: one blob), and whose outputs share those pieces (what the writer makes of a storage
     larger than the piece size)."""
+    from kdump.bundle.manifest import call_entries
     from kdump.bundle.store import sha256_hex
-    from kdump.bundle.writer import _entries, save_entries
+    from kdump.bundle.writer import save_entries
 
     x = _rand(3 * PIECE // 4 + 50, seed=9)
     x[3 + PIECE // 2 : 3 + 3 * PIECE // 4] = x[3 : 3 + PIECE // 4]  # piece 2 repeats piece 0
@@ -133,7 +135,7 @@ def _pieces_base(path: Path) -> Path:
     parts = [raw[lo : lo + PIECE] for lo in range(0, len(raw), PIECE)]
     pieces = tuple((sha256_hex(p), len(p)) for p in parts)
     small = sha256_hex(bytes(rec.inputs.data[1].numpy()))
-    [entry] = _entries([rec], [pieces, small, pieces])
+    [entry] = call_entries([rec], [pieces, small, pieces])
     data = {sha256_hex(p): p for p in parts}
     data[small] = bytes(rec.inputs.data[1].numpy())
     return save_entries(path, [entry], data)
@@ -429,13 +431,13 @@ def test_load_bytes_counts_every_storage_and_its_slack() -> None:
 
 
 def test_prefix_limit_is_the_materialiser_s() -> None:
-    import kdump.bundle.tensors as tensors
+    import kdump.bundle.materialize as materialize
 
-    assert tensors.PREFIX_LIMIT == PREFIX_LIMIT  # load_bytes mirrors the materialiser
+    assert materialize.PREFIX_LIMIT is PREFIX_LIMIT  # one limit: load_bytes and the materialiser
 
 
 def test_materialise_checks_the_cap_with_the_placement(tmp_path: Path) -> None:
-    from kdump.bundle.tensors import Placement
+    from kdump.bundle.materialize import Placement
 
     path = save_calls(tmp_path / "h.kdump", [capture_call("m:f", [_rand(64, seed=10)], {})])
     b = load_bundle(path, replace(Limits(), max_load_bytes=64 << 10))

@@ -157,7 +157,7 @@ def test_outputs_to_compare_are_named_before_the_call(
     them; a call snapshot only in case it raises names none (its outputs are never taken)."""
     import usermod as um
 
-    from kdump.bundle import tensors as tensors_mod
+    from kdump.bundle import capture as tensors_mod
 
     watched: list[list[int]] = []
     real = tensors_mod._device_copies

@@ -61,7 +61,7 @@ def _expected_d(a, b, d, layout):
 
 def _returned(call):
     """The recorded return value (a tensor) of a loaded call."""
-    from kdump.bundle.tensors import materialize
+    from kdump.bundle.materialize import materialize
 
     tree = call.entry.outputs.returned
     mat = materialize(

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from kdump.bundle import attach_outputs, capture_call, input_tensors, load_bundle, save_calls
-from kdump.bundle.tensors import ALIGN_MOD, PREFIX_LIMIT, Placement, capture, materialize
+from kdump.bundle.capture import capture
+from kdump.bundle.materialize import Placement, materialize
 from kdump.cli import main
+from kdump.format.records import ALIGN_MOD, PREFIX_LIMIT
 from kdump.replay import replay
 
 TESTS = Path(__file__).parent

@@ -137,7 +137,7 @@ def test_bundle_outside_a_capture_directory(
 def test_bundle_at_the_file_system_root_needs_an_output() -> None:
     """A bundle directly under / has no folder beside its own for the default copy: a usage
     error that says to pass -o (not an internal error)."""
-    from kdump.bundle.writer import pack_destination
+    from kdump.bundle.packing import pack_destination
     from kdump.errors import UsageError
 
     with pytest.raises(UsageError, match="pass -o"):

@@ -93,7 +93,7 @@ def test_bundle_of_pieces_round_trips(tmp_path: Path, mb: int) -> None:
     assert got[2].untyped_storage().data_ptr() == got[0].untyped_storage().data_ptr()
     assert _bits(got[2]) == _bits(big)
     # through the copying path too (a placement that cannot use the file's pages)
-    from kdump.bundle.tensors import Placement
+    from kdump.bundle.materialize import Placement
 
     halo = b.calls[0].materialize("cpu", Placement(halo=64)).tensors
     assert _bits(halo[2]) == _bits(big)
@@ -407,25 +407,25 @@ def test_allocated_range_keeps_what_the_file_reads(
     allocate, the write goes on as before."""
     import os
 
-    from kdump.bundle import spool
+    from kdump.bundle import fileio
 
     data = bytes(range(256)) * (2 * MIB // 256) + b"tail"
-    assert len(data) >= spool.ALLOCATE_MIN
+    assert len(data) >= fileio.ALLOCATE_MIN
     at = 4096 + 5
     fd = os.open(tmp_path / "empty.bin", os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        if spool.allocate(fd, 0, 3 * MIB):
+        if fileio.allocate(fd, 0, 3 * MIB):
             assert os.fstat(fd).st_size == 3 * MIB
             assert os.pread(fd, 3 * MIB, 0) == bytes(3 * MIB)
     finally:
         os.close(fd)
-    monkeypatch.setattr(spool, "allocation_helps", lambda fd: True)  # whatever tmp_path is on
-    for name, fallocate in (("with", spool._allocate), ("without", None)):
-        monkeypatch.setattr(spool, "_allocate", fallocate)
+    monkeypatch.setattr(fileio, "allocation_helps", lambda fd: True)  # whatever tmp_path is on
+    for name, fallocate in (("with", fileio._allocate), ("without", None)):
+        monkeypatch.setattr(fileio, "_allocate", fallocate)
         path = tmp_path / f"{name}.bin"
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            spool.write_groups(fd, memoryview(data), at)
+            fileio.write_groups(fd, memoryview(data), at)
         finally:
             os.close(fd)
         assert path.read_bytes() == bytes(at) + data
@@ -437,7 +437,7 @@ def test_write_and_hash_writes_in_order_and_names_every_piece(tmp_path: Path) ->
     order given, and the file holds every span at its offset."""
     import os
 
-    from kdump.bundle.spool import write_and_hash
+    from kdump.bundle.fileio import write_and_hash
     from kdump.bundle.store import blob_digests
 
     spans = [os.urandom(n) for n in (3 * MIB + 7, 5 * MIB, MIB + 1, 2 * MIB)]
@@ -473,8 +473,8 @@ def test_large_output_compare_reads_the_first_bytes_exactly() -> None:
     rest by the job hashing the first piece. Here the digests are those of the live bytes, so
     only that memcmp can see the snapshot differ."""
     pytest.importorskip("xxhash")
-    from kdump.bundle import bytecmp, tensors
-    from kdump.bundle.spool import cpu_view
+    from kdump.bundle import bytecmp, capture
+    from kdump.bundle.fileio import cpu_view
 
     n = bytecmp.SPLIT_MIN + 3 * MIB
     live = torch.randint(
@@ -485,15 +485,15 @@ def test_large_output_compare_reads_the_first_bytes_exactly() -> None:
     for at, same in (
         (None, True),
         (10, False),
-        (tensors.EARLY + 3, False),
+        (capture.EARLY + 3, False),
         (MIB + 1, False),
         (bytecmp.PIECE - 1, False),
     ):
         snapshot = live.clone()
         if at is not None:
             snapshot[at] ^= 1
-        earlier = tensors.Captured(storages=[], tensors=[], data=[snapshot], digests=[digests])
-        assert tensors._same_as_written(earlier, [live], [(0, 0)]) == [same], at
+        earlier = capture.Captured(storages=[], tensors=[], data=[snapshot], digests=[digests])
+        assert capture._same_as_written(earlier, [live], [(0, 0)]) == [same], at
 
 
 def test_allocation_only_where_it_helps(tmp_path: Path) -> None:
@@ -501,21 +501,21 @@ def test_allocation_only_where_it_helps(tmp_path: Path) -> None:
     not on tmpfs (where it costs more)."""
     import os
 
-    from kdump.bundle import spool
+    from kdump.bundle import fileio
 
     fd = os.open(tmp_path / "probe", os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        kind = spool._fs_type(fd)
-        assert spool.allocation_helps(fd) == (
-            spool._allocate is not None and kind in spool.ALLOCATING_FS
+        kind = fileio._fs_type(fd)
+        assert fileio.allocation_helps(fd) == (
+            fileio._allocate is not None and kind in fileio.ALLOCATING_FS
         )
     finally:
         os.close(fd)
     if os.path.isdir("/dev/shm"):
         fd = os.open(f"/dev/shm/kdump-probe-{os.getpid()}", os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            if spool._fs_type(fd) == 0x01021994:  # tmpfs
-                assert not spool.allocation_helps(fd)
+            if fileio._fs_type(fd) == 0x01021994:  # tmpfs
+                assert not fileio.allocation_helps(fd)
         finally:
             os.close(fd)
             os.unlink(f"/dev/shm/kdump-probe-{os.getpid()}")

@@ -118,7 +118,7 @@ def test_pack_reports_progress_unless_quiet(
     code, _, err = run(capsys, "pack", str(src), *(["--quiet"] if quiet else []))
     assert code == 0, err
     plain = [ln for ln in err.splitlines() if ln.startswith("pack ")]
-    from kdump.bundle.writer import packed_bytes
+    from kdump.bundle.packing import packed_bytes
 
     mb = sum(packed_bytes(p) for p in src.iterdir()) / 1e6
     if quiet:
@@ -133,10 +133,10 @@ def test_pack_of_one_big_bundle_reports_the_bytes_as_they_are_written(
     """One bundle of at least BIG_BYTES gets a bar in MB, advanced piece by piece of each blob
     (here with the thresholds scaled down to a sample capture)."""
     from kdump import progress as progress_mod
-    from kdump.bundle import writer
+    from kdump.bundle import packing, writer
 
     src = CAPTURES / "contiguous_fp32.kdump"
-    total = writer.packed_bytes(src)
+    total = packing.packed_bytes(src)
     monkeypatch.setattr(progress_mod, "BIG_BYTES", total)
     monkeypatch.setattr(writer, "ONE_WRITE_MAX", 0)  # the streamed write, as for a big bundle
     monkeypatch.setattr(writer, "PROGRESS_CHUNK", max(1, total // 40))

@@ -355,7 +355,7 @@ def test_bench_flight_outputs_column_runs_on_cpu(bench_import, tmp_path):
 
 def test_info_shows_hostile_outputs_not_kept_escaped_and_bounded(tmp_path):
     from kdump.bundle import save_calls
-    from kdump.bundle.writer import capture_call
+    from kdump.bundle.capture import capture_call
 
     call = capture_call(f"{T}:double", (torch.zeros(2), torch.zeros(2)), {})
     call.meta["outputs_not_kept"] = {"tensors": ["\x1b[31mout", 5], "bytes": "9", "slot_bytes": -1}

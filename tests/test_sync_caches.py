@@ -16,9 +16,9 @@ import torch
 
 import kdump
 from kdump import config, envinfo
-from kdump.bundle import capture_call, load_bundle, save_calls, writer
+from kdump.bundle import attach_outputs, capture_call, load_bundle, save_calls, writer
+from kdump.bundle.capture import capture
 from kdump.bundle.header_cache import HeaderCache
-from kdump.bundle.tensors import capture
 from kdump.record import capture_dir
 from kdump.record.capture_dir import INDEX_NAME, _bundle_line, _encode
 from tests.test_format_reader import read_call
@@ -199,7 +199,7 @@ def test_env_and_info_fills_follow_new_objects(tmp_path, monkeypatch) -> None:
     envs = [env, env, {"libraries": {"lib": {"v": True}}}, env, {"libraries": {}}]
     for i, e in enumerate(envs):
         call = capture_call("m:f", [x, out], meta={"i": i})
-        writer.attach_outputs(call, [x, out], [1])
+        attach_outputs(call, [x, out], [1])
         fast = save_calls(tmp_path / f"t{i}.kdump", [call], env=e, info=info, headers=cache)
         plain = save_calls(tmp_path / f"p{i}.kdump", [call], env=e, info=info)
         assert fast.read_bytes() == plain.read_bytes(), i

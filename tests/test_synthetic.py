@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from kdump.bundle import synthetic
-from kdump.bundle.synthetic import DTYPES, Params, generate, refusal
+from kdump.format import synthetic
+from kdump.format.synthetic import DTYPES, Params, generate, refusal
 
 # First 16 bytes and SHA-256 of 4096 bytes of Params(seed=7, dtype, min=-4, max=4, mean=0.5,
 # std=1.5). A change here changes every slimmed bundle: it needs a new generator version.

@@ -1,4 +1,5 @@
-"""Exact-layout capture and re-materialisation (kdump.bundle.tensors), without a file in between."""
+"""Exact-layout capture and re-materialisation (kdump.bundle.tensors, capture, materialize),
+without a file in between."""
 
 from __future__ import annotations
 
@@ -6,18 +7,11 @@ import pytest
 import torch
 from tensor_data import ROUND_TRIP_DTYPES, bits, random_bits
 
-from kdump.bundle.tensors import (
-    ALIGN_MOD,
-    DTYPES,
-    Placement,
-    StorageRecord,
-    TensorRecord,
-    capture,
-    group_storages,
-    materialize,
-    view_byte_extent,
-)
+from kdump.bundle.capture import capture
+from kdump.bundle.materialize import Placement, materialize
+from kdump.bundle.tensors import DTYPES, group_storages
 from kdump.errors import BundleError
+from kdump.format.records import ALIGN_MOD, StorageRecord, TensorRecord, view_byte_extent
 from kdump.format.validate import validate_records
 
 GEN = torch.Generator().manual_seed(1234)

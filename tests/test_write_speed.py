@@ -7,7 +7,15 @@ import os
 import torch
 
 from kdump import envinfo
-from kdump.bundle import argtree, capture_call, load_bundle, save_calls, writer
+from kdump.bundle import (
+    CallRecord,
+    argtree,
+    attach_outputs,
+    capture_call,
+    load_bundle,
+    save_calls,
+    writer,
+)
 
 
 def test_process_facts_are_cached_but_rank_follows_the_environment(monkeypatch) -> None:
@@ -47,7 +55,7 @@ def test_small_and_large_inline_bundles_round_trip(tmp_path) -> None:
 # Header templates (the sync recorder's small-bundle path)
 
 
-def _calls_of_one_signature() -> list[writer.CallRecord]:
+def _calls_of_one_signature() -> list[CallRecord]:
     """Calls of one target and layout whose header values all differ: addresses (fresh tensors),
     argument values, contents shared or not (blob de-duplication), a long exception text, and a
     return value."""
@@ -67,7 +75,7 @@ def _calls_of_one_signature() -> list[writer.CallRecord]:
             meta=meta,
         )
         after = out.mul_(2) if i % 2 else out
-        writer.attach_outputs(call, [x, after], [1], returned=(i, None))
+        attach_outputs(call, [x, after], [1], returned=(i, None))
         calls.append(call)
     return calls
 
@@ -110,7 +118,7 @@ def test_the_manifest_encoder_is_json_dumps() -> None:
     import json
     import math
 
-    from kdump.bundle.header_cache import _encode, _escaped
+    from kdump.bundle.manifest import encode_json, escaped
 
     values = [
         {"a": [1, 2.5, None, True, 'é"\\\x00\x7f'], "b": {}},
@@ -122,8 +130,8 @@ def test_the_manifest_encoder_is_json_dumps() -> None:
     ]
     for v in values:
         text = json.dumps(v, separators=(",", ":"))
-        assert _encode(v) == text
-        assert _escaped(text) == json.dumps(text)[1:-1]
+        assert encode_json(v) == text
+        assert escaped(text) == json.dumps(text)[1:-1]
 
 
 def test_recorded_small_calls_use_templates_and_stay_exact(tmp_path) -> None:
@@ -161,9 +169,10 @@ def test_recorded_small_calls_use_templates_and_stay_exact(tmp_path) -> None:
 
 def test_a_template_that_does_not_reproduce_its_header_is_not_kept(tmp_path, monkeypatch) -> None:
     from kdump.bundle import header_cache
+    from kdump.bundle.manifest import Template
 
-    wrong = header_cache._Template("{{}}", ())
-    monkeypatch.setattr(header_cache.HeaderCache, "_build", lambda self, *a: wrong)
+    wrong = Template("{{}}", ())
+    monkeypatch.setattr(header_cache, "build_template", lambda *a: wrong)
     cache = header_cache.HeaderCache()
     for i, call in enumerate(_calls_of_one_signature()[:3]):
         fast = save_calls(tmp_path / f"t{i}.kdump", [call], headers=cache)

@@ -5,10 +5,14 @@ tensor named by its SHA-256; the JSON manifest sits in `__metadata__["kdump.mani
 instead live in the capture directory's shared content-addressed store (`blobs/ab/<sha256>`), which
 `pack` folds back into one self-contained file.
 
-Modules: format (constants, typed manifest records), parse (header and manifest JSON -> records),
-validate (one pass over the records), reader (Bundle, Call, load_bundle), writer (capture_call,
-save_calls, pack), store (atomic_write, BlobStore), tensors (exact-layout capture and
-re-materialisation, needs torch), argtree (argument trees).
+The format itself (constants, typed records, the parser and the validator, torch-free) is
+`kdump.format`. Modules here, by job: reader (Bundle, Call, load_bundle), tensors (layout facts:
+dtype names, storages and views of a call's tensors), capture (capture_call, attach_outputs:
+snapshots of a call's spans), materialize (re-creating tensors with their exact layout),
+manifest (the manifest, its header and the one header template), header_cache (templates by call
+signature), writer (save_calls: one write or spooled), spool, fileio and staging (spans into a
+bundle's file, from host or device), packing (pack), store (atomic_write, BlobStore), argtree
+(argument trees), inspect (what `kdump info` shows).
 
 Importing this package, or reading a manifest, does not import torch: the names that need it are
 loaded on first use.
@@ -35,25 +39,26 @@ from kdump.format.records import (
 )
 
 if TYPE_CHECKING:
-    from kdump.bundle.tensors import Captured, Placement
-    from kdump.bundle.writer import (
+    from kdump.bundle.capture import (
         CallRecord,
+        Captured,
         attach_outputs,
         capture_call,
         input_tensors,
-        pack,
-        save_calls,
     )
+    from kdump.bundle.materialize import Placement
+    from kdump.bundle.packing import pack
+    from kdump.bundle.writer import save_calls
 
 _LAZY = {
-    "CallRecord": "kdump.bundle.writer",
-    "attach_outputs": "kdump.bundle.writer",
-    "capture_call": "kdump.bundle.writer",
-    "input_tensors": "kdump.bundle.writer",
-    "pack": "kdump.bundle.writer",
+    "CallRecord": "kdump.bundle.capture",
+    "Captured": "kdump.bundle.capture",
+    "attach_outputs": "kdump.bundle.capture",
+    "capture_call": "kdump.bundle.capture",
+    "input_tensors": "kdump.bundle.capture",
+    "pack": "kdump.bundle.packing",
     "save_calls": "kdump.bundle.writer",
-    "Placement": "kdump.bundle.tensors",
-    "Captured": "kdump.bundle.tensors",
+    "Placement": "kdump.bundle.materialize",
 }
 
 __all__ = [

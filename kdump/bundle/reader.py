@@ -37,7 +37,7 @@ from kdump.format.validate import check_load, default_limits, validate_manifest
 if TYPE_CHECKING:
     import torch
 
-    from kdump.bundle.tensors import Materialized, Placement
+    from kdump.bundle.materialize import Materialized, Placement
 
 STORE_SEARCH_DEPTH = 3  # a bundle looks for the shared store in its folder and this many parents
 # A recording process's folder holds an index (a capture root of its own); version 1 of the
@@ -529,7 +529,7 @@ class Bundle:
         copy-on-write views of the file; the rest are copies."""
         import torch
 
-        from kdump.bundle.tensors import Placement, materialize, synthesize_span
+        from kdump.bundle.materialize import Placement, materialize, synthesize_span
 
         place = placement or Placement()
         check_load(
@@ -635,13 +635,13 @@ class Bundle:
                 pos += e - b
             return out
         if st.source is Source.SYNTHETIC:
-            from kdump.bundle.synthetic import Params, generate
+            from kdump.format.synthetic import Params, generate
 
             assert st.generator is not None and st.stats is not None  # the parser checked
             g, s = st.generator, st.stats
             p = Params(g.seed, s.dtype, s.min, s.max, s.mean, s.std, g.name, g.version)
             return torch.from_numpy(generate(p, st.span_nbytes))
-        from kdump.bundle.tensors import synthesize_span
+        from kdump.bundle.materialize import synthesize_span
 
         return synthesize_span(st, index)
 

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import mmap
 import os
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -27,242 +26,35 @@ from typing import Any
 import torch
 
 from kdump.bundle import bytecmp
+from kdump.bundle.fileio import (
+    Digests,
+    address_of,
+    copy_range,
+    cpu_view,
+    hash_write,
+    pwrite_all,
+    round_up,
+    write_and_hash,
+)
+from kdump.bundle.staging import caller_streams, equal_on_device, write_device
 from kdump.bundle.store import (
-    HASH_THREADS,
     BlobStore,
     Pieces,
-    ProcessPool,
     blob_digests,
-    fast_checksum,
-    hasher,
     open_temp,
     piece_bytes,
     piece_cuts,
     pool,
-    share_out,
     submit_or_run,
 )
 from kdump.errors import BundleError
-from kdump.errors import BundleErrorKind as K
-from kdump.format.records import ALIGN_MOD, STORE_DIRNAME
+from kdump.format.records import ALIGN_MOD, STORE_DIRNAME, blob_offset
 
-Digests = tuple[str, str]  # (SHA-256 name, fast check digest or "")
 Named = Digests | Pieces  # a span's digests: one blob's, or one per piece (a large span)
 
-# A call holding fewer bytes than this is snapshot in memory and written in one go (a temporary
-# file and a mapping per call cost more than copying a few MiB).
-SPOOL_MIN = 8 << 20
-WRITE_CHUNK = 16 << 20  # one read of a move inside the file
-HASH_CHUNK = 1 << 20  # the SHA-256 and the fast check read the same chunk while it is in cache
-FAST_APART = 4 << 20  # pieces from this size get their fast check on another thread
-STAGE_CHUNK = 16 << 20  # pinned staging buffer per device copy (two per span being copied)
 RESERVE_MIN = 128 << 10  # header space reserved up front
 DEVICE_DEDUP_MIN = 64 << 10  # device spans from this size are compared before being written
-DEVICE_COMPARE_CHUNK = 64 << 20  # bytes per device comparison (its temporary: an eighth)
 RESERVE_PER_RECORD = 1 << 10  # and per tensor or storage record of the capture
-
-
-def round_up(n: int, unit: int) -> int:
-    return n + (-n) % unit
-
-
-def aligned(pos: int, nbytes: int, align: int, min_aligned: int) -> int:
-    """Where a blob of `nbytes` goes: the first offset at or after `pos` congruent to `align`
-    modulo ALIGN_MOD (blobs of `min_aligned` bytes or more), or `pos`."""
-    return pos + (align - pos) % ALIGN_MOD if nbytes >= min_aligned else pos
-
-
-# The process's file-write pool (os.pwrite releases the GIL). Separate from the hashing pool so
-# that a hashing job may wait on writes without ever waiting on itself.
-io_pool = ProcessPool("kdump-write")
-# The fast checks beside the SHA-256 (`_Digester`): a pool of their own, so that one never waits
-# behind a span's queued writes.
-check_pool = ProcessPool("kdump-check")
-
-
-def _address(view: memoryview) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(view)) if len(view) else 0
-
-
-def cpu_view(t: torch.Tensor) -> memoryview:
-    """Zero-copy bytes of a contiguous CPU uint8 tensor."""
-    n = t.numel()
-    if n == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
-
-
-def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while view:
-        done = os.pwrite(fd, view, offset)
-        view, offset = view[done:], offset + done
-
-
-class _Digester:
-    """A span's SHA-256 name and fast check, fed piece by piece. Pieces of FAST_APART bytes and
-    more have the fast check computed on another thread while SHA-256 runs here (both release
-    the GIL): on one thread the fast check added a tenth to the SHA-256's time, and a 600 MB
-    span is bound by its hashing. Smaller pieces are checked here, in HASH_CHUNK parts, while
-    they are in cache. `apart` False: always here (pieces already hashed in parallel)."""
-
-    __slots__ = ("apart", "fast", "sha")
-
-    def __init__(self, apart: bool = True) -> None:
-        algo = fast_checksum()
-        self.sha = hashlib.sha256()
-        self.fast = hasher(algo) if algo.value != "sha256" else None
-        self.apart = apart
-
-    def update(self, piece: memoryview) -> None:
-        fast = self.fast
-        if fast is not None and self.apart and len(piece) >= FAST_APART:
-            job = submit_or_run(check_pool().submit, fast.update, piece)
-            try:
-                for j in range(0, len(piece), HASH_CHUNK):
-                    self.sha.update(piece[j : j + HASH_CHUNK])
-            finally:
-                job.result()  # before the caller reuses the piece's memory
-            return
-        for j in range(0, len(piece), HASH_CHUNK):
-            part = piece[j : j + HASH_CHUNK]
-            self.sha.update(part)
-            if fast is not None:
-                fast.update(part)
-
-    def digests(self) -> Digests:
-        return self.sha.hexdigest(), self.fast.hexdigest() if self.fast is not None else ""
-
-
-# Written in groups of this many bytes, right after they were hashed (mostly still in cache): the
-# page cache keeps what one write brings in as large folios where the file system can (ext4 and
-# XFS on recent kernels); a file written in 1 MiB writes mapped at about half the speed on load.
-PASS_WRITE = 16 << 20
-
-
-def hash_only(view: memoryview) -> Digests:
-    """The digests of `view` (SHA-256 and the fast check), on the calling thread."""
-    h = _Digester(apart=False)
-    h.update(view)
-    return h.digests()
-
-
-# Spans from this size have their range of the file allocated before they are written, on the
-# file systems where that was measured to help (ALLOCATING_FS): a buffered write over allocated
-# (unwritten) blocks skips ext4's per-block delayed allocation (a third less system time for a
-# 40 MB span; no gain below about 1 MiB). On tmpfs it costs a tenth more, so not there.
-ALLOCATE_MIN = 1 << 20
-ALLOCATING_FS = frozenset({0xEF53})  # statfs f_type: ext2/3/4 (one magic)
-
-
-def _fallocate() -> Callable[[int, int, int], int] | None:
-    """fallocate(2) (mode 0: allocate, extending the file), or None where there is none."""
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        # The 64-bit offset entry; plain fallocate takes them only where off_t is 64 bits.
-        fn = getattr(libc, "fallocate64", None)
-        if fn is None and ctypes.sizeof(ctypes.c_long) == 8:
-            fn = libc.fallocate
-    except (OSError, AttributeError):
-        return None
-    if fn is None:
-        return None
-    fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
-    fn.restype = ctypes.c_int
-
-    def allocate(fd: int, offset: int, length: int) -> int:
-        return int(fn(fd, 0, offset, length))
-
-    return allocate
-
-
-_allocate = _fallocate()
-
-
-def allocate(fd: int, offset: int, length: int) -> bool:
-    """Allocate `length` bytes of `fd` from `offset` (what the file holds is unchanged: a hole
-    becomes blocks that read as zeros). A hint: False where the file system or the system
-    cannot (the write that follows then allocates as it goes, and reports a full disk)."""
-    return _allocate is not None and length > 0 and _allocate(fd, offset, length) == 0
-
-
-def _fs_type(fd: int) -> int | None:
-    """The statfs f_type (file system magic) of the file `fd`, or None where it cannot be had."""
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fstatfs = ctypes.CDLL(None, use_errno=True).fstatfs
-    except (OSError, AttributeError):
-        return None
-    buf = ctypes.create_string_buffer(512)  # struct statfs, f_type (a long) first
-    if fstatfs(fd, buf) != 0:
-        return None
-    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
-
-
-_allocating: dict[int, bool] = {}  # by st_dev: whether a file there is allocated before writing
-
-
-def allocation_helps(fd: int) -> bool:
-    """Whether `write_groups` allocates a large span's range of `fd` first (ALLOCATING_FS)."""
-    dev = os.fstat(fd).st_dev
-    got = _allocating.get(dev)
-    if got is None:
-        got = _allocating[dev] = _allocate is not None and _fs_type(fd) in ALLOCATING_FS
-    return got
-
-
-def write_groups(fd: int, view: memoryview, at: int) -> None:
-    """Write `view` to `fd` at `at` in PASS_WRITE groups (the file writer's job), its range
-    allocated first where that helps (ALLOCATE_MIN, ALLOCATING_FS)."""
-    if len(view) >= ALLOCATE_MIN and allocation_helps(fd):
-        allocate(fd, at, len(view))
-    for lo in range(0, len(view), PASS_WRITE):
-        pwrite_all(fd, view[lo : lo + PASS_WRITE], at + lo)
-
-
-def hash_write(fd: int, view: memoryview, at: int) -> Digests:
-    """Hash `view` and write it to `fd` at offset `at` in one pass over its bytes: each group is
-    hashed and then written while it is in cache (a file of its own: the store's pieces).
-    One pool worker runs it per piece; hashlib, xxhash and os.pwrite release the GIL."""
-    h = _Digester(apart=False)
-    for lo in range(0, len(view), PASS_WRITE):
-        group = view[lo : lo + PASS_WRITE]
-        h.update(group)
-        pwrite_all(fd, group, at + lo)
-    return h.digests()
-
-
-def write_and_hash(
-    fd: int, writes: Sequence[tuple[memoryview, int]], pieces: Sequence[memoryview]
-) -> list[Digests]:
-    """Write each (bytes, offset) of `writes` to `fd`, in order, on the calling thread, while
-    pool workers hash `pieces` (the largest first, so that no core is left with one large piece
-    at the end); once its writes are done the calling thread hashes what is left beside them.
-    Buffered writes into one file are serialised by the file system, so one thread writes; one
-    worker fewer than the pool's threads hashes beside it, so that the write never waits for a
-    core. The digests of `pieces`, in order; returns when every write and every hash is done."""
-    out: list[Digests | None] = [None] * len(pieces)
-
-    def hash_piece(k: int) -> None:
-        out[k] = hash_only(pieces[k])
-
-    def write() -> None:
-        for view, at in writes:
-            write_groups(fd, view, at)
-
-    share_out(
-        sorted(range(len(pieces)), key=lambda k: -len(pieces[k])),
-        hash_piece,
-        max(1, min(HASH_THREADS - 1, len(pieces))),
-        own=write,
-    )
-    return out  # type: ignore[return-value]
 
 
 class _Region:
@@ -346,7 +138,7 @@ class Spool:
         # Device sources likewise, by device and size, compared on the device: one found equal
         # only after both were written would leave its bytes in the file as a hole.
         dev_firsts: dict[tuple[Any, int], list[tuple[torch.Tensor, list[_Region]]]] = {}
-        streams = _caller_streams(sources)
+        streams = caller_streams(sources)
         try:
             for src, align in zip(sources, aligns):
                 n = src.numel()
@@ -358,7 +150,7 @@ class Spool:
                     after = streams[src.device]
                     dkey = (src.device, n)
                     twin = next(
-                        (r for s, r in dev_firsts.get(dkey, ()) if _equal_on_device(s, src, after)),
+                        (r for s, r in dev_firsts.get(dkey, ()) if equal_on_device(s, src, after)),
                         None,
                     )
                 if twin is not None:
@@ -369,7 +161,7 @@ class Spool:
                         regions.append(region)
                     spans.append(regions)
                     continue
-                start = aligned(self._pos, n, align, self.min_aligned)
+                start = blob_offset(self._pos, n, align, self.min_aligned)
                 self._pos = start + n
                 cuts = piece_cuts(n, piece)
                 regions = [_Region(start + lo, hi - lo, len(cuts) > 1) for lo, hi in cuts]
@@ -389,7 +181,7 @@ class Spool:
                     for (lo, hi), r in zip(cuts, regions):
                         job = submit_or_run(
                             pool().submit,
-                            _write_device,
+                            write_device,
                             fd,
                             src[lo:hi],
                             at + lo,
@@ -511,7 +303,7 @@ class Spool:
         assert self._fd is not None and self._tmp is not None
         fd, tmp = open_temp(self.path)
         try:
-            _copy_range(self._fd, fd, self._reserved, reserved, length)
+            copy_range(self._fd, fd, self._reserved, reserved, length)
         except BaseException:
             os.close(fd)
             os.unlink(tmp)
@@ -564,7 +356,7 @@ class StoreSpool:
         self._active = True
         piece = piece_bytes()
         out: list[tuple[torch.Tensor, Named] | None] = [None] * len(sources)
-        streams = _caller_streams(sources)
+        streams = caller_streams(sources)
         # (source, piece size, descriptor, temporary, job): one file per piece, hashed while
         # written by one pool worker.
         jobs: list[tuple[int, int, int, str, Future[Digests]]] = []
@@ -582,7 +374,7 @@ class StoreSpool:
                             job = submit_or_run(pool().submit, hash_write, fd, view[lo:hi], 0)
                         else:
                             job = submit_or_run(
-                                pool().submit, _write_device, fd, src[lo:hi], 0, streams[src.device]
+                                pool().submit, write_device, fd, src[lo:hi], 0, streams[src.device]
                             )
                     except BaseException:
                         os.close(fd)
@@ -627,26 +419,6 @@ class StoreSpool:
         """Nothing to undo: what it added to the store are whole blobs under their names."""
 
 
-def _copy_range(src_fd: int, dst_fd: int, src: int, dst: int, length: int) -> None:
-    """Copy `length` bytes between files, in the kernel where it can (else through a buffer:
-    some sandboxes have no copy_file_range)."""
-    left = length
-    try:
-        while left:
-            n = os.copy_file_range(src_fd, dst_fd, left, src, dst)
-            if n <= 0:
-                break
-            src, dst, left = src + n, dst + n, left - n
-    except OSError:
-        pass
-    while left:
-        piece = os.pread(src_fd, min(left, WRITE_CHUNK), src)
-        if not piece:
-            raise BundleError("the bundle's temporary ended while its data was moved", K.LIMIT)
-        pwrite_all(dst_fd, memoryview(piece), dst)
-        src, dst, left = src + len(piece), dst + len(piece), left - len(piece)
-
-
 EDGE = 64  # bytes from each end of a span that key the search for an equal earlier span
 
 
@@ -683,7 +455,7 @@ def _joined(
         pos = 0
         for (_, _, m), n in zip(parts, sizes):
             assert m is not None
-            ctypes.memmove(copy.data_ptr() + pos, _address(memoryview(m)), n)
+            ctypes.memmove(copy.data_ptr() + pos, address_of(memoryview(m)), n)
             pos += n
         return copy, named
     return torch.frombuffer(joined, dtype=torch.uint8, count=total), named
@@ -714,7 +486,7 @@ def _map_back_to_back(fds: Sequence[int], sizes: Sequence[int], total: int) -> m
             ctypes.c_long,
         ]
         reserved = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        base = _address(memoryview(reserved))
+        base = address_of(memoryview(reserved))
         pos = 0
         for fd, n in zip(fds, sizes):
             got = fn(base + pos, n, _PROT, mmap.MAP_PRIVATE | _MAP_FIXED, fd, 0)
@@ -725,115 +497,3 @@ def _map_back_to_back(fds: Sequence[int], sizes: Sequence[int], total: int) -> m
         return reserved
     except (OSError, AttributeError, ValueError):
         return None
-
-
-def _caller_streams(sources: Sequence[torch.Tensor]) -> dict[torch.device, Any]:
-    """The caller's current stream of each device involved: the staging copies wait for the
-    work queued on it (the producers of the bytes)."""
-    out: dict[torch.device, Any] = {}
-    for s in sources:
-        if s.device.type == "cuda" and s.device not in out:
-            out[s.device] = torch.cuda.current_stream(s.device)
-    return out
-
-
-def _staged(src: torch.Tensor, after: Any) -> Iterator[tuple[int, memoryview]]:
-    """(offset, host bytes) of a device span, chunk by chunk, through two pinned staging
-    buffers: chunk k+1 is being copied on a side stream (after the work queued on `after`) while
-    the caller uses chunk k. A chunk's bytes are valid until the next one is asked for."""
-    n = src.numel()
-    if n == 0:
-        return
-    with torch.cuda.device(src.device):
-        side = torch.cuda.Stream(src.device)
-        side.wait_stream(after)
-        chunk = min(STAGE_CHUNK, n)
-        bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        views = [cpu_view(b) for b in bufs]
-        events = [torch.cuda.Event(), torch.cuda.Event()]
-
-        def issue(k: int) -> None:
-            lo = k * chunk
-            part = src[lo : lo + chunk]
-            with torch.cuda.stream(side):
-                bufs[k % 2][: part.numel()].copy_(part, non_blocking=True)
-                events[k % 2].record(side)
-
-        count = -(-n // chunk)
-        issue(0)
-        try:
-            for k in range(count):
-                events[k % 2].synchronize()
-                if k + 1 < count:
-                    issue(k + 1)  # into the buffer the caller finished with
-                lo = k * chunk
-                yield lo, views[k % 2][: min(n, lo + chunk) - lo]
-        finally:
-            side.synchronize()  # no copy may still target the buffers once they are released
-
-
-def _write_device(fd: int, src: torch.Tensor, at: int, after: Any) -> Digests:
-    """Copy a device span to the file at offset `at`: each staged chunk is written on the write
-    pool while it is hashed here."""
-    d = _Digester()
-    for lo, piece in _staged(src, after):
-        write = submit_or_run(io_pool().submit, pwrite_all, fd, piece, at + lo)
-        try:
-            d.update(piece)
-        finally:
-            write.result()  # before the buffer is reused
-    return d.digests()
-
-
-def _equal_on_device(a: torch.Tensor, b: torch.Tensor, after: Any) -> bool:
-    """Whether two device spans of one size hold the same bytes, compared on the device after
-    the work queued on `after`, in pieces (the comparison's temporary stays small); False when
-    the device cannot say (e.g. out of memory: the span is then written, as before)."""
-    n = a.numel()
-    if n != b.numel() or a.device != b.device:
-        return False
-    try:
-        with torch.cuda.device(a.device):
-            side = torch.cuda.Stream(a.device)
-            side.wait_stream(after)
-            with torch.cuda.stream(side):
-                for lo in range(0, n, DEVICE_COMPARE_CHUNK):
-                    x, y = a[lo : lo + DEVICE_COMPARE_CHUNK], b[lo : lo + DEVICE_COMPARE_CHUNK]
-                    if x.numel() % 8 == 0 and x.data_ptr() % 8 == 0 and y.data_ptr() % 8 == 0:
-                        x, y = x.view(torch.int64), y.view(torch.int64)
-                    if not torch.equal(x, y):
-                        return False
-        return True
-    except (RuntimeError, torch.cuda.OutOfMemoryError):
-        return False
-
-
-def _same_device(src: torch.Tensor, snapshot: torch.Tensor, after: Any) -> bool:
-    """Whether a device span holds the bytes of a host snapshot, compared chunk by chunk as
-    they arrive (stops at the first chunk that differs)."""
-    if src.numel() != snapshot.numel():
-        return False
-    base = snapshot.data_ptr()
-    for lo, piece in _staged(src, after):
-        if bytecmp.memcmp(_address(piece), base + lo, len(piece)) != 0:
-            return False
-    return True
-
-
-def same_as_device_copies(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
-    """For each (device span, device copy made before the call) pair: whether they hold the same
-    bytes, compared on the device after the work queued on the caller's streams (False where the
-    device cannot say: the span is then written)."""
-    streams = _caller_streams([src for src, _ in pairs])
-    return [_equal_on_device(src, copy, streams[src.device]) for src, copy in pairs]
-
-
-def same_on_device(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
-    """For each (device span, host snapshot) pair: whether they hold the same bytes (the spans
-    compared in parallel, after the work queued on the caller's streams)."""
-    streams = _caller_streams([src for src, _ in pairs])
-    jobs = [
-        submit_or_run(pool().submit, _same_device, src, snap, streams[src.device])
-        for src, snap in pairs
-    ]
-    return [j.result() for j in jobs]

@@ -1,15 +1,20 @@
-"""Writing bundles: snapshot a call (`capture_call`), write calls as one bundle (`save_calls`),
-and fold a store bundle into one self-contained file (`pack`)."""
+"""Writing bundles: write captured calls as one bundle (`save_calls`), or manifest records whose
+blobs are named already (`save_entries`).
+
+A bundle is written one of two ways, chosen in one place (`_spooled`): spooled, its blobs hashed
+and written into the bundle's temporary file span by span and the header written last into the
+space reserved for it (a bundle captured into its spool, or a large one whose bytes are not
+hashed yet); or whole, from memory once every blob's digests are known (small bundles, bundles
+whose blobs go to a store, bundles hashed already), the header built record by record or filled
+into its call signature's template (`kdump.bundle.header_cache`).
+"""
 
 from __future__ import annotations
 
-import ctypes
-import filecmp
-import json
 import os
 import struct
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -17,10 +22,19 @@ from typing import Any, BinaryIO
 
 import torch
 
-from kdump._version import __version__
-from kdump.bundle import argtree
+from kdump.bundle.capture import CallRecord
+from kdump.bundle.fileio import Digests, address_of, cpu_view
 from kdump.bundle.header_cache import HeaderCache
-from kdump.bundle.spool import Spool, StoreSpool, cpu_view
+from kdump.bundle.manifest import (
+    WRITER,
+    blob_alignments,
+    blob_layout,
+    header_bound,
+    header_for,
+    header_json,
+    manifest_maker,
+)
+from kdump.bundle.spool import Spool, StoreSpool
 from kdump.bundle.store import (
     BlobStore,
     Pieces,
@@ -32,120 +46,18 @@ from kdump.bundle.store import (
     pool,
     submit_or_run,
 )
-from kdump.bundle.tensors import Captured, capture
-from kdump.errors import BundleError, UsageError
-from kdump.errors import BundleErrorKind as K
+from kdump.errors import UsageError
 from kdump.format.records import (
     ALIGN_MOD,
+    ALIGNED_BLOB_MIN,
     FORMAT_VERSION,
-    MANIFEST_KEY,
-    MAX_HEADER,
-    STORE_DIRNAME,
     BlobRecord,
     CallEntry,
     Manifest,
-    OutputsRecord,
     Source,
-    StorageRecord,
     Where,
     manifest_json,
 )
-
-# The data section starts at a multiple of ALIGN_MOD and each large blob at an offset congruent to
-# its storage's recorded address modulo ALIGN_MOD, so a page-aligned map of the file hands out
-# views with the call's alignment; the gaps are covered by padding entries (safetensors allows no
-# holes). Small blobs are copied on load anyway and are not padded.
-DATA_ALIGN = ALIGN_MOD
-ALIGNED_BLOB_MIN = 64 << 10
-PAD_PREFIX = "kdump.pad."
-Digests = tuple[str, str]  # (SHA-256 name, fast check digest or "")
-
-
-@dataclass
-class CallRecord:
-    """One captured call, ready to be written."""
-
-    target: str  # canonical entry-point id, "module:qualname"
-    called_as: str  # the name it was called by
-    args: list[Any]  # encoded argument trees (argtree.encode)
-    kwargs: dict[str, Any]
-    names: list[str] | None  # parameter name of each positional argument, when known
-    inputs: Captured  # tensors of the tree, snapshot before the call
-    outputs: Captured | None = None  # snapshots after the call
-    inplace: list[tuple[int, int]] = field(default_factory=list)  # (input idx, output idx)
-    returned: Any = None  # encoded tree of the return value (tensors refer to outputs)
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        return self.inputs.nbytes + (self.outputs.nbytes if self.outputs else 0)
-
-
-def capture_call(
-    target: str,
-    args: Sequence[Any],
-    kwargs: dict[str, Any] | None = None,
-    *,
-    called_as: str | None = None,
-    names: Sequence[str] | None = None,
-    meta: dict[str, Any] | None = None,
-    sink: Spool | StoreSpool | None = None,
-    encoded: tuple[list[Any], list[torch.Tensor]] | None = None,
-    watch: Sequence[int] = (),
-) -> CallRecord:
-    """Snapshot a call's arguments (before the call runs). With `sink` (a `Spool` for the bundle
-    `save_calls` will write), a large snapshot is written straight into that bundle's file.
-    `encoded` is what `argtree.encode_all([*args, *kwargs.values()], tensors)` gave, where the
-    caller has walked the arguments already. `watch`: the tensor-table indices of the tensors
-    the call may write in place (`attach_outputs` will compare them; see `capture`)."""
-    kwargs = kwargs or {}
-    if encoded is None:
-        tensors: list[torch.Tensor] = []
-        # One node budget for all of a call's arguments: the reader checks them together.
-        trees = argtree.encode_all([*args, *kwargs.values()], tensors)
-    else:
-        trees, tensors = encoded
-    args_tree = trees[: len(args)]
-    kwargs_tree = {str(k): v for k, v in zip(kwargs, trees[len(args) :])}
-    return CallRecord(
-        target=target,
-        called_as=called_as or target,
-        args=args_tree,
-        kwargs=kwargs_tree,
-        names=list(names) if names is not None else None,
-        inputs=capture(tensors, sink=sink, watch=watch),
-        meta=dict(meta or {}),
-    )
-
-
-def input_tensors(
-    call: CallRecord, args: Sequence[Any], kwargs: dict[str, Any]
-) -> list[torch.Tensor]:
-    """The live tensors of a call in the order of its tensor table (same walk as capture_call)."""
-    return argtree.tensors_in(*args, *kwargs.values())
-
-
-def attach_outputs(
-    call: CallRecord,
-    live: Sequence[torch.Tensor],
-    indices: Iterable[int],
-    returned: Any = None,
-    sink: Spool | StoreSpool | None = None,
-) -> None:
-    """Snapshot tensors `indices` of the call's tensor table after the call (in-place outputs),
-    and tensors in the return value (into `sink`'s file when the inputs went there)."""
-    idx = sorted(set(indices))
-    extra: list[torch.Tensor] = [live[i] for i in idx]
-    ret_tree = argtree.encode(returned, extra) if returned is not None else None
-    try:
-        call.outputs = capture(extra, unchanged_from=call.inputs, sink=sink)
-    finally:
-        call.inputs.device_copies.clear()  # device memory the comparison no longer needs
-    call.inplace = [(i, k) for k, i in enumerate(idx)]
-    call.returned = ret_tree
-
-
-_blob_view = cpu_view  # zero-copy bytes of a contiguous CPU uint8 tensor
 
 
 def open_spool(path: str | os.PathLike[str]) -> Spool:
@@ -166,140 +78,8 @@ STORE_MIN = 16 << 10
 # the header's reserved space).
 INLINE_HASH_MAX = 8 << 20
 
-
-def _hash_all(
-    views: Sequence[memoryview],
-    known: Sequence[Digests | None] | None = None,
-    addresses: Sequence[int] | None = None,
-) -> list[Digests]:
-    """Digests of `views`; those in `known` (a capture that hashed them already) are not hashed
-    again, nor views of the same bytes (an unchanged output sharing its input's snapshot).
-    `addresses`: where each view's bytes start, where the caller knows (else they are asked)."""
-    known = known if known is not None else [None] * len(views)
-    todo = [i for i, k in enumerate(known) if k is None]
-    if len(todo) <= 1 or sum(len(views[i]) for i in todo) < INLINE_HASH_MAX:
-        done: dict[tuple[int, int], Digests] = {}
-        out = []
-        for i in todo:
-            v = views[i]
-            key = (addresses[i] if addresses is not None else _address(v), len(v))
-            dig = done.get(key)
-            if dig is None:
-                dig = done[key] = blob_digests(v)
-            out.append(dig)
-        fresh = iter(out)
-    else:
-        fresh = iter([f.result() for f in _submit_once([views[i] for i in todo])])
-    return [k if k is not None else next(fresh) for k in known]
-
-
-def _address(v: memoryview) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(v)) if len(v) else 0
-
-
-def _submit_once(views: Sequence[memoryview]) -> list[Future[Digests]]:
-    """Hash jobs for `views` on the shared pool; views of the same bytes (a snapshot shared by an
-    unchanged output and its input) share one job."""
-    jobs: dict[tuple[int, int], Future[Digests]] = {}
-    out = []
-    for v in views:
-        key = (_address(v), len(v))
-        if key not in jobs:
-            jobs[key] = submit_or_run(pool().submit, blob_digests, v)
-        out.append(jobs[key])
-    return out
-
-
-def _aligned(pos: int, nbytes: int, align: int) -> int:
-    """Where a blob of `nbytes` goes: the first offset at or after `pos` congruent to `align`
-    modulo ALIGN_MOD (large blobs), or `pos`."""
-    return pos + (align - pos) % ALIGN_MOD if nbytes >= ALIGNED_BLOB_MIN else pos
-
-
-def _entries(
-    calls: Sequence[CallRecord], shas: Sequence[str | tuple[tuple[str, int], ...]]
-) -> tuple[CallEntry, ...]:
-    """The manifest records of `calls`, their storages named by `shas` (in capture order): a
-    blob's name, or the (name, size) of each piece of a storage written in pieces."""
-    it = iter(shas)
-
-    def one(st: StorageRecord) -> StorageRecord:
-        name = next(it)
-        pieces: tuple[tuple[str, int], ...] = ()
-        if isinstance(name, tuple):
-            blob, pieces, source = "", name, Source.PIECES
-        else:
-            blob, source = name, st.source
-        # The constructor, not dataclasses.replace: this runs for every storage of every bundle.
-        return StorageRecord(
-            st.device,
-            st.base_ptr,
-            st.storage_nbytes,
-            st.span_start,
-            st.span_nbytes,
-            blob,
-            source,
-            st.stats,
-            pieces=pieces,
-        )
-
-    def named(cap: Captured) -> tuple[StorageRecord, ...]:
-        return tuple(
-            one(st)
-            if st.source is Source.BLOB
-            else replace(st, blob=next(it))
-            if st.source is Source.SPARSE
-            else st
-            for st in cap.storages
-        )
-
-    out = []
-    for i, call in enumerate(calls):
-        storages = named(call.inputs)
-        outputs = None
-        if call.outputs is not None:
-            outputs = OutputsRecord(
-                storages=named(call.outputs),
-                tensors=tuple(call.outputs.tensors),
-                inplace=tuple(call.inplace),
-                returned=call.returned,
-            )
-        out.append(
-            CallEntry(
-                index=i,
-                target=call.target,
-                called_as=call.called_as,
-                names=tuple(call.names) if call.names is not None else None,
-                args=call.args,
-                kwargs=call.kwargs,
-                storages=storages,
-                tensors=tuple(call.inputs.tensors),
-                outputs=outputs,
-                meta=_bounded(call.meta),
-            )
-        )
-    return tuple(out)
-
-
-def _bounded(meta: dict[str, Any]) -> dict[str, Any]:
-    """`meta` with strings cut to the reader's string limit (an exception text may be huge)."""
-    limit = argtree.LIMITS.max_string
-    try:  # no string is longer than the whole JSON text: nothing to cut (the common case)
-        if len(json.dumps(meta)) <= limit:
-            return meta
-    except (TypeError, ValueError):
-        pass
-
-    def cut(v: Any) -> Any:
-        if isinstance(v, str) and len(v) > limit:
-            return v[: limit - 40] + f"…[{len(v) - limit + 40} more characters]"
-        if isinstance(v, dict):
-            return {cut(k): cut(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [cut(x) for x in v]
-        return v
-
-    return cut(meta)
+Progress = Callable[[int], None]  # told the bytes of blob data written, as they are
+PROGRESS_CHUNK = 64 << 20  # a blob is written in pieces of this size when progress is reported
 
 
 def save_calls(
@@ -332,20 +112,80 @@ def save_calls(
     (in capture order) of a bundle whose header came through `headers`.
     """
     path = path if isinstance(path, Path) else Path(path)
-    # One pass over the storages that hold bytes (other kinds hold none; a sparse one holds its
-    # ranges, concatenated): this runs for every bundle a recorder writes. A blob storage larger
-    # than the piece size becomes one view per piece (each its own blob), and `counts` says how
-    # many views each storage has.
-    held: list[tuple[StorageRecord, torch.Tensor, Digests | None]] = []
-    views: list[memoryview] = []
-    aligns: list[int] = []
-    known: list[Digests | None] = []
-    sizes: list[int] = []
-    wheres: list[Where] = []
-    addresses: list[int] = []  # where each view's bytes start
-    counts: list[int] = []
+    blobs = _collect(calls, store is not None, inline_below)
+    created = _utc_now()
+    make_manifest = manifest_maker(
+        calls, blobs.sizes, blobs.wheres, env, info, created, counts=blobs.counts
+    )
+    sink = _spooled(path, spool, store, blobs, make_manifest)
+    if sink is not None:
+        done = _finish_spool(sink, path, blobs.data, blobs.aligns, blobs.known, make_manifest)
+        if progress is not None:  # its bytes went to the file as they were captured or hashed
+            progress(sum(len(v) for v in blobs.views))
+        return done
+    digests = _hash_all(blobs.views, blobs.known, blobs.addresses)
+    inline: dict[str, tuple[memoryview, int]] = {}
+    stored: dict[str, memoryview] = {}
+    for (sha, _), view, align, where in zip(digests, blobs.views, blobs.aligns, blobs.wheres):
+        if where is Where.STORE:
+            stored.setdefault(sha, view)
+        else:
+            inline.setdefault(sha, (view, align))
+    if store is not None:
+        for sha, view in stored.items():
+            store.put(sha, view)
+            if progress is not None:
+                progress(len(view))
+    raw = None
+    if headers is not None and _small(inline):
+        raw = headers.header(
+            calls, digests, blobs.wheres, inline, env or {}, info or {}, created, make_manifest
+        )
+        if raw is not None and headed is not None:
+            headed(raw, digests)
+    if raw is None:
+        raw, layout, offset = header_for(make_manifest(digests), inline)
+    else:
+        layout, _, offset = blob_layout(inline)
+    nbytes = _write_file(path, raw, layout, offset, inline, progress)
+    if sized is not None:
+        sized(nbytes)
+    return path
+
+
+@dataclass
+class _Blobs:
+    """The views of a bundle's blobs in capture order, with what the writer knows of each."""
+
+    data: list[torch.Tensor] = field(default_factory=list)  # the snapshot bytes (kept alive)
+    views: list[memoryview] = field(default_factory=list)
+    aligns: list[int] = field(default_factory=list)  # recorded address modulo ALIGN_MOD
+    known: list[Digests | None] = field(default_factory=list)  # digests the capture made
+    sizes: list[int] = field(default_factory=list)
+    wheres: list[Where] = field(default_factory=list)
+    addresses: list[int] = field(default_factory=list)  # where each view's bytes start
+    counts: list[int] = field(default_factory=list)  # views per storage that holds bytes
+
+    def add(
+        self, d: torch.Tensor, view: memoryview, align: int, dig: Digests | None, at: int
+    ) -> None:
+        self.data.append(d)
+        self.views.append(view)
+        self.aligns.append(align)
+        self.known.append(dig)
+        self.sizes.append(len(view))
+        self.addresses.append(at)
+
+
+def _collect(calls: Sequence[CallRecord], to_store: bool, inline_below: int) -> _Blobs:
+    """One pass over the storages that hold bytes (other kinds hold none; a sparse one holds its
+    ranges, concatenated): this runs for every bundle a recorder writes. A blob storage larger
+    than the piece size becomes one view per piece (each its own blob), and `counts` says how
+    many views each storage has. With `to_store`, views of `inline_below` bytes and more go to
+    the store."""
+    out = _Blobs()
     seen: dict[int, tuple[memoryview, int]] = {}  # by snapshot (an unchanged output shares one)
-    blob, sparse, to_store, to_inline = Source.BLOB, Source.SPARSE, Where.STORE, Where.INLINE
+    blob, sparse, store, inline = Source.BLOB, Source.SPARSE, Where.STORE, Where.INLINE
     piece = piece_bytes()
     for call in calls:
         for cap in (call.inputs, call.outputs):
@@ -356,9 +196,9 @@ def save_calls(
                 if st.source is not blob and st.source is not sparse:
                     continue
                 dig = digs[i] if i < len(digs) else None
-                got = seen.get(id(d))  # `held` keeps d alive: its id is its own
+                got = seen.get(id(d))  # `data` keeps d alive: its id is its own
                 if got is None:
-                    view = _blob_view(d)
+                    view = cpu_view(d)
                     got = seen[id(d)] = (view, d.data_ptr() if len(view) else 0)
                 view = got[0]
                 n = len(view)
@@ -370,78 +210,78 @@ def save_calls(
                     parts: list[Digests | None] = [None] * len(cuts)
                     if isinstance(dig, Pieces) and dig.size == piece:
                         parts = list(dig.digests)
-                    counts.append(len(cuts))
+                    out.counts.append(len(cuts))
                     for (lo, hi), part in zip(cuts, parts):
-                        held.append((st, d[lo:hi], part))
-                        views.append(view[lo:hi])
-                        aligns.append((align + lo) % ALIGN_MOD)
-                        known.append(part)
-                        sizes.append(hi - lo)
-                        wheres.append(
-                            to_store if store is not None and hi - lo >= inline_below else to_inline
-                        )
-                        addresses.append(got[1] + lo)
+                        out.add(d[lo:hi], view[lo:hi], (align + lo) % ALIGN_MOD, part, got[1] + lo)
+                        out.wheres.append(store if to_store and hi - lo >= inline_below else inline)
                     continue
-                if isinstance(dig, Pieces):
-                    dig = None
-                counts.append(1)
-                held.append((st, d, dig))
-                views.append(view)
-                aligns.append(align)
-                known.append(dig)
-                sizes.append(n)
-                wheres.append(to_store if store is not None and n >= inline_below else to_inline)
-                addresses.append(got[1])
-    created = _utc_now()
-    make_manifest = _manifest_maker(calls, sizes, wheres, env, info, created=created, counts=counts)
+                out.counts.append(1)
+                out.add(d, view, align, None if isinstance(dig, Pieces) else dig, got[1])
+                out.wheres.append(store if to_store and n >= inline_below else inline)
+    return out
+
+
+def _spooled(
+    path: Path,
+    spool: Spool | StoreSpool | None,
+    store: BlobStore | None,
+    blobs: _Blobs,
+    make_manifest: Callable[[Sequence[Digests]], dict[str, Any]],
+) -> Spool | None:
+    """The one choice of the write path: the spool to complete the bundle in, or None to write it
+    whole from memory. A bundle captured into its spool is completed there, unless its blobs go
+    to a store (its file was then only the snapshot's memory); a large bundle not hashed yet is
+    hashed and written in one pass, each piece by a pool worker, into a new spool whose header
+    space is reserved first."""
     if isinstance(spool, Spool) and spool.active:
         if store is None:
-            done = _finish_spool(spool, path, held, aligns, known, make_manifest)
-            if progress is not None:  # its bytes went to the file as they were captured
-                progress(sum(len(v) for v in views))
-            return done
-        spool.abort()  # the blobs go to the store: its file was only the snapshot's memory
-    small = sum(len(v) for v in views) < INLINE_HASH_MAX
-    if store is None and not small and not all(known):
-        # Hashed and written in one pass, each piece by a pool worker, into a new spool.
-        sink = open_spool(path)
-        sink.reserve(8 + _header_bound(views, make_manifest))
-        done = _finish_spool(sink, path, held, aligns, known, make_manifest)
-        if progress is not None:
-            progress(sum(len(v) for v in views))
-        return done
-    digests = _hash_all(views, known, addresses)
-    inline: dict[str, tuple[memoryview, int]] = {}
-    stored: dict[str, memoryview] = {}
-    for (sha, _), view, align, where in zip(digests, views, aligns, wheres):
-        if where is Where.STORE:
-            stored.setdefault(sha, view)
-        else:
-            inline.setdefault(sha, (view, align))
-    if store is not None:
-        for sha, view in stored.items():
-            store.put(sha, view)
-            if progress is not None:
-                progress(len(view))
-    if headers is not None and _small(inline):
-        raw = headers.header(
-            calls, digests, wheres, inline, env or {}, info or {}, created, make_manifest
-        )
-        if raw is not None:
-            if headed is not None:
-                headed(raw, digests)
-            parts = [struct.pack("<Q", len(raw)), raw, *(v for v, _ in inline.values())]
-            data = b"".join(parts)
-            atomic_write(path, data)
-            if progress is not None:
-                progress(sum(len(v) for v, _ in inline.values()))
-            if sized is not None:
-                sized(len(data))
-            return path
-    nbytes = _write_safetensors(path, make_manifest(digests), inline, progress)
-    if sized is not None:
-        sized(nbytes)
-    return path
+            return spool
+        spool.abort()
+    large = sum(len(v) for v in blobs.views) >= INLINE_HASH_MAX
+    if store is not None or not large or all(blobs.known):
+        return None
+    sink = open_spool(path)
+    sink.reserve(8 + header_bound(blobs.views, make_manifest))
+    return sink
+
+
+def _hash_all(
+    views: Sequence[memoryview],
+    known: Sequence[Digests | None] | None = None,
+    addresses: Sequence[int] | None = None,
+) -> list[Digests]:
+    """Digests of `views`; those in `known` (a capture that hashed them already) are not hashed
+    again, nor views of the same bytes (an unchanged output sharing its input's snapshot).
+    `addresses`: where each view's bytes start, where the caller knows (else they are asked)."""
+    known = known if known is not None else [None] * len(views)
+    todo = [i for i, k in enumerate(known) if k is None]
+    if len(todo) <= 1 or sum(len(views[i]) for i in todo) < INLINE_HASH_MAX:
+        done: dict[tuple[int, int], Digests] = {}
+        out = []
+        for i in todo:
+            v = views[i]
+            key = (addresses[i] if addresses is not None else address_of(v), len(v))
+            dig = done.get(key)
+            if dig is None:
+                dig = done[key] = blob_digests(v)
+            out.append(dig)
+        fresh = iter(out)
+    else:
+        fresh = iter([f.result() for f in _submit_once([views[i] for i in todo])])
+    return [k if k is not None else next(fresh) for k in known]
+
+
+def _submit_once(views: Sequence[memoryview]) -> list[Future[Digests]]:
+    """Hash jobs for `views` on the shared pool; views of the same bytes (a snapshot shared by an
+    unchanged output and its input) share one job."""
+    jobs: dict[tuple[int, int], Future[Digests]] = {}
+    out = []
+    for v in views:
+        key = (address_of(v), len(v))
+        if key not in jobs:
+            jobs[key] = submit_or_run(pool().submit, blob_digests, v)
+        out.append(jobs[key])
+    return out
 
 
 def _small(inline: dict[str, tuple[memoryview, int]]) -> bool:
@@ -467,77 +307,10 @@ def _utc_now() -> str:
     return _stamp[1]
 
 
-def _manifest_maker(
-    calls: Sequence[CallRecord],
-    sizes: Sequence[int],
-    wheres: Sequence[Where],
-    env: dict[str, Any] | None,
-    info: dict[str, Any] | None,
-    created: str | None = None,
-    counts: Sequence[int] | None = None,
-) -> Callable[[Sequence[Digests]], dict[str, Any]]:
-    """The manifest of `calls` given the digests of their blobs (in capture order; `counts`:
-    how many blobs each storage that holds bytes has, where one was written in pieces)."""
-    created = created if created is not None else _utc_now()
-    algo = fast_checksum()
-    pieced = counts is not None and any(k > 1 for k in counts)
-
-    def names(digests: Sequence[Digests]) -> list[str | tuple[tuple[str, int], ...]]:
-        if not pieced:
-            return [sha for sha, _ in digests]
-        assert counts is not None
-        out: list[str | tuple[tuple[str, int], ...]] = []
-        pos = 0
-        for k in counts:
-            if k == 1:
-                out.append(digests[pos][0])
-            else:
-                out.append(tuple((digests[j][0], sizes[j]) for j in range(pos, pos + k)))
-            pos += k
-        return out
-
-    def make_manifest(digests: Sequence[Digests]) -> dict[str, Any]:
-        blobs: dict[str, BlobRecord] = {}
-        for (sha, fast), n, where in zip(digests, sizes, wheres):
-            blobs.setdefault(sha, BlobRecord(n, where, algo, fast))
-        return manifest_json(
-            Manifest(
-                version=FORMAT_VERSION,
-                writer=f"kdump {__version__}",
-                created=created,
-                env=env or {},
-                info=info or {},
-                blobs=blobs,
-                calls=_entries(calls, names(digests)),
-            )
-        )
-
-    return make_manifest
-
-
-def _header_bound(
-    views: Sequence[memoryview], make_manifest: Callable[[Sequence[Digests]], dict[str, Any]]
-) -> int:
-    """An upper bound of the padded header of a bundle of `views` (every blob unique and fully
-    padded: de-duplication only shortens it), so its space is reserved before the blobs are
-    hashed."""
-    placeholder = [(f"{i:064x}", "0" * 32) for i in range(len(views))]
-    upper: dict[str, tuple[int, int]] = {}
-    pads = []
-    off = 0
-    for (name, _), view in zip(placeholder, views):
-        pads.append((off, off + ALIGN_MOD - 1))
-        off += ALIGN_MOD - 1
-        upper[name] = (off, off + len(view))
-        off += len(view)
-    raw = _header_json(make_manifest(placeholder), upper, pads)
-    return _padded_size(len(raw), map(len, views))
-
-
 def _finish_spool(
     spool: Spool,
     path: Path,
-    held: Sequence[tuple[StorageRecord, torch.Tensor, Digests | None]],
+    data: Sequence[torch.Tensor],
     aligns: Sequence[int],
     known: Sequence[Digests | None],
     make_manifest: Callable[[Sequence[Digests]], dict[str, Any]],
@@ -552,176 +325,17 @@ def _finish_spool(
         missing = [i for i, dig in enumerate(known) if dig is None]
         digests: list[Digests | None] = list(known)
         if missing:
-            put = spool.put([held[i][1] for i in missing], [aligns[i] for i in missing], records)
+            put = spool.put([data[i] for i in missing], [aligns[i] for i in missing], records)
             for i, (_, dig) in zip(missing, put):
                 assert isinstance(dig, tuple)  # each is one piece at most
                 digests[i] = dig
         final = [d for d in digests if d is not None]
         layout, pads, _ = spool.layout({sha for sha, _ in final})
-        raw = _header_json(make_manifest(final), layout, pads)
+        raw = header_json(make_manifest(final), layout, pads)
     except BaseException:
         spool.abort()  # nothing of a bundle that could not be completed stays behind
         raise
     return spool.finish(raw)
-
-
-def pack(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
-    progress: Progress | None = None,
-    force: bool = False,
-) -> Path:
-    """Rewrite a bundle (whose blobs may live in a shared store) as one self-contained file;
-    `progress` is told the blob bytes written (`packed_bytes` of the bundle in all). A file
-    already at `dst` is replaced only with `force` or when it holds the same bytes (UsageError
-    otherwise, and it stays as it was)."""
-    from kdump.bundle.reader import load_bundle
-
-    bundle = load_bundle(src)
-    bundle.verify()
-    m = bundle.manifest
-    inline = {sha: replace(b, where=Where.INLINE) for sha, b in m.blobs.items()}
-    aligns: dict[str, int] = {}
-    for c in m.calls:
-        for st in (*c.storages, *(c.outputs.storages if c.outputs else ())):
-            for sha, begin, _ in st.piece_spans():  # pieces lie back to back, as written
-                aligns.setdefault(sha, (st.alignment + begin) % ALIGN_MOD)
-    views = {
-        sha: (bundle.blob_bytes(sha), aligns.get(sha, 0)) for sha, b in m.blobs.items() if b.nbytes
-    }
-    out = Path(dst)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    manifest = manifest_json(replace(m, blobs=inline))
-    if force or not os.path.lexists(out):
-        _write_safetensors(out, manifest, views, progress)
-        return out
-    # Something is there already: written beside it first, kept only when it is the same.
-    if not out.is_file():
-        raise UsageError(f"{out} exists and is not a file; pass another -o")
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.pack-tmp")
-    try:
-        _write_safetensors(tmp, manifest, views, progress)
-        if not filecmp.cmp(tmp, out, shallow=False):
-            raise UsageError(
-                f"{out} exists and holds something else; pass --force to overwrite it, or "
-                "another -o"
-            )
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out
-
-
-def packed_bytes(src: str | os.PathLike[str]) -> int:
-    """The blob bytes `pack` writes for bundle `src` (its header is read, no blob)."""
-    from kdump.bundle.reader import load_bundle
-
-    with load_bundle(src) as bundle:
-        return sum(b.nbytes for b in bundle.manifest.blobs.values())
-
-
-PACKED_SUFFIX = ".packed"
-
-
-def capture_root(bundle: str | os.PathLike[str]) -> Path | None:
-    """The capture directory (the folder holding the shared blob store) a bundle belongs to,
-    looked for where the reader looks for its store; None for a bundle outside one."""
-    from kdump.bundle.reader import STORE_SEARCH_DEPTH
-
-    here = Path(bundle).resolve().parent
-    for cand in [here, *list(here.parents)[:STORE_SEARCH_DEPTH]]:
-        if (cand / STORE_DIRNAME).is_dir():
-            return cand
-    return None
-
-
-def _lexical(path: str | os.PathLike[str]) -> Path:
-    """An absolute path as given: `..` folded, symlinks not followed (a link packs beside the
-    link, not beside what it points to)."""
-    return Path(os.path.abspath(path))
-
-
-def _lexical_capture_root(bundle: Path) -> Path | None:
-    """capture_root, looked for along the path as given."""
-    from kdump.bundle.reader import STORE_SEARCH_DEPTH
-
-    here = bundle.parent
-    for cand in [here, *list(here.parents)[:STORE_SEARCH_DEPTH]]:
-        if (cand / STORE_DIRNAME).is_dir():
-            return cand
-    return None
-
-
-def _inside(path: Path, folder: Path) -> bool:
-    """Whether `path` is inside `folder`, as given or with symlinks followed on either side."""
-    real_path, real_folder = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
-    return any(p.is_relative_to(f) for p in (path, real_path) for f in (folder, real_folder))
-
-
-def pack_destination(
-    src: str | os.PathLike[str],
-    output: str | os.PathLike[str] | None = None,
-    base: str | os.PathLike[str] | None = None,
-) -> Path:
-    """Where `kdump pack` writes the packed copy of bundle `src` (found under folder `base`, if
-    one was given): never inside the capture directory or `base`, so a later replay of that
-    folder does not replay the copy as well. Paths count as given: a symlinked bundle packs
-    beside the link, under its name (and its target's capture directory is kept clear too).
-
-    Default: `<root>.packed/<path of src under root>` beside `root`, the outer of `base` and the
-    capture directory, else the bundle's own folder. An `output` that is an existing folder
-    receives the bundle under its name (its path under `base` when packing a folder); any other
-    `output` is the file to write."""
-    src_p = _lexical(src)
-    base_p = _lexical(base) if base is not None else None
-    capture = _lexical_capture_root(src_p)
-    # Both hold src, so one holds the other: the outer one is the folder a replay would read.
-    folders = [f for f in (capture, base_p) if f is not None]
-    root = min(folders, key=lambda f: len(f.parts)) if folders else src_p.parent
-    if output is None:
-        if not root.name:  # the file system's root has no folder beside it
-            raise UsageError(f"{src}: no default place beside {root} for the packed copy; pass -o")
-        dst = root.with_name(root.name + PACKED_SUFFIX) / src_p.relative_to(root)
-    elif Path(output).is_dir():
-        inner = src_p.relative_to(base_p) if base_p is not None else Path(src_p.name)
-        dst = _lexical(output) / inner
-    else:
-        dst = _lexical(output)
-    if dst == src_p or os.path.realpath(dst) == os.path.realpath(src_p):
-        raise UsageError(f"{src}: the packed copy would overwrite the bundle; pass another -o")
-    real_capture = capture_root(src_p)  # where the bundle's store really is
-    for folder in {*folders, *([real_capture] if real_capture is not None else [])}:
-        if _inside(dst, folder):
-            raise UsageError(
-                f"{dst} is inside {folder}, which a replay would read twice; pass -o outside it"
-            )
-    return dst
-
-
-def _header_json(
-    manifest: dict[str, Any], layout: dict[str, tuple[int, int]], pads: Sequence[tuple[int, int]]
-) -> bytes:
-    """The safetensors header: one U8 entry per inline blob and padding span, and the manifest
-    as a JSON string in `__metadata__`. Entry names are hex digests and `kdump.pad.<i>` (nothing
-    to escape), so the entries are formatted directly and only the manifest goes through json."""
-    entries = [*layout.items(), *((f"{PAD_PREFIX}{i}", span) for i, span in enumerate(pads))]
-    parts = [
-        f'"{name}":{{"dtype":"U8","shape":[{e - b}],"data_offsets":[{b},{e}]}}'
-        for name, (b, e) in entries
-    ]
-    text = json.dumps(json.dumps(manifest, separators=(",", ":")))
-    parts.append(f'"__metadata__":{{{json.dumps(MANIFEST_KEY)}:{text}}}')
-    return ("{" + ",".join(parts) + "}").encode()
-
-
-def _padded_size(raw_len: int, sizes: Iterable[int]) -> int:
-    """Header length with its space padding: the data section starts at a multiple of DATA_ALIGN
-    when a blob is to be aligned (else of 8, so small bundles stay small)."""
-    unit = DATA_ALIGN if any(n >= ALIGNED_BLOB_MIN for n in sizes) else 8
-    return raw_len + (-(8 + raw_len)) % unit
-
-
-Progress = Callable[[int], None]  # told the bytes of blob data written, as they are
-PROGRESS_CHUNK = 64 << 20  # a blob is written in pieces of this size when progress is reported
 
 
 def _write_view(f: BinaryIO, view: memoryview, progress: Progress | None) -> None:
@@ -734,7 +348,7 @@ def _write_view(f: BinaryIO, view: memoryview, progress: Progress | None) -> Non
         progress(len(piece))
 
 
-def _write_safetensors(
+def write_whole(
     path: Path,
     manifest: dict[str, Any],
     blobs: dict[str, tuple[memoryview, int]],
@@ -742,8 +356,20 @@ def _write_safetensors(
 ) -> int:
     """Write a bundle whose blobs (sha → (bytes, recorded alignment)) are all known; the size
     of its file."""
-    raw, layout, offset = _header_for(manifest, blobs)
+    raw, layout, offset = header_for(manifest, blobs)
+    return _write_file(path, raw, layout, offset, blobs, progress)
 
+
+def _write_file(
+    path: Path,
+    raw: bytes,
+    layout: dict[str, tuple[int, int]],
+    offset: int,
+    blobs: dict[str, tuple[memoryview, int]],
+    progress: Progress | None,
+) -> int:
+    """Write the padded header `raw` and the blobs at their `layout` offsets (`offset`: the data
+    section's length), atomically; the size of the file."""
     if offset <= ONE_WRITE_MAX:  # a small bundle: assembled here, written by one write
         parts: list[bytes | memoryview] = [struct.pack("<Q", len(raw)), raw]
         pos = 0
@@ -772,30 +398,6 @@ def _write_safetensors(
     return 8 + len(raw) + offset
 
 
-def _header_for(
-    manifest: dict[str, Any], blobs: dict[str, tuple[memoryview, int]]
-) -> tuple[bytes, dict[str, tuple[int, int]], int]:
-    """(padded header, data offsets of the blobs, data section length) of a bundle."""
-    layout: dict[str, tuple[int, int]] = {}
-    pads: list[tuple[int, int]] = []
-    offset = 0
-    for sha, (view, align) in blobs.items():
-        start = _aligned(offset, len(view), align)
-        if start > offset:
-            pads.append((offset, start))
-        layout[sha] = (start, start + len(view))
-        offset = start + len(view)
-    raw = _header_json(manifest, layout, pads)
-    raw += b" " * (_padded_size(len(raw), (len(v) for v, _ in blobs.values())) - len(raw))
-    if len(raw) > MAX_HEADER:
-        raise BundleError(
-            f"bundle manifest is {len(raw)} bytes, over the {MAX_HEADER}-byte header limit: "
-            "write fewer calls per bundle",
-            K.LIMIT,
-        )
-    return raw, layout, offset
-
-
 def save_entries(
     path: str | os.PathLike[str],
     calls: Sequence[CallEntry],
@@ -808,15 +410,12 @@ def save_entries(
     self-contained bundle, atomically: what a rewriting tool (`kdump slim`) produces. Every
     storage that holds bytes (blob, sparse) must name a blob of `data`; the names are checked."""
     algo = fast_checksum()
-    aligns: dict[str, int] = {}
-    for c in calls:
-        for st in (*c.storages, *(c.outputs.storages if c.outputs else ())):
-            for sha, begin, _ in st.piece_spans():
-                if sha not in data:
-                    raise UsageError(f"storage names blob {sha[:12]}…, which is not given")
-                aligns.setdefault(sha, (st.alignment + begin) % ALIGN_MOD)
+    aligns = blob_alignments(calls)
     blobs: dict[str, BlobRecord] = {}
     views: dict[str, tuple[memoryview, int]] = {}
+    for sha in aligns:
+        if sha not in data:
+            raise UsageError(f"storage names blob {sha[:12]}…, which is not given")
     for sha in aligns:
         view = memoryview(data[sha]).cast("B")
         name, fast = blob_digests(view)
@@ -827,7 +426,7 @@ def save_entries(
             views[sha] = (view, aligns[sha])
     manifest = Manifest(
         version=FORMAT_VERSION,
-        writer=f"kdump {__version__}",
+        writer=WRITER,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         env=env or {},
         info=info or {},
@@ -835,5 +434,5 @@ def save_entries(
         calls=tuple(replace(c, index=i) for i, c in enumerate(calls)),
     )
     out = Path(path)
-    _write_safetensors(out, manifest_json(manifest), views)
+    write_whole(out, manifest_json(manifest), views)
     return out

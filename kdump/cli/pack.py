@@ -40,7 +40,7 @@ def command(bundle: str, output: str | None, quiet: bool, force: bool) -> int:
     from pathlib import Path
 
     from kdump.bundle import iter_bundles
-    from kdump.bundle.writer import pack, pack_destination, packed_bytes
+    from kdump.bundle.packing import pack, pack_destination, packed_bytes
     from kdump.errors import UsageError
     from kdump.progress import BIG_BYTES, progress
     from kdump.text import visible

@@ -1,5 +1,6 @@
 """The bundle and journal formats in code, torch-free: constants and typed records (`records`),
-the header and manifest parser (`parse`) and the one validation pass (`validate`).
+the header and manifest parser (`parse`), the one validation pass (`validate`) and the
+synthetic-data generator of slimmed bundles (`synthetic`, numpy only).
 
 docs/FORMAT.md is the normative description; every writer and reader builds or reads these
 records.

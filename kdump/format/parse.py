@@ -37,6 +37,7 @@ from kdump.format.records import (
     Where,
     tensor_from_json,
 )
+from kdump.format.synthetic import refusal
 
 _STORAGE_INTS = STORAGE_LAYOUT_FIELDS[1:]  # all but the device
 _STORAGE_FIELDS = {1: {*STORAGE_LAYOUT_FIELDS, "blob"}}
@@ -399,8 +400,6 @@ class _Parser:
 
     def generator(self, raw: Any, stats: Stats | None, where: str, j: int) -> GeneratorRecord:
         """A synthetic storage's generator: one of kdump's, over finite, ordered stats."""
-        from kdump.bundle.synthetic import refusal
-
         if not isinstance(raw, dict) or set(raw) != {"name", "version", "seed"}:
             raise self.fail(where, f"storage {j}: generator is not {{name, version, seed}}")
         if stats is None:

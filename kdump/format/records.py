@@ -22,16 +22,32 @@ STORE_DIRNAME = "blobs"
 
 # Base addresses are re-created modulo this (TMA needs 16 B, swizzled tiles up to 1024 B).
 ALIGN_MOD = 1024
+# The data section starts at a multiple of ALIGN_MOD (else of 8) and each inline blob of at least
+# this many bytes at an offset congruent to its storage's recorded address modulo ALIGN_MOD, so a
+# page-aligned map of the file hands out views with the call's alignment; the gaps are covered by
+# padding entries named PAD_PREFIX<i> (safetensors allows no holes; FORMAT.md §2.1). Smaller blobs
+# are copied on load anyway and follow back to back.
+ALIGNED_BLOB_MIN = 64 << 10
+PAD_PREFIX = "kdump.pad."
 
 # Upper bounds that keep a hostile header from describing absurd objects.
 MAX_NDIM = 16
 MAX_DIM = 1 << 48
 
-# A view's storage offset is kept exactly by re-creating the unrecorded bytes before its span
-# (zeros), as long as the prefixes of one call's storages add up to at most this.
+# A view's storage offset is kept exactly, in every placement, by re-creating the unrecorded bytes
+# before its span (zeros, or poison with a halo or a flush end), as long as the prefixes of one
+# call's storages add up to at most this (so a small hostile file cannot make the reader fill
+# gigabytes). Past it a storage starts at its span and the offsets that changed are reported.
 PREFIX_LIMIT = 64 << 20
 
 DEFAULT_MAX_LOAD_BYTES = 64 << 30  # the one default of the allocation cap (KDUMP_MAX_LOAD_BYTES)
+
+
+def blob_offset(pos: int, nbytes: int, align: int, min_aligned: int = ALIGNED_BLOB_MIN) -> int:
+    """Where in the data section a blob of `nbytes` goes: the first offset at or after `pos`
+    congruent to `align` (its storage's address modulo ALIGN_MOD) for blobs of `min_aligned`
+    bytes or more, else `pos`."""
+    return pos + (align - pos) % ALIGN_MOD if nbytes >= min_aligned else pos
 
 
 @dataclass(frozen=True)
@@ -99,7 +115,7 @@ HELD_SOURCES = (Source.BLOB, Source.SPARSE, Source.PIECES)
 
 @dataclass(frozen=True)
 class GeneratorRecord:
-    """Which of kdump's generators made a synthetic storage (kdump.bundle.synthetic)."""
+    """Which of kdump's generators made a synthetic storage (kdump.format.synthetic)."""
 
     name: str
     version: int

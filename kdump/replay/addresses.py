@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kdump.bundle.tensors import StorageRecord, TensorRecord
+from kdump.format.records import StorageRecord, TensorRecord
 
 NOT_AN_ARGUMENT = "not an argument — an allocation of the library itself"
 

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from kdump.bundle import MaterializedCall
-from kdump.bundle.tensors import Allocation, clone_layout
+from kdump.bundle.materialize import Allocation
+from kdump.bundle.tensors import clone_layout
 from kdump.replay.compare import _as_int, agree, poison, unwritten
 
 # At most this many probe runs per call; arguments beyond it count as read (said in the note).

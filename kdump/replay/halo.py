@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kdump.bundle.tensors import Allocation, TensorRecord, dtype_from_name
+from kdump.bundle.materialize import Allocation
+from kdump.bundle.tensors import dtype_from_name
+from kdump.format.records import TensorRecord
 
 FLOAT_FILL = 0xFF
 INT_FILL = 0x7F

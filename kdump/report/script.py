@@ -3,7 +3,7 @@
 The script is the template `repro.py.tmpl` with five values filled in, none of them from the
 bundle: the bundle path and the allow list the user gave, the kernel entry points of kdump's
 plug-ins (their preset tables), the exit codes (kdump.errors), and the source of kdump's
-synthetic-data generator (kdump.bundle.synthetic, for slimmed bundles). Everything else the script
+synthetic-data generator (kdump.format.synthetic, for slimmed bundles). Everything else the script
 reads from the bundle as data when it runs, so a bundle string can never become code.
 """
 
@@ -64,7 +64,7 @@ def render_script(bundle_path: str, allowed: Sequence[str] = ()) -> str:
         _literal_table(known_targets()),
         ", ".join(str(int(c)) for c in codes),
         # kdump's own generator module (never bundle data): the bytes of synthetic storages
-        ascii(resources.files("kdump.bundle").joinpath("synthetic.py").read_text(encoding="utf-8")),
+        ascii(resources.files("kdump.format").joinpath("synthetic.py").read_text(encoding="utf-8")),
     )
     for slot, value in zip(_SLOTS, values):
         if text.count(slot) != 1:

@@ -88,7 +88,7 @@ class _Process:
 
         While the GPU facts and the library state encode as before, the previous bundle's dict
         is returned again (the header cache then reuses its encoding); it is never edited."""
-        from kdump.bundle.header_cache import _encode
+        from kdump.bundle.manifest import encode_json as _encode
 
         if self._env is None:
             self._env = envinfo.collect(include_gpu=False)
@@ -299,7 +299,7 @@ class SyncRecorder:
 
     def _from_repeat(self, rep: SyncRepeat, meta: dict[str, Any]) -> Any:
         """The call as the ordinary path records it, its inputs those the repeat took."""
-        from kdump.bundle.writer import CallRecord
+        from kdump.bundle.capture import CallRecord
 
         c = rep.call
         return CallRecord(
@@ -404,7 +404,7 @@ class SyncRecorder:
     ) -> tuple[Any, list[Any]]:
         """(the call's record, its live tensors in tensor-table order)."""
         from kdump.bundle import argtree
-        from kdump.bundle.writer import capture_call
+        from kdump.bundle.capture import capture_call
 
         tensors: list[Any] = []
         trees = argtree.encode_all([*args, *kwargs.values()], tensors)  # one walk of the args
@@ -486,7 +486,7 @@ class SyncRecorder:
         result: Any,
         sink: StoreSpool | None = None,
     ) -> None:
-        from kdump.bundle.writer import attach_outputs
+        from kdump.bundle.capture import attach_outputs
 
         idx = output_indices(self.cfg.outputs, st.spec, st.names(), live, args, kwargs)
         if idx or result is not None:

@@ -22,10 +22,13 @@ from typing import TYPE_CHECKING, Any
 from kdump.bundle import bytecmp
 from kdump.bundle import writer as _writer
 from kdump.bundle.argtree import LIMITS
-from kdump.bundle.header_cache import RepeatForm, _encode, _escaped
-from kdump.bundle.spool import cpu_view
+from kdump.bundle.capture import Captured
+from kdump.bundle.fileio import cpu_view
+from kdump.bundle.manifest import RepeatForm
+from kdump.bundle.manifest import encode_json as _encode
+from kdump.bundle.manifest import escaped as _escaped
 from kdump.bundle.store import blob_digests
-from kdump.bundle.tensors import Captured, layout_facts
+from kdump.bundle.tensors import layout_facts
 from kdump.format.records import MAX_HEADER, Source
 from kdump.record.flight.recorder import _repeat_key
 
@@ -33,7 +36,7 @@ from kdump.record.flight.recorder import _repeat_key
 repeat_key = _repeat_key
 
 if TYPE_CHECKING:
-    from kdump.bundle.writer import CallRecord
+    from kdump.bundle.capture import CallRecord
 
 Digests = tuple[str, str]
 _memmove = ctypes.memmove
