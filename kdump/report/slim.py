@@ -50,8 +50,6 @@ from kdump.format.records import (
 )
 from kdump.format.synthetic import DEFAULT_GENERATOR, DEFAULT_VERSION, SEED_LIMIT, splitmix64
 from kdump.format.synthetic import DTYPES as SYNTHETIC_DTYPES
-from kdump.format.synthetic import DEFAULT_GENERATOR, DEFAULT_VERSION, SEED_LIMIT, splitmix64
-from kdump.format.synthetic import DTYPES as SYNTHETIC_DTYPES
 from kdump.kernels.plugin import KernelSpec, Role
 from kdump.replay.options import ReplayOptions
 from kdump.replay.verdict import Finding, Verdict
