@@ -258,3 +258,16 @@ def test_links_to_repository_files_and_sections_resolve() -> None:
             assert dest.exists(), f"{path.name}: link to {target}"
             if anchor and dest.suffix == ".md":
                 assert anchor in anchors(dest), f"{path.name}: no section #{anchor} in {target}"
+
+
+def test_paths_named_in_code_spans_exist() -> None:
+    """A module, folder or benchmark the README or the docs name in `code` is still there (the
+    tree moves; the text must follow)."""
+    repo_path = re.compile(r"`((?:kdump|bench|examples|captures|docs|tests|lab|scripts)/[^`\s]*)`")
+    bench = re.compile(r"`(bench_\w+\.py)`")
+    for path in [README, *DOCS]:
+        text = path.read_text()
+        for name in repo_path.findall(text):
+            assert (ROOT / name).exists(), f"{path.name} names {name}"
+        for name in bench.findall(text):
+            assert (ROOT / "bench" / name).exists(), f"{path.name} names bench/{name}"
