@@ -271,11 +271,11 @@ def test_nvrtc_newer_than_driver_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(nvrtc, "driver_version", lambda: (12, 8))
     monkeypatch.setattr(nvrtc, "nvrtc_version", lambda: (13, 0))
     with pytest.raises(PackagedKernelError, match=r"NVRTC 13\.0 is newer than the driver"):
-        build.check_nvrtc_vs_driver()
+        nvrtc.check_nvrtc_vs_driver()
     monkeypatch.setattr(nvrtc, "driver_version", lambda: (13, 0))
-    build.check_nvrtc_vs_driver()
+    nvrtc.check_nvrtc_vs_driver()
     monkeypatch.setattr(nvrtc, "driver_version", lambda: None)  # no GPU: compiling is fine
-    build.check_nvrtc_vs_driver()
+    nvrtc.check_nvrtc_vs_driver()
 
 
 def test_compile_error_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -58,12 +58,9 @@ def is_available() -> tuple[bool, str]:
         return False, "no CUDA device is visible to torch"
     cc = torch.cuda.get_device_capability()
     try:
-        from .build import (
-            check_nvrtc_vs_driver,
-            cuda_include_dir,
-            cutlass_include_dir,
-            nvrtc_version,
-        )
+        from kdump.cuda.nvrtc import check_nvrtc_vs_driver, nvrtc_version
+
+        from .build import cuda_include_dir, cutlass_include_dir
         from .configs import arch_family
 
         arch_family(cc)

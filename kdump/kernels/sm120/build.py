@@ -17,10 +17,6 @@ from pathlib import Path
 
 from kdump import config
 from kdump.cuda.nvrtc import ToolchainError, nvrtc_version
-
-# re-exported: part of the packaged kernel's build API
-from kdump.cuda.nvrtc import check_nvrtc_vs_driver as check_nvrtc_vs_driver
-from kdump.cuda.nvrtc import driver_version as driver_version
 from kdump.errors import InternalError
 
 from .configs import TileConfig

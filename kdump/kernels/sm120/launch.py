@@ -13,14 +13,9 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kdump.cuda.nvrtc import LaunchError, check, driver
+from kdump.cuda.nvrtc import LaunchError, check, check_nvrtc_vs_driver, driver
 
-from .build import (
-    KERNEL_NAMES,
-    BuildRequest,
-    build_cubin,
-    check_nvrtc_vs_driver,
-)
+from .build import KERNEL_NAMES, BuildRequest, build_cubin
 from .configs import TileConfig, arch_family, config_for
 
 if TYPE_CHECKING:
