@@ -192,12 +192,6 @@ def _remove_temp(folder: Path) -> None:
         _live_dirs.discard(str(folder))
 
 
-def live_groups() -> list[int]:
-    """The process groups of replay processes still running (for tests and diagnostics)."""
-    with _live_lock:
-        return list(_live)
-
-
 def end_children(grace: float = GRACE_S) -> None:
     """End every registered process group (SIGTERM, then SIGKILL after `grace` seconds), reap
     the leaders and remove the registered folders; no new one starts afterwards. Safe to call
