@@ -1,7 +1,7 @@
 """Row gathers of the flight recorder's device tier: plans, their semantics, and the fused kernel.
 
 A plan says, for one call signature, which tensors are gathered by rows (A and its scales), the
-row rule (kdump.kernels.spec.Touch) and the record layout in a device ring slot: one record per
+row rule (kdump.kernels.plugin.Touch) and the record layout in a device ring slot: one record per
 touched row, `[u32 row, 12 zero bytes]` then each gathered tensor's bytes of that row at a
 16-byte aligned offset. `reference_gather` is the plain-torch meaning of the kernel (tests compare
 the two bit for bit) and `place_back` its inverse, used by salvage.

@@ -1,7 +1,7 @@
 """Static operands of the flight recorder: weights copied once per (storage, version).
 
 A static operand is a storage bigger than `MIN_BYTES` that the kernel only reads and that does not
-change between calls: for a target with a spec, an argument of role `weight` (kdump.kernels.spec);
+change between calls: for a target with a spec, an argument of role `weight` (kdump.kernels.plugin);
 for a target without one, an input whose storage (device, data pointer, size, and the same tensor
 object, so a fresh allocation at a recycled address is new) and version counter (`tensor._version`,
 bumped by every in-place torch op) were already seen at an earlier eager call. Instead of into
