@@ -252,31 +252,7 @@ def _walk(
     """The one walk over encoded trees: builds values, or (build=False) only checks them.
     `ref(index, path)` is called for every tensor reference, with its argument path. With a
     `budget`, every node and string is also held to its limits."""
-    limits = budget.limits if budget is not None else LIMITS
-    if depth >= limits.max_tree_depth + 1:
-        raise BundleError(
-            f"argument tree is nested deeper than {limits.max_tree_depth} levels", K.LIMIT
-        )
-    if budget is not None:
-        if not budget.take():
-            raise BundleError(
-                f"argument trees of one call hold more than {limits.max_tree_nodes} nodes", K.LIMIT
-            )
-        if isinstance(node, str) and len(node) > limits.max_string:
-            raise BundleError(
-                f"argument tree holds a string of {len(node)} characters (limit "
-                f"{limits.max_string})",
-                K.LIMIT,
-            )
-        if isinstance(node, dict):
-            for key in ("$enum", "name", "$opaque", "repr", "$device", "$float"):
-                v = node.get(key)
-                if isinstance(v, str) and len(v) > limits.max_string:
-                    raise BundleError(
-                        f"argument tree holds a string of {len(v)} characters (limit "
-                        f"{limits.max_string})",
-                        K.LIMIT,
-                    )
+    _hold_to_limits(node, depth, budget)
     if node is None or isinstance(node, (bool, str, int, float)):  # floats: hand-written bundles
         return node
     if isinstance(node, list):
@@ -344,3 +320,28 @@ def _walk(
     raise BundleError(
         f"argument tree: unknown node type {[str(k)[:40] for k in sorted(node)[:3]]}", K.SCHEMA
     )
+
+
+def _hold_to_limits(node: Any, depth: int, budget: _Budget | None) -> None:
+    """A node's depth against the tree depth limit; with a `budget`, also its share of the
+    nodes left and the length of the strings it holds."""
+    limits = budget.limits if budget is not None else LIMITS
+    if depth >= limits.max_tree_depth + 1:
+        raise BundleError(
+            f"argument tree is nested deeper than {limits.max_tree_depth} levels", K.LIMIT
+        )
+    if budget is None:
+        return
+    if not budget.take():
+        raise BundleError(
+            f"argument trees of one call hold more than {limits.max_tree_nodes} nodes", K.LIMIT
+        )
+    strings = [node] if isinstance(node, str) else []
+    if isinstance(node, dict):
+        strings = [node.get(k) for k in ("$enum", "name", "$opaque", "repr", "$device", "$float")]
+    for v in strings:
+        if isinstance(v, str) and len(v) > limits.max_string:
+            raise BundleError(
+                f"argument tree holds a string of {len(v)} characters (limit {limits.max_string})",
+                K.LIMIT,
+            )

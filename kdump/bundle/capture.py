@@ -192,8 +192,7 @@ def capture(
     earlier: dict[tuple[str, int, int, int], int] = {}
     if unchanged_from is not None:
         for i, old in enumerate(unchanged_from.storages):
-            key = (old.device, old.base_ptr, old.span_start, old.span_nbytes)
-            earlier.setdefault(key, i)
+            earlier.setdefault(_span_key(old), i)
     if sink is not None and (sink.active or sum(st.span_nbytes for st in storages) >= SINK_MIN):
         firsts = {idx: tensors[k] for idx, k in enumerate(first)}
         got = _capture_into(sink, list(storages), list(records), firsts, unchanged_from, earlier)
@@ -212,7 +211,7 @@ def capture(
             n = st.span_nbytes
             ptr = st.base_ptr + st.span_start
             if earlier and not seen_lazy:
-                j = earlier.get((st.device, st.base_ptr, st.span_start, n))
+                j = earlier.get(_span_key(st))
                 if j is not None and _same_at(unchanged_from.data[j], ptr, n):  # type: ignore[union-attr]
                     data.append(unchanged_from.data[j])  # type: ignore[union-attr]
                     digests.append(unchanged_from.digest(j))  # type: ignore[union-attr]
@@ -244,6 +243,12 @@ def capture(
 _memmove = ctypes.memmove
 
 
+def _span_key(st: StorageRecord) -> tuple[str, int, int, int]:
+    """Which span of which storage a record holds: an output's snapshot may share the snapshot
+    of the input with the same key (when its bytes did not change)."""
+    return (st.device, st.base_ptr, st.span_start, st.span_nbytes)
+
+
 def _capture_into(
     sink: Sink,
     storages: list[StorageRecord],
@@ -260,7 +265,7 @@ def _capture_into(
     matches: dict[int, int] = {}  # storage -> the earlier snapshot of the same span
     if unchanged_from is not None:
         for idx, st in enumerate(storages):
-            j = earlier.get((st.device, st.base_ptr, st.span_start, st.span_nbytes))
+            j = earlier.get(_span_key(st))
             if j is not None and not _has_lazy_bits(firsts[idx]):
                 matches[idx] = j
     unchanged = _unchanged(views, matches, unchanged_from)
