@@ -89,7 +89,7 @@ def profile(work: Path, calls: int) -> str:
 
 
 def _pwrite_all(fd: int, view: memoryview, at: int) -> None:
-    from kdump.bundle.spool import pwrite_all
+    from kdump.bundle.fileio import pwrite_all
 
     for lo in range(0, len(view), 1 << 20):  # the writer's pass chunk
         pwrite_all(fd, view[lo : lo + (1 << 20)], at + lo)
@@ -174,7 +174,7 @@ def parallel_map(path: Path, views: list[memoryview]) -> None:
 def parallel_hash_write(path: Path, views: list[memoryview]) -> None:
     """Each piece hashed and written in one pass by a pool worker (what the store's files of
     their own are written by; the bundle writer did this too before it kept one writer)."""
-    from kdump.bundle.spool import hash_write
+    from kdump.bundle.fileio import hash_write
     from kdump.bundle.store import pool
 
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -189,7 +189,7 @@ def parallel_hash_write(path: Path, views: list[memoryview]) -> None:
 def hash_beside_one_writer(path: Path, views: list[memoryview]) -> None:
     """What the bundle writer does: the calling thread writes the pieces in file order while
     pool workers hash them (largest first), then hashes what is left beside them."""
-    from kdump.bundle.spool import write_and_hash
+    from kdump.bundle.fileio import write_and_hash
 
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
