@@ -16,6 +16,7 @@ import torch
 
 from kdump.bundle import Bundle, Call
 from kdump.format.records import TensorRecord
+from kdump.kernels.generic import GenericSpec
 from kdump.kernels.plugin import KernelSpec, RoutingSummary, RowsUsed
 from kdump.kernels.registry import spec_for
 
@@ -35,30 +36,24 @@ def bind_encoded(spec: KernelSpec, call: Call) -> dict[str, Any]:
     try:
         return spec.bind(call.encoded_args, call.encoded_kwargs)
     except Exception:  # a call that breaks the signature is still worth describing
-        names = call.names or []
-        bound = {
-            (names[i] if i < len(names) else f"args[{i}]"): a
-            for i, a in enumerate(call.encoded_args)
-        }
-        bound.update(call.encoded_kwargs)
-        return bound
+        return GenericSpec(call.target, call.names).bind(call.encoded_args, call.encoded_kwargs)
+
+
+def tensor_refs(node: Any) -> list[int]:
+    """Indices of the tensors inside an encoded argument tree ({'$tensor': i}), in tree order."""
+    if isinstance(node, dict):
+        if isinstance(node.get("$tensor"), int):
+            return [node["$tensor"]]
+        return [i for v in node.values() for i in tensor_refs(v)]
+    if isinstance(node, list):
+        return [i for v in node for i in tensor_refs(v)]
+    return []
 
 
 def tensor_ref(node: Any) -> int | None:
     """Index of the first tensor inside an encoded argument tree, if any."""
-    if isinstance(node, dict):
-        if isinstance(node.get("$tensor"), int):
-            return node["$tensor"]
-        children = list(node.values())
-    elif isinstance(node, list):
-        children = node
-    else:
-        return None
-    for child in children:
-        found = tensor_ref(child)
-        if found is not None:
-            return found
-    return None
+    refs = tensor_refs(node)
+    return refs[0] if refs else None
 
 
 def read_tensor(bundle: Bundle, call: Call, index: int) -> torch.Tensor:

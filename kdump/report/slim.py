@@ -171,18 +171,8 @@ class _Roles:
     kept: tuple[bool, ...]
 
 
-def _tensor_refs(node: Any) -> list[int]:
-    if isinstance(node, dict):
-        if isinstance(node.get("$tensor"), int):
-            return [node["$tensor"]]
-        return [i for v in node.values() for i in _tensor_refs(v)]
-    if isinstance(node, list):
-        return [i for v in node for i in _tensor_refs(v)]
-    return []
-
-
 def _roles(spec: KernelSpec, call: Call, keep: Sequence[str]) -> _Roles:
-    from kdump.report.routing import bind_encoded
+    from kdump.report.routing import bind_encoded, tensor_refs
 
     bound = bind_encoded(spec, call)
     params = {p.name: p.role for p in getattr(spec, "params", ())}
@@ -196,7 +186,7 @@ def _roles(spec: KernelSpec, call: Call, keep: Sequence[str]) -> _Roles:
     kind = ["activation"] * n  # a spec without roles: everything is data
     for name, tree in bound.items():
         role = params.get(name)
-        for i in _tensor_refs(tree):
+        for i in tensor_refs(tree):
             if 0 <= i < n and not param[i]:
                 param[i] = name
                 if role is Role.OUTPUT:
