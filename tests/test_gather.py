@@ -20,7 +20,7 @@ from kdump.format.records import Source
 from kdump.kernels import registry
 from kdump.kernels.deepgemm import reference as ref_
 from kdump.kernels.deepgemm.scales import align
-from kdump.record.flight import devring, gather
+from kdump.record.flight import announce, devring, gather
 from kdump.record.flight.journal import Journal
 from kdump.record.flight.salvage import salvage_journal
 
@@ -369,7 +369,7 @@ def _fake_call(
     raw[base + 64 : base + 64 + recs.numel()] = bytes(recs.reshape(-1).tolist())
     for storage, off, size in layout:
         raw[base + off : base + off + size] = bytes(spans[storage].tolist())
-    devring.dump_path(j.path, 0).write_bytes(bytes(raw))
+    announce.dump_path(j.path, 0).write_bytes(bytes(raw))
     j.close()
     return j.path, (a, sfa, labels)
 
@@ -394,7 +394,7 @@ def test_salvage_places_gathered_rows_back_from_the_device_dump(tmp_path):
         assert s_st.held_nbytes == int(keep.sum()) * sfa.shape[1] * 4
         assert b.blobs[a_st.blob].nbytes == a_st.held_nbytes
         b.verify()
-    assert not devring.dump_path(path, 0).exists()  # removed with the journal
+    assert not announce.dump_path(path, 0).exists()  # removed with the journal
 
 
 def test_salvage_of_a_call_that_touches_no_row(tmp_path):
@@ -508,7 +508,7 @@ def test_slot_whose_kernel_finished_before_its_host_copy_is_finished_from_the_tw
 
 def test_salvage_without_a_dump_says_why(tmp_path):
     path, _ = _fake_call(tmp_path)
-    devring.dump_path(path, 0).unlink()
+    announce.dump_path(path, 0).unlink()
     (bundle,) = salvage_journal(path, tmp_path / "out").bundles
     with load_bundle(bundle) as b:
         assert "no device-tier dump" in b.calls[0].meta["journal"]["device"]["missing"]

@@ -22,7 +22,7 @@ from test_salvager import FAKE_SALVAGER, KDUMP_ROOT, STANDINS, _fake_start
 
 from kdump.bundle import load_bundle
 from kdump.record import launcher
-from kdump.record.flight import salvager
+from kdump.record.flight.announce import DUMP_SUFFIX
 
 TRIALS = 40
 
@@ -34,7 +34,7 @@ import os, random, signal, sys, time
 from pathlib import Path
 import torch
 import plainmod
-from kdump.record.flight.salvager import announce
+from kdump.record.flight.announce import announce
 
 def fed(step):
     g = torch.Generator().manual_seed(1000 + step)
@@ -191,7 +191,7 @@ def test_gpu_kill_campaign_of_the_moe_decode_loop(tmp_path):
         reports = [json.loads(r.read_text()) for r in out.rglob("journal-*-salvage.json")]
         assert reports and all(t["reason"] for r in reports for t in r["torn"]), err
     assert total >= GPU_TRIALS
-    assert not list(Path("/dev/shm").glob(f"kdump-journal-*{salvager.DEVICE_SUFFIX}*"))
+    assert not list(Path("/dev/shm").glob(f"kdump-journal-*{DUMP_SUFFIX}*"))
 
 
 def _recorded_a_call(pid: int) -> bool:

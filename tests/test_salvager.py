@@ -28,9 +28,10 @@ import torch
 import kdump
 from kdump import config
 from kdump.record import launcher
+from kdump.record.flight import announce as protocol
 from kdump.record.flight import devshare, salvager
-from kdump.record.flight.salvage import pid_alive
-from kdump.record.flight.salvager import ENV, Salvager, announce, device_file, request
+from kdump.record.flight.announce import ENV, announce, dump_path, pid_alive, request
+from kdump.record.flight.salvager import Salvager
 
 KDUMP_ROOT = str(Path(kdump.__file__).resolve().parent.parent)
 STANDINS = Path(__file__).parent / "standins"
@@ -78,7 +79,7 @@ time.sleep(3600)  # accepts nothing, answers nothing
 OWNER = """
 import os, sys, time
 from pathlib import Path
-from kdump.record.flight.salvager import announce
+from kdump.record.flight.announce import announce
 journal, mem = Path(sys.argv[1]), Path(sys.argv[2])
 mem.write_bytes(bytes(4096))
 print(announce(journal, 0, {"path": str(mem), "nbytes": 4096}), flush=True)
@@ -127,7 +128,7 @@ def _raw(srv: Salvager, payload: bytes) -> dict:
         s.settimeout(10)
         s.connect(str(srv.socket_path))
         s.sendall(payload)
-        return salvager.recv_message(s, 10)
+        return protocol.recv_message(s, 10)
 
 
 def _frame(obj: object) -> bytes:
@@ -154,8 +155,8 @@ def test_announce_is_held_and_the_end_writes_the_live_bytes(server, tmp_path):
     with open(mem, "r+b") as f:  # the owner writes after announcing: the file must hold this
         f.write(_pattern(2))
     reply = request(server.socket_path, {"op": "ended"}, 10)
-    assert reply["ok"] and reply["written"] == [str(device_file(journal, 0))]
-    assert device_file(journal, 0).read_bytes() == _pattern(2)
+    assert reply["ok"] and reply["written"] == [str(dump_path(journal, 0))]
+    assert dump_path(journal, 0).read_bytes() == _pattern(2)
     assert not [p for p in journal.parent.iterdir() if p.name.endswith(".tmp")]
     assert server.stop.wait(5)  # it ends after the program did
 
@@ -170,7 +171,7 @@ def test_malformed_and_oversized_requests_are_refused(server, tmp_path, monkeypa
         reply = _raw(server, payload)
         assert reply["ok"] is False and why in reply["reason"], reply
 
-    refused(struct.pack(">I", salvager.MAX_FRAME + 1), "over the")
+    refused(struct.pack(">I", protocol.MAX_FRAME + 1), "over the")
     refused(struct.pack(">I", 2) + b"\xff\xfe", "not UTF-8 JSON")
     refused(_frame([1, 2]), "not an object")
     refused(_frame({"op": "eval", "code": "1"}), "unknown request")
@@ -191,7 +192,7 @@ def test_malformed_and_oversized_requests_are_refused(server, tmp_path, monkeypa
     ]:
         refused(_frame({**base, **change}), why)
     # a client that stops mid-message is timed out; the server goes on serving
-    monkeypatch.setattr(salvager, "IO_TIMEOUT", 0.3)
+    monkeypatch.setattr(protocol, "IO_TIMEOUT", 0.3)
     refused(struct.pack(">I", 100) + b"{", "in time")
     assert request(server.socket_path, {"op": "status"}, 10)["held"] == []
     assert not list(server.journal_dir.iterdir())  # nothing was written anywhere
@@ -211,7 +212,7 @@ def test_owner_death_is_noticed_and_its_file_written_at_once(server, tmp_path):
     assert proc.stdout.readline() == "filled\n"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    dest = device_file(journal, 0)
+    dest = dump_path(journal, 0)
     deadline = time.monotonic() + 10
     while not dest.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -224,7 +225,7 @@ def test_announce_is_bounded_when_the_salvage_process_hangs(short_dir, monkeypat
         hung.bind(str(short_dir / "hung.sock"))
         hung.listen(4)
         monkeypatch.setenv(ENV, str(short_dir / "hung.sock"))
-        monkeypatch.setattr(salvager, "ANNOUNCE_TIMEOUT", 0.5)
+        monkeypatch.setattr(protocol, "ANNOUNCE_TIMEOUT", 0.5)
         t0 = time.monotonic()
         reason = announce(Path("/dev/shm/kdump-journal-1-a"), 0, {})
         assert time.monotonic() - t0 < 3
@@ -266,7 +267,7 @@ def test_salvage_process_writes_everything_and_exits_when_kdump_dies(tmp_path, m
     while pid_alive(int(pid)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not pid_alive(int(pid))  # it exited (a zombie until whoever adopted it reaps it)
-    assert device_file(journal, 1).read_bytes() == _pattern(4)  # this process still lives
+    assert dump_path(journal, 1).read_bytes() == _pattern(4)  # this process still lives
     shutil.rmtree(Path(sock).parent, ignore_errors=True)
 
 
@@ -301,7 +302,7 @@ def _launch(tmp_path: Path, monkeypatch, program: str, *args: str, **opts) -> tu
 ANNOUNCER = """
 import os, sys, time
 from pathlib import Path
-from kdump.record.flight.salvager import ENV, announce
+from kdump.record.flight.announce import ENV, announce
 mem = Path(sys.argv[1])
 mem.write_bytes(bytes(4096))
 journal = Path(os.environ["KDUMP_JOURNAL_DIR"]) / f"kdump-journal-{os.getpid()}-fake"
@@ -340,7 +341,7 @@ print("socket:", os.environ.get("KDUMP_SALVAGER"), flush=True)
 sock = os.environ.get("KDUMP_SALVAGER")
 if sock:
     print("mode:", oct(os.stat(os.path.dirname(sock)).st_mode & 0o777), flush=True)
-    from kdump.record.flight.salvager import announce
+    from kdump.record.flight.announce import announce
     print("announce:", announce(os.path.join(os.environ["KDUMP_JOURNAL_DIR"],
           f"kdump-journal-{os.getpid()}-x"), 0, {"kind": "nonsense"}), flush=True)
 """
@@ -410,12 +411,12 @@ def test_kdump_salvage_removes_the_device_tier_files_with_the_journal(tmp_path):
     core.write_bytes(b"core")
     for keep in (True, False):
         for d in (0, 3):
-            device_file(journal, d).write_bytes(b"x" * 16)
+            dump_path(journal, d).write_bytes(b"x" * 16)
         args = [str(shm), "-o", str(tmp_path / "out")] + (["--keep"] if keep else [])
         r = CliRunner().invoke(command, [*args, "--cuda-coredump", str(core)])
         assert r.exit_code == 0, r.output
         assert "cuda" not in r.output.replace(str(core), "")  # no journals of their own
-        assert len(salvager.device_files(journal)) == (2 if keep else 0)
+        assert len(protocol.device_files(journal)) == (2 if keep else 0)
     assert not journal.exists()
     (report,) = (tmp_path / "out").glob("journal-*-salvage.json")
     assert json.loads(report.read_text())["crash"]["cuda_coredump"] == str(core)
@@ -529,7 +530,7 @@ GPU_OWNER = """
 import ctypes, os, sys, time
 import torch
 from kdump.record.flight.devshare import export_cuda
-from kdump.record.flight.salvager import announce
+from kdump.record.flight.announce import announce
 journal, mode = sys.argv[1], sys.argv[2]
 buf = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
 torch.cuda.synchronize()
@@ -626,7 +627,7 @@ def test_device_tier_survives_its_owner(tmp_path, mode):
         rest = proc.communicate(timeout=120)[0]
         if mode == "illegal":
             assert "sticky:" in rest and proc.returncode != 0, rest
-        dest = device_file(journal, 0)
+        dest = dump_path(journal, 0)
         deadline = time.monotonic() + 30
         while not dest.exists() and time.monotonic() < deadline:
             time.sleep(0.05)

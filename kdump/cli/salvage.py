@@ -45,9 +45,9 @@ def command(
     from kdump.format.journal import DEFAULT_DIR, RUN_PREFIX
     from kdump.progress import PLAIN_INTERVAL_S, progress
     from kdump.record.capture_dir import remove_stale_temporaries
+    from kdump.record.flight.announce import device_files, is_device_file, pid_alive
     from kdump.record.flight.journal_reader import read_pid
-    from kdump.record.flight.salvage import dead_journals, pid_alive, salvage_journal
-    from kdump.record.flight.salvager import device_files, is_device_file
+    from kdump.record.flight.salvage import dead_journals, salvage_journal
     from kdump.text import visible as v  # names and paths may come from a journal
 
     for left in remove_stale_temporaries(output):  # a killed writer's partial files
@@ -108,7 +108,7 @@ def _left_run_folders(top: Path) -> list[Path]:
     import contextlib
 
     from kdump.format.journal import RUN_PREFIX
-    from kdump.record.flight.salvage import pid_alive
+    from kdump.record.flight.announce import pid_alive
     from kdump.record.session import STATUS_PREFIX
 
     if not top.is_dir():

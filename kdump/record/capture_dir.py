@@ -161,7 +161,7 @@ def remove_stale_temporaries(root: str | os.PathLike[str]) -> list[Path]:
     process folders whose process is gone. Files of live processes and of other hosts are kept.
     Returns what was removed."""
     from kdump.bundle.store import is_own_host, temp_owner
-    from kdump.record.flight.salvage import pid_alive
+    from kdump.record.flight.announce import pid_alive
 
     root = Path(root)
     removed: list[Path] = []

@@ -15,9 +15,10 @@ Layout of the allocation (every integer little-endian; offsets from its first by
                   row (kdump.record.flight.gather); a slot never straddles the end
 
 The allocation is made at the first recorded CUDA call outside capture and never during one;
-it is exported through CUDA IPC to the salvage process of `kdump record`
-(kdump.record.flight.devshare / kdump.record.flight.salvager), which writes it to
-`<journal>.cuda<N>` when the process ends, however it ends. `read_dump` parses such a file strictly.
+it is exported through CUDA IPC (kdump.record.flight.devshare) and announced
+(kdump.record.flight.announce) to the salvage process of `kdump record`
+(kdump.record.flight.salvager), which writes it to `<journal>.cuda<N>` when the process ends,
+however it ends. `read_dump` parses such a file strictly.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kdump.errors import ExitCode, KdumpError
+from kdump.errors import UsageError
+from kdump.record.flight import announce, devshare
 
 MAGIC = b"KDDEVT01"
 VERSION = 1
@@ -37,13 +39,11 @@ COUNTERS_AT = 1024
 MAX_SITES = 384
 TWIN_AT = 4096
 _HEADER = struct.Struct("<8sI4xQQQQII")
-DUMP_SUFFIX = ".cuda"  # <journal>.cuda<N>: the device tier of device N
 
 
-class DeviceTierError(KdumpError):
-    """A device-tier dump is not one, or is damaged."""
-
-    exit_code = ExitCode.USAGE
+class DeviceTierError(UsageError):
+    """The device tier does not fit its budget, or a device-tier dump is not one or is damaged
+    (a usage error, exit 2, as an unreadable bundle is)."""
 
 
 @dataclass(frozen=True)
@@ -85,20 +85,6 @@ def plan_layout(budget: int, slot_count: int, slot_bytes: int) -> tuple[Layout |
             f"({twin} bytes) and a 1 MiB ring: raise --device-bytes or use fewer/smaller slots"
         )
     return Layout(TWIN_AT, twin, ring_at, ring, slot_count, slot_bytes), ""
-
-
-def dump_path(journal: Path, device_index: int) -> Path:
-    return journal.with_name(f"{journal.name}{DUMP_SUFFIX}{device_index}")
-
-
-def dump_paths(journal: Path) -> dict[int, Path]:
-    """The device-tier dumps next to a journal, by device index."""
-    found: dict[int, Path] = {}
-    for p in journal.parent.glob(f"{journal.name}{DUMP_SUFFIX}*"):
-        tail = p.name[len(journal.name) + len(DUMP_SUFFIX) :]
-        if tail.isdigit():
-            found[int(tail)] = p
-    return found
 
 
 @dataclass(frozen=True)
@@ -177,17 +163,10 @@ class DeviceTier:
         self.held, self.reason = self._announce(journal.path)
 
     def _announce(self, journal_path: Path) -> tuple[bool, str]:
-        """Hand the memory to the salvage process (contract: devshare / salvager)."""
-        try:
-            from kdump.record.flight import (
-                devshare,  # type: ignore[attr-defined]
-                salvager,
-            )
-        except ImportError:
-            return False, "this kdump has no device-tier salvage process"
+        """Hand the memory to the salvage process (kdump.record.flight.announce)."""
         try:
             doc = devshare.export_cuda(self.mem)
-            why = salvager.announce(journal_path, self.index, doc)
+            why = announce.announce(journal_path, self.index, doc)
         except Exception as exc:  # announcing must never break the program
             return False, f"exporting the device tier failed ({type(exc).__name__}: {exc})"
         return (why is None), (why or "")

@@ -971,7 +971,7 @@ class RingRecorder:
         """A live process reads its own device tier: to `<journal>.cuda<N>` when no salvage
         process holds it (the launcher's salvage after exit finds it there), else to a temporary
         file for this flush only (the salvage process writes the final one)."""
-        from kdump.record.flight.devring import dump_path
+        from kdump.record.flight.announce import dump_path
 
         cuda = self._cuda
         if cuda is None or cuda.tier is None:
@@ -1019,7 +1019,7 @@ class RingRecorder:
                 if self._cuda is not None:
                     self._cuda.release()
                     if self._cuda.tier is not None:
-                        from kdump.record.flight.devring import dump_path
+                        from kdump.record.flight.announce import dump_path
 
                         dump_path(self.journal.path, self._cuda.tier.index).unlink(missing_ok=True)
                 if self.statics is not None:
@@ -1031,7 +1031,7 @@ class RingRecorder:
 
 
 def _retired_files(journal: Path) -> list[Path]:
-    from kdump.record.flight.devring import dump_paths
+    from kdump.record.flight.announce import dump_paths
 
     return [journal, raised_path(journal), *dump_paths(journal).values()]
 

@@ -43,6 +43,7 @@ from kdump.format.journal import (
 )
 from kdump.progress import Bar
 from kdump.record.flight import devring, gather
+from kdump.record.flight.announce import dump_paths, pid_alive
 from kdump.record.flight.journal_reader import read_journal, read_pid
 from kdump.record.flight.statics import (
     Region,
@@ -115,7 +116,7 @@ def salvage_journal(
     salvages of one live journal (flushes): a bundle whose slot is unchanged since an earlier
     salvage wrote it (same seq, markers and context) is not written again."""
     contents = read_journal(journal_path)
-    dump_files = devring.dump_paths(contents.path) if device_dumps is None else device_dumps
+    dump_files = dump_paths(contents.path) if device_dumps is None else device_dumps
     dumps = _read_dumps(dump_files)
     last_words = contents.path.with_name(contents.path.name + CRASH_SUFFIX)
     try:  # what the recorded process wrote when an exception ended it
@@ -770,22 +771,6 @@ def _write_report(
         },
     }
     path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-
-
-def pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    try:  # a killed child its parent has not reaped yet is a zombie: dead for our purpose
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
 def dead_journals(directory: str | os.PathLike[str]) -> list[Path]:

@@ -11,27 +11,18 @@ says that the program ended, it writes each import to `<journal>.cuda<device>` (
 atomically), then releases it. The recorder's salvage reads those files; what lies inside them is
 the recorder's business.
 
-Protocol: over a Unix socket in a private folder (mode 0700), one request per connection, each
-message a 4-byte big-endian length and a JSON object (at most MAX_FRAME bytes); nothing in a
-request is evaluated. Who announces comes from the socket's peer credentials, not the request.
-CUDA is initialised only at the first announcement: a program that never uses CUDA costs one
-idle process (torch is imported in the background at start, host memory only, so that the first
-announcement is answered in time).
-
-    {"op": "announce", "journal": PATH, "device": N, "doc": {...}} -> {"ok": true}
-                                                            or {"ok": false, "reason": "..."}
-    {"op": "status"} -> {"ok": true, "held": [...], "written": [...], "failed": [...]}
-    {"op": "ended"}  -> writes every import, then {"ok": true, "written": [...], "failed": [...]}
-                        and the process exits
+The requests and replies, their framing and the files written are the announce protocol
+(kdump.record.flight.announce), which the recorded side imports too. CUDA is initialised only at
+the first announcement: a program that never uses CUDA costs one idle process (torch is imported
+in the background at start, host memory only, so that the first announcement is answered in
+time).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import re
 import select
 import signal
 import socket
@@ -40,24 +31,24 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kdump import config
-from kdump.errors import UsageError
 from kdump.format.journal import FILE_PREFIX
-from kdump.record.flight.devring import DUMP_SUFFIX
-
-ENV = "KDUMP_SALVAGER"
-DEVICE_SUFFIX = (
-    DUMP_SUFFIX  # <journal>.cuda<N>: named by the recorder (kdump.record.flight.devring)
+from kdump.record.flight.announce import (
+    ENV,
+    IO_TIMEOUT,
+    ProtocolError,
+    dump_path,
+    is_device_file,
+    pid_alive,
+    recv_message,
+    request,
+    send_message,
 )
-MAX_FRAME = 64 << 10  # a description is well under 2 KiB; replies list paths
-IO_TIMEOUT = 5.0  # one request's reads and writes on the server side
-ANNOUNCE_TIMEOUT = 5.0  # all of announce(), CUDA start-up of the salvage process included
+
 START_TIMEOUT = 20.0  # until the salvage process listens
 END_TIMEOUT = 60.0  # writing every import at the program's end
 FOLDER_PREFIX = "kdump-salvager-"  # the socket's private folder
@@ -66,115 +57,7 @@ MAX_HANDLERS = 32  # concurrent requests; more are refused at once
 MAX_DEVICE = 1023
 IGNORED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 SOCKET_NAME = "salvager.sock"
-_DEVICE_FILE = re.compile(r"\.cuda\d+\Z")
-_LEN = struct.Struct(">I")
 _PEERCRED = struct.Struct("3i")
-
-
-class ProtocolError(UsageError):
-    """A message on the salvage socket that is malformed, too big, or not answered in time."""
-
-
-class ProtocolTimeout(ProtocolError):
-    """No complete message within the time allowed."""
-
-
-def device_file(journal: str | os.PathLike[str], device: int) -> Path:
-    """Where the device tier of `journal` on device `device` is written."""
-    p = Path(journal)
-    return p.with_name(f"{p.name}{DEVICE_SUFFIX}{int(device)}")
-
-
-def is_device_file(path: str | os.PathLike[str]) -> bool:
-    return bool(_DEVICE_FILE.search(Path(path).name))
-
-
-def device_files(journal: str | os.PathLike[str]) -> list[Path]:
-    """The device-tier files written for `journal`, any device."""
-    p = Path(journal)
-    return sorted(f for f in p.parent.glob(f"{p.name}{DEVICE_SUFFIX}*") if is_device_file(f))
-
-
-# -- framing --------------------------------------------------------------------------------
-
-
-def send_message(sock: socket.socket, obj: Mapping[str, Any]) -> None:
-    data = json.dumps(obj, separators=(",", ":")).encode()
-    if len(data) > MAX_FRAME:
-        raise ProtocolError(f"message of {len(data)} bytes is over the {MAX_FRAME}-byte limit")
-    sock.sendall(_LEN.pack(len(data)) + data)
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise ProtocolTimeout("no complete message in time")
-        sock.settimeout(left)
-        try:
-            chunk = sock.recv(n - len(buf))
-        except TimeoutError:
-            raise ProtocolTimeout("no complete message in time") from None
-        if not chunk:
-            raise ProtocolError("the other side closed the connection mid-message")
-        buf += chunk
-    return bytes(buf)
-
-
-def recv_message(sock: socket.socket, timeout: float | None = None) -> dict[str, Any]:
-    """One message: a JSON object of at most MAX_FRAME bytes, read within `timeout` s
-    (default IO_TIMEOUT)."""
-    deadline = time.monotonic() + (IO_TIMEOUT if timeout is None else timeout)
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))
-    if n > MAX_FRAME:
-        raise ProtocolError(f"message of {n} bytes is over the {MAX_FRAME}-byte limit")
-    raw = _recv_exact(sock, n, deadline)
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        raise ProtocolError("message is not UTF-8 JSON") from None
-    if not isinstance(obj, dict):
-        raise ProtocolError(f"message is a JSON {type(obj).__name__}, not an object")
-    return obj
-
-
-def request(socket_path: str | os.PathLike[str], obj: Mapping[str, Any], timeout: float) -> dict:
-    """Send one request, wait for its reply; ProtocolError / OSError when that fails."""
-    deadline = time.monotonic() + timeout
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(os.fspath(socket_path))
-        send_message(s, obj)
-        return recv_message(s, max(0.0, deadline - time.monotonic()))
-
-
-# -- the recorded process' side -------------------------------------------------------------
-
-
-def announce(journal_path: Path, device_index: int, doc: dict[str, Any]) -> str | None:
-    """Hand the device-tier memory `doc` (devshare.export_cuda) of this process' journal to the
-    salvage process. None when it now holds an import, else why the device tier is not held.
-    Takes at most ANNOUNCE_TIMEOUT s and never raises."""
-    try:
-        path = config.get(ENV)
-        if not path:
-            return f"not running under `kdump record` with its salvage process ({ENV} is not set)"
-        req = {"op": "announce", "journal": str(journal_path), "device": device_index, "doc": doc}
-        try:
-            reply = request(path, req, ANNOUNCE_TIMEOUT)
-        except (TimeoutError, ProtocolTimeout):
-            return f"the salvage process did not answer in {ANNOUNCE_TIMEOUT:g} s"
-        except ProtocolError as exc:
-            return f"the salvage process answered badly ({exc})"
-        except OSError as exc:
-            return f"cannot reach the salvage process ({exc.strerror or exc})"
-        if reply.get("ok") is True:
-            return None
-        reason = reply.get("reason")
-        return f"the salvage process refused: {reason if isinstance(reason, str) else reply}"
-    except Exception as exc:  # recording must never break the program
-        return f"announcing to the salvage process failed ({type(exc).__name__}: {exc})"
 
 
 # -- the salvage process --------------------------------------------------------------------
@@ -210,12 +93,6 @@ def _write_memory(memory: Any, dest: Path) -> None:
 
     host = memory.detach().to("cpu").contiguous()
     atomic_write(dest, memoryview(host.numpy()).cast("B"))
-
-
-def _pid_alive(pid: int) -> bool:
-    from kdump.record.flight.salvage import pid_alive
-
-    return pid_alive(pid)
 
 
 class Salvager:
@@ -349,7 +226,7 @@ class Salvager:
         doc = req["doc"]
         if not isinstance(doc, dict):
             raise ProtocolError("doc must be an object")
-        if pid <= 0 or not _pid_alive(pid):
+        if pid <= 0 or not pid_alive(pid):
             raise ProtocolError("the announcing process is gone")
         try:
             memory = self.importer(doc)
@@ -383,7 +260,7 @@ class Salvager:
                 with contextlib.suppress(OSError):
                     os.close(w.pidfd)
             for h in w.holdings:
-                dest = device_file(h.journal, h.device)
+                dest = dump_path(h.journal, h.device)
                 try:
                     _write_memory(h.memory, dest)
                     with self.lock:
@@ -417,7 +294,7 @@ class Salvager:
                 dead += [fds[fd] for fd in ready]
             else:
                 self.stop.wait(WATCH_PERIOD)
-            dead += [pid for pid in polled if not _pid_alive(pid)]
+            dead += [pid for pid in polled if not pid_alive(pid)]
             for pid in dead:
                 self.write_pid(pid)
             if self.parent is not None and os.getppid() != self.parent:
