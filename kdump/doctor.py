@@ -231,7 +231,7 @@ def replay_words(
             continue  # not a name a user would allow: the replay's own refusal explains it
         words += [allow_flag, t]
         module = t.partition(":")[0]
-        if not module.startswith("torch.ops.") and not importable_at_replay(module, paths):
+        if not importable_at_replay(module, paths):  # torch.ops namespaces always are
             missing.append(module)
     for p in paths:
         words += [path_flag, p]

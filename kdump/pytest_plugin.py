@@ -221,7 +221,7 @@ def refusal(path: Path | str, allowed: Sequence[str], paths: Sequence[str]) -> s
                 "kdump_allow_targets)"
             )
         module = t.partition(":")[0]
-        if not module.startswith("torch.ops.") and not importable_at_replay(module, paths):
+        if not importable_at_replay(module, paths):  # torch.ops namespaces always are
             return (
                 f"cannot import {visible(module, 200)} to replay {shown}: pass --kdump-path DIR "
                 "with the folder that holds it (or add it to the ini option kdump_path)"
