@@ -213,15 +213,20 @@ class KdumpError(Exception):
 
     A subclass names its `finding_kind` (or inherits it); its `exit_code` always follows from the
     table, so a replay that meets the error reports its kind as it is and nothing maps exit codes
-    back to kinds."""
+    back to kinds. A subclass that sets `exit_code` itself is refused (a kind and a code that
+    disagree is what this rule exists to prevent)."""
 
     finding_kind: ClassVar[FindingKind] = FindingKind.INTERNAL
     exit_code: ClassVar[ExitCode] = FindingKind.INTERNAL.code
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
-        if "exit_code" not in cls.__dict__:
-            cls.exit_code = cls.finding_kind.code
+        if "exit_code" in cls.__dict__:
+            raise TypeError(
+                f"{cls.__name__} sets exit_code: set finding_kind (or derive from the error of "
+                "its kind); the exit code follows from the kind"
+            )
+        cls.exit_code = cls.finding_kind.code
 
 
 class UsageError(KdumpError):

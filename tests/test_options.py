@@ -156,6 +156,10 @@ def test_every_kind_has_one_code_and_errors_follow_the_table() -> None:
     v = Verdict("b", 0, "t", "eager")
     v.findings += [Finding("memory", "s", "m"), Finding("hang", "s", "h")]
     assert v.exit_code == 3
+    # The code follows the kind: an error class cannot name a code of its own.
+    with pytest.raises(TypeError, match="sets exit_code"):
+        type("Odd", (KdumpError,), {"exit_code": ExitCode.USAGE})
+    assert type("Fine", (CannotRunError,), {}).exit_code == ExitCode.CANNOT_RUN
 
 
 def test_finding_kinds_used_by_replay_are_in_the_table() -> None:
