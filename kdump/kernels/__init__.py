@@ -1,3 +1,5 @@
-"""Kernel libraries as plug-ins (plugin.py, found by registry.py; DeepGEMM in deepgemm/): specs
-(argument roles, contract, reference, generators, in spec.py), and backends that run a call
-(installed library, packaged kernel, torch reference, the recorded target: generic.py)."""
+"""Kernel libraries as plug-ins: the plug-in API (plugin.py: KernelPlugin, KernelSpec, Backend,
+argument roles, the contract and routing views), the registry that finds plug-ins (registry.py),
+what every target has without one (generic.py: the generic spec, the recorded target and the
+torch reference as backends), DeepGEMM's plug-in (deepgemm/) and kdump's packaged kernel
+(sm120/)."""
