@@ -20,7 +20,6 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +56,7 @@ from kdump.format.journal import (
     round_up,
     storages_json,
 )
+from kdump.format.records import storage_layout_json, tensor_json
 
 DEFAULT_SLOTS = 64
 DEFAULT_SLOT_BYTES = 1 << 20
@@ -72,14 +72,8 @@ log = logging.getLogger("kdump.record.flight.journal")
 
 def meta_from_call(call: Any, call_index: int, **fields: Any) -> SlotMeta:
     """A SlotMeta from a `kdump.bundle.CallRecord` (its inputs' layouts; bytes go to payloads)."""
-    layout = ("device", "base_ptr", "storage_nbytes", "span_start", "span_nbytes")
-    storages = [{k: getattr(s, k) for k in layout} for s in call.inputs.storages]
-    tensors = []
-    for t in call.inputs.tensors:
-        d = asdict(t)
-        d["shape"], d["stride"] = list(t.shape), list(t.stride)
-        d["nbytes"] = t.numel * t.itemsize
-        tensors.append(d)
+    storages = [storage_layout_json(s) for s in call.inputs.storages]
+    tensors = [tensor_json(t, nbytes=True) for t in call.inputs.tensors]
     return SlotMeta(
         call_index=call_index,
         target=call.target,

@@ -21,33 +21,42 @@ could not hold are listed in `meta["outputs_not_kept"]`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import struct
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from kdump.errors import BundleError
 from kdump.format.journal import (
-    CALL_RECORD_BYTES,
     FILE_PREFIX,
     RUN_PREFIX,
-    TRAILER_BYTES,
     JournalContents,
     JournalError,
     SlotRecord,
     SlotState,
 )
+from kdump.format.records import (
+    Source,
+    StorageRecord,
+    storage_from_json,
+    storage_layout_json,
+    tensor_from_json,
+)
 from kdump.progress import Bar
-from kdump.record.flight import devring, gather
+from kdump.record.flight import devring
 from kdump.record.flight.announce import dump_paths, pid_alive
 from kdump.record.flight.journal_reader import read_journal, read_pid
+from kdump.record.flight.salvage_device import (
+    Sparse,
+    device_rows,
+    earlier_host_copy,
+    from_twin,
+    read_dumps,
+)
 from kdump.record.flight.statics import (
     Region,
-    private_bytes,
     read_region,
     region_path,
     salvaged_storage,
@@ -117,39 +126,18 @@ def salvage_journal(
     salvage wrote it (same seq, markers and context) is not written again."""
     contents = read_journal(journal_path)
     dump_files = dump_paths(contents.path) if device_dumps is None else device_dumps
-    dumps = _read_dumps(dump_files)
-    last_words = contents.path.with_name(contents.path.name + CRASH_SUFFIX)
-    try:  # what the recorded process wrote when an exception ended it
-        said = json.loads(last_words.read_text())
-        if isinstance(said, dict):
-            crash_context = {**(crash_context or {}), **said}
-    except (OSError, ValueError):
-        pass
+    dumps = read_dumps(dump_files)
+    crash_context = _with_last_words(contents.path, crash_context)
     raised = read_raised(contents.path)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     head = contents.header
     torn = contents.having(SlotState.TORN)
     bundles: list[Path] = []
-    complete = contents.having(SlotState.COMPLETE)
-    kept_in_flight = []
-    for rec in contents.having(SlotState.IN_FLIGHT):
-        try:
-            recovered = _from_twin(rec, dumps, contents.header.slot_bytes)
-        except Exception:  # metadata it cannot use: the slot stays in flight
-            recovered = None
-        if recovered is not None:
-            complete.append(recovered)
-        else:
-            kept_in_flight.append(rec)
-    complete.sort(key=lambda r: -r.seq)
+    complete, kept_in_flight = _completed_from_twins(contents, dumps)
     by_seq = {r.seq: r for r in complete}
     died_at = _died_at(complete, kept_in_flight, crash_context)
-    names = sorted(
-        f"journal-{head.pid}-call-{r.meta.call_index:06d}-seq{r.seq}.kdump"
-        for r in complete
-        if r.seq in died_at
-    )
+    names = sorted(_bundle_name(head.pid, r) for r in complete if r.seq in died_at)
     region = read_region(contents.path)  # static operands copied once (kdump.record.flight.statics)
     if progress is not None:
         progress.total = (progress.total or 0) + len(complete)
@@ -158,11 +146,11 @@ def salvage_journal(
     for rec in complete:
         if progress is not None and rec is not complete[0]:
             progress.advance()  # the call before this one is written
-        stale = _earlier_host_copy(rec)
+        stale = earlier_host_copy(rec)
         if stale is not None:
             torn.append(SlotRecord(rec.index, SlotState.TORN, rec.seq, rec.meta, (), stale))
             continue
-        path = out / f"journal-{head.pid}-call-{rec.meta.call_index:06d}-seq{rec.seq}.kdump"
+        path = out / _bundle_name(head.pid, rec)
         site = rec.meta.extra.get("site") if rec.meta.capture_id else None
         eager = site.get("eager_seq") if isinstance(site, dict) else None
         before = by_seq.get(eager) if type(eager) is int else None
@@ -196,13 +184,58 @@ def salvage_journal(
     report = out / f"journal-{head.pid}{REPORT_SUFFIX}"
     _write_report(report, contents, bundles, in_flight, torn, crash_context, dumps)
     if remove:
-        contents.path.unlink(missing_ok=True)
-        last_words.unlink(missing_ok=True)
-        raised_path(contents.path).unlink(missing_ok=True)
-        region_path(contents.path).unlink(missing_ok=True)
-        for p in dump_files.values():
-            Path(p).unlink(missing_ok=True)
+        _remove_journal(contents.path, dump_files)
     return SalvageResult(contents.path, bundles, in_flight, torn, report)
+
+
+def _bundle_name(pid: int, rec: SlotRecord) -> str:
+    assert rec.meta is not None  # complete slots always carry their metadata
+    return f"journal-{pid}-call-{rec.meta.call_index:06d}-seq{rec.seq}.kdump"
+
+
+def _with_last_words(journal: Path, crash_context: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The crash context with what the recorded process wrote when an exception ended it."""
+    try:
+        said = json.loads(_last_words_path(journal).read_text())
+        if isinstance(said, dict):
+            return {**(crash_context or {}), **said}
+    except (OSError, ValueError):
+        pass
+    return crash_context
+
+
+def _last_words_path(journal: Path) -> Path:
+    return journal.with_name(journal.name + CRASH_SUFFIX)
+
+
+def _completed_from_twins(
+    contents: JournalContents, dumps: dict[int, devring.Dump | str]
+) -> tuple[list[SlotRecord], list[SlotRecord]]:
+    """(complete slots, newest first, slots still in flight): a slot in flight whose device
+    twin holds its finished snapshot counts as complete."""
+    complete = contents.having(SlotState.COMPLETE)
+    kept_in_flight = []
+    for rec in contents.having(SlotState.IN_FLIGHT):
+        try:
+            recovered = from_twin(rec, dumps, contents.header.slot_bytes)
+        except Exception:  # metadata it cannot use: the slot stays in flight
+            recovered = None
+        if recovered is not None:
+            complete.append(recovered)
+        else:
+            kept_in_flight.append(rec)
+    complete.sort(key=lambda r: -r.seq)
+    return complete, kept_in_flight
+
+
+def _remove_journal(journal: Path, dump_files: dict[int, Path]) -> None:
+    """The journal and the files next to it, once salvaged."""
+    journal.unlink(missing_ok=True)
+    _last_words_path(journal).unlink(missing_ok=True)
+    raised_path(journal).unlink(missing_ok=True)
+    region_path(journal).unlink(missing_ok=True)
+    for p in dump_files.values():
+        Path(p).unlink(missing_ok=True)
 
 
 # Keys of a crash context that say the process died (a flush from a live process has none).
@@ -333,57 +366,17 @@ def _call_record(
     region: Region | None = None,
     raised: dict[tuple[int, int], str] | None = None,
 ) -> Any:
-    import torch
-
-    from kdump.bundle import (
-        CallRecord,
-        Captured,
-        Source,
-        StorageRecord,
-        TensorRecord,
-    )
+    from kdump.bundle import CallRecord, Captured
 
     meta = rec.meta
     assert meta is not None  # complete slots always carry their metadata
-    rows, device_facts = _device_rows(rec, dumps or {})
+    rows, device_facts = device_rows(rec, dumps or {})
     payloads = [rows[i] if p is None and i in rows else p for i, p in enumerate(rec.payloads)]
-    storages, data, statics, digests = [], [], [], []
-    for j, (s, payload) in enumerate(zip(meta.storages, payloads)):
-        ranges: tuple[tuple[int, int], ...] = ()
-        sparse = isinstance(payload, Sparse)
-        if isinstance(payload, Sparse):
-            payload, ranges = payload.data, payload.ranges
-        got = salvaged_storage(s, payload, region)
-        digests.append(got.digests)
-        storages.append(
-            StorageRecord(
-                device=str(s["device"]),
-                base_ptr=int(s["base_ptr"]),
-                storage_nbytes=int(s["storage_nbytes"]),
-                span_start=int(s["span_start"]),
-                span_nbytes=int(s["span_nbytes"]),
-                source=Source.SPARSE if sparse else got.source,
-                stats=got.stats,
-                ranges=ranges,
-            )
-        )
-        data.append(got.data if got.data is not None else torch.empty(0, dtype=torch.uint8))
-        if got.static:
-            statics.append({"storage": j, "source": got.source.value, "why": got.note})
+    storages, data, statics, digests = _storages(meta.storages, payloads, region)
     tensors, missing, by_ref = [], [], []
     for i, t in enumerate(meta.tensors):
-        tensors.append(
-            TensorRecord(
-                storage=int(t["storage"]),
-                dtype=str(t["dtype"]),
-                shape=tuple(int(x) for x in t["shape"]),
-                stride=tuple(int(x) for x in t["stride"]),
-                storage_offset=int(t["storage_offset"]),
-                requires_grad=bool(t.get("requires_grad", False)),
-                data_ptr=int(t.get("data_ptr", 0)),
-            )
-        )
-        source = storages[int(t["storage"])].source
+        tensors.append(tensor_from_json(t))
+        source = storages[tensors[-1].storage].source
         if source is Source.MISSING:
             missing.append(i)
         elif source is Source.BY_REFERENCE:
@@ -424,12 +417,39 @@ def _call_record(
     return call
 
 
+def _storages(
+    slot_storages: list[dict[str, Any]],
+    payloads: list[bytes | Sparse | None],
+    region: Region | None,
+) -> tuple[list[StorageRecord], list[Any], list[dict[str, Any]], list[Any]]:
+    """The call's storage records, their bytes (uint8 tensors, empty where not held), what the
+    static region said of each static one, and the digests already known."""
+    import torch
+
+    storages, data, statics, digests = [], [], [], []
+    for j, (s, payload) in enumerate(zip(slot_storages, payloads)):
+        ranges: tuple[tuple[int, int], ...] = ()
+        sparse = isinstance(payload, Sparse)
+        if isinstance(payload, Sparse):
+            payload, ranges = payload.data, payload.ranges
+        got = salvaged_storage(s, payload, region)
+        digests.append(got.digests)
+        source = Source.SPARSE if sparse else got.source
+        storages.append(
+            replace(storage_from_json(s), source=source, stats=got.stats, ranges=ranges)
+        )
+        data.append(got.data if got.data is not None else torch.empty(0, dtype=torch.uint8))
+        if got.static:
+            statics.append({"storage": j, "source": got.source.value, "why": got.note})
+    return storages, data, statics, digests
+
+
 def _attach_outputs(call: Any, rec: SlotRecord) -> None:
     """The slot's post-call payloads as the call's outputs (`kdump.bundle.writer.
     attach_outputs`'s form), and what the bundle says about those it lacks."""
     import torch
 
-    from kdump.bundle import Captured, Source, StorageRecord
+    from kdump.bundle import Captured
 
     meta = rec.meta
     assert meta is not None
@@ -458,19 +478,11 @@ def _attach_outputs(call: Any, rec: SlotRecord) -> None:
         # The bundle stores an unchanged span once (content de-duplication).
         changed = list(o["tensors"])
         k = len(storages)
-        storages.append(
-            StorageRecord(
-                device=s.device,
-                base_ptr=s.base_ptr,
-                storage_nbytes=s.storage_nbytes,
-                span_start=s.span_start,
-                span_nbytes=s.span_nbytes,
-            )
-        )
+        storages.append(storage_from_json(storage_layout_json(s)))  # the layout only
         data.append(post)
         for i in changed:
             inplace.append((i, len(kept_tensors)))
-            kept_tensors.append(dataclasses.replace(call.inputs.tensors[i], storage=k))
+            kept_tensors.append(replace(call.inputs.tensors[i], storage=k))
     if unplaced:
         _not_kept(call, meta, unplaced, rec)
     facts["outputs"] = {"kept": len(kept_tensors), "changed": changed_any, "unchanged": unchanged}
@@ -518,221 +530,6 @@ def _not_kept(call: Any, meta: Any, tensors: list[int], rec: SlotRecord) -> None
         size *= 2
     said["slot_bytes"] = max(int(said.get("slot_bytes", 0)), size)
     call.meta["outputs_not_kept"] = said
-
-
-def _read_dumps(files: dict[int, Path]) -> dict[int, devring.Dump | str]:
-    """Each device tier read back, or why it cannot be used."""
-    out: dict[int, devring.Dump | str] = {}
-    for index, p in files.items():
-        try:
-            out[index] = devring.read_dump(Path(p))
-        except devring.DeviceTierError as exc:
-            out[index] = str(exc)
-    return out
-
-
-_RECORD = struct.Struct("<IIQQQIIQQQ")  # the snapshot's call record (snapshot.cu, Record)
-_SLOT_HEAD = struct.Struct("<IIQQQIIQQQ")  # a device ring slot's header (snapshot.cu, SlotHead)
-
-
-def _device_rows(
-    rec: SlotRecord, dumps: dict[int, devring.Dump | str]
-) -> tuple[dict[int, bytes | Sparse], dict[str, Any] | None]:
-    """The gathered storages of a slot rebuilt from the device tier: the touched rows' bytes
-    (`Sparse`), or whole spans with the other rows zero-filled. (storage -> bytes, what the
-    bundle says about it)."""
-    assert rec.meta is not None
-    dev = rec.meta.extra.get("device")
-    if not isinstance(dev, dict) or "plan" not in dev:
-        return {}, None
-    try:
-        plan = gather.Plan.from_json(dev["plan"])
-    except ValueError as exc:
-        return {}, {"missing": f"the slot's gather plan is damaged ({exc})"}
-    facts: dict[str, Any] = {
-        "storages": sorted(plan.storages),
-        "rule": plan.rule,
-        "rows": plan.rows,
-    }
-    dump = dumps.get(dev.get("device_index", -1))
-    if not isinstance(dump, devring.Dump):
-        why = dump or (
-            dev.get("reason") and f"no salvage process held the device tier ({dev['reason']})"
-        )
-        facts["missing"] = why or "no device-tier dump next to the journal"
-        return {}, facts
-    whole = dev.get("whole")
-    try:
-        if whole is not None:
-            return _whole_spans(rec, plan, whole, dump, facts)
-        rows, pos, n = _check_device_slot(rec, plan, dump)
-    except ValueError as exc:
-        facts["missing"] = str(exc)
-        return {}, facts
-    import torch
-
-    buffers = {i: bytearray(int(rec.meta.storages[i]["span_nbytes"])) for i in plan.storages}
-    spans = {i: torch.frombuffer(b, dtype=torch.uint8) for i, b in buffers.items() if len(b)}
-    # A replay that routed no token to this call gathers no row: `rows` is empty then.
-    recs = private_bytes(rows).reshape(n, plan.rec_bytes)
-    idx = gather.place_back(plan, recs, spans)
-    facts.update(
-        rows_kept=n,
-        untouched_rows="zero-filled (the call cannot read them)",
-        device_slot=pos,
-    )
-    # Only the touched rows' bytes are held (a sparse storage; the rest reads as zeros): a
-    # decode step's A is a few rows of a buffer sized for the largest batch.
-    ranges = gather.held_ranges(plan, idx, SPARSE_MAX_RANGES)
-    if ranges is None:
-        return {i: bytes(b) for i, b in buffers.items()}, facts
-    out: dict[int, bytes | Sparse] = {}
-    for i, b in buffers.items():
-        view = memoryview(b)
-        held = ranges.get(i, [])
-        out[i] = Sparse(b"".join(view[lo:hi] for lo, hi in held), tuple(held))
-    return out, facts
-
-
-SPARSE_MAX_RANGES = 100_000  # per storage; a scattered row rule keeps its span whole instead
-
-
-@dataclass(frozen=True)
-class Sparse:
-    """A gathered storage's touched bytes: `ranges` of the span, their bytes concatenated."""
-
-    data: bytes
-    ranges: tuple[tuple[int, int], ...]
-
-
-def _whole_spans(
-    rec: SlotRecord,
-    plan: gather.Plan,
-    whole: Any,
-    dump: devring.Dump,
-    facts: dict[str, Any],
-) -> tuple[dict[int, bytes], dict[str, Any]]:
-    """The torch fallback's slot: the plan's storages copied whole (ValueError: why not)."""
-    if not isinstance(whole, list) or not all(
-        isinstance(w, list) and len(w) == 3 and all(type(x) is int and x >= 0 for x in w)
-        for w in whole
-    ):
-        raise ValueError("the slot's whole-copy layout is damaged")
-    _, pos, _ = _check_device_slot(rec, plan, dump, rec_bytes=0)
-    out: dict[int, bytes] = {}
-    for storage, off, n in whole:
-        if storage not in plan.storages or n != int(rec.meta.storages[storage]["span_nbytes"]):
-            raise ValueError("the slot's whole-copy layout names other storages")
-        try:
-            out[storage] = dump.ring(pos + off, n)
-        except devring.DeviceTierError as exc:
-            raise ValueError(str(exc))
-    facts.update(copied="whole (torch fallback: no row rule applied)", device_slot=pos)
-    return out, facts
-
-
-def _earlier_host_copy(rec: SlotRecord) -> str | None:
-    """Why a complete device-tier slot holds an earlier call's bytes, else None. Such a slot's
-    payloads reach the host together with its call record, in stream order before `post`; a
-    record of another seq means the copies that landed were the previous occupant's (the GPU
-    ran them late, after the host had reused the slot for a new call)."""
-    dev = rec.meta.extra.get("device") if rec.meta is not None else None
-    if not isinstance(dev, dict) or "device_index" not in dev:
-        return None  # no device tier: the host path's checksum covers the payloads
-    if len(rec.call_record) != _RECORD.size:
-        return None
-    magic, _, seq, *_ = _RECORD.unpack(rec.call_record)
-    if magic == gather.RECORD_MAGIC and seq != rec.seq:
-        return f"its payloads are an earlier call's (call record of seq {seq}, slot seq {rec.seq})"
-    return None
-
-
-def _check_device_slot(
-    rec: SlotRecord, plan: gather.Plan, dump: devring.Dump, rec_bytes: int | None = None
-) -> tuple[bytes, int, int]:
-    """The slot's rows in the device ring, verified to be this call's (ValueError: why not).
-    `rec_bytes`: the record size the slot header must repeat (default: the plan's)."""
-    if len(rec.call_record) != _RECORD.size:
-        raise ValueError("the slot has no snapshot call record")
-    magic, rows, seq, token, pos, _, _, complete, _, _ = _RECORD.unpack(rec.call_record)
-    if magic != gather.RECORD_MAGIC or seq != rec.seq or complete != token or token == 0:
-        raise ValueError("the snapshot of this call did not complete")
-    if rec.token and token != rec.token:
-        raise ValueError(f"the call record holds replay {token}, the slot replay {rec.token}")
-    if pos == (1 << 64) - 1:
-        raise ValueError("the snapshot gathered no rows")
-    ring = dump.layout.ring_bytes
-    newest = max(dump.head, dump.reserved_to)
-    if newest > pos + ring:
-        raise ValueError("its device ring slot was overwritten by later calls")
-    try:
-        head = dump.ring(pos, _SLOT_HEAD.size)
-        hmagic, _, hseq, htoken, hpos, hrows, hrec, _, _, hcomplete = _SLOT_HEAD.unpack(head)
-    except devring.DeviceTierError as exc:
-        raise ValueError(str(exc))
-    if (hmagic, hseq, htoken, hpos, hrows, hrec, hcomplete) != (
-        gather.SLOT_MAGIC,
-        seq,
-        token,
-        pos,
-        rows,
-        plan.rec_bytes if rec_bytes is None else rec_bytes,
-        token,
-    ):
-        raise ValueError("its device ring slot holds another call (overwritten)")
-    if rows > plan.rows:
-        raise ValueError("its device ring slot claims more rows than the tensor has")
-    try:
-        data = dump.ring(pos + gather.SLOT_HEAD, rows * plan.rec_bytes)
-    except devring.DeviceTierError as exc:
-        raise ValueError(str(exc))
-    return data, pos, rows
-
-
-def _from_twin(
-    rec: SlotRecord, dumps: dict[int, devring.Dump | str], slot_bytes: int
-) -> SlotRecord | None:
-    """A slot in flight whose host copy had not run yet, completed from the device twin when
-    the snapshot there finished (a crash right after it); None otherwise."""
-    m = rec.meta
-    if m is None or not rec.spans:
-        return None
-    dev = m.extra.get("device")
-    if not isinstance(dev, dict):
-        return None
-    dump = dumps.get(dev.get("device_index", -1))
-    if not isinstance(dump, devring.Dump):
-        return None
-    try:
-        twin = dump.twin_slot(rec.index)
-    except devring.DeviceTierError:
-        return None
-    at = slot_bytes - TRAILER_BYTES - CALL_RECORD_BYTES
-    record = twin[at : at + CALL_RECORD_BYTES]
-    magic, _, seq, token, _, _, _, complete, _, _ = _RECORD.unpack(record)
-    pre = rec.markers[0]
-    if magic != gather.RECORD_MAGIC or seq != rec.seq or complete != token or token == 0:
-        return None
-    if pre and token != pre:
-        return None
-    payloads = tuple(None if sp is None else twin[sp[0] : sp[0] + sp[1]] for sp in rec.spans)
-    return SlotRecord(
-        rec.index,
-        SlotState.COMPLETE,
-        seq=rec.seq,
-        meta=m,
-        payloads=payloads,
-        reason="the host copy had not run: payloads from the device twin",
-        # the done marker follows the kernel on its stream (for a graph site: the next snapshot
-        # of its chain), the host copy runs beside it
-        finished=rec.markers[2] == token,
-        token=token,
-        spans=rec.spans,
-        markers=rec.markers,
-        call_record=record,
-        output_bytes=rec.output_bytes,  # written on the call's stream after the kernel: their
-        out_marker=rec.out_marker,  # `out` says whether they are this token's
-    )
 
 
 def _write_report(
