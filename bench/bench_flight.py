@@ -52,7 +52,7 @@ from _timing import CHUNK, host_us, new_step_objects
 import kdump
 from kdump.kernels import registry
 from kdump.record.config import RingConfig
-from kdump.record.flight import recorder as ring_mod
+from kdump.record.flight import plan as ring_mod
 
 SHAPES = ((512, 4096), (4096, 256))
 TOKENS = (1, 32, 113)
@@ -137,7 +137,7 @@ class _ScalesOnly:
     """Plans without A's data rows: case (i), metadata and scales only."""
 
     def __enter__(self) -> None:
-        self.orig = ring_mod._plan_for
+        self.orig = ring_mod.plan_for
 
         def plan_for(st: Any, args: Any, kwargs: Any, tensors: Any) -> Any:
             plan, rule = self.orig(st, args, kwargs, tensors)
@@ -154,10 +154,10 @@ class _ScalesOnly:
                 off = -(-(off + g.row_bytes) // 16) * 16
             return replace(plan, gathers=tuple(moved), rec_bytes=off), rule
 
-        ring_mod._plan_for = plan_for
+        ring_mod.plan_for = plan_for
 
     def __exit__(self, *exc: object) -> None:
-        ring_mod._plan_for = self.orig
+        ring_mod.plan_for = self.orig
 
 
 def _recorded(

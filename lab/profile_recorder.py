@@ -255,17 +255,17 @@ def _as_before(recorder: Any, fn: Any, args: tuple, kwargs: dict, calls: int) ->
     from kdump.record.flight import recorder as ring_mod
 
     cuda = recorder._cuda
-    batch, tensors = cuda.batch, ring_mod._Lane.tensors
+    batch, tensors = cuda.batch, ring_mod.Lane.tensors
     cuda.drain()
     cuda.batch = 1
-    ring_mod._Lane.tensors = lambda self, a, k: None  # type: ignore[method-assign]
+    ring_mod.Lane.tensors = lambda self, a, k: None  # type: ignore[method-assign]
     try:
         for _ in range(3):
             fn(*args, **kwargs)
         return host_us(fn, args, kwargs, calls)
     finally:
         cuda.batch = batch
-        ring_mod._Lane.tensors = tensors  # type: ignore[method-assign]
+        ring_mod.Lane.tensors = tensors  # type: ignore[method-assign]
 
 
 def _without_memo(fn: Any, args: tuple, kwargs: dict, calls: int) -> float:
@@ -286,8 +286,8 @@ def _without_memo(fn: Any, args: tuple, kwargs: dict, calls: int) -> float:
 
 
 def _split(fn: Any, args: tuple, kwargs: dict, calls: int) -> dict[str, float]:
-    """Host us per recorded call in its parts: the repeat decision (`_probe`, the lane's check,
-    `_repeat_key` where the lane did not take the call), the repeat
+    """Host us per recorded call in its parts: the repeat decision (`probe`, the lane's check,
+    `repeat_key` where the lane did not take the call), the repeat
     path's bookkeeping (`_again` less the device enqueue), the device enqueue (`DeviceCopies.
     copy` and the done marker after the call: its driver calls), and the rest (the hook, the
     trigger, the call itself)."""
@@ -296,7 +296,7 @@ def _split(fn: Any, args: tuple, kwargs: dict, calls: int) -> dict[str, float]:
 
     acc = dict.fromkeys(("repeat decision", "bookkeeping", "device enqueue", "total"), 0.0)
     clock = time.perf_counter
-    key0, again0 = ring_mod._repeat_key, ring_mod.RingRecorder._again
+    key0, again0 = ring_mod.repeat_key, ring_mod.RingRecorder._again
     copy0 = devcopy.DeviceCopies.copy
 
     def charged(f: Any, part: str) -> Any:
@@ -329,17 +329,17 @@ def _split(fn: Any, args: tuple, kwargs: dict, calls: int) -> dict[str, float]:
 
         return timed
 
-    ring_mod._repeat_key = charged(key0, "repeat decision")
+    ring_mod.repeat_key = charged(key0, "repeat decision")
     ring_mod.RingRecorder._again = again  # type: ignore[method-assign]
     devcopy.DeviceCopies.copy = copy
-    probe0, lane0 = ring_mod._probe, ring_mod._Lane.tensors
-    ring_mod._probe = charged(probe0, "repeat decision")
-    ring_mod._Lane.tensors = charged(lane0, "repeat decision")  # type: ignore[method-assign]
+    probe0, lane0 = ring_mod.probe, ring_mod.Lane.tensors
+    ring_mod.probe = charged(probe0, "repeat decision")
+    ring_mod.Lane.tensors = charged(lane0, "repeat decision")  # type: ignore[method-assign]
     try:
         acc["total"] = host_us(fn, args, kwargs, calls) * calls / 1e6
     finally:
-        ring_mod._repeat_key, ring_mod.RingRecorder._again = key0, again0
-        ring_mod._probe, ring_mod._Lane.tensors = probe0, lane0  # type: ignore[method-assign]
+        ring_mod.repeat_key, ring_mod.RingRecorder._again = key0, again0
+        ring_mod.probe, ring_mod.Lane.tensors = probe0, lane0  # type: ignore[method-assign]
         devcopy.DeviceCopies.copy = copy0
     out = {k: v / calls * 1e6 for k, v in acc.items()}
     parts = out["repeat decision"] + out["bookkeeping"] + out["device enqueue"]

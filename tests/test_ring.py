@@ -20,7 +20,7 @@ from kdump.bundle import load_bundle
 from kdump.format.journal import SlotState
 from kdump.record.config import RingConfig
 from kdump.record.flight.journal_reader import read_journal
-from kdump.record.flight.recorder import _CaptureTracker
+from kdump.record.flight.sites import CaptureTracker
 
 T = __name__
 
@@ -92,7 +92,7 @@ def test_ring_output_not_copied_and_disabled_torch_function(tmp_path):
 
 
 def test_capture_sites_numbered_per_capture():
-    tr = _CaptureTracker()
+    tr = CaptureTracker()
     assert tr.next_site(False) is None
     assert tr.next_site(True) == (1, 0)
     assert tr.next_site(True) == (1, 1)

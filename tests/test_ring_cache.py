@@ -18,7 +18,8 @@ from kdump.bundle import load_bundle
 from kdump.format.journal import SlotState
 from kdump.record.config import RingConfig
 from kdump.record.flight.journal_reader import read_journal
-from kdump.record.flight.recorder import RingRecorder, SpanViews
+from kdump.record.flight.layout import SpanViews
+from kdump.record.flight.recorder import RingRecorder
 from kdump.record.flight.statics import first_views
 
 T = __name__

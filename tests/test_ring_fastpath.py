@@ -25,6 +25,7 @@ import torch
 import kdump
 from kdump.bundle import load_bundle
 from kdump.format.journal import SlotState
+from kdump.record import repeat
 from kdump.record.config import RingConfig
 from kdump.record.flight import recorder as ring_module
 from kdump.record.flight.journal_reader import read_journal
@@ -194,7 +195,7 @@ def _record(
     bufs = _buffers()
     with pytest.MonkeyPatch.context() as mp:
         if not fast:
-            mp.setattr(ring_module, "_repeat_key", lambda *a: None)
+            mp.setattr(ring_module, "repeat_key", lambda *a: None)
         return _run(tmp_path, name, target, call, bufs)
 
 
@@ -335,19 +336,19 @@ def test_unknown_argument_types_take_the_full_path():
     class Opaque:
         pass
 
-    assert ring_module._fingerprint((Opaque(),), {}) is None
-    assert ring_module._fingerprint(([1, 2], {"k": 1.5}), {"x": None}) is not None
+    assert repeat.fingerprint((Opaque(),), {}) is None
+    assert repeat.fingerprint(([1, 2], {"k": 1.5}), {"x": None}) is not None
     t = torch.zeros(2)
-    fp, tensors = ring_module._fingerprint((t, (t, 1)), {"b": True})
+    fp, tensors = repeat.fingerprint((t, (t, 1)), {"b": True})
     assert tensors == [t] and fp.count(fp[0]) == 2  # one tensor, named twice
-    assert ring_module._fingerprint((1,), {}) != ring_module._fingerprint((True,), {})
-    assert ring_module._fingerprint((0.0,), {}) != ring_module._fingerprint((-0.0,), {})
+    assert repeat.fingerprint((1,), {}) != repeat.fingerprint((True,), {})
+    assert repeat.fingerprint((0.0,), {}) != repeat.fingerprint((-0.0,), {})
 
 
 def test_fingerprint_inlines_container_items_as_the_walk_encodes_them():
     t, u = torch.zeros(2), torch.ones(3)
-    fp, tensors = ring_module._fingerprint(((t, 1, None, True), [u, t, "s"]), {"k": (2.5,)})
-    T, K = ring_module._TENSOR, ring_module._KWARGS
+    fp, tensors = repeat.fingerprint(((t, 1, None, True), [u, t, "s"]), {"k": (2.5,)})
+    T, K = repeat.TENSOR, repeat.KWARGS
     assert tensors == [t, u]
     assert fp == [
         tuple, 4, T, 0, int, 1, type(None), None, bool, True,
@@ -356,20 +357,20 @@ def test_fingerprint_inlines_container_items_as_the_walk_encodes_them():
     ]  # fmt: skip
     # the depth bound holds for inlined items too: a tensor one level too deep, no key
     deep: Any = t
-    for _ in range(ring_module._KEY_DEPTH + 1):
+    for _ in range(repeat.KEY_DEPTH + 1):
         deep = (deep,)
-    assert ring_module._fingerprint((deep,), {}) is None
-    assert ring_module._fingerprint((deep[0],), {}) is not None
+    assert repeat.fingerprint((deep,), {}) is None
+    assert repeat.fingerprint((deep[0],), {}) is not None
     # and the item bound: a long flat tuple of ints
-    assert ring_module._fingerprint((tuple(range(ring_module._KEY_ITEMS)),), {}) is None
+    assert repeat.fingerprint((tuple(range(repeat.KEY_ITEMS)),), {}) is None
 
 
 def test_repeat_key_facts_are_the_facts_of_each_tensor():
     t = torch.zeros(4, 3)[1:].t()
     c = torch.zeros(2, dtype=torch.complex64).conj()
-    key, tensors = ring_module._repeat_key("x", "x", (t, (c, 1)), {})
+    key, tensors = repeat.repeat_key("x", "x", (t, (c, 1)), {})
     assert key[3][1][5]  # the conj bit
-    assert key[3] == tuple(ring_module._facts_of([x])[0] for x in tensors)
+    assert key[3] == tuple(repeat.facts_of([x])[0] for x in tensors)
 
 
 def _steps(steps: list[tuple[Step, bool | None]]) -> Any:
@@ -459,7 +460,7 @@ def test_self_referencing_and_huge_arguments_take_the_full_path(tmp_path):
 
 
 def test_a_recently_used_template_outlives_newer_keys(tmp_path, monkeypatch):
-    monkeypatch.setattr(ring_module, "_REPEATS_MAX", 4)
+    monkeypatch.setattr(ring_module, "REPEATS_MAX", 4)
     x = torch.zeros(4)
     ring = RingConfig(slots=64, slot_bytes=64 << 10, journal_dir=tmp_path / "shm")
     with kdump.recording(f"{T}:sink", out=tmp_path / "out", mode="ring", ring=ring) as rec:
@@ -482,7 +483,7 @@ def test_a_recently_used_template_outlives_newer_keys(tmp_path, monkeypatch):
 
 
 def _rep(tensors: list[Any], pinned: frozenset[int] = frozenset()) -> Any:
-    """What a lane reads of its repeat (`_Repeat`): weak references to the tensors, the ones
+    """What a lane reads of its repeat (`repeat.Learned`): weak references to the tensors, the ones
     that must be the same objects again, and each tensor's storage size."""
     return types.SimpleNamespace(
         refs=tuple(weakref.ref(t) for t in tensors),
@@ -507,21 +508,21 @@ def test_a_lane_takes_new_objects_over_the_same_memory_where_the_key_would():
         return args, kwargs
 
     base = call((a, s), w, twin, k=s)
-    seen = ring_module._repeat_key("t", "t", *base)
+    seen = repeat.repeat_key("t", "t", *base)
     assert len(seen[1]) == 4
-    lane = ring_module._Lane.of(_rep(seen[1], frozenset({2})), *base, seen)  # w pinned
+    lane = repeat.Lane.of(_rep(seen[1], frozenset({2})), *base, seen)  # w pinned
     assert lane is not None
     ra, rs, rt = _renew(a), _renew(s), _renew(a)
     new = call((ra, rs), w, rt, k=rs)
-    assert ring_module._probe("t", "t", *new) == ring_module._probe("t", "t", *base)
-    assert ring_module._repeat_key("t", "t", *new)[0] == seen[0]
+    assert repeat.probe("t", "t", *new) == repeat.probe("t", "t", *base)
+    assert repeat.repeat_key("t", "t", *new)[0] == seen[0]
     got = lane.tensors(*new)
     assert got is not None and [x is y for x, y in zip(got, [ra, rs, w, rt])] == [True] * 4
     # the weight as a new object: its version belongs to the pinned one
     assert lane.tensors(*call((ra, rs), _renew(w), rt, k=rs)) is None
     # one object at both of a's places where the learned call had two: another key
     assert lane.tensors(*call((ra, rs), w, ra, k=rs)) is None
-    assert ring_module._repeat_key("t", "t", *call((ra, rs), w, ra, k=rs))[0] != seen[0]
+    assert repeat.repeat_key("t", "t", *call((ra, rs), w, ra, k=rs))[0] != seen[0]
     # a later place of s holding another object with its facts
     assert lane.tensors(*call((ra, rs), w, rt, k=_renew(s))) is None
     # a's address and layout over a storage of another size
@@ -536,9 +537,9 @@ def test_a_lane_takes_new_objects_over_the_same_memory_where_the_key_would():
 def test_a_tensor_without_an_address_gives_no_probe():
     # a sparse tensor has no storage to give an address: no lane (the repeat key decides)
     sparse = torch.sparse_coo_tensor([[0]], [1.0], (3,), check_invariants=True)
-    assert ring_module._probe("t", "t", (sparse, torch.zeros(2)), {}) is None
-    assert ring_module._probe("t", "t", ((torch.zeros(2), sparse),), {}) is None
-    assert ring_module._probe("t", "t", ((torch.zeros(2), 3),), {"k": 1}) is not None
+    assert repeat.probe("t", "t", (sparse, torch.zeros(2)), {}) is None
+    assert repeat.probe("t", "t", ((torch.zeros(2), sparse),), {}) is None
+    assert repeat.probe("t", "t", ((torch.zeros(2), 3),), {"k": 1}) is not None
 
 
 def test_a_lane_takes_exactly_the_calls_whose_repeat_key_is_the_same():
@@ -551,13 +552,13 @@ def test_a_lane_takes_exactly_the_calls_whose_repeat_key_is_the_same():
         return args, kwargs
 
     base = call((a, s), w, out, 1, "nt", flag=True)
-    seen = ring_module._repeat_key("t", "t", *base)
+    seen = repeat.repeat_key("t", "t", *base)
     rep = _rep(seen[1])
-    lane = ring_module._Lane.of(rep, *base, seen)  # type: ignore[arg-type]
+    lane = repeat.Lane.of(rep, *base, seen)  # type: ignore[arg-type]
     assert lane is not None
     same = call((a, s), w, out, 1, "nt", flag=True)  # a new tuple holding the same tensors
     assert lane.tensors(*same) == seen[1]
-    assert ring_module._repeat_key("t", "t", *same)[0] == seen[0]
+    assert repeat.repeat_key("t", "t", *same)[0] == seen[0]
     differ = [
         call((a, s), w, out, True, "nt", flag=True),  # bool for int
         call([a, s], w, out, 1, "nt", flag=True),  # list for tuple
@@ -570,7 +571,7 @@ def test_a_lane_takes_exactly_the_calls_whose_repeat_key_is_the_same():
     ]
     for args, kwargs in differ:
         assert lane.tensors(args, kwargs) is None
-        assert ring_module._repeat_key("t", "t", args, kwargs)[0] != seen[0]
+        assert repeat.repeat_key("t", "t", args, kwargs)[0] != seen[0]
     w.requires_grad_(True)  # a fact of the record, with no version bump
     assert lane.tensors(*same) is None
     w.requires_grad_(False)
@@ -578,7 +579,7 @@ def test_a_lane_takes_exactly_the_calls_whose_repeat_key_is_the_same():
     assert lane.tensors(*same) is None
     # deeper arguments keep the repeat key
     deep = call(((a, s),), w)
-    assert ring_module._Lane.of(rep, *deep, ring_module._repeat_key("t", "t", *deep)) is None
+    assert repeat.Lane.of(rep, *deep, repeat.repeat_key("t", "t", *deep)) is None
 
 
 def test_a_lane_checks_each_tensor_once_and_sees_in_place_metadata_changes():
@@ -590,9 +591,9 @@ def test_a_lane_checks_each_tensor_once_and_sees_in_place_metadata_changes():
         return args, kwargs
 
     base = call((a, s), out, s, k=out)
-    seen = ring_module._repeat_key("t", "t", *base)
+    seen = repeat.repeat_key("t", "t", *base)
     rep = _rep(seen[1])
-    lane = ring_module._Lane.of(rep, *base, seen)  # type: ignore[arg-type]
+    lane = repeat.Lane.of(rep, *base, seen)  # type: ignore[arg-type]
     assert lane is not None and len(seen[1]) == 3
     assert [f is not None for *_, f in lane.places] == [True, True, True, False, False]
     assert lane.tensors(*call((a, s), out, s, k=out)) == seen[1]
@@ -606,7 +607,7 @@ def test_a_lane_checks_each_tensor_once_and_sees_in_place_metadata_changes():
         change()
         args, kwargs = call((a, s), out, s, k=out)
         assert lane.tensors(args, kwargs) is None
-        assert ring_module._repeat_key("t", "t", args, kwargs)[0] != seen[0]
+        assert repeat.repeat_key("t", "t", args, kwargs)[0] != seen[0]
         undo()
         assert lane.tensors(*call((a, s), out, s, k=out)) == seen[1]
     keep = out.detach()  # the old storage stays alive: set_ moves `out` to another address

@@ -16,10 +16,11 @@ import torch
 from kdump.bundle import argtree, load_bundle
 from kdump.bundle.tensors import group_storages
 from kdump.format.journal import CALL_RECORD_BYTES, TRAILER_BYTES, SlotMeta, SlotState
+from kdump.format.records import storage_layout_json, tensor_json
 from kdump.record.flight import devring, gather
 from kdump.record.flight.journal import Journal
 from kdump.record.flight.journal_reader import read_journal
-from kdump.record.flight.recorder import _span_views, _storage_dict, _tensor_dict
+from kdump.record.flight.layout import span_views
 from kdump.record.flight.salvage import salvage_journal
 
 pytestmark = pytest.mark.gpu
@@ -77,8 +78,8 @@ def _reserve(j, dc, a, sfa, labels, index=None, use_plan=True):
         target=CONTIG,
         called_as=CONTIG,
         args=[argtree.encode(v, seen) for v in ((a, sfa), labels)],
-        storages=[_storage_dict(s) for s in storages],
-        tensors=[_tensor_dict(r) for r in records],
+        storages=[storage_layout_json(s) for s in storages],
+        tensors=[tensor_json(r, nbytes=True) for r in records],
         extra={"device": dev},
         capture_id=1 if index is not None else 0,  # a pinned slot is a capture site's, as recorded
     )
@@ -89,7 +90,7 @@ def _reserve(j, dc, a, sfa, labels, index=None, use_plan=True):
     gathered = plan.storages if plan is not None else frozenset()
     want = [i not in gathered for i in range(len(storages))]
     slot = j.reserve(meta, index=index, want=want)
-    return slot, _span_views(tensors, records, storages), plan, whole
+    return slot, span_views(tensors, records, storages), plan, whole
 
 
 def _salvaged(j, dc, tmp_path: Path, name: str):

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,45 +73,6 @@ class RecordConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise UsageError(f"unknown recording mode {self.mode!r}; use ring or sync")
-
-    @classmethod
-    def from_options(
-        cls,
-        target: str | Iterable[str] = "deep_gemm",
-        out: str | os.PathLike[str] = "kdump-out",
-        *,
-        calls: str | Iterable[int] | None = None,
-        every: int | None = None,
-        first_per_signature: int | None = None,
-        ranks: str | Iterable[int] | None = None,
-        predicate: str | Callable[..., Any] | None = None,
-        max_bundles: int | None = None,
-        max_bytes: int | str | None = None,
-        keep: str = "oldest",
-        on_exception: bool = False,
-        outputs: str | Sequence[str | int] | None = "default",
-        mode: str = "sync",
-        ring: RingConfig | None = None,
-    ) -> RecordConfig:
-        """The configuration of `kdump.recording(...)` (same keywords)."""
-        return cls(
-            targets=(target,) if isinstance(target, str) else tuple(target),
-            out=Path(out),
-            mode=mode,
-            trigger=TriggerConfig.build(
-                calls=calls,
-                every=every,
-                first_per_signature=first_per_signature,
-                ranks=ranks,
-                predicate=predicate,
-                max_bundles=max_bundles,
-                max_bytes=max_bytes,
-                keep=keep,
-                on_exception=on_exception,
-            ),
-            outputs=parse_outputs(outputs),
-            ring=ring or RingConfig(),
-        )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RecordConfig:

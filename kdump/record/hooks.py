@@ -103,7 +103,8 @@ def parse_targets(texts: str | Iterable[str]) -> list[TargetSpec]:
 # ---------------------------------------------------------------------------------------------
 # Hook state and wrappers
 
-# Handler(state, index, called_as, fn, args, kwargs) -> fn's result. Only called on the slow path.
+# Handler(state, index, called_as, fn, args, kwargs) -> fn's result. Only called on the slow path,
+# with `busy.flag` set on the thread meanwhile.
 _Args = tuple[Any, ...]
 Handler = Callable[["HookState", int, str, Callable[..., Any], _Args, dict[str, Any]], Any]
 # SetterHandler(state, called_as, args, kwargs): after a setter returned normally.
@@ -189,7 +190,11 @@ def make_call_wrapper(st: HookState, called_as: str, fn: Callable[..., Any]) -> 
         if st.armed:
             i = next(st.counter)
             if st.consider(i) and not busy.flag:
-                return handler(st, i, called_as, fn, args, kwargs)  # type: ignore[call-arg]
+                busy.flag = True  # hooked calls made inside this one pass through unrecorded
+                try:
+                    return handler(st, i, called_as, fn, args, kwargs)  # type: ignore[call-arg]
+                finally:
+                    busy.flag = False
         return fn(*args, **kwargs)
 
     _copy_metadata(kdump_hook, fn)
@@ -233,7 +238,11 @@ class OpHook:
         if st.armed:
             i = next(st.counter)
             if st.consider(i) and not busy.flag:
-                return st.handler(st, i, self._called_as, self._op, args, kwargs)  # type: ignore[call-arg]
+                busy.flag = True  # as `make_call_wrapper`'s hook
+                try:
+                    return st.handler(st, i, self._called_as, self._op, args, kwargs)  # type: ignore[call-arg]
+                finally:
+                    busy.flag = False
         return self._op(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:

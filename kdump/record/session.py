@@ -4,12 +4,12 @@
         run_model()
     print(rec.written)
 
-Where bundles go: kdump.record.capture_dir. How calls are kept: a `Recorder`, the seam between
-the hooks and the recording mode. `SyncRecorder` (kdump.record.sync.recorder) snapshots inputs
-before the call and in-place outputs after it and writes a bundle at once. The flight recorder
-(`mode="ring"`, kdump.record.flight.recorder) implements the same three methods: `on_call` (hot
-path entry for a considered call), `flush` (called at exit, SIGTERM/SIGINT and the flush signal) and
-`close`.
+Where bundles go: kdump.record.capture_dir. How calls are kept: a `Recorder`
+(kdump.record.protocol), the seam between the hooks and the recording mode. `SyncRecorder`
+(kdump.record.sync.recorder) snapshots inputs before the call and in-place outputs after it and
+writes a bundle at once; the flight recorder (`mode="ring"`, kdump.record.flight.recorder) keeps
+the last calls in a crash-proof journal. A recorder gets the session's callbacks
+(`SessionCalls`: triggers, failures, disarming) when it is made and never imports this module.
 
 Failure isolation: everything kdump does around a call is inside try/except; a failure logs one
 line ("kdump: ...") and switches recording of that target off. The original function runs with
@@ -28,34 +28,17 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from kdump import config
 from kdump.errors import UsageError
 from kdump.format.journal import RUN_PREFIX
 from kdump.kernels import registry as kernel_registry
 from kdump.log import log, log_once
-from kdump.record.config import RecordConfig
+from kdump.record.config import RecordConfig, RingConfig, parse_outputs
 from kdump.record.hooks import HookState, PatchSet, parse_targets
-from kdump.record.triggers import Trigger
-
-
-class Recorder(Protocol):
-    mode: str
-
-    def on_call(
-        self,
-        st: HookState,
-        index: int,
-        called_as: str,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any: ...
-
-    def flush(self) -> None: ...
-
-    def close(self) -> None: ...
+from kdump.record.protocol import Recorder, SessionCalls
+from kdump.record.triggers import Trigger, TriggerConfig
 
 
 def check_mode(mode: str) -> None:
@@ -66,7 +49,7 @@ def check_mode(mode: str) -> None:
         raise UsageError(f"unknown recording mode {mode!r}; use ring or sync")
 
 
-def make_recorder(cfg: RecordConfig, session: Recording) -> Recorder:
+def make_recorder(cfg: RecordConfig, session: SessionCalls) -> Recorder:
     check_mode(cfg.mode)
     if cfg.mode == "ring":
         from kdump.record.flight.recorder import RingRecorder
@@ -93,7 +76,10 @@ class Recording:
         self.cfg = cfg
         self.specs = parse_targets(list(cfg.targets))
         self.started_ns = time.time_ns()
-        self.recorder: Recorder = make_recorder(cfg, self)
+        calls = SessionCalls(
+            self.trigger, self.fail, self.disarm, self.disarm_all, started_ns=self.started_ns
+        )
+        self.recorder: Recorder = make_recorder(cfg, calls)
         self._triggers: dict[str, Trigger] = {}
         self._counters: dict[str, Any] = {}
         self.patches = PatchSet(self.specs, self.recorder.on_call, self._on_setter, self._setup)
@@ -124,9 +110,7 @@ class Recording:
         """Log once and switch the target off; never raises."""
         try:
             self.disarm(st.id)
-            rec: Any = self.recorder
-            if hasattr(rec, "errors"):
-                rec.errors += 1
+            self.recorder.errors += 1
             reason = f"{type(exc).__name__}: {exc}"
             if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
                 reason = f"disk full ({reason})"
@@ -203,9 +187,7 @@ class Recording:
 
     def after_fork(self) -> None:
         """Child of a fork: new pid folder, fresh counters, limits and trigger state."""
-        after_fork = getattr(self.recorder, "after_fork", None)
-        if after_fork is not None:
-            after_fork()
+        self.recorder.after_fork()
         self._counters.clear()
         for t in self._triggers.values():
             t.reset()
@@ -223,7 +205,7 @@ class Recording:
     @property
     def written(self) -> list[Path]:
         """Bundles this session wrote in this process (and still on disk)."""
-        return list(getattr(self.recorder, "written", []))
+        return list(self.recorder.written)
 
 
 def active_sessions() -> list[Recording]:
@@ -270,25 +252,27 @@ def recording(
     on_exception: bool = False,
     outputs: str | Sequence[str | int] | None = "default",
     mode: str = "sync",
-    ring: Any = None,
+    ring: RingConfig | None = None,
 ) -> Recording:
     """Record calls of `target` (a preset, 'module:qualname', 'torch.ops.ns.op', or a list) while
     the returned context is active. See kdump.record.triggers for how the criteria combine;
     `on_exception` alone snapshots every call (costly) and is off by default."""
-    cfg = RecordConfig.from_options(
-        target,
-        out,
-        calls=calls,
-        every=every,
-        first_per_signature=first_per_signature,
-        ranks=ranks,
-        predicate=predicate,
-        max_bundles=max_bundles,
-        max_bytes=max_bytes,
-        keep=keep,
-        on_exception=on_exception,
-        outputs=outputs,
+    cfg = RecordConfig(
+        targets=(target,) if isinstance(target, str) else tuple(target),
+        out=Path(out),
         mode=mode,
-        ring=ring,
+        trigger=TriggerConfig.build(
+            calls=calls,
+            every=every,
+            first_per_signature=first_per_signature,
+            ranks=ranks,
+            predicate=predicate,
+            max_bundles=max_bundles,
+            max_bytes=max_bytes,
+            keep=keep,
+            on_exception=on_exception,
+        ),
+        outputs=parse_outputs(outputs),
+        ring=ring or RingConfig(),
     )
     return Recording(cfg).start()

@@ -25,14 +25,15 @@ from kdump import envinfo
 from kdump.log import log_once
 from kdump.record.capture_dir import CaptureDir
 from kdump.record.config import Outputs, RecordConfig
-from kdump.record.hooks import HookState, TargetSpec, busy
+from kdump.record.hooks import HookState, TargetSpec
+from kdump.record.repeat import Repeats, Seen, repeat_key
 from kdump.record.triggers import Limits, rank_allowed
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from kdump.bundle.spool import StoreSpool
-    from kdump.record.session import Recording
+    from kdump.record.protocol import SessionCalls
     from kdump.record.sync.repeat import SyncRepeat
 
 CAPTURE_NOTE = (
@@ -116,7 +117,7 @@ class SyncRecorder:
     REPEATS_MAX = 64  # repeats kept (the least recently used goes first)
     SIGHTED_MAX = 1024
 
-    def __init__(self, cfg: RecordConfig, session: Recording) -> None:
+    def __init__(self, cfg: RecordConfig, session: SessionCalls) -> None:
         self.cfg = cfg
         self.session = session
         self._init_process()
@@ -141,10 +142,9 @@ class SyncRecorder:
         from kdump.bundle.header_cache import HeaderCache
 
         self.headers = HeaderCache()  # repeated call signatures: headers from a template
-        # Exact repeats by repeat key (taken out while a call uses one), and the hashes of the
-        # keys seen once: a repeat is made for a key seen before (a key seen once costs nothing).
-        self._repeats: dict[Any, SyncRepeat] = {}
-        self._sighted: dict[int, None] = {}
+        # Exact repeats by repeat key (kdump.record.repeat; taken out while a call uses one),
+        # made for a key seen before (a key seen once costs nothing).
+        self._repeats: Repeats[SyncRepeat] = Repeats(self.REPEATS_MAX, self.SIGHTED_MAX)
         self.repeated = 0  # bundles written by a repeat
         # Targets whose last recorded call had CUDA tensors (never a repeat): no key is made for
         # their next call.
@@ -173,65 +173,60 @@ class SyncRecorder:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        prev = busy.flag
-        busy.flag = True  # hooked calls made inside this one pass through unrecorded
+        snap = None
+        plan = None
+        sink = None
+        live: list[Any] = []
+        seen: Seen | None = None
+        rep: SyncRepeat | None = None
         try:
-            snap = None
-            plan = None
-            sink = None
-            live: list[Any] = []
-            seen: tuple[Any, list[Any]] | None = None
-            rep: SyncRepeat | None = None
+            with own_tensor_work():
+                plan = self._plan(st, index, args, kwargs)
+                if plan == "dump" and self.repeat and st.id not in self._on_device:
+                    seen, rep, meta = self._repeat_for(st, index, called_as, args, kwargs)
+                    if rep is not None:
+                        rep.take_inputs()
+                if plan == "dump" and rep is None:  # a large snapshot goes to the blob store
+                    from kdump.bundle.spool import StoreSpool
+                    from kdump.bundle.writer import STORE_MIN
+
+                    sink = StoreSpool(self._blob_store, STORE_MIN)
+                if plan is not None and rep is None:
+                    snap, live = self._snapshot(st, index, called_as, args, kwargs, plan, sink)
+        except Exception as exc:
+            rep = None
+            self.session.fail(st, "capturing the arguments", exc)
+        if rep is not None and seen is not None:
+            return self._again(st, rep, seen[1], meta, index, fn, args, kwargs)
+        if snap is None:
+            return fn(*args, **kwargs)
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as exc:
+            try:  # the snapshot taken BEFORE the call; nothing is read after it raised
+                snap.meta["exception"] = f"{type(exc).__name__}: {exc}"[:2000]
+                with own_tensor_work():
+                    self._write(st, snap, index, sink)
+            except Exception as exc2:
+                self.session.fail(st, "writing the bundle", exc2)
+            raise
+        if plan == "dump":
             try:
                 with own_tensor_work():
-                    plan = self._plan(st, index, args, kwargs)
-                    if plan == "dump" and self.repeat and st.id not in self._on_device:
-                        seen, rep, meta = self._repeat_for(st, index, called_as, args, kwargs)
-                        if rep is not None:
-                            rep.take_inputs()
-                    if plan == "dump" and rep is None:  # a large snapshot goes to the blob store
-                        from kdump.bundle.spool import StoreSpool
-                        from kdump.bundle.writer import STORE_MIN
-
-                        sink = StoreSpool(self._blob_store, STORE_MIN)
-                    if plan is not None and rep is None:
-                        snap, live = self._snapshot(st, index, called_as, args, kwargs, plan, sink)
+                    if not snap.meta.get("capturing"):
+                        self._attach_outputs(st, snap, live, args, kwargs, result, sink)
+                    self._write(st, snap, index, sink, seen)
             except Exception as exc:
-                rep = None
-                self.session.fail(st, "capturing the arguments", exc)
-            if rep is not None and seen is not None:
-                return self._again(st, rep, seen[1], meta, index, fn, args, kwargs)
-            if snap is None:
-                return fn(*args, **kwargs)
-            try:
-                result = fn(*args, **kwargs)
-            except Exception as exc:
-                try:  # the snapshot taken BEFORE the call; nothing is read after it raised
-                    snap.meta["exception"] = f"{type(exc).__name__}: {exc}"[:2000]
-                    with own_tensor_work():
-                        self._write(st, snap, index, sink)
-                except Exception as exc2:
-                    self.session.fail(st, "writing the bundle", exc2)
-                raise
-            if plan == "dump":
-                try:
-                    with own_tensor_work():
-                        if not snap.meta.get("capturing"):
-                            self._attach_outputs(st, snap, live, args, kwargs, result, sink)
-                        self._write(st, snap, index, sink, seen)
-                except Exception as exc:
-                    self.session.fail(st, "writing the bundle", exc)
-            return result
-        finally:
-            busy.flag = prev
+                self.session.fail(st, "writing the bundle", exc)
+        return result
 
     # -- exact repeats ----------------------------------------------------------------------------
     def _repeat_for(
         self, st: HookState, index: int, called_as: str, args: tuple[Any, ...], kwargs: dict
-    ) -> tuple[tuple[Any, list[Any]] | None, SyncRepeat | None, dict[str, Any]]:
+    ) -> tuple[Seen | None, SyncRepeat | None, dict[str, Any]]:
         """(the call's repeat key and tensors, the repeat to take with its meta (taken out of the
         table), or None for the ordinary path)."""
-        seen = _sync_repeat().repeat_key(st.id, called_as, args, kwargs)
+        seen = repeat_key(st.id, called_as, args, kwargs)
         if seen is None:
             return None, None, {}
         rep = self._repeats.pop(seen[0], None)
@@ -307,7 +302,7 @@ class SyncRecorder:
             called_as=c.called_as,
             args=c.args,
             kwargs=c.kwargs,
-            names=rep.pos_names,
+            names=c.names,
             inputs=rep.inputs_captured(),
             meta=meta,
         )
@@ -337,7 +332,7 @@ class SyncRecorder:
         self,
         st: HookState,
         call: Any,
-        seen: tuple[Any, list[Any]],
+        seen: Seen,
         env: dict[str, Any],
         header: list[tuple[bytes, Any]],
     ) -> None:
@@ -345,14 +340,7 @@ class SyncRecorder:
         from kdump.bundle.writer import STORE_MIN
 
         key = seen[0]
-        if key in self._repeats or not header:
-            return
-        h = hash(key)
-        if h not in self._sighted:
-            if len(self._sighted) >= self.SIGHTED_MAX:
-                with contextlib.suppress(KeyError, RuntimeError, StopIteration):
-                    self._sighted.pop(next(iter(self._sighted)))
-            self._sighted[h] = None
+        if key in self._repeats or not header or not self._repeats.sighted_before(key):
             return
         got = self.headers.repeat_form()
         if got is None:
@@ -360,15 +348,10 @@ class SyncRecorder:
         form, created = got
         raw, digests = header[-1]
         rep = _sync_repeat().make(
-            seen, st.names(), call.names, env, call, raw, digests, form, created, STORE_MIN
+            seen, st.names(), env, call, raw, digests, form, created, STORE_MIN
         )  # after the call: `seen`'s tensors have the facts it left them with
-        if rep is None:
-            return
-        if len(self._repeats) >= self.REPEATS_MAX:
-            # The least recently used; a call on another thread may take one out meanwhile.
-            with contextlib.suppress(RuntimeError, StopIteration):
-                self._repeats.pop(next(iter(self._repeats)), None)
-        self._repeats[key] = rep
+        if rep is not None:
+            self._repeats.keep(key, rep)  # the least recently used go beyond REPEATS_MAX
 
     def _plan(
         self, st: HookState, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -502,7 +485,7 @@ class SyncRecorder:
         call: Any,
         index: int,
         sink: StoreSpool | None = None,
-        seen: tuple[Any, list[Any]] | None = None,
+        seen: Seen | None = None,
     ) -> None:
         """Write the call's bundle the ordinary way; with `seen` (its repeat key and tensors), a
         call that may repeat exactly also makes its repeat."""

@@ -30,10 +30,7 @@ from kdump.bundle.manifest import escaped as _escaped
 from kdump.bundle.store import blob_digests
 from kdump.bundle.tensors import layout_facts
 from kdump.format.records import MAX_HEADER, Source
-from kdump.record.flight.recorder import _repeat_key
-
-# The flight recorder's repeat key: calls with equal keys encode equal argument trees and layouts.
-repeat_key = _repeat_key
+from kdump.record.repeat import Seen
 
 if TYPE_CHECKING:
     from kdump.bundle.capture import CallRecord
@@ -78,10 +75,9 @@ class SyncRepeat:
     """What an exact repeat of one recorded call needs (`make`); used by one call at a time (the
     recorder takes it out of its table while a call uses it)."""
 
-    key: Any  # kdump.record.flight.recorder._repeat_key's key of the call
+    key: Any  # the call's repeat key (kdump.record.repeat)
     checks: tuple[tuple[int, int], ...]  # (tensor index, storage bytes) of each storage
     names: Any  # the hook's positional names at the call
-    pos_names: list[str] | None
     env: dict[str, Any]  # the env object its bundle was written with
     call: CallRecord  # the recorded call (its trees and records are reused; never edited)
     spans: tuple[int, ...]  # address of each input span
@@ -178,9 +174,8 @@ def write(path: str, data: bytes) -> None:
 
 
 def make(
-    seen: tuple[Any, list[Any]],
+    seen: Seen,
     names: Any,
-    pos_names: list[str] | None,
     env: dict[str, Any],
     call: CallRecord,
     header: bytes,
@@ -190,7 +185,7 @@ def make(
     inline_below: int,
 ) -> SyncRepeat | None:
     """The repeat of `call` (just written with `header`, its storages' `digests` in capture
-    order, `created` its creation time), whose `_repeat_key` gave `seen`; None for a call this
+    order, `created` its creation time), whose `repeat_key` gave `seen`; None for a call this
     path does not write: one with device tensors, a return value, lazy conj / neg views,
     storages of other sources or of `inline_below` bytes or more (those go to the store), or a
     form that does not give its header byte for byte."""
@@ -247,7 +242,6 @@ def make(
         key=key,
         checks=checks,
         names=names,
-        pos_names=pos_names,
         env=env,
         call=call,
         spans=spans,
