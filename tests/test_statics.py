@@ -20,11 +20,11 @@ from kdump.record.config import RingConfig
 from kdump.record.flight.statics import (
     ENTRY_BYTES,
     decode_stats,
-    read_region,
     region_path,
     resolve_lazy,
     value_stats,
 )
+from kdump.record.flight.statics_reader import read_region
 
 T = __name__
 ROOT = Path(__file__).resolve().parents[1]

@@ -55,12 +55,8 @@ from kdump.record.flight.salvage_device import (
     from_twin,
     read_dumps,
 )
-from kdump.record.flight.statics import (
-    Region,
-    read_region,
-    region_path,
-    salvaged_storage,
-)
+from kdump.record.flight.statics import region_path
+from kdump.record.flight.statics_reader import Region, read_region, salvaged_storage
 
 REPORT_SUFFIX = "-salvage.json"
 CRASH_SUFFIX = ".crash.json"  # next to a journal: the recorded process' last words

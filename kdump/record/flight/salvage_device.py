@@ -17,7 +17,7 @@ from typing import Any
 
 from kdump.format.journal import CALL_RECORD_BYTES, TRAILER_BYTES, SlotRecord, SlotState
 from kdump.record.flight import devring, gather
-from kdump.record.flight.statics import private_bytes
+from kdump.record.flight.statics_reader import private_bytes
 
 
 def read_dumps(files: dict[int, Path]) -> dict[int, devring.Dump | str]:

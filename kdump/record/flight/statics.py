@@ -9,10 +9,11 @@ every call's journal slot, its span is copied ONCE per (storage, version) into t
 a second shared-memory file next to the journal (`<journal>.static`, pinned with cudaHostRegister
 for CUDA tensors), asynchronously on the call's stream at an eager call; its value statistics are
 computed once too (on the device, into the region, with no host sync). A slot names the entry
-(index, sequence number, offset, nbytes, version) in its storage's metadata; salvage checks the
-entry still holds that sequence number, completely copied, so an entry overwritten or being
-rewritten later is detected. Never during stream capture: a static first seen there is recorded by
-reference and says why. What is over the region's budget keeps its statistics only.
+(index, sequence number, offset, nbytes, version) in its storage's metadata; salvage
+(kdump.record.flight.statics_reader) checks the entry still holds that sequence number,
+completely copied, so an entry overwritten or being rewritten later is detected. Never during
+stream capture: a static first seen there is recorded by reference and says why. What is over the
+region's budget keeps its statistics only.
 
 Limits: a kernel that writes a storage through its raw pointer (not a torch op) leaves its
 version unchanged; for targets without a spec such a buffer reads as static and keeps the bytes of
@@ -56,7 +57,6 @@ Region file (little-endian):
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import math
 import mmap
@@ -72,7 +72,7 @@ from pathlib import Path
 from typing import Any
 
 from kdump.format.journal import PAGE, JournalError
-from kdump.format.records import DTYPE_SIZES, Source, Stats
+from kdump.format.records import DTYPE_SIZES, Stats
 from kdump.log import log_once
 from kdump.record.flight import pinned
 from kdump.record.flight.journal import SHM_SHARE
@@ -92,10 +92,10 @@ FLAG_DATA = 1
 FLAG_HOST = 2
 FLAG_STATS = 4
 
-_HEADER = struct.Struct("<8sIIQQQQ")  # through the pid; its CRC follows
-_ENTRY = struct.Struct("<4sIQQQQQQQIi")  # through the device index; its CRC follows
-_AT_CRC, _AT_PRE, _AT_POST, _AT_DATA_CRC, _AT_STATS, _AT_STATS_MARK = 72, 80, 88, 96, 104, 144
-_DTYPES = sorted(DTYPE_SIZES)
+REGION_HEADER = struct.Struct("<8sIIQQQQ")  # through the pid; its CRC follows
+ENTRY_HEAD = struct.Struct("<4sIQQQQQQQIi")  # through the device index; its CRC follows
+AT_CRC, AT_PRE, AT_POST, AT_DATA_CRC, AT_STATS, AT_STATS_MARK = 72, 80, 88, 96, 104, 144
+STATS_DTYPES = sorted(DTYPE_SIZES)
 
 log = logging.getLogger("kdump.record.flight.statics")
 
@@ -108,7 +108,7 @@ def _round_up(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
-def _device_index(device: str) -> int:
+def device_index(device: str) -> int:
     kind, _, idx = device.partition(":")
     return -1 if kind == "cpu" else int(idx or 0)
 
@@ -322,7 +322,7 @@ class Statics:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)  # running out of tmpfs later would SIGBUS
-            head = _HEADER.pack(
+            head = REGION_HEADER.pack(
                 REGION_MAGIC,
                 REGION_VERSION,
                 self.entry_count,
@@ -486,10 +486,10 @@ class Statics:
         view[base : base + ENTRY_BYTES] = bytes(ENTRY_BYTES)  # first: no old copy reads valid
         flags = (FLAG_DATA if copied else 0) | (FLAG_HOST if host else 0) | FLAG_STATS
         try:
-            sdtype = _DTYPES.index(stats_dtype(t.dtype))
+            sdtype = STATS_DTYPES.index(stats_dtype(t.dtype))
         except Exception:
             sdtype, flags = 0, flags & ~FLAG_STATS
-        head = _ENTRY.pack(
+        head = ENTRY_HEAD.pack(
             ENTRY_MAGIC,
             flags,
             seq,
@@ -500,10 +500,10 @@ class Statics:
             s.span_start,
             version,
             sdtype,
-            _device_index(s.device),
+            device_index(s.device),
         )
-        view[base + _AT_CRC : base + _AT_CRC + 4] = struct.pack("<I", zlib.crc32(head))
-        view[base : base + _ENTRY.size] = head
+        view[base + AT_CRC : base + AT_CRC + 4] = struct.pack("<I", zlib.crc32(head))
+        view[base : base + ENTRY_HEAD.size] = head
         from kdump.bundle.tensors import _byte_view
 
         fill(view, base, seq, offset if copied else None, _byte_view(t, s.span_start, n), t, flags)
@@ -545,12 +545,12 @@ class Statics:
             crc = zlib.crc32(dst)
         else:
             crc = zlib.crc32(memoryview(src.numpy()))
-        struct.pack_into("<I", view, base + _AT_DATA_CRC, crc)
-        struct.pack_into("<QQ", view, base + _AT_PRE, seq, seq)
+        struct.pack_into("<I", view, base + AT_DATA_CRC, crc)
+        struct.pack_into("<QQ", view, base + AT_PRE, seq, seq)
         raw = self._stats_of(src, t, f)
         if raw is not None:
-            struct.pack_into("<5d", view, base + _AT_STATS, *raw.tolist())
-            struct.pack_into("<d", view, base + _AT_STATS_MARK, float(seq))
+            struct.pack_into("<5d", view, base + AT_STATS, *raw.tolist())
+            struct.pack_into("<d", view, base + AT_STATS_MARK, float(seq))
 
     def _device_fill(
         self, view: memoryview, base: int, seq: int, offset: int | None, src: Any, t: Any, f: int
@@ -564,16 +564,16 @@ class Statics:
         dev = src.device
         if offset is not None:
             tok = torch.full((1,), seq, dtype=torch.int64, device=dev)
-            host(_AT_PRE, 8, torch.int64).copy_(tok, non_blocking=True)
+            host(AT_PRE, 8, torch.int64).copy_(tok, non_blocking=True)
             if src.numel():
                 dst = torch.frombuffer(view[offset : offset + src.numel()], dtype=torch.uint8)
                 dst.copy_(src, non_blocking=True)
-            host(_AT_POST, 8, torch.int64).copy_(tok, non_blocking=True)
+            host(AT_POST, 8, torch.int64).copy_(tok, non_blocking=True)
         raw = self._stats_of(src, t, f)
         if raw is not None:
-            host(_AT_STATS, 40, torch.float64).copy_(raw, non_blocking=True)
+            host(AT_STATS, 40, torch.float64).copy_(raw, non_blocking=True)
             mark = torch.full((1,), float(seq), dtype=torch.float64, device=dev)
-            host(_AT_STATS_MARK, 8, torch.float64).copy_(mark, non_blocking=True)
+            host(AT_STATS_MARK, 8, torch.float64).copy_(mark, non_blocking=True)
 
 
 def version_of(t: Any) -> int | None:
@@ -607,224 +607,3 @@ def storage_meta(
         if bits is not None:
             d["lazy"] = bits
     return storages
-
-
-# ---------------------------------------------------------------------------------------------
-# The reader (salvage): never trusts the file
-
-
-@dataclass(frozen=True)
-class EntryRecord:
-    index: int
-    flags: int
-    seq: int
-    offset: int
-    nbytes: int
-    base_ptr: int
-    storage_nbytes: int
-    span_start: int
-    version: int
-    dtype: str
-    device: int
-    copied: bool  # the bytes are complete (markers agree; host copies: the CRC holds)
-    stats: tuple[float, ...] | None
-    reason: str  # why the bytes are not complete
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """One storage of a salvaged call: its bytes, or why not and its statistics."""
-
-    data: bytes | memoryview | None
-    source: Source
-    stats: Stats | None = None
-    note: str = ""
-    static: bool = False  # the bytes came from the static region
-    digests: Any = None  # of `data` (a pair, or kdump.bundle.store.Pieces), where already known
-
-
-class Region:
-    """A static region read back after the process (salvage). Use `read_region`."""
-
-    def __init__(self, path: Path, raw: mmap.mmap) -> None:
-        self.path = path
-        self._raw = raw
-        self._view = memoryview(raw)
-        n = len(raw)
-        if n < _HEADER.size + 4 or raw[:8] != REGION_MAGIC:
-            raise JournalError(f"{path}: not a kdump static region")
-        _, version, count, table, data_offset, capacity, _pid = _HEADER.unpack_from(raw)
-        (crc,) = struct.unpack_from("<I", raw, _HEADER.size)
-        if crc != zlib.crc32(raw[: _HEADER.size]):
-            raise JournalError(f"{path}: static region header checksum mismatch")
-        if version != REGION_VERSION:
-            raise JournalError(f"{path}: static region version {version} is not supported")
-        if table + count * ENTRY_BYTES > n or data_offset + capacity > n:
-            raise JournalError(f"{path}: static region is truncated")
-        self.table, self.count = table, count
-        self.entries = [e for e in (self._entry(i) for i in range(count)) if e is not None]
-        self._by_index = {e.index: e for e in self.entries}
-        # One salvage writes a bundle per call, and each names the same weights: their bytes
-        # are copied and hashed once (keyed by span and lazy bits), and a blob the first
-        # bundle's check read back from the shared store is not read again.
-        self._shared: dict[tuple[int, int, str], tuple[Any, Any]] = {}
-        self.verified: set[str] = set()
-
-    def _entry(self, i: int) -> EntryRecord | None:
-        raw = self._raw
-        base = self.table + i * ENTRY_BYTES
-        if raw[base : base + 4] != ENTRY_MAGIC:
-            return None
-        fields = _ENTRY.unpack_from(raw, base)
-        (crc,) = struct.unpack_from("<I", raw, base + _AT_CRC)
-        if crc != zlib.crc32(raw[base : base + _ENTRY.size]):
-            return None
-        _, flags, seq, offset, nbytes, ptr, snb, span, version, dti, dev = fields
-        pre, post = struct.unpack_from("<QQ", raw, base + _AT_PRE)
-        (data_crc,) = struct.unpack_from("<I", raw, base + _AT_DATA_CRC)
-        copied, reason = False, ""
-        if not flags & FLAG_DATA:
-            reason = "over the static region's budget"
-        elif offset + nbytes > len(raw):
-            reason = "static entry lies outside the region"
-        elif pre != seq or post != seq:
-            reason = "static copy was in flight"
-        elif flags & FLAG_HOST and zlib.crc32(self._view[offset : offset + nbytes]) != data_crc:
-            reason = "static copy is torn (checksum mismatch)"
-        else:
-            copied = True
-        stats = None
-        (mark,) = struct.unpack_from("<d", raw, base + _AT_STATS_MARK)
-        if flags & FLAG_STATS and mark == float(seq) and dti < len(_DTYPES):
-            stats = struct.unpack_from("<5d", raw, base + _AT_STATS)
-        dtype = _DTYPES[dti] if dti < len(_DTYPES) else ""
-        return EntryRecord(
-            i, flags, seq, offset, nbytes, ptr, snb, span, version, dtype, dev, copied, stats,
-            reason,
-        )  # fmt: skip
-
-    def _stats(self, e: EntryRecord) -> Stats | None:
-        if e.stats is None:
-            return None
-        checksum = ""
-        if e.flags & FLAG_HOST:  # host entries: the CRC of the bytes at record time
-            at = self.table + e.index * ENTRY_BYTES + _AT_DATA_CRC
-            checksum = f"crc32:{struct.unpack_from('<I', self._raw, at)[0]:08x}"
-        return decode_stats(e.dtype, e.stats, checksum)
-
-    def resolve(self, s: dict[str, Any]) -> Resolved | None:
-        """What the region holds for storage `s` of a slot: None when it names no static entry
-        and no complete entry holds its (storage, version)."""
-        ref = s.get("static")
-        if isinstance(ref, dict) and "entry" in ref:
-            e = self._by_index.get(int(ref["entry"]))
-            if e is None or e.seq != ref.get("seq"):
-                why = "static entry was overwritten by a later version"
-                return Resolved(None, Source.BY_REFERENCE, None, why, static=True)
-            return self._from_entry(e, int(ref["offset"]), int(ref["nbytes"]))
-        if not isinstance(ref, dict):
-            return None
-        # Static, but not copied at this call (first seen during capture): a copy of the same
-        # storage and version made at a later eager call holds its bytes.
-        found = self._matching(s, int(ref.get("version", -1)))
-        if found is not None:
-            return found
-        return Resolved(None, Source.BY_REFERENCE, None, str(ref.get("why", "")), static=True)
-
-    def _matching(self, s: dict[str, Any], version: int) -> Resolved | None:
-        """A complete copy of the same storage at the same version (made at a later call)."""
-        for e in reversed(self.entries):
-            lo = int(s["span_start"]) - e.span_start
-            if (
-                e.copied
-                and e.version == version
-                and e.base_ptr == int(s["base_ptr"])
-                and e.storage_nbytes == int(s["storage_nbytes"])
-                and e.device == _device_index(str(s["device"]))
-                and lo >= 0
-                and lo + int(s["span_nbytes"]) <= e.nbytes
-            ):
-                return self._from_entry(e, e.offset + lo, int(s["span_nbytes"]))
-        return None
-
-    def _from_entry(self, e: EntryRecord, offset: int, n: int) -> Resolved:
-        if e.copied and e.offset <= offset and offset + n <= e.offset + e.nbytes:
-            return Resolved(self._view[offset : offset + n], Source.BLOB, static=True)
-        return Resolved(None, Source.BY_REFERENCE, self._stats(e), e.reason, static=True)
-
-    def shared_bytes(self, data: memoryview, lazy: dict | None) -> tuple[Any, Any]:
-        """The uint8 tensor of a static span (lazy bits applied) and its digests (per piece for
-        a span larger than the piece size: `kdump.bundle.store.span_digests`), made once."""
-        key = (_address(data), len(data), json.dumps(lazy, sort_keys=True) if lazy else "")
-        got = self._shared.get(key)
-        if got is None:
-            from kdump.bundle.store import span_digests
-
-            t = resolve_lazy(private_bytes(data), lazy)
-            got = self._shared[key] = (t, span_digests(memoryview(t.numpy())))
-        return got
-
-    def close(self) -> None:
-        self._shared.clear()
-        try:
-            self._view.release()
-            self._raw.close()
-        except BufferError:  # a slice is still held; the mapping goes with it
-            pass
-
-
-def private_bytes(data: Any) -> Any:
-    """A private uint8 CPU tensor of `data`'s bytes (torch.frombuffer refuses an empty buffer:
-    a call that touched no row, a zero-size tensor)."""
-    import torch
-
-    if not len(data):
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def _address(v: memoryview) -> int:
-    """Where a (read-only) buffer's bytes start."""
-    import numpy as np
-
-    return int(np.frombuffer(v, dtype=np.uint8).ctypes.data) if len(v) else 0
-
-
-def read_region(journal: str | os.PathLike[str]) -> Region | None:
-    """The static region next to `journal` (None: there is none, or it is unreadable, logged)."""
-    path = region_path(Path(journal))
-    try:
-        with open(path, "rb") as f:
-            raw = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError):
-        return None
-    try:
-        return Region(path, raw)
-    except JournalError as exc:
-        raw.close()
-        log.warning("kdump: %s", exc)
-        return None
-
-
-def salvaged_storage(s: dict[str, Any], payload: bytes | None, region: Region | None) -> Resolved:
-    """Storage `s` of a complete slot as the bundle gets it: the slot's payload, else the static
-    region's copy, else by reference (with statistics when the region has them) or missing; the
-    lazy conj / neg bits applied to the bytes."""
-    got = None
-    ref = s.get("static")
-    if payload is not None:
-        got = Resolved(payload, Source.BLOB)
-    elif region is not None:
-        got = region.resolve(s)
-    elif isinstance(ref, dict):  # static, and no region was made (or it is gone)
-        why = str(ref.get("why") or "the static region is missing")
-        got = Resolved(None, Source.BY_REFERENCE, None, why, static=True)
-    if got is None:
-        return Resolved(None, Source.MISSING)
-    if got.data is None:
-        return got
-    if got.static and region is not None and isinstance(got.data, memoryview):
-        data, digests = region.shared_bytes(got.data, s.get("lazy"))
-        return Resolved(data, got.source, got.stats, got.note, got.static, digests)
-    data = resolve_lazy(private_bytes(got.data), s.get("lazy"))
-    return Resolved(data, got.source, got.stats, got.note, got.static)
