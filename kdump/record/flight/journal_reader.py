@@ -12,20 +12,8 @@ import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from kdump.format import journal as layout
 from kdump.format.journal import (
-    CALL_RECORD_BYTES,
-    MAX_PROCESS_JSON,
-    PAGE,
-    REFILL_MAGIC,
-    SLOT_CRC,
-    SLOT_FIXED,
-    SLOT_HEAD,
-    SLOT_MAGIC,
-    TABLE_ENTRY,
-    TRAILER,
-    TRAILER_FLAG_DEVICE,
-    TRAILER_FLAG_PAYLOAD_CRC,
-    TRAILER_MAGIC,
     JournalContents,
     JournalError,
     SlotMeta,
@@ -69,7 +57,7 @@ def read_pid(path: str | os.PathLike[str]) -> int:
     p = Path(path)
     try:
         with open(p, "rb") as f:
-            raw = f.read(PAGE + MAX_PROCESS_JSON)
+            raw = f.read(layout.PAGE + layout.MAX_PROCESS_JSON)
     except OSError as exc:
         raise JournalError(f"{p}: cannot read ({exc.strerror}); give a journal file or folder")
     return parse_file_header(raw, p, whole=False).pid
@@ -94,10 +82,10 @@ def read_slot(raw: bytes, base: int, slot_bytes: int, index: int, version: int) 
         if base >= len(raw) or not any(raw[base:]):
             return SlotRecord(index, SlotState.TORN, reason="file truncated before this slot")
         return SlotRecord(index, SlotState.TORN, reason="file truncated inside this slot")
-    fixed = raw[base : base + SLOT_FIXED.size]
-    magic, _, seq = SLOT_FIXED.unpack(fixed)[:3]
-    t = base + slot_bytes - TRAILER.size
-    if magic != SLOT_MAGIC:
+    fixed = raw[base : base + layout.SLOT_FIXED.size]
+    magic, _, seq = layout.SLOT_FIXED.unpack(fixed)[:3]
+    t = base + slot_bytes - layout.TRAILER.size
+    if magic != layout.SLOT_MAGIC:
         if magic == bytes(4) and raw[t : t + 4] == bytes(4):
             return SlotRecord(index, SlotState.EMPTY)
         return SlotRecord(index, SlotState.TORN, reason="slot header has no valid magic")
@@ -112,21 +100,23 @@ def _read_body(raw: bytes, base: int, slot_bytes: int, fixed: bytes, version: in
     """The slot's header checked against its CRC, its JSON parsed and its payload table checked
     (SlotTorn: why not)."""
     (_, flags, _, call_index, target_id, k, stream, capture, graph, replay, jlen) = (
-        SLOT_FIXED.unpack(fixed)
+        layout.SLOT_FIXED.unpack(fixed)
     )
-    body_end = SLOT_HEAD + 16 * k + jlen
-    if k > slot_bytes // 16 or body_end > slot_bytes - TRAILER.size:
+    body_end = layout.SLOT_HEAD + 16 * k + jlen
+    if k > slot_bytes // 16 or body_end > slot_bytes - layout.TRAILER.size:
         raise SlotTorn("slot header lengths run past the slot")
-    (hcrc,) = SLOT_CRC.unpack_from(raw, base + SLOT_FIXED.size)
-    body = raw[base + SLOT_HEAD : base + body_end]
+    (hcrc,) = layout.SLOT_CRC.unpack_from(raw, base + layout.SLOT_FIXED.size)
+    body = raw[base + layout.SLOT_HEAD : base + body_end]
     if hcrc != zlib.crc32(body, zlib.crc32(fixed)):
         raise SlotTorn("slot header checksum mismatch")
-    spans = [TABLE_ENTRY.unpack_from(body, 16 * j) for j in range(k)]
+    spans = [layout.TABLE_ENTRY.unpack_from(body, 16 * j) for j in range(k)]
     ids = (stream, capture, graph, replay)
     meta, present = parse_meta(body[16 * k :], flags, call_index, target_id, k, ids)
     if meta.outputs and version < 4:
         raise SlotTorn(f"a version-{version} slot names outputs")
-    check_spans(spans, present, meta, body_end, slot_bytes - TRAILER.size - CALL_RECORD_BYTES)
+    check_spans(
+        spans, present, meta, body_end, slot_bytes - layout.TRAILER.size - layout.CALL_RECORD_BYTES
+    )
     n_in = len(meta.storages)
     placed_all = [(int(o), int(n)) if ok else None for (o, n), ok in zip(spans, present)]
     outs = tuple(
@@ -139,28 +129,28 @@ def _with_trailer(
     raw: bytes, base: int, t: int, index: int, seq: int, b: _Body, version: int
 ) -> SlotRecord:
     """The slot's state from its trailer (at offset `t` of `raw`), given its checked body."""
-    tmagic, tflags, tseq, tcrc, pre, post, done, out = TRAILER.unpack_from(raw, t)
+    tmagic, tflags, tseq, tcrc, pre, post, done, out = layout.TRAILER.unpack_from(raw, t)
     meta = b.meta
-    if tmagic == REFILL_MAGIC:
+    if tmagic == layout.REFILL_MAGIC:
         if tseq == seq and tflags == 0 and tcrc == 0 and not (pre or post or done or out):
             return SlotRecord(
                 index, SlotState.IN_FLIGHT, seq=seq, meta=meta, spans=b.placed, output_bytes=b.outs
             )
         return SlotRecord(index, SlotState.TORN, seq=seq, reason="refill began over this call")
-    if tmagic != TRAILER_MAGIC:
+    if tmagic != layout.TRAILER_MAGIC:
         return SlotRecord(index, SlotState.TORN, seq=seq, reason="trailer is damaged")
     if tseq != seq:
         return SlotRecord(index, SlotState.TORN, seq=seq, reason="trailer seq differs")
-    known = TRAILER_FLAG_PAYLOAD_CRC | TRAILER_FLAG_DEVICE
+    known = layout.TRAILER_FLAG_PAYLOAD_CRC | layout.TRAILER_FLAG_DEVICE
     # version 3 kept the `out` marker's bytes zero too
-    pad = raw[t + 20 : t + 24] + raw[t + (48 if version < 4 else 56) : t + TRAILER.size]
+    pad = raw[t + 20 : t + 24] + raw[t + (48 if version < 4 else 56) : t + layout.TRAILER.size]
     if out and not meta.outputs:  # only a slot with outputs has an `out` marker
         pad += b"\x01"
     if tflags & ~known or any(pad) or tflags == known:
         return SlotRecord(index, SlotState.TORN, seq=seq, reason="trailer has unknown bits set")
     n_in = len(meta.storages)
     crc = zlib.crc32(raw[base : base + b.end])
-    if tflags & TRAILER_FLAG_PAYLOAD_CRC:  # the storages' payloads (outputs come later)
+    if tflags & layout.TRAILER_FLAG_PAYLOAD_CRC:  # the storages' payloads (outputs come later)
         for (off, n), ok in zip(b.spans[:n_in], b.present):
             if ok:
                 crc = zlib.crc32(raw[base + off : base + off + n], crc)
@@ -174,7 +164,7 @@ def _with_trailer(
         token=post,
         spans=b.placed,
         markers=(pre, post, done),
-        call_record=raw[t - CALL_RECORD_BYTES : t],
+        call_record=raw[t - layout.CALL_RECORD_BYTES : t],
         output_bytes=b.outs,
         out_marker=out,
     )
