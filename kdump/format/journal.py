@@ -166,8 +166,10 @@ class SlotMeta:
     names: list[str] | None = None
     args: list[Any] = field(default_factory=list)  # argument trees (kdump.bundle.argtree)
     kwargs: dict[str, Any] = field(default_factory=dict)
-    storages: list[dict[str, Any]] = field(default_factory=list)  # StorageRecord fields
-    tensors: list[dict[str, Any]] = field(default_factory=list)  # TensorRecord fields
+    # kdump.format.records' storage_layout_json each (and the static region's keys: version,
+    # static, lazy); tensor_json(nbytes=True) each
+    storages: list[dict[str, Any]] = field(default_factory=list)
+    tensors: list[dict[str, Any]] = field(default_factory=list)
     stream: int = 0
     capture_id: int = 0
     graph_id: int = 0
