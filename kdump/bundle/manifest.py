@@ -178,6 +178,18 @@ def manifest_maker(
     return make_manifest
 
 
+def blob_alignments(calls: Sequence[CallEntry]) -> dict[str, int]:
+    """Each blob the calls' storages name, in order of first use, with the alignment it is
+    written at: that of the first storage using it, offset by where it begins in that storage's
+    span (pieces lie back to back, as written)."""
+    aligns: dict[str, int] = {}
+    for c in calls:
+        for st in (*c.storages, *(c.outputs.storages if c.outputs else ())):
+            for sha, begin, _ in st.piece_spans():
+                aligns.setdefault(sha, (st.alignment + begin) % ALIGN_MOD)
+    return aligns
+
+
 def header_bound(
     views: Sequence[memoryview], make_manifest: Callable[[Sequence[Digests]], dict[str, Any]]
 ) -> int:
@@ -253,6 +265,18 @@ def header_for(
     return raw, layout, offset
 
 
+# ---------------------------------------------------------------------------------------------
+# The header template: a bundle's header with a hole in place of every value that changes between
+# calls of one signature. Its holes are numbered once, here: 0 the creation time, 1 the env,
+# 2 the info, then the SHA-256 name and the fast check of each distinct blob (`sha_hole`,
+# `fast_hole`), then per call (from `calls_hole`) its args, kwargs, meta and return value, then
+# per captured part (inputs, outputs) each storage's base address and each tensor's address.
+# `template_fills` lists the values in that order and `build_template` puts a token there.
+
+CREATED_HOLE, ENV_HOLE, INFO_HOLE = 0, 1, 2
+CALL_HOLES = 4  # args, kwargs, meta, returned
+
+
 def _encoder() -> Callable[[Any], str]:
     """What json.dumps(value, separators=(",", ":")) gives (the manifest's encoding), with the
     encoder made once: json.dumps makes one per call when given options, which costs more than
@@ -275,6 +299,14 @@ def _encoder() -> Callable[[Any], str]:
 encode_json = _encoder()
 
 
+def escaped(text: str) -> str:
+    """JSON text as it appears inside the manifest string: what json.dumps(text)[1:-1] gives.
+    JSON escapes one character at a time, so the pieces of a string escape to the pieces of its
+    escape; and text from the encoder is ASCII without control characters (it escapes those),
+    so a backslash and a quote are all there is to escape."""
+    return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
 @dataclass(frozen=True)
 class Template:
     """The header as a format string: field k < holes is hole k's fill (inside the manifest
@@ -285,70 +317,10 @@ class Template:
     outside: tuple[int, ...]
 
 
-class RepeatForm:
-    """A one-call header as a format string whose fields are the creation time, each blob's
-    (sha, fast) digests in the header's order, the call's meta (JSON text) and the blob names
-    again for the safetensors entries (`HeaderCache.repeat_form`); split once into its literal
-    pieces (str.format parses the whole header again on every call)."""
-
-    def __init__(self, form: str, blobs: int) -> None:
-        self.form = form
-        self.blobs = blobs
-        pieces = [""]
-        fields: list[int] = []
-        for literal, field, spec, conv in string.Formatter().parse(form):
-            pieces[-1] += literal  # with "{{" and "}}" made single
-            if field is not None:
-                if spec or conv or not field.isdigit():
-                    raise ValueError(f"not a plain field: {field!r}")
-                fields.append(int(field))
-                pieces.append("")
-        self._pieces = tuple(pieces)
-        self._fields = tuple(fields)
-
-    def render(self, created: str, digests: Sequence[Digests], meta: str) -> bytes:
-        """The padded header; `meta` is the meta's JSON text as the manifest string holds it
-        (escaped: `escaped`)."""
-        out = self.text(created, digests, meta)
-        return out + b" " * (-(8 + len(out)) % 8)
-
-    def text(self, created: str, digests: Sequence[Digests], meta: str) -> bytes:
-        """The header without its padding."""
-        fills = [f'\\"{created}\\"']
-        for sha, fast in digests:
-            fills += (f'\\"{sha}\\"', f'\\"{fast}\\"')
-        fills.append(meta)
-        fills += (sha for sha, _ in digests)
-        pieces = self._pieces
-        parts = [pieces[0]]
-        for k, field in enumerate(self._fields):
-            parts += (fills[field], pieces[k + 1])
-        return "".join(parts).encode("ascii")
-
-
 def render(tpl: Template, fills: Sequence[str]) -> bytes:
+    """The padded header a template gives with `fills` (`template_fills`) in its holes."""
     out = tpl.form.format(*fills, *(fills[k][2:-2] for k in tpl.outside)).encode("ascii")
     return out + b" " * (-(8 + len(out)) % 8)
-
-
-def escaped(text: str) -> str:
-    """JSON text as it appears inside the manifest string: what json.dumps(text)[1:-1] gives.
-    JSON escapes one character at a time, so the pieces of a string escape to the pieces of its
-    escape; and text from the encoder is ASCII without control characters (it escapes those),
-    so a backslash and a quote are all there is to escape."""
-    return text.replace("\\", "\\\\").replace('"', '\\"')
-
-
-# ---------------------------------------------------------------------------------------------
-# The header template: a bundle's header with a hole in place of every value that changes between
-# calls of one signature. Its holes are numbered once, here: 0 the creation time, 1 the env,
-# 2 the info, then the SHA-256 name and the fast check of each distinct blob (`sha_hole`,
-# `fast_hole`), then per call (from `calls_hole`) its args, kwargs, meta and return value, then
-# per captured part (inputs, outputs) each storage's base address and each tensor's address.
-# `template_fills` lists the values in that order and `build_template` puts a token there.
-
-CREATED_HOLE, ENV_HOLE, INFO_HOLE = 0, 1, 2
-CALL_HOLES = 4  # args, kwargs, meta, returned
 
 
 def sha_hole(u: int) -> int:
@@ -488,6 +460,47 @@ def _split_at_tokens(text: str, nonce: str, holes: int) -> Template:
     return Template("".join(parts), tuple(outside))
 
 
+class RepeatForm:
+    """A one-call header as a format string whose fields are the creation time, each blob's
+    (sha, fast) digests in the header's order, the call's meta (JSON text) and the blob names
+    again for the safetensors entries (`HeaderCache.repeat_form`); split once into its literal
+    pieces (str.format parses the whole header again on every call)."""
+
+    def __init__(self, form: str, blobs: int) -> None:
+        self.form = form
+        self.blobs = blobs
+        pieces = [""]
+        fields: list[int] = []
+        for literal, field, spec, conv in string.Formatter().parse(form):
+            pieces[-1] += literal  # with "{{" and "}}" made single
+            if field is not None:
+                if spec or conv or not field.isdigit():
+                    raise ValueError(f"not a plain field: {field!r}")
+                fields.append(int(field))
+                pieces.append("")
+        self._pieces = tuple(pieces)
+        self._fields = tuple(fields)
+
+    def render(self, created: str, digests: Sequence[Digests], meta: str) -> bytes:
+        """The padded header; `meta` is the meta's JSON text as the manifest string holds it
+        (escaped: `escaped`)."""
+        out = self.text(created, digests, meta)
+        return out + b" " * (-(8 + len(out)) % 8)
+
+    def text(self, created: str, digests: Sequence[Digests], meta: str) -> bytes:
+        """The header without its padding."""
+        fills = [f'\\"{created}\\"']
+        for sha, fast in digests:
+            fills += (f'\\"{sha}\\"', f'\\"{fast}\\"')
+        fills.append(meta)
+        fills += (sha for sha, _ in digests)
+        pieces = self._pieces
+        parts = [pieces[0]]
+        for k, field in enumerate(self._fields):
+            parts += (fills[field], pieces[k + 1])
+        return "".join(parts).encode("ascii")
+
+
 def repeat_form(tpl: Template, fills: list[str], blobs: int) -> tuple[RepeatForm, str] | None:
     """The template of a one-call header with every fill but the creation time, the blob digests
     and the call's meta put in: what an exact repeat of that call (same arguments, tensors,
@@ -518,15 +531,3 @@ def repeat_form(tpl: Template, fills: list[str], blobs: int) -> tuple[RepeatForm
     except (IndexError, KeyError, ValueError):
         return None
     return (form, created) if same else None
-
-
-def blob_alignments(calls: Sequence[CallEntry]) -> dict[str, int]:
-    """Each blob the calls' storages name, in order of first use, with the alignment it is
-    written at: that of the first storage using it, offset by where it begins in that storage's
-    span (pieces lie back to back, as written)."""
-    aligns: dict[str, int] = {}
-    for c in calls:
-        for st in (*c.storages, *(c.outputs.storages if c.outputs else ())):
-            for sha, begin, _ in st.piece_spans():
-                aligns.setdefault(sha, (st.alignment + begin) % ALIGN_MOD)
-    return aligns
