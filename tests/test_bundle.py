@@ -24,10 +24,10 @@ from kdump.bundle import (
     pack,
     save_calls,
 )
-from kdump.bundle.argtree import Opaque, RecordedEnum
 from kdump.bundle.store import blob_digests, fast_checksum
 from kdump.errors import BundleError, KdumpError
 from kdump.errors import BundleErrorKind as K
+from kdump.format.argtree import Opaque, RecordedEnum
 from kdump.format.records import ALIGN_MOD, FORMAT_VERSION, PAD_PREFIX, Checksum
 
 GEN = torch.Generator().manual_seed(99)

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdump.bundle import argtree, load_bundle
+from kdump.bundle import load_bundle
 from kdump.bundle.tensors import group_storages
+from kdump.format import argtree
 from kdump.format.journal import CALL_RECORD_BYTES, SlotMeta
 from kdump.format.records import Source
 from kdump.kernels import registry

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdump.bundle import argtree, load_bundle
+from kdump.bundle import load_bundle
 from kdump.bundle.tensors import group_storages
+from kdump.format import argtree
 from kdump.format.journal import CALL_RECORD_BYTES, TRAILER_BYTES, SlotMeta, SlotState
 from kdump.format.records import storage_layout_json, tensor_json
 from kdump.record.flight import devring, gather

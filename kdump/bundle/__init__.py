@@ -23,9 +23,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from kdump.bundle import argtree
 from kdump.bundle.reader import Bundle, Call, MaterializedCall, iter_bundles, load_bundle
 from kdump.bundle.store import BlobStore, atomic_write
+from kdump.format import argtree
 from kdump.format.records import (
     FORMAT_VERSION,
     SUPPORTED_VERSIONS,

@@ -12,10 +12,11 @@ from typing import Any, Protocol
 
 import torch
 
-from kdump.bundle import argtree, bytecmp
+from kdump.bundle import bytecmp
 from kdump.bundle.fileio import cpu_view
 from kdump.bundle.staging import same_as_device_copies, same_on_device
 from kdump.bundle.tensors import _byte_view, _grouped
+from kdump.format import argtree
 from kdump.format.records import StorageRecord, TensorRecord
 
 

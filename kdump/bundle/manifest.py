@@ -16,12 +16,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kdump._version import __version__
-from kdump.bundle import argtree
 from kdump.bundle.capture import CallRecord, Captured
 from kdump.bundle.fileio import Digests
 from kdump.bundle.store import fast_checksum
 from kdump.errors import BundleError
 from kdump.errors import BundleErrorKind as K
+from kdump.format import argtree
 from kdump.format.records import (
     ALIGN_MOD,
     ALIGNED_BLOB_MIN,

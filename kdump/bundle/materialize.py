@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from kdump.bundle.tensors import dtype_from_name
 from kdump.errors import BundleError, CannotRunError
+from kdump.format.dtypes import dtype_from_name
 from kdump.format.records import ALIGN_MOD, PREFIX_LIMIT, StorageRecord, TensorRecord
 
 # Elements drawn per step when re-creating a storage from its statistics: the temporaries of one

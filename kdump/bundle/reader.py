@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from kdump.bundle import argtree
 from kdump.bundle.store import BlobStore, can_check, hasher, pool, submit_or_run
 from kdump.errors import BundleError
 from kdump.errors import BundleErrorKind as K
+from kdump.format import argtree
 from kdump.format.parse import parse_header, parse_manifest, read_header
 from kdump.format.records import (
     ALIGN_MOD,

@@ -16,34 +16,17 @@ from collections.abc import Sequence
 import torch
 
 from kdump.errors import BundleError
+from kdump.format.dtypes import dtype_name, torch_dtypes
 from kdump.format.records import (
-    DTYPE_SIZES,
     StorageRecord,
     TensorRecord,
     view_byte_extent,
 )
 
-# Every dtype a bundle may hold that this torch has, by its stable name in the format.
-DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in DTYPE_SIZES
-    if isinstance(getattr(torch, name, None), torch.dtype)
-}
+# Every dtype a bundle may hold that this torch has, by its stable name in the format (the one
+# table is kdump.format.dtypes').
+DTYPES: dict[str, torch.dtype] = torch_dtypes()
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return DTYPE_NAMES[dtype]
-    except KeyError:
-        raise BundleError(f"dtype {dtype} is not supported by the kdump format") from None
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except (KeyError, TypeError):
-        raise BundleError(f"unknown dtype {name!r} in bundle (this kdump knows {sorted(DTYPES)})")
 
 
 def _byte_view(t: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:

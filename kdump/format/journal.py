@@ -164,7 +164,7 @@ class SlotMeta:
     target_id: int = 0
     called_as: str = ""
     names: list[str] | None = None
-    args: list[Any] = field(default_factory=list)  # argument trees (kdump.bundle.argtree)
+    args: list[Any] = field(default_factory=list)  # argument trees (kdump.format.argtree)
     kwargs: dict[str, Any] = field(default_factory=dict)
     # kdump.format.records' storage_layout_json each (and the static region's keys: version,
     # static, lazy); tensor_json(nbytes=True) each

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from kdump.bundle import argtree
 from kdump.errors import BundleError
 from kdump.errors import BundleErrorKind as K
+from kdump.format import argtree
 from kdump.format.records import (
     ALIGN_MOD,
     DTYPE_SIZES,

@@ -52,7 +52,7 @@ def dump_call(
             "trigger": "dump_call",
             "library_state": envinfo.library_state(),
         }
-        from kdump.bundle import argtree
+        from kdump.format import argtree
 
         with own_tensor_work():
             tensors = argtree.tensors_in(args, kwargs)

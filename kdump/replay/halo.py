@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kdump.bundle.materialize import Allocation
-from kdump.bundle.tensors import dtype_from_name
+from kdump.format.dtypes import dtype_from_name
 from kdump.format.records import TensorRecord
 
 FLOAT_FILL = 0xFF

@@ -18,7 +18,7 @@ import torch
 
 from kdump.bundle import MaterializedCall
 from kdump.bundle.materialize import Allocation
-from kdump.bundle.tensors import dtype_from_name
+from kdump.format.dtypes import dtype_from_name
 from kdump.format.records import TensorRecord
 from kdump.replay import halo
 from kdump.replay.compare import _as_int, _expand_mask, default_tolerance

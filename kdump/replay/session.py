@@ -592,7 +592,7 @@ class Session:
 def _same_tree(got: Any, rec: Any, path: str, problems: list[str], options: Any) -> bool:
     """Compare a live return value with the decoded recorded one, appending what differs to
     `problems`; True when everything is bit-identical."""
-    from kdump.bundle.argtree import Opaque, RecordedEnum
+    from kdump.format.argtree import Opaque, RecordedEnum
 
     if isinstance(rec, torch.Tensor):
         if not isinstance(got, torch.Tensor):

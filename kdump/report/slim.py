@@ -307,7 +307,7 @@ def _stats(
 ) -> Stats | None:
     """min, max, mean and population std of a storage's finite recorded values (only its
     touched ranges, when known), in bounded chunks; None without a finite value."""
-    from kdump.bundle.tensors import dtype_from_name
+    from kdump.format.dtypes import dtype_from_name
 
     dt = dtype_from_name(dtype)
     size = dt.itemsize

@@ -86,8 +86,8 @@ def _cli(args: list[str]) -> tuple[int, str]:
 def exercise(path: Path, as_json: bool) -> str:
     """Load, materialise on CPU, verify, then render with `kdump info --verify`."""
     from kdump.bundle import load_bundle
-    from kdump.bundle.tensors import dtype_from_name
     from kdump.errors import KdumpError
+    from kdump.format.dtypes import dtype_from_name
 
     try:
         b = load_bundle(path)

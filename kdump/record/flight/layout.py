@@ -249,7 +249,7 @@ def _paths(
     names: Any, args_tree: list[Any], kwargs_tree: dict[str, Any], not_kept: dict[str, Any]
 ) -> list[str]:
     """The argument paths of `not_kept`'s tensor indices."""
-    from kdump.bundle import argtree
+    from kdump.format import argtree
 
     try:
         paths = argtree.tensor_paths(names, args_tree, kwargs_tree)
@@ -272,7 +272,7 @@ def tensor_roles(
     names = st.names() or ()
     by_id: dict[int, str | None] = {}
     for name, value in list(zip(names, args)) + list(kwargs.items()):
-        from kdump.bundle import argtree
+        from kdump.format import argtree
 
         for t in argtree.tensors_in(value):
             by_id.setdefault(id(t), roles.get(name))

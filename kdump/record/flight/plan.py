@@ -112,8 +112,8 @@ def plan_for(
     st: HookState, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[Any]
 ) -> tuple[Any, Any]:
     """The spec's touch declaration turned into a gather plan (kdump.record.flight.gather)."""
-    from kdump.bundle import argtree
     from kdump.bundle.tensors import group_storages
+    from kdump.format import argtree
     from kdump.kernels import registry
     from kdump.record.flight import gather
 

@@ -277,10 +277,10 @@ class RingRecorder:
     ) -> Callable[[], None] | None:
         """The full path: encode the arguments, take the signature's layout (`Layout`), the
         static operands, the device copy plan and the capture site, reserve the slot, learn the
-        repeat (`_learn`) and start the copies (`_copy`)."""
+        repeat (`_learn`) and start the copies (`_host_copy`, `_device_copy`)."""
         import torch
 
-        from kdump.bundle import argtree
+        from kdump.format import argtree
 
         with torch._C.DisableTorchFunctionSubclass():
             tensors: list[Any] = []

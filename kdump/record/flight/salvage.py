@@ -507,7 +507,7 @@ def torch_equal(a: Any, b: Any) -> bool:
 
 def _not_kept(call: Any, meta: Any, tensors: list[int], rec: SlotRecord) -> None:
     """Add output tensors the slot could not place to `meta["outputs_not_kept"]`."""
-    from kdump.bundle import argtree
+    from kdump.format import argtree
 
     paths = argtree.tensor_paths(meta.names, meta.args, meta.kwargs)
     said = call.meta.get("outputs_not_kept")

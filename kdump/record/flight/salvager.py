@@ -371,9 +371,7 @@ class Started:
 
 
 def _kdump_pythonpath(env: Mapping[str, str]) -> str:
-    import kdump
-
-    root = str(Path(kdump.__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[3])  # the folder holding the kdump package
     old = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     return os.pathsep.join([root, *old])
 

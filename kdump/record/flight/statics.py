@@ -144,7 +144,7 @@ def stats_dtype(dtype: Any) -> str:
     """The element type statistics are over: complex values count as their real components."""
     import torch
 
-    from kdump.bundle.tensors import dtype_name
+    from kdump.format.dtypes import dtype_name
 
     return "float32" if dtype == torch.complex64 else dtype_name(dtype)
 
@@ -206,7 +206,7 @@ def lazy_bits(
         t = tensors[f]
         conj, neg = bool(t.is_conj()), bool(t.is_neg())
         if conj or neg:
-            from kdump.bundle.tensors import dtype_name
+            from kdump.format.dtypes import dtype_name
 
             out[i] = {"dtype": dtype_name(t.dtype), "conj": conj, "neg": neg}
     return out
@@ -224,7 +224,7 @@ def resolve_lazy(data: Any, lazy: dict | None) -> Any:
     """The values the kernel saw, from raw span bytes (a CPU uint8 tensor, changed in place)."""
     if not lazy:
         return data
-    from kdump.bundle.tensors import dtype_from_name
+    from kdump.format.dtypes import dtype_from_name
 
     dtype = dtype_from_name(str(lazy.get("dtype")))
     if data.numel() % dtype.itemsize:

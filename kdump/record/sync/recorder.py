@@ -386,8 +386,8 @@ class SyncRecorder:
         sink: StoreSpool | None = None,
     ) -> tuple[Any, list[Any]]:
         """(the call's record, its live tensors in tensor-table order)."""
-        from kdump.bundle import argtree
         from kdump.bundle.capture import capture_call
+        from kdump.format import argtree
 
         tensors: list[Any] = []
         trees = argtree.encode_all([*args, *kwargs.values()], tensors)  # one walk of the args
@@ -609,7 +609,7 @@ def output_indices(
             objs.append(kwargs[w])
         elif names is not None and w in names and names.index(w) < len(args):
             objs.append(args[names.index(w)])
-    from kdump.bundle import argtree
+    from kdump.format import argtree
 
     found = argtree.tensors_in(*objs)
     return [i for i, t in enumerate(live) if any(t is f for f in found)]

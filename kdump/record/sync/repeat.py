@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 from kdump.bundle import bytecmp
 from kdump.bundle import writer as _writer
-from kdump.bundle.argtree import LIMITS
 from kdump.bundle.capture import Captured
 from kdump.bundle.fileio import cpu_view
 from kdump.bundle.manifest import RepeatForm
@@ -29,6 +28,7 @@ from kdump.bundle.manifest import encode_json as _encode
 from kdump.bundle.manifest import escaped as _escaped
 from kdump.bundle.store import blob_digests
 from kdump.bundle.tensors import layout_facts
+from kdump.format.argtree import LIMITS
 from kdump.format.records import MAX_HEADER, Source
 from kdump.record.repeat import Seen
 

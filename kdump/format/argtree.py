@@ -148,7 +148,7 @@ def encode(value: Any, tensors: list[Any], depth: int = 0, budget: _Budget | Non
     if isinstance(value, float):
         return {"$float": repr(float(value))}
     if isinstance(value, torch.dtype):
-        from kdump.bundle.tensors import dtype_name
+        from kdump.format.dtypes import dtype_name
 
         return {"$dtype": dtype_name(value)}
     if isinstance(value, torch.device):
@@ -300,7 +300,7 @@ def _walk(
             )
         if not build:
             return None
-        from kdump.bundle.tensors import dtype_from_name
+        from kdump.format.dtypes import dtype_from_name
 
         return dtype_from_name(name)
     if "$device" in node:
