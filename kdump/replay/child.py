@@ -116,7 +116,7 @@ _FIND_SPEC = (
     "print(s.origin or '' if s is not None else '')\n"
     "sys.exit(0 if s is not None else 1)"
 )
-_origins: dict[tuple[str, tuple[str, ...]], str | None] = {}
+_origins: dict[tuple[object, ...], str | None] = {}
 
 
 def module_origin(module: str, paths: Sequence[str] = ()) -> str | None:
@@ -125,12 +125,14 @@ def module_origin(module: str, paths: Sequence[str] = ()) -> str | None:
     Python with the replay child's environment (no current folder on sys.path); only the
     top-level package is looked up, so none of the user's code runs."""
     top = module.split(".")[0]
-    key = (top, tuple(os.path.abspath(p) for p in paths))
+    folders = tuple(os.path.abspath(p) for p in paths)
+    env = child_environment(None)
+    key = (top, folders, frozenset(env.items()))  # the answer is the environment's
     if key not in _origins:
         try:
             got = subprocess.run(
-                [sys.executable, "-c", _FIND_SPEC, top, *key[1]],
-                env=child_environment(None),
+                [sys.executable, "-c", _FIND_SPEC, top, *folders],
+                env=env,
                 capture_output=True,
                 text=True,
                 timeout=60,
