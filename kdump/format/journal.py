@@ -136,7 +136,12 @@ FLAG_AFTER_KERNEL = 1
 FLAG_MISSING = 2
 TRAILER_FLAG_PAYLOAD_CRC = 1
 TRAILER_FLAG_DEVICE = 2
-CALL_RECORD_BYTES = 64  # before the trailer: the device snapshot's call record (devring)
+# Before the trailer: the device snapshot's call record (snapshot.cu's Record, whose size the
+# kernel is given as a -D flag): magic, rows, seq, token, pos, done_blocks, row_counter, complete,
+# call_index, head_after. The one definition of its layout.
+CALL_RECORD = struct.Struct("<IIQQQIIQQQ")
+CALL_RECORD_BYTES = CALL_RECORD.size  # 64
+CALL_RECORD_COMPLETE_AT = struct.calcsize("<IIQQQII")  # 40: `complete`, the token once it ran
 
 
 class JournalError(UsageError):

@@ -37,14 +37,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from kdump.cuda import nvrtc
-from kdump.format.journal import CALL_RECORD_BYTES, MARKER_AT, TRAILER_BYTES
+from kdump.format.journal import (
+    CALL_RECORD_BYTES,
+    CALL_RECORD_COMPLETE_AT,
+    MARKER_AT,
+    TRAILER_BYTES,
+)
 from kdump.log import log_once
 from kdump.record.flight import cudrv, gather, pinned
 from kdump.record.flight.devbatch import HostBatches
 from kdump.record.flight.devring import DeviceTier, DeviceTierError
 from kdump.record.flight.journal import Journal, Slot
 
-RECORD_COMPLETE_AT = 40  # the call record's `complete` word: the token, once the snapshot ran
+RECORD_COMPLETE_AT = CALL_RECORD_COMPLETE_AT  # the call record's `complete` word
 _TRAILER_BYTES = TRAILER_BYTES
 _PRE_AT, _POST_AT, _DONE_AT = MARKER_AT["pre"], MARKER_AT["post"], MARKER_AT["done"]
 _OUT_AT = MARKER_AT["out"]
@@ -153,7 +158,7 @@ class DeviceCopies(HostBatches):
         self.mark: Any = None  # kd_mark: the done marker as a kernel node (else a memcpy)
         self.marks: Any = None  # kd_marks: a batch's `post` markers (else a memcpy each)
         self.kernel_note = ""
-        self._smem = 0  # kd_snapshot's dynamic shared memory (gather.smem_bytes)
+        self._smem = 0  # kd_snapshot's dynamic shared memory (gather.SMEM_BYTES)
         self._resident = 0  # kd_snapshot blocks the device holds at once (0: unknown)
         if self.tier is not None:
             try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import importlib.resources
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from typing import Any, NamedTuple
 
 from kdump import config
 from kdump.errors import InternalError
+from kdump.format.journal import CALL_RECORD_BYTES
 
 SOURCE_NAME = "snapshot.cu"
 KERNEL = "kd_snapshot"
@@ -83,8 +85,10 @@ OVERLAP_STAGES = 3
 BUF_WORDS = max(BULK_WARPS * BULK_STAGES * BULK_STAGE // 4, STAGE_WORDS)
 RULES = {"all": 0, "labels": 1, "masked": 2, "psum": 3}
 RECORD_HEAD = 16  # u32 row index, 12 zero bytes
-SLOT_HEAD = 64  # SlotHead in snapshot.cu
-CALL_RECORD = 64  # Record in snapshot.cu
+# A device ring slot's header (snapshot.cu's SlotHead, sized by -D): the call record's fields.
+SLOT_HEADER = struct.Struct("<IIQQQIIQQQ")
+SLOT_HEAD = SLOT_HEADER.size  # 64
+CALL_RECORD = CALL_RECORD_BYTES  # Record in snapshot.cu (kdump.format.journal's layout)
 SLOT_MAGIC = 0x5352444B  # "KDRS": a device ring slot header
 RECORD_MAGIC = 0x5244444B  # "KDDR": the call record in the twin
 SLOT_ALIGN = 256

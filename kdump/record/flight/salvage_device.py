@@ -10,12 +10,17 @@ for this call's bytes.
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kdump.format.journal import CALL_RECORD_BYTES, TRAILER_BYTES, SlotRecord, SlotState
+from kdump.format.journal import (
+    CALL_RECORD,
+    CALL_RECORD_BYTES,
+    TRAILER_BYTES,
+    SlotRecord,
+    SlotState,
+)
 from kdump.record.flight import devring, gather
 from kdump.record.flight.statics_reader import private_bytes
 
@@ -31,8 +36,8 @@ def read_dumps(files: dict[int, Path]) -> dict[int, devring.Dump | str]:
     return out
 
 
-_RECORD = struct.Struct("<IIQQQIIQQQ")  # the snapshot's call record (snapshot.cu, Record)
-_SLOT_HEAD = struct.Struct("<IIQQQIIQQQ")  # a device ring slot's header (snapshot.cu, SlotHead)
+_RECORD = CALL_RECORD  # the snapshot's call record (snapshot.cu, Record)
+_SLOT_HEAD = gather.SLOT_HEADER  # a device ring slot's header (snapshot.cu, SlotHead)
 
 
 def device_rows(
