@@ -19,6 +19,7 @@ from unittest import mock
 
 import torch
 
+from kdump import config
 from kdump.bundle import attach_outputs, capture_call, pack, save_calls
 from kdump.bundle.store import BlobStore
 
@@ -37,13 +38,15 @@ def kernel(a: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, out: torch.Tenso
 
 @contextmanager
 def fixed() -> Iterator[None]:
-    """The clock, host name and process id every golden file is written under."""
+    """The clock, host name, process id, argv and (empty) recorded environment every golden
+    file is written under: CUDA_* and friends differ from machine to machine."""
     with (
         mock.patch.object(time, "time", lambda: CLOCK),
         mock.patch.object(time, "time_ns", lambda: int(CLOCK * 1e9)),
         mock.patch.object(socket, "gethostname", lambda: HOST),
         mock.patch.object(os, "getpid", lambda: PID),
         mock.patch.object(sys, "argv", ["golden"]),
+        mock.patch.object(config, "recorded_environment", lambda env=None: {}),
     ):
         yield
 
