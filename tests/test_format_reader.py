@@ -41,8 +41,8 @@ def read_container(path: Path) -> tuple[dict[str, Any], bytes, dict[str, Any]]:
     header = json.loads(raw[8 : 8 + n].decode("utf-8"))
     data = raw[8 + n :]
     manifest = json.loads(header["__metadata__"]["kdump.manifest"])
-    if manifest["format"] != "kdump" or manifest["version"] not in (1, 2, 3, 4, 5):
-        raise FormatError("not a kdump v1 to v5 manifest")
+    if manifest["format"] != "kdump" or manifest["version"] not in (1, 2, 3, 4, 5, 6):
+        raise FormatError("not a kdump v1 to v6 manifest")
     return header, data, manifest
 
 
@@ -363,7 +363,7 @@ def test_independent_reader_rejects_unknown_source(tmp_path: Path) -> None:
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + n])
     manifest = json.loads(header["__metadata__"]["kdump.manifest"])
-    assert manifest["version"] == 5 and manifest["calls"][0]["storages"][0]["source"] == "blob"
+    assert manifest["version"] == 6 and manifest["calls"][0]["storages"][0]["source"] == "blob"
     manifest["calls"][0]["storages"][0]["source"] = "compressed"
     header["__metadata__"]["kdump.manifest"] = json.dumps(manifest)
     text = json.dumps(header).encode()

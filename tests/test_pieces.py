@@ -78,7 +78,7 @@ def test_bundle_of_pieces_round_trips(tmp_path: Path, mb: int) -> None:
     rec = capture_call("m:f", args, {})
     path = save_calls(tmp_path / "b.kdump", [rec])
     header, m = _manifest(path)
-    assert m["version"] == 5
+    assert m["version"] >= 5
     st = m["calls"][0]["storages"][0]
     _check_pieces(st, big.numel() * 4)
     for sha, _ in st["pieces"]:  # each piece a blob of its own, at its place in the file

@@ -17,7 +17,7 @@ from kdump.bundle.fileio import cpu_view
 from kdump.bundle.staging import same_as_device_copies, same_on_device
 from kdump.bundle.tensors import _byte_view, _grouped
 from kdump.format import argtree
-from kdump.format.records import StorageRecord, TensorRecord
+from kdump.format.records import LaunchRecord, StorageRecord, TensorRecord
 
 
 @dataclass
@@ -347,6 +347,7 @@ class CallRecord:
     inplace: list[tuple[int, int]] = field(default_factory=list)  # (input idx, output idx)
     returned: Any = None  # encoded tree of the return value (tensors refer to outputs)
     meta: dict[str, Any] = field(default_factory=dict)
+    launch: LaunchRecord | None = None  # a JIT kernel's launch (grid, options, source hash)
 
     @property
     def nbytes(self) -> int:

@@ -30,7 +30,7 @@ from kdump.bundle.manifest import (
     template_fills,
 )
 from kdump.bundle.store import fast_checksum
-from kdump.format.records import MAX_HEADER, Source, Where
+from kdump.format.records import MAX_HEADER, Source, Where, launch_json
 
 _MISSING = object()
 
@@ -152,10 +152,12 @@ def _bundle_shape(
 
 
 def _call_shape(call: CallRecord) -> tuple[Any, ...]:
-    """What a signature holds of a call beside its records: target, names, in-place pairs."""
+    """What a signature holds of a call beside its records: target, names, in-place pairs and
+    a JIT kernel's launch record (its grid and options are not holes of the template)."""
     names = tuple(call.names) if call.names is not None else None
     inplace = tuple(call.inplace) if call.outputs is not None else None
-    return (call.target, call.called_as, names, inplace)
+    launch = None if call.launch is None else encode_json(launch_json(call.launch))
+    return (call.target, call.called_as, names, inplace, launch)
 
 
 def _signature(

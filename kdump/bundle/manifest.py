@@ -105,6 +105,7 @@ def call_entries(
                 tensors=tuple(call.inputs.tensors),
                 outputs=outputs,
                 meta=bounded_meta(call.meta),
+                launch=call.launch,
             )
         )
     return tuple(out)
@@ -420,6 +421,7 @@ def build_template(
                 inplace=call.inplace,
                 returned=holes[3],
                 meta=holes[2],  # type: ignore[arg-type]
+                launch=call.launch,
             )
         )
     sizes = [st.span_nbytes for cap in held for st in cap.storages]

@@ -72,6 +72,7 @@ class Call:
         self.called_as = entry.called_as
         self.names: list[str] | None = list(entry.names) if entry.names is not None else None
         self.meta = entry.meta
+        self.launch = entry.launch  # a JIT kernel's launch record (format version 6), or None
         self.storages: list[StorageRecord] = list(entry.storages)
         self.tensors: list[TensorRecord] = list(entry.tensors)
         out = entry.outputs

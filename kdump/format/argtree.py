@@ -9,6 +9,7 @@ Encoding (docs/FORMAT.md, "Argument tree"):
   tensor                              {"$tensor": i}       index into the call's tensor table
   torch.dtype / torch.device          {"$dtype": "bfloat16"} / {"$device": "cuda:0"}
   enum member                         {"$enum": "module.Class", "name": "X", "value": <tree>}
+  Pointer(address)                    {"$pointer": address}  a raw device address (version 6)
   anything else                       {"$opaque": "module.Class", "repr": "..."}
 Nothing is ever pickled, and decoding never imports or executes anything. Checking a tree
 (`check`) is torch-free; torch is imported only to encode live values or decode dtypes/devices.
@@ -52,6 +53,22 @@ class Opaque:
 
     cls: str
     repr: str
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """A raw address passed as an integer (another rank's symmetric memory, a pointer a Triton
+    kernel takes as an int): recorded as the number it was, marked so that a replay knows the
+    memory behind it was not recorded. Recorders wrap such integers in it; decoding gives it
+    back."""
+
+    address: int
+
+    def __int__(self) -> int:
+        return self.address
+
+
+MAX_ADDRESS = (1 << 64) - 1
 
 
 def _qualname(obj: Any) -> str:
@@ -145,6 +162,8 @@ def encode(value: Any, tensors: list[Any], depth: int = 0, budget: _Budget | Non
         }
     if isinstance(value, int):
         return int(value)
+    if isinstance(value, Pointer):
+        return {"$pointer": int(value.address) & MAX_ADDRESS}
     if isinstance(value, float):
         return {"$float": repr(float(value))}
     if isinstance(value, torch.dtype):
@@ -241,6 +260,39 @@ def tensor_paths(
     return [paths.get(i, f"tensor{i}") for i in range(max(paths, default=-1) + 1)]
 
 
+def pointer_paths(
+    names: Sequence[str] | None, args: Sequence[Any], kwargs: dict[str, Any]
+) -> list[tuple[str, int]]:
+    """(argument path, address) of every `$pointer` node in a checked call's trees."""
+    found: list[tuple[str, int]] = []
+
+    def visit(node: Any, path: str, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            return
+        if isinstance(node, list):
+            for j, v in enumerate(node):
+                visit(v, f"{path}[{j}]", depth + 1)
+        elif isinstance(node, dict):
+            if "$pointer" in node:
+                found.append((path, int(node["$pointer"])))
+            elif "$tuple" in node:
+                visit(node["$tuple"], path, depth + 1)
+            elif "$enum" in node:
+                visit(node.get("value"), path, depth + 1)
+            elif isinstance(node.get("$dict"), list):
+                for pair in node["$dict"]:
+                    if isinstance(pair, list) and len(pair) == 2:
+                        visit(pair[1], f"{path}[{str(pair[0])[:64]}]", depth + 1)
+
+    roots = [
+        (names[i] if names is not None and i < len(names) else f"args[{i}]", a)
+        for i, a in enumerate(args)
+    ]
+    for root, node in [*roots, *kwargs.items()]:
+        visit(node, root, 0)
+    return found
+
+
 def _walk(
     node: Any,
     ref: Callable[[int, str], Any],
@@ -315,6 +367,13 @@ def _walk(
     if "$enum" in node:
         value = _walk(node.get("value"), ref, build, depth + 1, path, budget)
         return RecordedEnum(str(node["$enum"]), str(node.get("name")), value)
+    if "$pointer" in node:
+        address = node["$pointer"]
+        if not isinstance(address, int) or isinstance(address, bool):
+            raise BundleError("argument tree: $pointer is not an integer", K.SCHEMA)
+        if not 0 <= address <= MAX_ADDRESS:
+            raise BundleError("argument tree: $pointer is outside [0, 2^64)", K.SCHEMA)
+        return Pointer(address)
     if "$opaque" in node:
         return Opaque(str(node["$opaque"]), str(node.get("repr", "")))
     raise BundleError(

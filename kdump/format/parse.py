@@ -18,7 +18,9 @@ from kdump.errors import BundleErrorKind as K
 from kdump.format.records import (
     DTYPE_SIZES,
     FORMAT_NAME,
+    LAUNCH_KINDS,
     MANIFEST_KEY,
+    MAX_GRID,
     MAX_HEADER,
     STORAGE_LAYOUT_FIELDS,
     SUPPORTED_VERSIONS,
@@ -27,6 +29,7 @@ from kdump.format.records import (
     CallEntry,
     Checksum,
     GeneratorRecord,
+    LaunchRecord,
     Limits,
     Manifest,
     OutputsRecord,
@@ -45,6 +48,7 @@ _STORAGE_FIELDS[2] = _STORAGE_FIELDS[1] | {"source"}
 _STORAGE_FIELDS[3] = _STORAGE_FIELDS[2] | {"stats"}
 _STORAGE_FIELDS[4] = _STORAGE_FIELDS[3] | {"ranges", "generator"}
 _STORAGE_FIELDS[5] = _STORAGE_FIELDS[4] | {"pieces"}
+_STORAGE_FIELDS[6] = _STORAGE_FIELDS[5]
 _SINCE = {
     Source.BY_REFERENCE: 3,
     Source.MISSING: 3,
@@ -496,6 +500,50 @@ class _Parser:
             tensors=self.tensors(c.get("tensors"), where),
             outputs=self.outputs(c["outputs"], where + " outputs", version),
             meta=c["meta"],
+            launch=self.launch(c.get("launch"), where + " launch", version),
+        )
+
+    def launch(self, raw: Any, where: str, version: int) -> LaunchRecord | None:
+        """A JIT kernel's launch record (version 6, optional: absent or null for other calls)."""
+        if raw is None:
+            return None
+        if version < 6:
+            raise self.fail(where, f"launch records came with version 6, not {version}")
+        fields = {"kind", "grid", "options", "constexprs", "source_sha256", "version"}
+        if not isinstance(raw, dict) or set(raw) != fields:
+            raise self.fail(where, f"is not an object of exactly {sorted(fields)}")
+        if raw["kind"] not in LAUNCH_KINDS:
+            raise self.fail(where, f"kind {str(raw['kind'])[:40]!r} is not one of {LAUNCH_KINDS}")
+        grid = raw["grid"]
+        if (
+            not isinstance(grid, list)
+            or not 1 <= len(grid) <= 3
+            or not all(is_int(g) and 0 <= g <= MAX_GRID for g in grid)
+        ):
+            raise self.fail(where, f"grid is not 1 to 3 integers in [0, {MAX_GRID}]")
+        options, constexprs = raw["options"], raw["constexprs"]
+        if not isinstance(options, dict) or not all(
+            o is None or isinstance(o, (bool, str)) or is_int(o) for o in options.values()
+        ):
+            raise self.fail(where, "options is not an object of null, boolean, integer or string")
+        if not isinstance(constexprs, list) or not all(isinstance(n, str) for n in constexprs):
+            raise self.fail(where, "constexprs is not a list of strings")
+        self.count(len(options) + len(constexprs), self.limits.max_tensors, where, "names")
+        for text in [*options, *(o for o in options.values() if isinstance(o, str)), *constexprs]:
+            self.string(text, where, "a launch option or parameter name")
+        sha = raw["source_sha256"]
+        if not isinstance(sha, str) or len(sha) != 64 or not set(sha) <= _SHA_DIGITS:
+            raise self.fail(where, "source_sha256 is not 64 lowercase hex digits")
+        if not isinstance(raw["version"], str):
+            raise self.fail(where, "version is not a string")
+        self.string(raw["version"], where, "version")
+        return LaunchRecord(
+            kind=raw["kind"],
+            grid=tuple(grid),
+            options=dict(options),
+            constexprs=tuple(constexprs),
+            source_sha256=sha,
+            version=raw["version"],
         )
 
     def outputs(self, out: Any, where: str, version: int) -> OutputsRecord | None:

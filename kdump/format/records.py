@@ -14,8 +14,8 @@ from enum import Enum
 from typing import Any
 
 FORMAT_NAME = "kdump"
-FORMAT_VERSION = 5  # what this writer writes
-SUPPORTED_VERSIONS = (1, 2, 3, 4, 5)  # what this reader reads
+FORMAT_VERSION = 6  # what this writer writes
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5, 6)  # what this reader reads
 MANIFEST_KEY = "kdump.manifest"
 MAX_HEADER = 100 * 1000 * 1000  # safetensors' own cap
 STORE_DIRNAME = "blobs"
@@ -260,6 +260,25 @@ class OutputsRecord:
     returned: Any  # encoded argument tree; its tensors index `tensors`
 
 
+# Launch records (version 6): how a call that is a kernel launch of a JIT language was launched.
+LAUNCH_KINDS = ("triton",)
+MAX_GRID = (1 << 31) - 1  # CUDA's grid x bound; y and z are smaller, the launch itself checks
+
+
+@dataclass(frozen=True)
+class LaunchRecord:
+    """A JIT kernel's launch as recorded (version 6, the call's `launch` field): what, beside the
+    arguments, is needed to launch it again exactly. The kernel's source is never part of it: a
+    replay launches the installed kernel and compares `source_sha256` with it."""
+
+    kind: str  # "triton"
+    grid: tuple[int, ...]  # the grid as evaluated for this launch, 1 to 3 dimensions
+    options: dict[str, Any]  # launch options (num_warps, num_stages, num_ctas, ...): JSON scalars
+    constexprs: tuple[str, ...]  # the kernel's parameters that are compile-time constants
+    source_sha256: str  # of the kernel's source text, as the language normalises it
+    version: str  # the language's version (triton.__version__)
+
+
 @dataclass(frozen=True)
 class CallEntry:
     """One call of the manifest."""
@@ -274,6 +293,7 @@ class CallEntry:
     tensors: tuple[TensorRecord, ...]
     outputs: OutputsRecord | None
     meta: dict[str, Any]
+    launch: LaunchRecord | None = None  # version 6: a JIT kernel's launch
 
 
 @dataclass(frozen=True)
@@ -387,6 +407,17 @@ def tensor_from_json(d: dict[str, Any]) -> TensorRecord:
     )
 
 
+def launch_json(r: LaunchRecord) -> dict[str, Any]:
+    return {
+        "kind": r.kind,
+        "grid": list(r.grid),
+        "options": dict(r.options),
+        "constexprs": list(r.constexprs),
+        "source_sha256": r.source_sha256,
+        "version": r.version,
+    }
+
+
 def call_json(c: CallEntry) -> dict[str, Any]:
     out = None
     if c.outputs is not None:
@@ -396,7 +427,7 @@ def call_json(c: CallEntry) -> dict[str, Any]:
             "inplace": [list(p) for p in c.outputs.inplace],
             "returned": c.outputs.returned,
         }
-    return {
+    entry = {
         "index": c.index,
         "target": c.target,
         "called_as": c.called_as,
@@ -408,6 +439,9 @@ def call_json(c: CallEntry) -> dict[str, Any]:
         "outputs": out,
         "meta": c.meta,
     }
+    if c.launch is not None:
+        entry["launch"] = launch_json(c.launch)
+    return entry
 
 
 def blob_json(b: BlobRecord) -> dict[str, Any]:

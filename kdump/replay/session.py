@@ -97,6 +97,21 @@ def resolve_device(name: str, call: Call, generic: bool) -> torch.device:
     return dev
 
 
+def refuse_pointers(call: Call) -> None:
+    """A call given raw device addresses cannot run: the memory behind them is not recorded."""
+    from kdump.format.argtree import pointer_paths
+
+    found = pointer_paths(call.names, call.encoded_args, call.encoded_kwargs)
+    if found:
+        path, address = found[0]
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise CannotRunError(
+            f"{call.target}: argument {path} is a raw device address ({address:#x}){more} into "
+            "memory the bundle does not hold (another rank's symmetric memory, or a pointer "
+            "passed as an integer); kdump cannot replay this call"
+        )
+
+
 def spec_for(call: Call) -> KernelSpec:
     try:
         from kdump.kernels.registry import spec_for as lookup
@@ -124,6 +139,7 @@ class Session:
         if self.plugin is not None:
             spec = spec.with_settings(self.plugin.settings(self.library_state))
         self.spec = spec
+        refuse_pointers(self.call)
         self.device = resolve_device(req.device, self.call, isinstance(spec, GenericSpec))
         self.verdict = Verdict(
             bundle=req.bundle,
