@@ -287,6 +287,18 @@ class KernelSpec:
         nothing."""
         return self
 
+    def with_names(self, names: Sequence[str] | None) -> KernelSpec:
+        """This spec binding positional arguments by `names`: the parameter names of the build
+        that ran the call, as the bundle recorded them (libraries whose argument order differs
+        between builds); self when the spec binds by its own table only."""
+        return self
+
+    def refusal(self, bound: Mapping[str, Any]) -> str | None:
+        """Why this call cannot be replayed at all, in one line (raw pointers into memory the
+        bundle does not hold, a Python callable as an argument), or None. `bound` may hold
+        decoded values or the bundle's encoded argument trees; must not launch anything."""
+        return None
+
 
 class Backend:
     """Runs calls of a spec."""
@@ -316,6 +328,9 @@ class TargetSpec:
     optional: bool = False  # preset members that a given build may lack: missing is not an error
     output_names: tuple[str, ...] = ()  # parameters written in place (default outputs)
     param_names: tuple[str, ...] | None = None  # positional parameter names, when known
+    # parameters whose integers are raw device addresses (another rank's memory): recorded
+    # as kdump.format.argtree.Pointer, never dereferenced
+    pointer_params: tuple[str, ...] = ()
 
     @property
     def text(self) -> str:
@@ -358,6 +373,12 @@ class KernelPlugin(ABC):
         self, target_id: str, qualname: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         """A hooked setter of this library returned normally: remember its value for state()."""
+        return None
+
+    def param_names(self, target_id: str, fn: Any) -> tuple[str, ...] | None:
+        """Positional parameter names of `fn`, the installed callable a hook of this library
+        wraps, read from the running build (extension docstrings, torch.ops schemas) where
+        `inspect.signature` cannot; None to use the target's table."""
         return None
 
     # --- replay --------------------------------------------------------------------------------
