@@ -109,6 +109,17 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("KDUMP_SANITIZER", "path of the compute-sanitizer binary to use"),
     EnvVar("CUDA_HOME", "CUDA toolkit root searched first for CUDA tools and headers"),
     EnvVar("CUDA_PATH", "CUDA toolkit root searched after CUDA_HOME"),
+    # -- kernel libraries' own variables (read into a bundle's manifest; kdump never sets them)
+    EnvVar(
+        "DG_JIT_CACHE_DIR",
+        "DeepGEMM's JIT cache (':'-separated folders, misses compiled into the first); unset: "
+        "DJ_JIT_CACHE_DIR on DeepJIT builds (2.8+), then $HOME/.dj ($HOME/.deep_gemm before)",
+    ),
+    EnvVar(
+        "DJ_JIT_CACHE_DIR",
+        "DeepJIT's process-wide JIT cache: DG_JIT_CACHE_DIR's fallback (each DG_JIT_* setting "
+        "falls back to its DJ_JIT_* twin)",
+    ),
 )
 
 _BY_NAME = {v.name: v for v in ENV_VARS}
@@ -116,6 +127,7 @@ _BY_NAME = {v.name: v for v in ENV_VARS}
 # Prefixes of variables that bundles record because they change what kernels do.
 RECORDED_PREFIXES = (
     "DG_",
+    "DJ_",  # DeepJIT: the fallback of DeepGEMM's DG_JIT_* settings
     "KDUMP_",
     "CUDA_",
     "PYTORCH_",
@@ -231,6 +243,37 @@ def recorded_environment(env: Mapping[str, str] | None = None) -> dict[str, str]
     for name in sorted(source):
         if name.startswith(RECORDED_PREFIXES):
             out[name] = "<redacted>" if is_secret(name) else redact_value(source[name])
+    return out
+
+
+# DeepGEMM's JIT settings: DG_JIT_<X>, falling back to DeepJIT's DJ_JIT_<X> on builds whose JIT
+# is DeepJIT (2.8 and later lines); the cache folder has a default of its own.
+DEEPGEMM_JIT_PREFIX = "DG_JIT_"
+DEEPJIT_PREFIX = "DJ_JIT_"
+
+
+def deepgemm_jit_settings(
+    deepjit: bool, env: Mapping[str, str] | None = None
+) -> dict[str, dict[str, str]]:
+    """Each JIT setting DeepGEMM runs with, by suffix: {"value", "from"} where "from" is the
+    variable that gave it (DG_JIT_X, else DJ_JIT_X when `deepjit`) or "default" (CACHE_DIR
+    only: $HOME/.dj with DeepJIT, $HOME/.deep_gemm before). Secret-looking values redacted."""
+    source = env if env is not None else os.environ
+    prefixes = (DEEPGEMM_JIT_PREFIX, DEEPJIT_PREFIX) if deepjit else (DEEPGEMM_JIT_PREFIX,)
+    suffixes = {k[len(p) :] for k in source for p in prefixes if k.startswith(p)} | {"CACHE_DIR"}
+    out: dict[str, dict[str, str]] = {}
+    for suffix in sorted(suffixes):
+        for var in (p + suffix for p in prefixes):
+            value = source.get(var)
+            if value:
+                shown = "<redacted>" if is_secret(var) else redact_value(value)
+                out[suffix] = {"value": shown, "from": var}
+                break
+        else:
+            if suffix == "CACHE_DIR":
+                home = source.get("HOME") or str(Path.home())
+                folder = ".dj" if deepjit else ".deep_gemm"
+                out[suffix] = {"value": f"{home}/{folder}", "from": "default"}
     return out
 
 
