@@ -53,6 +53,7 @@ Examples:
   kdump replay captures/contiguous_ue8m0.kdump
   kdump replay dumps/ --backend deep_gemm --repeat 5 --json
   kdump replay a.kdump --mode graph --then b.kdump --save-failing repro/
+  kdump replay mine.kdump --mode graph --allow-target 'mymod:*' --routing groups:labels
   kdump replay a.kdump --mode sanitizer --tool memcheck --tool racecheck
 """
 )
@@ -66,8 +67,9 @@ Examples:
     type=click.Choice(MODES),
     default=None,
     help="eager: run and compare; graph: capture, identical replay, replays after in-place "
-    "mutations; sanitizer: compute-sanitizer; all: the three in one summary. Default: graph "
-    "for bundles the flight recorder salvaged from a graph replay, else eager; a call where "
+    "mutations, a shrinking batch, a replay after an eager call at changed addresses; "
+    "sanitizer: compute-sanitizer; all: the three in one summary. Default: graph for bundles "
+    "the flight recorder salvaged from a graph replay, else eager; a call where "
     "production died of a GPU fault then goes on under memcheck when the replay finds nothing.",
 )
 @click.option(
@@ -119,6 +121,13 @@ Examples:
     help="graph: random routing draws on top of the fixed synthesised phases.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="graph: seed of the draws.")
+@click.option(
+    "--routing",
+    metavar="NAME:LAYOUT",
+    help="graph: the routing argument the shrinking-batch step shrinks, for a kernel whose "
+    "spec names none. NAME:labels: a row's group, -1 marks an invalid row; NAME:counts: the "
+    "valid rows of each group (like masked_m).",
+)
 @click.option(
     "--save-failing",
     type=click.Path(file_okay=False),

@@ -6,7 +6,12 @@ Steps: (1) eager run, (2) warm-up on a side stream and capture of a torch.cuda.C
 routing metadata IN PLACE (same pointers, new values): from later calls of the same shape (the
 bundle's following calls and `--then` bundles: the production situation) and from the spec's
 generator (permuted lengths, all empty, one hot group, maximum skew, ±1 around the alignment,
-random draws). Every replay's meaningful output is checked against the reference computed for that
+random draws), (5) the shrinking batch: replays in sequence whose routing keeps fewer and fewer
+valid rows per group than at capture, down to none (kdump.replay.graph_routing), (6) changed
+addresses: an eager call on new allocations holding other values, then a replay on the captured
+inputs that must give what the identical replay gave (kdump.replay.graph_steps). It comes last:
+its eager call changes what a library keeps between calls, and every replay after it would
+inherit that. Every replay's meaningful output is checked against the reference computed for that
 replay's inputs; outputs are poisoned first and the halos around every tensor are checked for stray
 writes. A replay that kills the CUDA context ends this process; the parent goes on from the next
 step in a fresh one (child.py).
@@ -17,7 +22,7 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,7 +32,8 @@ from kdump.bundle import Call, MaterializedCall, capture_call, load_bundle, save
 from kdump.bundle.capture import capture
 from kdump.bundle.tensors import clone_layout
 from kdump.errors import CannotRunError, UsageError, error_line
-from kdump.replay import oracle
+from kdump.replay import graph_routing, graph_steps, oracle
+from kdump.replay.graph_steps import CHANGED, CHANGED_EAGER, IDENTICAL, SHRINKING
 from kdump.replay.overreads import Differential, differential, report
 from kdump.replay.session import Progress, Request, Session, poison_outputs
 from kdump.replay.verdict import Verdict
@@ -41,6 +47,8 @@ class Phase:
     spans: list[torch.Tensor] | None = None  # whole storage spans (from another recorded call)
     values: dict[str, torch.Tensor] | None = None  # parameter name -> new value (synthesised)
     recorded_outputs: dict[int, torch.Tensor] | None = None
+    message: str = ""  # what the replay's step says it ran
+    metrics: dict[str, int] = field(default_factory=dict)
 
 
 def same_layout(a: Call, b: Call) -> str | None:
@@ -141,6 +149,7 @@ class _GraphRun:
         self.save_dir = s.req.options.save_failing
         self.masks = {name: s.spec.meaningful(bound, name) for name in outputs}
         self.baseline: dict[str, torch.Tensor] | None = None
+        self.identical: dict[str, torch.Tensor] | None = None  # the identical replay's outputs
         self.graph: Replayable | None = None
         self.fresh = s.req.options.wants_fresh_oracle(s.spec.has_reference()) and bool(outputs)
         self.oracles: dict[str, tuple[Path, dict[str, bool]]] = {}
@@ -155,14 +164,46 @@ class _GraphRun:
         s.note(f"{len(phases)} mutation(s): {', '.join(p.name for p in phases) or 'none'}")
         return phases
 
+    def shrinking(self) -> tuple[list[Phase], str]:
+        """The shrinking-batch replays (graph_routing), or why there are none."""
+        s = self.s
+        arg = graph_routing.find_routing(s.spec, self.bound, s.req.options.graph.routing_arg)
+        if isinstance(arg, str):
+            return [], arg
+        bound = self.bound
+
+        def violations(candidate: torch.Tensor) -> list[str]:
+            return [str(v) for v in s.spec.validate({**bound, arg.name: candidate})]
+
+        seq, notes = graph_routing.shrinking_sequence(arg, bound[arg.name], violations)
+        for text in notes:
+            s.note(text)
+        if not seq:
+            return [], notes[-1] if notes else "no shorter routing fits the kernel's contract"
+        caps = ", ".join(str(st.metrics["rows_per_group"]) for st in seq)
+        s.note(f"shrinking batch: {arg.describe()}, {caps} rows per group, in one process")
+        restarted = False  # a crash cut the sequence: the rest runs in a fresh process
+        phases = []
+        for st in seq:
+            message = st.message
+            if f"graph/replay {st.name}" in self.skip:
+                restarted = True
+            elif restarted:
+                message += "; in a fresh process, after the one that ran the replays before it"
+            phases.append(Phase(st.name, values=st.values, message=message, metrics=st.metrics))
+        return phases, ""
+
     def run(self, fresh: oracle.Fresh) -> None:
         phases = self.phases()
+        shrinking, no_shrinking = self.shrinking()
         if not self.eager() or not self.capture():
             return
-        # (3) identical inputs, (4) mutations
-        steps = [("graph/replay identical", None)] + [
-            (f"graph/replay {i + 1} ({p.name})", p) for i, p in enumerate(phases)
-        ]
+        # (3) identical inputs, (4) mutations, (5) the shrinking batch
+        steps = (
+            [(IDENTICAL, None)]
+            + [(f"graph/replay {i + 1} ({p.name})", p) for i, p in enumerate(phases)]
+            + [(f"graph/replay {p.name}", p) for p in shrinking]
+        )
         oracle_dir = tempfile.TemporaryDirectory(prefix="kdump-oracle-") if self.fresh else None
         try:
             for step, phase in steps:
@@ -170,6 +211,11 @@ class _GraphRun:
                     continue
                 if not self.replay(step, phase, oracle_dir):
                     return  # the context is gone; the parent continues in a fresh process
+            if no_shrinking:
+                self.skipped(SHRINKING, no_shrinking)
+            # (6) changed addresses
+            if not self.changed_addresses(oracle_dir):
+                return
             if self.oracles:
                 paths = {k: p for k, (p, _) in self.oracles.items()}
                 results = oracle.run_fresh(self.s, paths, fresh)
@@ -196,9 +242,12 @@ class _GraphRun:
         expected: dict[str, torch.Tensor] | None,
         recorded: dict[int, torch.Tensor] | None,
         baseline: dict[str, torch.Tensor] | None,
+        against: tuple[str, dict[str, torch.Tensor]] | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, bool]] | None:
         """Guards, the halo differential (`rerun` runs the step again with the halos as they
-        are), then the comparisons; None when a run of the differential failed."""
+        are), then the comparisons; None when a run of the differential failed. `against`:
+        (label, outputs) of an earlier replay this one must reproduce, compared first (its
+        finding says why the step exists: graph_steps.STALE_STATE)."""
         s, bound, outputs = self.s, self.bound, self.outputs
         s.check_halos(self.mc, step)
         actual = self.outputs_now()
@@ -207,6 +256,19 @@ class _GraphRun:
             diff = differential(s, self.mc, actual, self.masks, rerun, step)
             if diff is None:
                 return None
+        if against is not None:
+            label, earlier = against
+            for name, ag in s.compare_runs(
+                step, bound, actual, earlier, label, diff.follow
+            ).items():
+                if not ag.ok:
+                    what = graph_steps.BASELINES.get(label, label)
+                    s.finding(
+                        "mismatch",
+                        step,
+                        f"{name} differs from {what}: {ag.message}; {graph_steps.STALE_STATE}",
+                        {"output": name, "oracle": label, **ag.metrics},
+                    )
         symptoms: list[str] = []
         reproduced = s.compare_outputs(
             step, bound, outputs, actual, expected, recorded or {}, diff.follow, symptoms
@@ -316,8 +378,14 @@ class _GraphRun:
         return True
 
     def replay(
-        self, step: str, phase: Phase | None, oracle_dir: tempfile.TemporaryDirectory[str] | None
+        self,
+        step: str,
+        phase: Phase | None,
+        oracle_dir: tempfile.TemporaryDirectory[str] | None,
+        against: tuple[str, dict[str, torch.Tensor]] | None = None,
     ) -> bool:
+        """One replay of the captured graph after `phase` rewrote its inputs (None: the captured
+        inputs), judged; False when the context is gone (the chain goes on in a fresh process)."""
         s, mc, save_dir = self.s, self.mc, self.save_dir
         self.prepare(phase)
         exp = self.expected_now()
@@ -328,7 +396,10 @@ class _GraphRun:
         if not self.replay_graph(step, "replay crashed"):
             _keep_pending(save_dir, step)
             return False
-        s.step(step, "ok", "", self.elapsed)
+        if phase is not None:
+            s.step(step, "ok", phase.message, self.elapsed, **phase.metrics)
+        else:
+            s.step(step, "ok", "", self.elapsed)
         n_before = len(s.verdict.findings)
         recorded = phase.recorded_outputs if phase else None
 
@@ -340,12 +411,14 @@ class _GraphRun:
                 return None
             return self.outputs_now()
 
-        baseline = self.baseline if phase is None else None
-        judged = self.judge(step, again, exp, recorded, baseline)
+        baseline = self.baseline if phase is None and against is None else None
+        judged = self.judge(step, again, exp, recorded, baseline, against)
         if judged is None:
             _keep_pending(save_dir, step)
             return False
         actual, reproduced = judged
+        if step == IDENTICAL:
+            self.identical = actual
         if oracle_dir is not None:
             # After the halo differential: saving writes the replay's inputs back into the buffers.
             replayed = {idx: actual[name] for name, idx in self.outputs.items()}
@@ -356,6 +429,53 @@ class _GraphRun:
         else:
             _drop_pending(save_dir, step)
         return True
+
+    # --- (6) changed addresses -----------------------------------------------------------------
+    def skipped(self, step: str, why: str) -> None:
+        """A step that cannot run for this call: one line, never a failure. Reported as begun,
+        so a chain restarted after a crash does not say it twice."""
+        if step in self.skip:
+            return
+        self.s.progress("begin", step)
+        self.s.step(step, "skipped", why)
+
+    def changed_addresses(self, oracle_dir: tempfile.TemporaryDirectory[str] | None) -> bool:
+        """An eager call on new allocations holding other values, then a replay on the captured
+        inputs, compared with the identical replay (graph_steps); False when the context is
+        gone."""
+        s = self.s
+        if CHANGED in self.skip or CHANGED_EAGER in self.skip:
+            return True
+        if not self.outputs:
+            self.skipped(CHANGED, "the call writes no output a replay could be compared by")
+            return True
+        if not any(t.numel() for t in self.mc.tensors):
+            self.skipped(CHANGED, "the call has no tensor to place at a new address")
+            return True
+        s.progress("begin", CHANGED_EAGER)
+        moved = graph_steps.elsewhere(s, self.mc, self.outputs, s.req.options.graph.seed)
+        expected = (
+            {k: v.clone() for k, v in s.spec.reference(moved.bound).items()}
+            if s.wants_reference()
+            else None
+        )
+        dt = s.run_kernel(self.fn, moved.mc, CHANGED_EAGER)
+        if dt is None:
+            return False  # a kernel error: the parent goes on in a fresh process
+        s.step(CHANGED_EAGER, "ok", moved.describe(), dt, moved=len(moved.moved))
+        if expected is not None:
+            got = moved.outputs(self.outputs)
+            s.compare_outputs(CHANGED_EAGER, moved.bound, self.outputs, got, expected, {})
+        if self.identical is not None:
+            against = ("identical replay", self.identical)
+        else:  # the identical replay ran in a process that crashed later
+            assert self.baseline is not None
+            against = ("eager", self.baseline)
+        # `moved` stays allocated through the replay: a graph that reads through a pointer the
+        # eager call left behind reads that call's values, not freed memory.
+        ok = self.replay(CHANGED, None, oracle_dir, against)
+        del moved
+        return ok
 
 
 class Replayable(Protocol):

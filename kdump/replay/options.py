@@ -20,6 +20,9 @@ PLACEMENTS = ("halo", "flush_end")
 # off: none (what an oracle process itself runs with).
 ORACLES = ("auto", "fresh", "off")
 DEFAULT_HALO = 4096  # bytes of poisoned guard before and after every storage
+# How `--routing NAME:LAYOUT` reads a kernel's routing argument (kdump.replay.graph_routing):
+# labels: a row's group, negative = invalid row; counts: valid rows of each group (masked_m).
+ROUTING_LAYOUTS = ("labels", "counts")
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,18 @@ class GraphOptions:
     mutations: int = 3  # random routing draws on top of the fixed synthesised phases
     seed: int = 0
     skip_steps: tuple[str, ...] = ()  # steps a previous process of the same chain ran
+    # NAME:LAYOUT of the routing argument (ROUTING_LAYOUTS), for a kernel whose spec names none;
+    # the shrinking-batch step rewrites it. None: the spec's, if it has one.
+    routing: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.routing is not None:
+            parse_routing(self.routing)
+
+    @property
+    def routing_arg(self) -> tuple[str, str] | None:
+        """(argument name, layout) of `routing`, or None."""
+        return parse_routing(self.routing) if self.routing is not None else None
 
 
 @dataclass(frozen=True)
@@ -135,11 +150,24 @@ class ReplayOptions:
             raise UsageError(f"--then applies to {where}, not {self.mode}")
         if self.save_failing and not graphy:
             raise UsageError(f"--save-failing applies to {where}, not {self.mode}")
+        if self.graph.routing is not None and not graphy:
+            raise UsageError(f"--routing applies to {where}, not {self.mode}")
         if self.oracle == "fresh" and self.mode == "sanitizer":
             raise UsageError("--oracle fresh applies to --mode eager, graph or all, not sanitizer")
 
     def wants_fresh_oracle(self, has_reference: bool) -> bool:
         return self.oracle == "fresh" or (self.oracle == "auto" and not has_reference)
+
+
+def parse_routing(text: str) -> tuple[str, str]:
+    """'NAME:LAYOUT' -> (NAME, LAYOUT); a UsageError that says what to write otherwise."""
+    name, sep, layout = str(text).rpartition(":")
+    if not sep or not name.strip() or layout not in ROUTING_LAYOUTS:
+        raise UsageError(
+            f"--routing {text}: write NAME:labels (a row's group, -1 marks an invalid row) or "
+            "NAME:counts (the valid rows of each group, like masked_m)"
+        )
+    return name.strip(), layout
 
 
 def _choice(what: str, value: str, choices: tuple[str, ...]) -> None:
@@ -192,6 +220,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "escalate": ("", "escalate"),
     "mutations": ("graph", "mutations"),
     "seed": ("graph", "seed"),
+    "routing": ("graph", "routing"),
     "tools": ("sanitizer", "tools"),
     "sanitize_graph": ("sanitizer", "graph"),
     "sanitizer": ("sanitizer", "binary"),
