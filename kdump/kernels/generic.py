@@ -11,16 +11,25 @@ from typing import Any
 import torch
 
 from kdump.errors import CannotRunError
+from kdump.format.records import LaunchRecord
 from kdump.kernels.plugin import Backend, KernelSpec
+from kdump.kernels.triton import replay as triton_replay
 
 
 class GenericSpec(KernelSpec):
     """Any target without a dedicated spec: no reference; outputs are the tensors the bundle
-    recorded after the call (or none)."""
+    recorded after the call (or none). `launch`: the call's launch record when the target is a
+    JIT kernel (a Triton kernel is launched again as recorded, not called)."""
 
-    def __init__(self, target: str, names: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        names: Sequence[str] | None = None,
+        launch: LaunchRecord | None = None,
+    ) -> None:
         self.id = target
         self._names = list(names or [])
+        self.launch = launch
 
     def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         bound = {
@@ -62,7 +71,9 @@ class ReferenceBackend(Backend):
 
 
 class LibraryBackend(Backend):
-    """The recorded target itself, imported by its 'module:qualname' (generic targets).
+    """The recorded target itself, imported by its 'module:qualname' (generic targets); for a
+    recorded Triton launch, the installed kernel launched with the recorded grid and launch
+    options (kdump.kernels.triton.replay).
 
     `find` is the trust rule the replay admitted the target by, handed in by the registry that
     builds this backend (`registry.resolve_allowed`: never through a module object; a
@@ -78,6 +89,11 @@ class LibraryBackend(Backend):
 
     def resolve(self, spec: KernelSpec, target: str) -> Callable[..., Any]:
         """The recorded target, resolved under the trust rule the replay admitted it by."""
+        launch = getattr(spec, "launch", None)
+        if triton_replay.is_triton_launch(launch):
+            assert launch is not None
+            kernel = triton_replay.kernel_for(target, self._find(target))
+            return triton_replay.runner(kernel, launch)
         return _checked_signature(self._find(target), target)
 
 

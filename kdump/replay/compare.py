@@ -190,6 +190,36 @@ def default_tolerance(dtype: torch.dtype) -> Tolerance:
     return Tolerance(calc_diff=rtol, atol=atol, rtol=rtol)
 
 
+# A Triton kernel compiled on a GPU against the same launch in Triton's interpreter (numpy on the
+# CPU), per output dtype: (rtol, and atol as a fraction of the output's largest finite
+# magnitude). The compiled kernel rounds fp32 `tl.dot` inputs to TF32 (10 mantissa bits; the
+# interpreter multiplies in full fp32): each product is off by up to 2**-10 relatively, which in
+# measured K = 16 .. 16384 dots stays under 5e-4 of the output's largest magnitude; 1e-2 leaves
+# room for a second dot fed by the first (attention: QK^T, softmax, PV) and for GPU math
+# functions (exp2, rsqrt) that differ from numpy's in the last bits. Float atomics only reorder
+# sums (1e-6). fp16 / bf16 outputs add their own rounding: 1e-2 is ten fp16 ulps, 3.2e-2 four
+# bf16 ulps; FP8 two ulps of e4m3. A wrong result (a changed constant, an element read from the
+# wrong place, a missing mask) is far outside, and integers must be exact.
+INTERPRETER_TOLERANCE: dict[torch.dtype, float] = {
+    torch.float64: 1e-9,
+    torch.float32: 1e-2,
+    torch.float16: 1e-2,
+    torch.bfloat16: 3.2e-2,
+}
+INTERPRETER_FP8_TOLERANCE = 2.5e-1
+INTERPRETER_CALC_DIFF = 1e-3  # DeepGEMM's calc_diff: TF32 dots give about 1e-6
+
+
+def interpreter_tolerance(reference: torch.Tensor, mask: torch.Tensor | None = None) -> Tolerance:
+    """The tolerance between a compiled Triton kernel and Triton's interpreter (see
+    INTERPRETER_TOLERANCE), its absolute part scaled by `reference`'s largest finite meaningful
+    magnitude."""
+    rel = INTERPRETER_TOLERANCE.get(reference.dtype, INTERPRETER_FP8_TOLERANCE)
+    values = reference.float()[_expand_mask(mask, reference) & torch.isfinite(reference.float())]
+    scale = float(values.abs().max()) if values.numel() else 0.0
+    return Tolerance(calc_diff=INTERPRETER_CALC_DIFF, atol=max(rel * scale, 1e-30), rtol=rel)
+
+
 @dataclass(frozen=True)
 class Agreement:
     """Two results of the same inputs: identical, equal within tolerance (a note), or not."""

@@ -15,7 +15,7 @@ import torch
 
 from kdump.bundle import Call, MaterializedCall
 from kdump.bundle.tensors import clone_layout
-from kdump.replay import oracle
+from kdump.replay import oracle, triton_oracle
 from kdump.replay.compare import _expand_mask, distinct_results
 from kdump.replay.overreads import Differential, differential, report
 from kdump.replay.session import Progress, Request, Session, poison_outputs
@@ -64,6 +64,7 @@ def run_eager(req: Request, progress: Progress, fresh: oracle.Fresh) -> Verdict:
         return s.verdict
     outputs = found
     runs: list[dict[str, torch.Tensor]] = []
+    poisoned: list[str] = []
     reproduced: dict[str, bool] = {}
     explained: dict[str, torch.Tensor] = {}  # output elements read from a halo
 
@@ -104,11 +105,19 @@ def run_eager(req: Request, progress: Progress, fresh: oracle.Fresh) -> Verdict:
             continue
         s.compare_runs(step, bound, actual, runs[0], "run 1", explained)
     _judge_repeats(s, bound, runs, explained)
+    if wants_interpreter(s) and runs and outputs:
+        triton_oracle.check(s, "eager/run 1", outputs, poisoned, runs[0], explained)
     if prelude and runs and outputs:
         _fresh_oracle(s, mc, outputs, pristine, runs[0], reproduced, fresh)
     if not outputs and not s.call.has_returned:
         s.note("no outputs to compare: the call wrote none of its tensor arguments")
     return s.verdict
+
+
+def wants_interpreter(s: Session) -> bool:
+    """The interpreter oracle judges a Triton kernel run compiled on a GPU (on the CPU the
+    interpreter is the replay itself); an oracle process (--oracle off) runs none."""
+    return s.kernel is not None and s.device.type == "cuda" and s.req.options.oracle != "off"
 
 
 def _judge_repeats(

@@ -18,13 +18,15 @@ from kdump.kernels import registry
 from kdump.kernels.generic import GenericSpec
 from kdump.kernels.plugin import Backend, KernelSpec, Tolerance
 from kdump.kernels.registry import choose_backend
-from kdump.replay import halo
+from kdump.kernels.triton import replay as triton_replay
+from kdump.replay import halo, triton_setup
 from kdump.replay.compare import (
     Agreement,
     Comparison,
     _expand_mask,
     agree,
     compare_to_reference,
+    interpreter_tolerance,
     poison,
     unwritten,
 )
@@ -78,7 +80,11 @@ class Request:
 
 def resolve_device(name: str, call: Call, generic: bool) -> torch.device:
     """`auto`: a GPU when there is one, except for a target without a spec recorded on the CPU
-    (a user's own function gets the tensors it was called with, on the device it saw)."""
+    (a user's own function gets the tensors it was called with, on the device it saw). A Triton
+    kernel is a GPU kernel wherever it was recorded (on the CPU it ran in the interpreter): a GPU
+    when there is one, else the CPU, where it runs in Triton's interpreter."""
+    if name == "auto" and triton_replay.is_triton_launch(call.launch):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "auto":
         ran_on = call.meta.get("device")  # set where the stored tensors are copies
         recorded_on_gpu = (isinstance(ran_on, str) and ran_on.startswith("cuda")) or any(
@@ -91,10 +97,28 @@ def resolve_device(name: str, call: Call, generic: bool) -> torch.device:
     except RuntimeError:
         raise UsageError(f"unknown device {name!r}; use auto, cpu or cuda[:N]")
     if dev.type == "cuda" and not torch.cuda.is_available():
+        if triton_replay.is_triton_launch(call.launch):
+            raise CannotRunError(
+                "no CUDA GPU is available here; replay with --device cpu (the Triton kernel runs "
+                "in Triton's interpreter)"
+            )
         raise CannotRunError(
             "no CUDA GPU is available here; replay with --device cpu --backend reference"
         )
     return dev
+
+
+def runs_interpreted(call: Call, device: str) -> bool:
+    """Whether replaying `call` with --device `device` runs a Triton kernel in Triton's
+    interpreter (its process then imports the kernel's module with TRITON_INTERPRET=1 set, and
+    cannot also run a compiled one: a worker process is reused only between replays that agree
+    on this)."""
+    if not triton_replay.is_triton_launch(call.launch):
+        return False
+    try:
+        return resolve_device(device, call, True).type == "cpu"
+    except KdumpError:
+        return False
 
 
 def refuse_pointers(call: Call) -> None:
@@ -113,11 +137,9 @@ def refuse_pointers(call: Call) -> None:
 
 
 def spec_for(call: Call) -> KernelSpec:
-    try:
-        from kdump.kernels.registry import spec_for as lookup
-    except ImportError:  # registry not present: everything is generic
-        return GenericSpec(call.target, call.names)
-    return lookup(call.target, call.names)
+    if triton_replay.is_triton_launch(call.launch):  # a user's kernel: launched as recorded
+        return GenericSpec(call.target, call.names, launch=call.launch)
+    return registry.spec_for(call.target, call.names)
 
 
 class Session:
@@ -147,6 +169,10 @@ class Session:
             target=self.call.target,
             mode=req.mode,
             device=str(self.device),
+        )
+        # A Triton kernel: the installed one, compiled on a GPU, interpreted on the CPU
+        self.kernel: Any = triton_setup.prepare_kernel(
+            self.call, self.device, req.options.allow_targets, self.note
         )
         self.backend: Backend = choose_backend(req.backend, self.spec, self.device)
         # (storage, side) of the halo reads already reported (kdump.replay.overreads)
@@ -368,6 +394,10 @@ class Session:
             return False
         if self.plugin is not None and not self.plugin.same_build(self.library_state, self.backend):
             return False
+        if self.kernel is not None and not triton_setup.same_setup(
+            self.call, self.kernel, self.device
+        ):
+            return False
         if self.device.type == "cuda":
             p = torch.cuda.get_device_properties(self.device)
             return env.get("compute_capability") == f"{p.major}.{p.minor}"
@@ -400,9 +430,13 @@ class Session:
         else:
             self.finding("kernel_error", step, _describe_error(text) + why, {"error": text})
 
-    def tolerance_for(self, bound: dict[str, Any], got: torch.Tensor) -> Tolerance | None:
-        """Tolerance against the recorded output on another setup: the spec's, or for a target
-        without one the dtype default (None)."""
+    def tolerance_for(self, bound: dict[str, Any], rec: torch.Tensor) -> Tolerance | None:
+        """Tolerance against the recorded output `rec` on another setup: the spec's, or for a
+        target without one the dtype default (None); a Triton kernel run in the interpreter
+        against a compiled recording (or the other way round) gets the interpreter's
+        (TF32 dots)."""
+        if triton_setup.other_engine(self.call, self.kernel, self.device):
+            return interpreter_tolerance(rec)
         if isinstance(self.spec, GenericSpec):
             return None
         return self.spec.tolerance(bound)
@@ -500,7 +534,7 @@ class Session:
             ) -> Agreement:
                 if same_setup:
                     return agree(got, rec, m, bitwise=self.req.options.bitwise)
-                return agree(got, rec, m, tol=self.tolerance_for(bound, got))
+                return agree(got, rec, m, tol=self.tolerance_for(bound, rec))
 
             ag = against(mask)
             reproduced[name] = ag.ok
@@ -586,8 +620,8 @@ class Session:
     def compare_returned(self, step: str) -> None:
         """The run's return value against the recorded one: the same structure, the same plain
         values (NaN equal to NaN) and, tensor by tensor, the tolerance policy of outputs."""
-        if not self.call.has_returned:
-            return
+        if not self.call.has_returned or self.kernel is not None:
+            return  # a launch returns a handle (the compiled kernel), not a result
         recorded = self.call.materialize_returned(self.device)
         problems: list[str] = []
         exact = _same_tree(self.returned, recorded, "return value", problems, self.req.options)
