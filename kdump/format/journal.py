@@ -44,8 +44,10 @@ Slot (slot i starts at header_bytes + i * slot_bytes):
     68      4     CRC-32 of the slot header: bytes [0, 68) then [72, 72 + 16K + J)
     72      16K   payload table: K pairs (offset from the slot's start, length), u64 each
     72+16K  J     compact JSON: target, called_as, names, args, kwargs (argument trees),
-                  storages (with "payload": table index or null when missing), tensors (dtype,
-                  shape, stride, storage_offset, nbytes, data_ptr), extra meta; since
+                  for a JIT kernel's launch only "launch" (the bundle's launch record, FORMAT.md
+                  §5.6; absent for every other call, so older readers skip it), storages
+                  (with "payload": table index or null when missing), tensors (dtype, shape,
+                  stride, storage_offset, nbytes, data_ptr), extra meta; since
                   version 4 extra's last member may be "outputs": the storages whose bytes
                   are copied again after the call, [{"storage": j, "tensors": [tensor
                   indices], "payload": table index (after the storages' entries) or null
@@ -105,6 +107,7 @@ from pathlib import Path
 from typing import Any
 
 from kdump.errors import UsageError
+from kdump.format.records import LaunchRecord
 
 JOURNAL_MAGIC = b"KDJRNL\x00\x01"
 # 2: 64-byte trailer with the pre/post/done markers; 3: call record; 4: post-call output
@@ -184,6 +187,8 @@ class SlotMeta:
     # Storages whose bytes are copied again after the call, each {"storage": j, "tensors":
     # [tensor indices]} (the outputs the call may write); their payloads follow the storages'.
     outputs: list[dict[str, Any]] = field(default_factory=list)
+    # A JIT kernel's launch record as the bundle writes it (records.launch_json), or None.
+    launch: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -317,6 +322,8 @@ def head_json(meta: SlotMeta) -> bytes:
         "args": meta.args,
         "kwargs": meta.kwargs,
     }
+    if meta.launch is not None:
+        doc["launch"] = meta.launch
     return dumps(doc)[:-1]
 
 
@@ -398,6 +405,7 @@ def parse_meta(
         or not isinstance(tensors, list)
         or not all(isinstance(s, dict) for s in storages + tensors)
         or not _names_ok(names)
+        or not _launch_ok(d.get("launch"))
     ):
         raise SlotTorn("slot JSON lacks fields or has the wrong types")
     outputs = _parse_outputs(d["extra"].get("outputs", []), len(storages), len(tensors))
@@ -434,8 +442,46 @@ def parse_meta(
         after_kernel=bool(flags & FLAG_AFTER_KERNEL),
         extra=d["extra"],
         outputs=outputs,
+        launch=d.get("launch"),
     )
     return meta, present
+
+
+_LAUNCH_TYPES = {
+    "kind": str,
+    "grid": list,
+    "options": dict,
+    "constexprs": list,
+    "source_sha256": str,
+    "version": str,
+}
+
+
+def _launch_ok(raw: Any) -> bool:
+    """A launch record's shape (absent is fine); its values are checked strictly where the
+    salvaged bundle is read (kdump.format.parse)."""
+    if raw is None:
+        return True
+    return (
+        isinstance(raw, dict)
+        and set(raw) == set(_LAUNCH_TYPES)
+        and all(isinstance(raw[k], t) for k, t in _LAUNCH_TYPES.items())
+        and all(_is_int(g) for g in raw["grid"])
+    )
+
+
+def launch_record(raw: dict[str, Any] | None) -> LaunchRecord | None:
+    """The LaunchRecord of a slot's "launch" (checked by `_launch_ok` when it was read)."""
+    if raw is None:
+        return None
+    return LaunchRecord(
+        kind=raw["kind"],
+        grid=tuple(raw["grid"]),
+        options=dict(raw["options"]),
+        constexprs=tuple(raw["constexprs"]),
+        source_sha256=raw["source_sha256"],
+        version=raw["version"],
+    )
 
 
 def _parse_outputs(raw: Any, n_storages: int, n_tensors: int) -> list[dict[str, Any]]:

@@ -2,7 +2,10 @@
 
 Targets:
   'module:qualname'        any Python callable: function, method ('mod:Class.method', also static
-                           and class methods), builtin / pybind function, callable object
+                           and class methods), builtin / pybind function, callable object; a
+                           Triton kernel (plain, autotuned, heuristics) is hooked at its launch
+                           (kdump.record.launch_hook), not replaced
+  'module:*'               every Triton kernel the module defines (resolved when it is imported)
   'torch.ops.ns.op'        a torch operator (also 'torch.ops.ns:op')
   a preset                 a kernel plug-in's target list (kdump.kernels.registry.presets), e.g.
                            'deep_gemm': every DeepGEMM entry point and alias in each module that
@@ -49,7 +52,9 @@ from typing import Any
 
 from kdump.errors import UsageError
 from kdump.kernels.plugin import TargetSpec
+from kdump.kernels.triton import launch as triton_launch
 from kdump.log import log_once
+from kdump.record import launch_hook
 
 # ---------------------------------------------------------------------------------------------
 # Targets
@@ -76,6 +81,8 @@ def parse_target(text: str) -> list[TargetSpec]:
                 f"target {text!r}: give 'module:qualname' (e.g. mypkg.ops:gemm), "
                 f"'torch.ops.<ns>.<op>', or a preset ({', '.join(presets)})"
             )
+    if name == "*" and module and all(p.isidentifier() for p in module.split(".")):
+        return [TargetSpec(module, "*", f"{module}:*")]
     if not module or not name or any(not p.isidentifier() for p in name.split(".")):
         raise UsageError(f"target {text!r}: {name!r} is not a valid qualified name")
     if module.startswith("torch.ops") and (module.count(".") != 2 or "." in name):
@@ -137,6 +144,7 @@ class HookState:
     wrappers: list[Any] = field(default_factory=list)  # every wrapper object made for it
     param_names: tuple[str, ...] | None = None
     _names_known: bool = False
+    launch: bool = False  # a Triton kernel hooked at its launch (kdump.record.launch_hook)
 
     @property
     def id(self) -> str:
@@ -338,6 +346,8 @@ class PatchSet:
         self.on_change: Callable[[], None] | None = None  # after a rescan resolved a target
         self.states: list[HookState] = []
         self.pending: list[TargetSpec] = list(specs)
+        # 'module:*' -> the Triton kernel targets it expanded to once its module was loaded
+        self.expanded: dict[str, list[TargetSpec]] = {}
         self._watcher: _ImportWatcher | None = None
         self.active = False
 
@@ -360,7 +370,11 @@ class PatchSet:
                 for ref in reversed(st.refs):
                     try:
                         current = vars(ref.container).get(ref.name, _MISSING)
-                        if current is ref.wrapper:  # someone else rebound it since: leave theirs
+                        if current is not ref.wrapper:  # someone else rebound it: leave theirs
+                            continue
+                        if ref.previous is _MISSING:  # an instance attribute we added
+                            delattr(ref.container, ref.name)
+                        else:
                             setattr(ref.container, ref.name, ref.previous)
                     except Exception as exc:
                         log_once(
@@ -368,10 +382,12 @@ class PatchSet:
                             f"cannot restore {_display(ref.container, ref.name)}: {exc}",
                         )
                 st.refs.clear()
-                _STATES.pop(id(st.original), None)
+                key = triton_launch.innermost(st.original) if st.launch else st.original
+                _STATES.pop(id(key), None)
             self._restore_copies()
             self.states.clear()
             self.pending = list(self.specs)
+            self.expanded.clear()
 
     def rescan(self) -> None:
         """Resolve targets whose module appeared and rebind new references (import hook)."""
@@ -391,9 +407,15 @@ class PatchSet:
         operator)."""
         pending = {id(s) for s in self.pending}
         rows: list[dict[str, Any]] = []
-        for spec in self.specs:
+        specs: list[TargetSpec] = []
+        for spec in self.specs:  # a 'module:*' target, then the kernels it expanded to
+            specs.append(spec)
+            specs.extend(self.expanded.get(spec.text, ()) if spec.qualname == "*" else ())
+        for spec in specs:
             row: dict[str, Any] = {"target": spec.text, "id": spec.id, "module": spec.module}
-            if id(spec) not in pending:
+            if spec.qualname == "*" and id(spec) not in pending:
+                row["state"] = "patched" if self.expanded.get(spec.text) else "missing"
+            elif id(spec) not in pending:
                 row["state"] = "patched"
                 root = None if spec.is_op else module_root(sys.modules.get(spec.module))
                 if root is not None:
@@ -409,7 +431,7 @@ class PatchSet:
     def _resolve_pending(self) -> None:
         still: list[TargetSpec] = []
         new_states = False
-        for spec in self.pending:
+        for spec in self._expand(self.pending):
             found = _lookup(spec)
             if found is None:
                 if spec.module in sys.modules and not spec.optional and not spec.is_op:
@@ -422,6 +444,9 @@ class PatchSet:
                 continue
             container, name, value = found
             raw, deco = _unwrap_descriptor(value)
+            if deco is None and triton_launch.is_kernel(raw):
+                self._hook_launch(spec, container, name, raw)
+                continue
             if is_hook(raw):
                 if raw.__kdump_state__.owner is not self:
                     raise UsageError(f"target {spec.text} is already being recorded")
@@ -443,6 +468,53 @@ class PatchSet:
         self.pending = still
         if new_states:
             self._scan_modules()
+
+    def _expand(self, pending: list[TargetSpec]) -> list[TargetSpec]:
+        """`pending` with each 'module:*' whose module is loaded replaced by the Triton kernels
+        it defines (launch_hook.module_kernels); one whose module is not loaded stays."""
+        out: list[TargetSpec] = []
+        for spec in pending:
+            if spec.qualname != "*":
+                out.append(spec)
+                continue
+            mod = sys.modules.get(spec.module)
+            if mod is None:
+                out.append(spec)  # still pending: the import watcher expands it
+                continue
+            from kdump.kernels import registry
+
+            names = launch_hook.module_kernels(mod)
+            self.expanded[spec.text] = [registry.target_spec(spec.module, n) for n in names]
+            if not names:
+                log_once(f"noglob:{spec.text}", f"target {spec.text}: defines no Triton kernel")
+            out.extend(self.expanded[spec.text])
+        return out
+
+    def _hook_launch(self, spec: TargetSpec, container: Any, name: str, kernel: Any) -> None:
+        """A Triton kernel: hooked at its innermost object's launch (one state per innermost
+        object: a second name for it, or a wrapper of it, records through the first)."""
+        jit = triton_launch.innermost(kernel)
+        st = _STATES.get(id(jit))
+        if st is not None:
+            if st.owner is not self:
+                raise UsageError(f"target {spec.text} is already being recorded")
+            return
+        called_as = _display(container, name)
+        st = HookState(spec, kernel, self.on_call, owner=self, launch=True)
+        st.param_names, st._names_known = triton_launch.param_names(jit), True
+        try:
+            made = launch_hook.install(st, called_as, kernel, busy)
+        except Exception as exc:
+            log_once(
+                f"patch:{called_as}",
+                f"cannot hook the launches of {called_as} ({type(exc).__name__}: {exc}); they "
+                "are not recorded",
+            )
+            return
+        _STATES[id(jit)] = st
+        self.states.append(st)
+        self.on_patched(st)
+        st.refs.extend(_Ref(obj, attr, ours, _MISSING) for obj, attr, ours in made)
 
     def _replace(
         self, st: HookState, container: Any, name: str, previous: Any, deco: type | None
@@ -470,7 +542,7 @@ class PatchSet:
 
     def _scan_modules(self) -> None:
         """Rebind every module global that IS one of our originals (aliases, copies, caches)."""
-        mine = {id(st.original): st for st in self.states}
+        mine = {id(st.original): st for st in self.states if not st.launch}
         for mod_name, mod in list(sys.modules.items()):
             if mod is None or mod_name == "kdump" or mod_name.startswith("kdump."):
                 continue

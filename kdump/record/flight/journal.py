@@ -56,7 +56,7 @@ from kdump.format.journal import (
     round_up,
     storages_json,
 )
-from kdump.format.records import storage_layout_json, tensor_json
+from kdump.format.records import launch_json, storage_layout_json, tensor_json
 
 DEFAULT_SLOTS = 64
 DEFAULT_SLOT_BYTES = 1 << 20
@@ -84,6 +84,7 @@ def meta_from_call(call: Any, call_index: int, **fields: Any) -> SlotMeta:
         storages=storages,
         tensors=tensors,
         extra=dict(call.meta),
+        launch=launch_json(call.launch) if call.launch is not None else None,
         **fields,
     )
 
@@ -615,8 +616,16 @@ class Journal:
         outs = present[n_in:]
         present = present[:n_in]
         head = self._memo(
-            ("head", id(meta.args), id(meta.kwargs), id(meta.names), meta.target, meta.called_as),
-            (meta.args, meta.kwargs, meta.names),
+            (
+                "head",
+                id(meta.args),
+                id(meta.kwargs),
+                id(meta.names),
+                id(meta.launch),
+                meta.target,
+                meta.called_as,
+            ),
+            (meta.args, meta.kwargs, meta.names, meta.launch),
             lambda: head_json(meta),
         )
         storages = self._memo(

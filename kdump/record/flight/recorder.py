@@ -47,11 +47,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kdump import config
 from kdump.format.journal import SlotMeta, SlotTooSmall
+from kdump.format.records import launch_json
 from kdump.log import log_once
 from kdump.record.flight.again import MISS, MOVING, FlightRepeat, learn
 from kdump.record.flight.journal import Journal, Slot
@@ -68,6 +70,7 @@ from kdump.record.flight.sites import (
 )
 from kdump.record.flight.statics import Statics, lazy_bits
 from kdump.record.hooks import HookState
+from kdump.record.launch_hook import launch_key, launch_of
 from kdump.record.repeat import Lane, Repeats, Seen, probe, repeat_key, stands_for
 
 if TYPE_CHECKING:
@@ -200,7 +203,7 @@ class RingRecorder:
         after = None
         try:
             if self.session.trigger(st.id).select(index, args, kwargs):
-                after = self._before(st, index, called_as, args, kwargs)
+                after = self._before(st, index, called_as, args, kwargs, launch_of(fn))
         except SlotTooSmall as exc:  # this call only: the target's next calls still record
             self.too_big += 1
             log_once(
@@ -232,13 +235,19 @@ class RingRecorder:
         called_as: str,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        launch: tuple[Any, list[str]] = (None, []),
     ) -> Callable[[], None] | None:
         """Record the call before it runs; what to run after it (None: nothing). A repeat of a
         call recorded before takes the exact-repeat path (`_again`), found by its lane or its
-        repeat key (kdump.record.repeat); any other call the full path (`_record`)."""
+        repeat key (kdump.record.repeat); any other call the full path (`_record`). `launch`:
+        a Triton launch's record and notes (kdump.record.launch_hook.launch_of); its record is
+        part of the repeat keys, since the slot template holds it."""
         found = lane = tensors = None
+        lkey = launch_key(launch[0])
         try:
             found = probe(st.id, called_as, args, kwargs)
+            if lkey is not None and found is not None:
+                found = (found, lkey)
             lane = self._lanes.get(found)
             if lane is not None:
                 tensors = lane.tensors(args, kwargs)
@@ -250,6 +259,8 @@ class RingRecorder:
                 return done  # type: ignore[return-value]
         try:
             seen = repeat_key(st.id, called_as, args, kwargs)
+            if lkey is not None and seen is not None:
+                seen = ((seen[0], lkey), seen[1])
         except Exception as exc:
             log_once(f"repeatkey:{self.pid}", f"flight recorder: no repeat path ({exc!r})")
             seen = None
@@ -264,7 +275,7 @@ class RingRecorder:
                             self._lanes.clear()
                         self._lanes[found] = lane
                     return done  # type: ignore[return-value]
-        return self._record(st, index, called_as, args, kwargs, seen)
+        return self._record(st, index, called_as, args, kwargs, seen, launch)
 
     def _record(
         self,
@@ -274,6 +285,7 @@ class RingRecorder:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         seen: Seen | None,
+        launch: tuple[Any, list[str]] = (None, []),
     ) -> Callable[[], None] | None:
         """The full path: encode the arguments, take the signature's layout (`Layout`), the
         static operands, the device copy plan and the capture site, reserve the slot, learn the
@@ -302,6 +314,8 @@ class RingRecorder:
                 generation, storage_dicts = self._storage_dicts(tensors, layout, capturing, want)
                 site_key = self.captures.next_site(capturing)
                 extra = self._extra(index, capturing, layout)
+                if launch[1]:
+                    extra["notes"] = list(launch[1])
                 outputs = layout.outs
                 plan = rule = whole = None
                 # One device tier per process, on the device of its first call; a call on another
@@ -323,6 +337,8 @@ class RingRecorder:
                 meta = self._meta(
                     st, index, called_as, layout, storage_dicts, cuda, site, extra, outputs
                 )
+                if launch[0] is not None:
+                    meta = replace(meta, launch=launch_json(launch[0]))
                 slot = j.reserve(meta, index=site.slot if site else None, want=want)
                 self._reserved.slot = (slot.index, slot.seq)
                 views = SpanViews(tensors, layout.firsts, layout.storages)

@@ -36,6 +36,7 @@ from kdump.format.journal import (
     JournalError,
     SlotRecord,
     SlotState,
+    launch_record,
 )
 from kdump.format.records import (
     Source,
@@ -407,6 +408,7 @@ def _call_record(
         names=meta.names,
         inputs=Captured(storages=storages, tensors=tensors, data=data, digests=digests),
         meta=call_meta,
+        launch=launch_record(meta.launch),
     )
     if meta.outputs:
         _attach_outputs(call, rec)

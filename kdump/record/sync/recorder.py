@@ -26,6 +26,7 @@ from kdump.log import log_once
 from kdump.record.capture_dir import CaptureDir
 from kdump.record.config import Outputs, RecordConfig
 from kdump.record.hooks import HookState, TargetSpec
+from kdump.record.launch_hook import launch_of
 from kdump.record.repeat import Repeats, Seen, repeat_key
 from kdump.record.triggers import Limits, rank_allowed
 
@@ -182,7 +183,14 @@ class SyncRecorder:
         try:
             with own_tensor_work():
                 plan = self._plan(st, index, args, kwargs)
-                if plan == "dump" and self.repeat and st.id not in self._on_device:
+                launch = launch_of(fn)
+                # a Triton launch's record is no part of a repeat: it takes the ordinary path
+                if (
+                    plan == "dump"
+                    and self.repeat
+                    and launch[0] is None
+                    and st.id not in (self._on_device)
+                ):
                     seen, rep, meta = self._repeat_for(st, index, called_as, args, kwargs)
                     if rep is not None:
                         rep.take_inputs()
@@ -192,7 +200,9 @@ class SyncRecorder:
 
                     sink = StoreSpool(self._blob_store, STORE_MIN)
                 if plan is not None and rep is None:
-                    snap, live = self._snapshot(st, index, called_as, args, kwargs, plan, sink)
+                    snap, live = self._snapshot(
+                        st, index, called_as, args, kwargs, plan, sink, launch
+                    )
         except Exception as exc:
             rep = None
             self.session.fail(st, "capturing the arguments", exc)
@@ -384,8 +394,10 @@ class SyncRecorder:
         kwargs: dict[str, Any],
         plan: str,
         sink: StoreSpool | None = None,
+        launch: tuple[Any, list[str]] = (None, []),
     ) -> tuple[Any, list[Any]]:
-        """(the call's record, its live tensors in tensor-table order)."""
+        """(the call's record, its live tensors in tensor-table order). `launch`: a Triton
+        launch's record and notes (kdump.record.launch_hook.launch_of)."""
         from kdump.bundle.capture import capture_call
         from kdump.format import argtree
 
@@ -395,6 +407,8 @@ class SyncRecorder:
         names = st.names()
         pos_names = list(names[: len(args)]) if names and len(names) >= len(args) else None
         meta = self._meta(index, plan, stream, capturing, envinfo.library_state())
+        if launch[1]:
+            meta["notes"] = list(launch[1])
         if not capturing:
             call = capture_call(
                 st.id,
@@ -411,6 +425,7 @@ class SyncRecorder:
                 if plan == "dump"
                 else (),
             )
+            call.launch = launch[0]
             return call, tensors
         # Graph capture: no data can be read. Keep the layout of every tensor in the meta.
         from kdump.bundle.tensors import group_storages
@@ -433,6 +448,7 @@ class SyncRecorder:
         call = capture_call(
             st.id, ph_args, ph_kwargs, called_as=called_as, names=pos_names, meta=meta
         )
+        call.launch = launch[0]
         return call, tensors
 
     def _meta(
