@@ -39,6 +39,9 @@ POINTER_NOTE = (
 )
 
 
+_ABSENT = object()
+
+
 class _Benchmarking(threading.local):
     flag = False  # an autotuner benchmarks its configs on this thread
 
@@ -139,21 +142,31 @@ def _bench_hook(real: Callable[..., Any]) -> Callable[..., Any]:
 def _run_hook(
     st: Any, called_as: str, jit: Any, original: Callable[..., Any], busy: Any
 ) -> Callable[..., Any]:
-    def kdump_run(*args: Any, grid: Any, warmup: Any, **kwargs: Any) -> Any:
-        if warmup or not st.armed or busy.flag or benchmarking.flag:
-            return original(*args, grid=grid, warmup=warmup, **kwargs)
+    def kdump_run(*args: Any, **kwargs: Any) -> Any:
+        # exactly what the program passed goes to the original where nothing is recorded (a
+        # call without grid= fails there as it would unhooked)
+        grid = kwargs.get("grid", _ABSENT)
+        if (
+            grid is _ABSENT
+            or kwargs.get("warmup")
+            or not st.armed
+            or busy.flag
+            or benchmarking.flag
+        ):
+            return original(*args, **kwargs)
         i = next(st.counter)
         if not st.consider(i):
-            return original(*args, grid=grid, warmup=warmup, **kwargs)
+            return original(*args, **kwargs)
         try:
-            fn, args2, own = prepare(jit, original, grid, args, kwargs)
+            rest = {k: v for k, v in kwargs.items() if k != "grid" and k != "warmup"}
+            fn, args2, own = prepare(jit, original, grid, args, rest)
         except Exception as exc:  # recording never breaks the program: launch unrecorded
             log_once(
                 f"launch:{st.id}",
                 f"cannot record a launch of {called_as} ({type(exc).__name__}: {exc}); it runs "
                 "unrecorded",
             )
-            return original(*args, grid=grid, warmup=warmup, **kwargs)
+            return original(*args, **kwargs)
         busy.flag = True  # launches made inside this one pass through unrecorded
         try:
             return st.handler(st, i, called_as, fn, args2, own)
@@ -233,6 +246,9 @@ def _tensor_spans(values: list[Any]) -> list[tuple[int, int]]:
 
 
 MIN_ADDRESS = 1 << 16  # smaller integers are sizes, strides and flags, never addresses
+# CUDA's allocations lie above 4 GiB of the address space on 64-bit hosts: the driver is asked
+# only about integers that could be one (not about every element count of a launch)
+MIN_DEVICE_ADDRESS = 1 << 32
 
 
 def _pointer_value(v: Any, spans: list[tuple[int, int]]) -> int | None:
@@ -240,9 +256,9 @@ def _pointer_value(v: Any, spans: list[tuple[int, int]]) -> int | None:
     if tp is int:
         if v < MIN_ADDRESS or v >= 1 << 64:
             return None
-        if any(lo <= v < hi for lo, hi in spans) or is_device_address(v):
+        if any(lo <= v < hi for lo, hi in spans):
             return v
-        return None
+        return v if v >= MIN_DEVICE_ADDRESS and is_device_address(v) else None
     if tp is bool or tp is float or tp is str or v is None:
         return None
     if _TENSOR_TYPES and isinstance(v, _TENSOR_TYPES):
