@@ -325,7 +325,12 @@ def _replay_with_progress(
         return replay(bundles, options, calls=list(calls) or None, on_done=done)
 
 
-_STATUS = {"ok": "[green]ok[/]", "fail": "[red]FAIL[/]", "error": "[red]ERROR[/]"}
+_STATUS = {
+    "ok": "[green]ok[/]",
+    "fail": "[red]FAIL[/]",
+    "error": "[red]ERROR[/]",
+    "skipped": "[yellow]skip[/]",  # a step that cannot run for this call (the detail says why)
+}
 
 
 def rows(v, verbose: bool = False) -> list[tuple[str, str, str]]:

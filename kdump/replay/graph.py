@@ -356,10 +356,10 @@ class _GraphRun:
                 target = bound[name]
                 target.copy_(value.to(target.device))
 
-    def replay_graph(self, step: str, crashed: str, timed: bool = True) -> bool:
+    def replay_graph(self, step: str, crashed: str, timed: bool = True, said: str = "") -> bool:
         """Replay the captured graph once; False (a kernel_error finding, `crashed` says when)
         when it raised. `timed`: a step of its own (synchronised first, its time in
-        `self.elapsed`), not a rerun of one."""
+        `self.elapsed`), not a rerun of one. `said`: what the step ran, after the error."""
         assert self.graph is not None
         s = self.s
         if timed:
@@ -371,7 +371,8 @@ class _GraphRun:
             sync(s.device)
         except Exception as exc:
             text = error_line(exc)
-            s.step(step, "error", text, time.perf_counter() - t if timed else 0.0)
+            shown = f"{text} ({said})" if said else text
+            s.step(step, "error", shown, time.perf_counter() - t if timed else 0.0)
             s.finding("kernel_error", step, f"{crashed}: {text}")
             return False
         self.elapsed = time.perf_counter() - t
@@ -383,9 +384,11 @@ class _GraphRun:
         phase: Phase | None,
         oracle_dir: tempfile.TemporaryDirectory[str] | None,
         against: tuple[str, dict[str, torch.Tensor]] | None = None,
+        said: str = "",
     ) -> bool:
         """One replay of the captured graph after `phase` rewrote its inputs (None: the captured
-        inputs), judged; False when the context is gone (the chain goes on in a fresh process)."""
+        inputs), judged; False when the context is gone (the chain goes on in a fresh process).
+        `said`: what the step says it ran (a phase says its own)."""
         s, mc, save_dir = self.s, self.mc, self.save_dir
         self.prepare(phase)
         exp = self.expected_now()
@@ -393,13 +396,11 @@ class _GraphRun:
         inputs = [a.span.clone() for a in self.allocs] if self.fresh else []
         if save_dir:
             _save_pending(s, mc, save_dir, step, phase)
-        if not self.replay_graph(step, "replay crashed"):
+        said = phase.message if phase is not None else said
+        if not self.replay_graph(step, "replay crashed", said=said):
             _keep_pending(save_dir, step)
             return False
-        if phase is not None:
-            s.step(step, "ok", phase.message, self.elapsed, **phase.metrics)
-        else:
-            s.step(step, "ok", "", self.elapsed)
+        s.step(step, "ok", said, self.elapsed, **(phase.metrics if phase is not None else {}))
         n_before = len(s.verdict.findings)
         recorded = phase.recorded_outputs if phase else None
 
@@ -473,7 +474,8 @@ class _GraphRun:
             against = ("eager", self.baseline)
         # `moved` stays allocated through the replay: a graph that reads through a pointer the
         # eager call left behind reads that call's values, not freed memory.
-        ok = self.replay(CHANGED, None, oracle_dir, against)
+        said = "the captured inputs, replayed after the eager call at new addresses"
+        ok = self.replay(CHANGED, None, oracle_dir, against, said)
         del moved
         return ok
 
