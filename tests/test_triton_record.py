@@ -306,3 +306,25 @@ def test_kdump_record_cli_records_a_module_glob(tmp_path, kernels, mode):
     calls = _calls(sorted((tmp_path / "out").rglob("*.kdump")))
     assert sorted(c["target"].split(":")[1] for c in calls) == ["add_kernel", "scale_kernel"]
     assert all(c["launch"] is not None and c["outputs"] is not None for c in calls)
+
+
+def test_flight_recorder_repeats_keep_each_launchs_own_record(tmp_path, kernels):
+    """Exact repeats of a launch take the flight recorder's template path; a launch with the
+    same arguments but another grid or launch option is no repeat of it."""
+    m = _import(kernels)
+    x, y, out = _data()
+    jit = tl_launch.innermost(m.add_kernel)
+    with kdump.recording(
+        f"{kernels}:add_kernel", out=tmp_path / "out", mode="ring", ring=_ring(tmp_path)
+    ) as rec:
+        for grid in [(4,), (4,), (4,), (4,), (7,), (4,)]:
+            m.add_kernel[grid](x, y, out, 100, BLOCK=32)
+        jit.run(x, y, out, 100, BLOCK=32, grid=(4,), warmup=False, num_warps=2)
+        fast = rec.recorder.fast_calls
+        rec.flush()
+        written = list(rec.written)
+    assert fast >= 2  # the template path ran (and still wrote the launch record)
+    calls = _calls(written)
+    assert [c["launch"].grid for c in calls] == [(4,), (4,), (4,), (4,), (7,), (4,), (4,)]
+    assert [c["launch"].options for c in calls] == [{}] * 6 + [{"num_warps": 2}]
+    assert torch.equal(out, x + 1)

@@ -259,8 +259,9 @@ class RingRecorder:
                 return done  # type: ignore[return-value]
         try:
             seen = repeat_key(st.id, called_as, args, kwargs)
-            if lkey is not None and seen is not None:
-                seen = ((seen[0], lkey), seen[1])
+            if lkey is not None and seen is not None:  # (target, called_as, structure, facts)
+                key = seen[0]
+                seen = ((key[0], (key[1], lkey), *key[2:]), seen[1])
         except Exception as exc:
             log_once(f"repeatkey:{self.pid}", f"flight recorder: no repeat path ({exc!r})")
             seen = None
