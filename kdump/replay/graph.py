@@ -454,7 +454,12 @@ class _GraphRun:
             self.skipped(CHANGED, "the call has no tensor to place at a new address")
             return True
         s.progress("begin", CHANGED_EAGER)
-        moved = graph_steps.elsewhere(s, self.mc, self.outputs, s.req.options.graph.seed)
+        try:
+            moved = graph_steps.elsewhere(s, self.mc, self.outputs, s.req.options.graph.seed)
+        except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
+            why = f"a second copy of the call does not fit in memory here ({error_line(exc)})"
+            s.step(CHANGED, "skipped", why)
+            return True
         expected = (
             {k: v.clone() for k, v in s.spec.reference(moved.bound).items()}
             if s.wants_reference()

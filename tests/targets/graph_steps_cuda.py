@@ -1,13 +1,15 @@
 """Planted CUDA kernels for the graph chain's shrinking-batch and changed-addresses steps
 (tests/test_graph_steps_gpu.py), compiled with NVRTC through cuda-core and launched on torch's
-current stream, so they capture in a CUDA graph. Each sums the rows of `x` per group:
-out[g, c] = sum of x[r, c] over the rows r with groups[r] == g (one block per row, atomics; with
-integer-valued x the sums are exact in any order).
+current stream, so they capture in a CUDA graph. Each gathers the last row of every group, as a
+draft model gathers each sequence's last token: out[g] = x[r] for the row r labelled g whose
+successor is in another group (or that is the last row); rows labelled < 0 are invalid. `out` is
+zeroed first, so a group without rows gives a zero row.
 
-- `group_sum(x, groups, out)`: the correct kernel: rows labelled < 0 are invalid and skipped.
-- `group_sum_unchecked(x, groups, out)`: never skips a row: one labelled -1 adds into the row
-  before `out` (out of bounds), which happens only once the batch shrinks below the captured one.
-- `group_sum_described(x, groups, out)`: the correct kernel, reading its three pointers from a
+- `last_rows(x, groups, out)`: the correct kernel: invalid rows are skipped.
+- `last_rows_unchecked(x, groups, out)`: does not skip invalid rows: the last of a run of rows
+  labelled -1 is stored into the row before `out` (out of bounds). That happens only once the
+  batch shrinks below the captured one (every row is valid at capture).
+- `last_rows_described(x, groups, out)`: the correct kernel, reading its three pointers from a
   descriptor in device memory that the host writes only when the call's addresses change and
   never while a graph is being captured (as a library that keeps a TMA descriptor or workspace
   between calls). A graph captured on one set of buffers, replayed after an eager call on
@@ -23,31 +25,29 @@ from typing import Any
 import torch
 
 SOURCE = r"""
-extern "C" __global__ void group_sum(const float* x, const int* groups, float* out, int cols) {
-    const long long r = blockIdx.x;
+__device__ void gather_last(const float* x, const int* groups, float* out, int rows, int cols,
+                            bool check) {
+    const int r = blockIdx.x;
     const int g = groups[r];
-    if (g < 0) return;
+    if (check && g < 0) return;  // the unchecked kernel's bug: -1 is not skipped
+    if (r + 1 < rows && groups[r + 1] == g) return;  // not the last row of its group
     for (int c = threadIdx.x; c < cols; c += blockDim.x)
-        atomicAdd(&out[(long long)g * cols + c], x[r * cols + c]);
+        out[(long long)g * cols + c] = x[(long long)r * cols + c];
 }
 
-extern "C" __global__ void group_sum_unchecked(const float* x, const int* groups, float* out,
+extern "C" __global__ void last_rows(const float* x, const int* groups, float* out, int rows,
+                                     int cols) {
+    gather_last(x, groups, out, rows, cols, true);
+}
+
+extern "C" __global__ void last_rows_unchecked(const float* x, const int* groups, float* out,
+                                               int rows, int cols) {
+    gather_last(x, groups, out, rows, cols, false);
+}
+
+extern "C" __global__ void last_rows_described(const unsigned long long* desc, int rows,
                                                int cols) {
-    const long long r = blockIdx.x;
-    const int g = groups[r];  // the bug: -1 is not skipped
-    for (int c = threadIdx.x; c < cols; c += blockDim.x)
-        atomicAdd(&out[(long long)g * cols + c], x[r * cols + c]);
-}
-
-extern "C" __global__ void group_sum_described(const unsigned long long* desc, int cols) {
-    const float* x = (const float*)desc[0];
-    const int* groups = (const int*)desc[1];
-    float* out = (float*)desc[2];
-    const long long r = blockIdx.x;
-    const int g = groups[r];
-    if (g < 0) return;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x)
-        atomicAdd(&out[(long long)g * cols + c], x[r * cols + c]);
+    gather_last((const float*)desc[0], (const int*)desc[1], (float*)desc[2], rows, cols, true);
 }
 """
 
@@ -92,31 +92,26 @@ def _checked(x: torch.Tensor, groups: torch.Tensor, out: torch.Tensor) -> int:
     return x.shape[1]
 
 
-def group_sum(x: torch.Tensor, groups: torch.Tensor, out: torch.Tensor) -> None:
+def _rows(name: str, x: torch.Tensor, groups: torch.Tensor, out: torch.Tensor) -> None:
     cols = _checked(x, groups, out)
     out.zero_()
-    _launch(x.device, "group_sum", x.shape[0], _ptr(x), _ptr(groups), _ptr(out), ctypes.c_int(cols))
+    rows = ctypes.c_int(x.shape[0])
+    _launch(x.device, name, x.shape[0], _ptr(x), _ptr(groups), _ptr(out), rows, ctypes.c_int(cols))
 
 
-def group_sum_unchecked(x: torch.Tensor, groups: torch.Tensor, out: torch.Tensor) -> None:
-    cols = _checked(x, groups, out)
-    out.zero_()
-    _launch(
-        x.device,
-        "group_sum_unchecked",
-        x.shape[0],
-        _ptr(x),
-        _ptr(groups),
-        _ptr(out),
-        ctypes.c_int(cols),
-    )
+def last_rows(x: torch.Tensor, groups: torch.Tensor, out: torch.Tensor) -> None:
+    _rows("last_rows", x, groups, out)
+
+
+def last_rows_unchecked(x: torch.Tensor, groups: torch.Tensor, out: torch.Tensor) -> None:
+    _rows("last_rows_unchecked", x, groups, out)
 
 
 # Per device: the addresses the descriptor holds, and the descriptor (3 pointers on the device).
 _descriptors: dict[int, tuple[tuple[int, int, int] | None, torch.Tensor]] = {}
 
 
-def group_sum_described(x: torch.Tensor, groups: torch.Tensor, out: torch.Tensor) -> None:
+def last_rows_described(x: torch.Tensor, groups: torch.Tensor, out: torch.Tensor) -> None:
     cols = _checked(x, groups, out)
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     held, desc = _descriptors.get(index, (None, None))  # type: ignore[arg-type]
@@ -128,4 +123,5 @@ def group_sum_described(x: torch.Tensor, groups: torch.Tensor, out: torch.Tensor
         held = addresses
     _descriptors[index] = (held, desc)
     out.zero_()
-    _launch(x.device, "group_sum_described", x.shape[0], _ptr(desc), ctypes.c_int(cols))
+    rows = ctypes.c_int(x.shape[0])
+    _launch(x.device, "last_rows_described", x.shape[0], _ptr(desc), rows, ctypes.c_int(cols))
