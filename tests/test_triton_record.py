@@ -328,3 +328,20 @@ def test_flight_recorder_repeats_keep_each_launchs_own_record(tmp_path, kernels)
     assert [c["launch"].grid for c in calls] == [(4,), (4,), (4,), (4,), (7,), (4,), (4,)]
     assert [c["launch"].options for c in calls] == [{}] * 6 + [{"num_warps": 2}]
     assert torch.equal(out, x + 1)
+
+
+def test_a_glob_allows_the_triton_kernels_its_module_defines(kernels):
+    """`--allow-target 'MODULE:*'` (what `kdump record` suggests for a `MODULE:*` recording)
+    admits the module's own Triton kernels, whose objects are of Triton's classes: the trust
+    rule looks at the kernel's function."""
+    from kdump.errors import UntrustedTargetError
+    from kdump.kernels import registry
+
+    m = _import(kernels)
+    for name in ("add_kernel", "scale_kernel", "neg_kernel"):
+        got = registry.resolve_allowed(f"{kernels}:{name}", [f"{kernels}:*"])
+        assert got is getattr(m, name)
+    assert registry.defined_in(m.add_kernel, kernels)
+    assert not registry.defined_in(m.add_kernel, "elsewhere")
+    with pytest.raises(UntrustedTargetError):
+        registry.resolve_allowed("torch:nn.functional.relu", [f"{kernels}:*"])

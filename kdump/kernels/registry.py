@@ -254,7 +254,8 @@ def _op_namespace(obj: Any) -> bool:
 
 def defined_in(obj: Any, module: str) -> bool:
     """Whether `module` (or a submodule of it) defines `obj`: its `__module__`, or for a wrapper
-    its `__wrapped__` function's; a torch.ops target's operators belong to their namespace."""
+    its `__wrapped__` function's, or for a Triton kernel object (whose class is Triton's) its
+    innermost Python function's; a torch.ops target's operators belong to their namespace."""
     if module == "torch.ops" or module.startswith("torch.ops."):
         ops = sys.modules.get("torch._ops")
         return ops is not None and isinstance(obj, (ops.OpOverloadPacket, ops.OpOverload))
@@ -262,7 +263,12 @@ def defined_in(obj: Any, module: str) -> bool:
 
     if isinstance(obj, types.ModuleType):
         return False
-    for cand in (obj, getattr(obj, "__wrapped__", None)):
+    from kdump.kernels.triton import launch as triton_launch
+
+    cands = [obj, getattr(obj, "__wrapped__", None)]
+    if triton_launch.is_kernel(obj):
+        cands.append(triton_launch.python_function(triton_launch.innermost(obj)))
+    for cand in cands:
         owner = getattr(cand, "__module__", None) if cand is not None else None
         if isinstance(owner, str) and (owner == module or owner.startswith(module + ".")):
             return True
