@@ -1,4 +1,10 @@
-"""The "deep_gemm" backend: the installed DeepGEMM, imported from any module that binds it."""
+"""The "deep_gemm" backend: the installed DeepGEMM, imported from any module that binds it.
+
+It runs what the bundle recorded, as recorded: arguments bind to the installed build by
+position and keyword as the recorded program passed them. A call the spec refuses (a callable
+or unrebuildable epilogue, a mega-MoE kernel's raw pointers) is refused here too, in one line,
+before anything runs.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ from typing import Any
 import torch
 
 from kdump.errors import CannotRunError
-from kdump.kernels.deepgemm.names import DEEPGEMM_ENTRY_POINTS, DEEPGEMM_MODULES
+from kdump.kernels.deepgemm.names import DEEPGEMM_MODULES, aliases_of
 from kdump.kernels.plugin import Backend, KernelSpec
 
 
@@ -55,7 +61,7 @@ class DeepGemmBackend(Backend):
     def _function(self, spec: KernelSpec) -> Callable[..., Any]:
         module = import_deep_gemm()
         name = _function_name(spec)
-        for cand in (name, *DEEPGEMM_ENTRY_POINTS.get(name, ())):
+        for cand in (name, *aliases_of(name)):
             fn = getattr(module, cand, None)
             if fn is not None:
                 return fn
@@ -65,7 +71,15 @@ class DeepGemmBackend(Backend):
         )
 
     def resolve(self, spec: KernelSpec, target: str) -> Callable[..., Any]:
-        return self._function(spec)
+        fn = self._function(spec)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            why = spec.refusal(spec.bind(args, kwargs))
+            if why:
+                raise CannotRunError(why)
+            return fn(*args, **kwargs)
+
+        return run
 
     def version(self) -> str | None:
         try:

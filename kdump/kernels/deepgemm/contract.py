@@ -20,7 +20,15 @@ from typing import Any
 
 import torch
 
-from kdump.kernels.deepgemm.scales import align, ceil_div, format_of, tma_aligned_size
+from kdump.kernels.deepgemm.scales import (
+    FP4_BLOCK_K,
+    align,
+    ceil_div,
+    format_of,
+    is_packed_fp4,
+    logical_k,
+    tma_aligned_size,
+)
 from kdump.kernels.plugin import Violation
 
 DEFAULT_MK_ALIGNMENT = 128
@@ -132,27 +140,25 @@ def analyse(
     a, sfa, b, sfb, d, routing = tensors
     an = "a[0]" if sig.fp8 else "a"
     bn = "b[0]" if sig.fp8 else "b"
-    if not _check_kinds(sig, an, a, bn, b, d, out):
+    if not _check_kinds(sig, an, a, bn, b, d, out, allow_fp4=library_limits):
+        return None, out
+    fp4 = is_packed_fp4(a) or is_packed_fp4(b)
+    if fp4 and sig.nn:
+        out.append(Violation(bn, "packed FP4 operands must be K-major: an NN call cannot take one"))
         return None, out
     b_nt = b.transpose(1, 2) if sig.nn else b
     sfb_nt = sfb.transpose(-1, -2) if (sig.nn and sfb is not None and sfb.dim() >= 2) else sfb
-    groups, n, k = b_nt.shape
+    groups, n = b_nt.shape[0], b_nt.shape[1]
+    k = logical_k(b_nt)
     m = a.shape[-2]
     _check_shapes(sig, an, a, bn, b, d, groups, n, k, out)
-    if library_limits and sig.fp8 and k % FP8_BLOCK_K:
-        out.append(
-            Violation(
-                an,
-                f"K = {k} is not a multiple of {FP8_BLOCK_K}: DeepGEMM's FP8 kernels step K in "
-                f"{FP8_BLOCK_K}-element blocks with one scale each",
-            )
-        )
+    _check_k_blocks(sig, an, k, fp4, library_limits, out)
     _check_layout(sig, an, a, b_nt, bn, d, out, library_limits)
     _check_routing_tensor(sig, bound, routing, groups, m, out)
     _check_scalars(sig, bound, out)
     gran_a = gran_b = Granularity(1, FP8_BLOCK_K)
     if library_limits and sig.fp8 and sfa is not None and sfb is not None:
-        grans = _resolve_recipe(bound, sfa, sfb, out)
+        grans = _resolve_recipe(bound, sfa, sfb, out, k if fp4 else None)
         if grans is not None:
             gran_a, gran_b = grans
             g_a = groups if sig.masked else None
@@ -162,6 +168,24 @@ def analyse(
         return None, out
     psum = bool(bound.get("use_psum_layout")) and not sig.masked
     return Call(a, sfa, b_nt, sfb_nt, d, routing, groups, m, n, k, psum, gran_a, gran_b), out
+
+
+def _check_k_blocks(
+    sig: Signature, an: str, k: int, fp4: bool, library_limits: bool, out: list[Violation]
+) -> None:
+    """K in whole scale blocks: 128 for FP8 operands, 32 (the e2m1 scale block) with FP4."""
+    if not (library_limits and sig.fp8):
+        return
+    block = FP4_BLOCK_K if fp4 else FP8_BLOCK_K
+    if k % block:
+        kind = "FP4" if fp4 else "FP8"
+        out.append(
+            Violation(
+                an,
+                f"K = {k} is not a multiple of {block}: DeepGEMM's {kind} kernels step K in "
+                f"{block}-element blocks with one scale each",
+            )
+        )
 
 
 def _operand(
@@ -209,13 +233,16 @@ def _check_kinds(
     b: torch.Tensor,
     d: torch.Tensor,
     out: list[Violation],
+    allow_fp4: bool = False,
 ) -> bool:
-    """Dtypes, and ranks (False when a rank is wrong: shapes cannot be read then)."""
+    """Dtypes, and ranks (False when a rank is wrong: shapes cannot be read then). With
+    `allow_fp4` (DeepGEMM's own contract) an FP8 signature also takes packed FP4 operands."""
     in_dtype = torch.float8_e4m3fn if sig.fp8 else torch.bfloat16
     for name, t in (("a", a), ("b", b)):
         label = f"{name}[0]" if sig.fp8 else name
-        if t.dtype != in_dtype:
-            out.append(Violation(label, f"dtype {_dtype(t)}, expected {str(in_dtype)[6:]}"))
+        if t.dtype != in_dtype and not (sig.fp8 and allow_fp4 and is_packed_fp4(t)):
+            also = " or packed FP4 (int8, two e2m1 values a byte)" if sig.fp8 and allow_fp4 else ""
+            out.append(Violation(label, f"dtype {_dtype(t)}, expected {str(in_dtype)[6:]}{also}"))
     if d.dtype != torch.bfloat16:
         out.append(Violation("d", f"dtype {_dtype(d)}, expected bfloat16"))
     a_dims = 3 if sig.masked else 2
@@ -241,9 +268,13 @@ def _check_shapes(
 ) -> None:
     m = a.shape[-2]
     b_desc = "[G, K, N]" if sig.nn else "[G, N, K]"
-    if a.shape[-1] != k:
+    if logical_k(a) != k:
+        packed = " (packed FP4: two values a byte)" if is_packed_fp4(a) or is_packed_fp4(b) else ""
         out.append(
-            Violation(an, f"K = {a.shape[-1]} but b has K = {k} ({bn} is {b_desc} {_shape(b)})")
+            Violation(
+                an,
+                f"K = {logical_k(a)} but b has K = {k} ({bn} is {b_desc} {_shape(b)}){packed}",
+            )
         )
     want_d = (groups, m, n) if sig.masked else (m, n)
     if tuple(d.shape) != want_d:
@@ -333,9 +364,15 @@ def _check_scalars(sig: Signature, bound: Mapping[str, Any], out: list[Violation
 
 
 def _resolve_recipe(
-    bound: Mapping[str, Any], sfa: torch.Tensor, sfb: torch.Tensor, out: list[Violation]
+    bound: Mapping[str, Any],
+    sfa: torch.Tensor,
+    sfb: torch.Tensor,
+    out: list[Violation],
+    fp4_k: int | None = None,
 ) -> tuple[Granularity, Granularity] | None:
-    """Granularities of A's and B's scales from recipe / recipe_a+recipe_b / the default."""
+    """Granularities of A's and B's scales from recipe / recipe_a+recipe_b / the default. A call
+    with an FP4 operand (`fp4_k`: its K) and no recipe takes each operand's K granularity from
+    its packed scales' width (32 or 128 per scale), as DeepGEMM's FP8xFP4 path does."""
     for name, t in (("a[1]", sfa), ("b[1]", sfb)):
         if format_of(t) is None:
             out.append(
@@ -370,6 +407,9 @@ def _resolve_recipe(
             )
             return None
         ga, gb = Granularity(ra[0], ra[1]), Granularity(rb[0], rb[1])
+    elif sfb.dtype == torch.int32 and fp4_k is not None:
+        ga = Granularity(1, _packed_gran_k(sfa, fp4_k))
+        gb = Granularity(1, _packed_gran_k(sfb, fp4_k))
     elif sfb.dtype == torch.int32:
         ga, gb = Granularity(1, 128), Granularity(1, 128)  # 1D1D kernels
     else:
@@ -383,6 +423,13 @@ def _resolve_recipe(
             out.append(Violation("recipe", f"scale granularity in K must be 32 or 128, got {g.k}"))
             return None
     return (ga, gb) if not out else None
+
+
+def _packed_gran_k(sf: torch.Tensor, k: int) -> int:
+    """32 when packed UE8M0 scales are exactly as wide as per-32 K blocks need, else 128."""
+    if sf.dtype == torch.int32 and sf.dim() >= 2 and sf.shape[-1] == ceil_div(k, 4 * FP4_BLOCK_K):
+        return FP4_BLOCK_K
+    return FP8_BLOCK_K
 
 
 def _check_scale(

@@ -1,17 +1,24 @@
 """The DeepGEMM plug-in: its hook targets, global state, specs and backends (the installed
 library, and kdump's packaged SM120-class kernel that implements the same signatures).
 
+Every line of DeepGEMM is one plug-in: upstream 2.x and its repackagings bind the same names
+(names.py), and a call binds by the parameter names of the build that ran it (signature.py,
+runtime_bound.py). Targets: the m- and k-grouped GEMMs under every name (FP4 aliases
+included), the mega-MoE kernels (recorded with their raw pointers marked, never replayed:
+mega.py), the global setters and the locality-domain calls.
+
 Imported by the recorder inside the recorded program: torch and the specs load lazily.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from kdump.kernels.deepgemm import names, state
+from kdump.kernels.deepgemm import apply, names, state
+from kdump.kernels.deepgemm.runtime_bound import loaded_module
+from kdump.kernels.deepgemm.signature import positional_names
 from kdump.kernels.plugin import Backend, KernelPlugin, KernelSpec, TargetSpec
 
 if TYPE_CHECKING:
@@ -19,71 +26,28 @@ if TYPE_CHECKING:
 
 NAME = "deep_gemm"
 
-
-def _loaded_module() -> Any:
-    return next((sys.modules[m] for m in names.DEEPGEMM_MODULES if m in sys.modules), None)
+# kdump's own kernels with DeepGEMM's signatures: calls recorded there are DeepGEMM calls.
+_PACKAGED_MODULES = ("kdump.kernels.sm120.api", "kdump.kernels.sm120.faulty")
 
 
 def _sm_count(device: torch.device) -> int | None:
-    """SMs of `device` (None off the GPU: nothing to check against)."""
-    if device.type != "cuda":
-        return None
-    import torch
-
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return apply.sm_count(device)
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _invalid_here(key: str, value: Any, sm_count: int | None) -> str | None:
-    """Why a recorded setting cannot be applied on this device, or None when it can."""
-    if key == "num_sms":
-        if not _is_int(value) or value <= 0:
-            return f"{value!r} is not a positive SM count"
-        if sm_count is not None and value > sm_count:
-            return f"this GPU has {sm_count} SMs"
-    if key == "mk_alignment" and (not _is_int(value) or value <= 0):
-        return f"{value!r} is not a positive alignment"
-    if key == "tc_util" and (not _is_int(value) or not 0 < value <= 100):
-        return f"{value!r} is not a percentage in 1..100"
-    return None
-
-
-def _call_setter(setter: Any, value: Any) -> None:
-    if isinstance(value, dict) and set(value) == {"args", "kwargs"}:
-        setter(*value["args"], **value["kwargs"])
-    else:
-        setter(value)
-
-
-# Keys of the recorded state that describe the library rather than set it.
-_DESCRIPTIVE = frozenset({"module", "version", "file", "setters", "error"})
-
-
-def _setters(recorded: Mapping[str, Any]) -> Mapping[str, Any]:
-    setters = recorded.get("setters")
-    return setters if isinstance(setters, Mapping) else {}
-
-
-def _unknown_settings(recorded: Mapping[str, Any] | None) -> list[str]:
-    """A note naming the recorded settings and setters kdump does not know (shown, not run)."""
-    if not isinstance(recorded, Mapping):
-        return []
-    setters = _setters(recorded)
-    unknown = [k for k in recorded if k not in _DESCRIPTIVE and k not in names.DEEPGEMM_SETTINGS]
-    unknown += [k for k in setters if k not in names.DEEPGEMM_SETTERS]
-    if not unknown:
-        return []
-    from kdump.text import visible
-
-    shown = ", ".join(visible(k, 80) for k in sorted(map(str, unknown))[:20])
-    return [f"recorded DeepGEMM settings unknown to kdump, not applied: {shown}"]
-
-
-# kdump's own kernels with DeepGEMM's signatures: calls recorded there are DeepGEMM calls.
-_PACKAGED_MODULES = ("kdump.kernels.sm120.api", "kdump.kernels.sm120.faulty")
+def _call_target(module: str, fn: str) -> TargetSpec:
+    """How to hook entry point `fn` of `module`: outputs, positional names (the table's; the
+    recorder reads the installed build's through param_names), raw-pointer parameters."""
+    canon = names.canonical_name(fn)
+    mega = canon in names.DEEPGEMM_MEGA_MOE
+    return TargetSpec(
+        module,
+        fn,
+        names.deepgemm_id(fn),
+        optional=True,
+        output_names=("y",) if mega else ("d",),
+        param_names=names.deepgemm_params(canon),
+        pointer_params=names.MEGA_MOE_POINTER_PARAMS if mega else (),
+    )
 
 
 class DeepGemmPlugin(KernelPlugin):
@@ -95,17 +59,8 @@ class DeepGemmPlugin(KernelPlugin):
         out: list[TargetSpec] = []
         for mod in names.DEEPGEMM_MODULES:
             for canon, aliases in names.DEEPGEMM_ENTRY_POINTS.items():
-                for fn in (canon, *aliases):
-                    out.append(
-                        TargetSpec(
-                            mod,
-                            fn,
-                            names.deepgemm_id(fn),
-                            optional=True,
-                            output_names=("d",),
-                            param_names=names.deepgemm_params(canon),
-                        )
-                    )
+                out += [_call_target(mod, fn) for fn in (canon, *aliases)]
+            out += [_call_target(mod, fn) for fn in names.DEEPGEMM_MEGA_MOE]
             for setter in names.DEEPGEMM_SETTERS:
                 out.append(
                     TargetSpec(mod, setter, f"{NAME}:{setter}", kind="setter", optional=True)
@@ -116,28 +71,26 @@ class DeepGemmPlugin(KernelPlugin):
         module, sep, fn = target.partition(":")
         if not sep:
             if "." not in target:  # a bare function name
-                return names.deepgemm_id(target) if target in _KNOWN else None
+                return names.deepgemm_id(target) if target in names.KNOWN_FUNCTIONS else None
             module, _, fn = target.rpartition(".")
         if module in (
             *names.DEEPGEMM_MODULES,
             *_PACKAGED_MODULES,
             "torch.ops.deep_gemm",
             NAME,
-        ) and (fn in _KNOWN):
+        ) and (fn in names.KNOWN_FUNCTIONS):
             return names.deepgemm_id(fn)
         return None
 
     def target(self, module: str, qualname: str) -> TargetSpec | None:
-        canon = self.canonical_id(f"{module}:{qualname}")
-        if canon is None:
+        if self.canonical_id(f"{module}:{qualname}") is None:
             return None
-        return TargetSpec(
-            module,
-            qualname,
-            canon,
-            output_names=("d",),
-            param_names=names.deepgemm_params(canon.partition(":")[2]),
-        )
+        return _call_target(module, qualname)
+
+    def param_names(self, target_id: str, fn: Any) -> tuple[str, ...] | None:
+        """The installed build's positional names: pybind docstrings, torch.ops schemas, shims
+        over an operator (deepgemm/signature.py)."""
+        return positional_names(fn)
 
     def state(self) -> dict[str, Any] | None:
         return state.state()
@@ -153,7 +106,7 @@ class DeepGemmPlugin(KernelPlugin):
         (setters without a getter)."""
         if not isinstance(recorded, Mapping):
             return {}  # nothing, or a bundle's garbage
-        setters = _setters(recorded)
+        setters = apply.setters_of(recorded)
         out: dict[str, Any] = {}
         for key, setter in names.DEEPGEMM_SETTINGS.items():
             value = recorded.get(key)
@@ -167,17 +120,15 @@ class DeepGemmPlugin(KernelPlugin):
         return frozenset(names.DEEPGEMM_SETTINGS)
 
     def apply_state(self, recorded: Mapping[str, Any] | None, device: torch.device) -> list[str]:
-        notes = _unknown_settings(recorded)
+        notes = apply.unknown_settings(recorded)
+        module = loaded_module()  # loaded by the deep_gemm backend; never imported for others
         values = self.settings(recorded)
-        if not values:
-            return notes
-        sms = _sm_count(device)
-        module = _loaded_module()  # loaded by the deep_gemm backend; never imported for others
+        sms = _sm_count(device) if values else None
         applied = []
         for key, value in values.items():
             if key not in self.known_settings():
                 continue  # settings() yields known names only; this keeps it so
-            why = _invalid_here(key, value, sms)
+            why = apply.invalid_here(key, value, sms)
             if why is not None:
                 notes.append(f"DeepGEMM setting {key}={value!r} not applied: {why}")
                 continue
@@ -185,7 +136,7 @@ class DeepGemmPlugin(KernelPlugin):
             setter = getattr(module, names.DEEPGEMM_SETTINGS[key], None) if module else None
             if setter is not None:
                 try:
-                    _call_setter(setter, value)
+                    apply.call_setter(setter, key, value)
                 except Exception as exc:
                     notes.append(
                         f"DeepGEMM setting {key}={value!r} not applied: {type(exc).__name__}: {exc}"
@@ -195,15 +146,22 @@ class DeepGemmPlugin(KernelPlugin):
         if applied:
             where = "to the library and the contract" if module else "to the contract"
             notes.append(f"recorded DeepGEMM settings applied {where}: {', '.join(applied)}")
-        rec_version = (recorded or {}).get("version")
-        here = getattr(module, "__version__", None) if module else None
-        if rec_version and here and str(rec_version) != str(here):
-            notes.append(f"DeepGEMM version differs: recorded {rec_version}, here {here}")
+        notes += apply.locality_notes(recorded, module)
+        notes += apply.build_notes(recorded, module)
         return notes
 
     def same_build(self, recorded: Mapping[str, Any] | None, backend: Backend) -> bool:
+        """The recorded build (distribution, version and commit where both know one) is the
+        one the deep_gemm backend runs; bundles without build facts compare versions."""
         if backend.name != self.library_backend:
             return True
+        from kdump.kernels.deepgemm import build
+
+        rec = (recorded or {}).get("build")
+        module = loaded_module()
+        same = build.same(rec, build.module_build(module)) if module is not None else None
+        if same is not None:
+            return same
         rec_version = (recorded or {}).get("version")
         return not rec_version or rec_version == backend.version()
 
@@ -212,9 +170,13 @@ class DeepGemmPlugin(KernelPlugin):
 
     @cached_property
     def _specs(self) -> tuple[KernelSpec, ...]:
-        from kdump.kernels.deepgemm.specs import SPEC_CLASSES
+        from kdump.kernels.deepgemm import kgrouped, mega, specs
 
-        return tuple(cls() for cls in SPEC_CLASSES)
+        return (
+            *(cls() for cls in specs.SPEC_CLASSES),
+            *(cls() for cls in kgrouped.SPEC_CLASSES),
+            *mega.mega_moe_specs(),
+        )
 
     def spec(self, target_id: str) -> KernelSpec | None:
         canon = self.canonical_id(target_id) or target_id
@@ -234,16 +196,18 @@ class DeepGemmPlugin(KernelPlugin):
         return ("deep_gemm", "packaged")
 
     def checks(self, gpu: bool) -> list[dict[str, Any]]:
+        from kdump.kernels.deepgemm import build
         from kdump.kernels.deepgemm.backend import import_deep_gemm
         from kdump.kernels.sm120.backend import packaged_check
 
         try:
             mod = import_deep_gemm()
+            facts = build.module_build(mod)
             line = {
                 "name": "backend deep_gemm",
                 "ok": gpu,
-                "detail": f"DeepGEMM {getattr(mod, '__version__', '?')} at "
-                f"{getattr(mod, '__file__', '?')}",
+                "detail": f"DeepGEMM {build.describe(facts)} ({state.api_of(mod) or '?'} API, "
+                f"{build.jit_line(mod)} JIT) at {getattr(mod, '__file__', '?')}",
                 "fix": "" if gpu else "needs a CUDA GPU",
             }
         except Exception as exc:
@@ -256,9 +220,5 @@ class DeepGemmPlugin(KernelPlugin):
             }
         return [line, packaged_check(gpu)]
 
-
-_KNOWN = frozenset(
-    [*names.DEEPGEMM_ENTRY_POINTS, *(a for al in names.DEEPGEMM_ENTRY_POINTS.values() for a in al)]
-)
 
 PLUGIN = DeepGemmPlugin()

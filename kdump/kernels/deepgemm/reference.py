@@ -19,7 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kdump.kernels.deepgemm.scales import align, ceil_div, unpack_ue8m0
+from kdump.kernels.deepgemm.scales import (
+    align,
+    ceil_div,
+    is_packed_fp4,
+    logical_k,
+    unpack_fp4,
+    unpack_ue8m0,
+)
 
 # A group's rows: a slice when they are one run (the common case), else an index tensor.
 RowSelection = slice | torch.Tensor
@@ -27,7 +34,8 @@ RowSelection = slice | torch.Tensor
 
 @dataclass(frozen=True)
 class Operand:
-    """One operand in NT orientation: data [.., MN, K] (FP8 or bf16) and its scales.
+    """One operand in NT orientation: data [.., MN, K] (FP8, bf16, or packed FP4 [.., MN, K/2])
+    and its scales.
 
     `scale` is None (bf16), float32 [.., ceil(MN/gran_mn), ceil(K/gran_k)], or packed UE8M0 int32
     [.., MN, ceil(K/(4·gran_k))] (gran_mn must then be 1). Any strides.
@@ -48,7 +56,9 @@ class Operand:
         """
         data = self.data[group] if group is not None else self.data
         src = data[sel]
-        if buf is not None and buf.numel() >= src.numel():
+        if is_packed_fp4(src):
+            x = unpack_fp4(src)  # two e2m1 values a byte
+        elif buf is not None and buf.numel() >= src.numel():
             x = buf.view(-1)[: src.numel()].view(src.shape).copy_(src)
         else:
             x = src.to(torch.float32)
@@ -94,7 +104,7 @@ def grouped_gemm(
     if not groups:
         return out
     # Workspaces reused by every group: one B group, and A's largest group.
-    n, k = b.data.shape[-2], b.data.shape[-1]
+    n, k = b.data.shape[-2], logical_k(b.data)
     b_buf = torch.empty(n * k, dtype=torch.float32, device=b.data.device)
     a_buf = torch.empty(0, dtype=torch.float32, device=a.data.device)
     for gr in groups:

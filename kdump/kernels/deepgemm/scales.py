@@ -23,6 +23,32 @@ _UE8M0_ZERO_BITS = 0x00400000  # float32 bits of 2^-127 (a subnormal): what byte
 _FP32_NAN_BITS = 0x7FC00000  # byte 255 is NaN in UE8M0
 
 
+FP4_BLOCK_K = 32  # an e2m1 operand's UE8M0 scale covers 32 K elements
+# e2m1 magnitudes by their three low bits; bit 3 is the sign
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def is_packed_fp4(t: torch.Tensor) -> bool:
+    """Packed FP4 as DeepGEMM takes it: two e2m1 values a byte, in int8 (uint8 in older
+    builds; torch's float4_e2m1fn_x2 where it exists)."""
+    fp4x2 = getattr(torch, "float4_e2m1fn_x2", None)
+    return t.dtype in (torch.int8, torch.uint8) or (fp4x2 is not None and t.dtype == fp4x2)
+
+
+def logical_k(t: torch.Tensor) -> int:
+    """Elements along the last dimension: twice the bytes for packed FP4."""
+    return int(t.shape[-1]) * (2 if is_packed_fp4(t) else 1)
+
+
+def unpack_fp4(t: torch.Tensor) -> torch.Tensor:
+    """Packed e2m1 [.., K/2] -> float32 [.., K]; the low nibble of a byte is the even element."""
+    by = t.view(torch.uint8).to(torch.int32) if t.dtype != torch.uint8 else t.to(torch.int32)
+    nib = torch.stack([by & 0x0F, by >> 4], dim=-1).flatten(-2)
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=t.device)
+    mag = values[nib & 0x07]
+    return torch.where((nib & 0x08) != 0, -mag, mag)
+
+
 class ScaleFormat(str, Enum):
     FP32 = "fp32"  # SM90 format, float32 scales
     UE8M0 = "ue8m0"  # SM100/SM120 format, packed int32

@@ -27,13 +27,12 @@ written as zeros, so a comparison looks at valid rows only.
 from __future__ import annotations
 
 import copy
-import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from kdump.errors import ContractViolation
+from kdump.errors import CannotRunError, ContractViolation
 from kdump.kernels.deepgemm import generators as gen_
 from kdump.kernels.deepgemm import reference as ref_
 from kdump.kernels.deepgemm import routing as routing_
@@ -47,19 +46,20 @@ from kdump.kernels.deepgemm.contract import (
     mk_alignment_from,
 )
 from kdump.kernels.deepgemm.names import DEEPGEMM_ENTRY_POINTS, deepgemm_id
+from kdump.kernels.deepgemm.params import params_of
+from kdump.kernels.deepgemm.runtime_bound import RuntimeBound
 from kdump.kernels.deepgemm.scales import ScaleFormat, align
 from kdump.kernels.plugin import (
     KernelSpec,
     Mutation,
-    Param,
     RecordedArgs,
-    Role,
     RoutingSummary,
     RowsUsed,
     Tolerance,
     Touch,
     Violation,
 )
+from kdump.text import visible
 
 # Per-element tolerance: 2 bf16 ulps relative, plus the same fraction of the output's rms.
 ELEMENT_RTOL = 2.0**-7
@@ -67,36 +67,10 @@ FP8_CALC_DIFF = 1e-3  # DeepGEMM's test threshold for FP8 x FP8
 BF16_CALC_DIFF = 1e-5  # bf16 inputs: only output rounding and accumulation order differ
 
 
-_EMPTY = inspect.Parameter.empty
-
-
-def _param(name: str, role: Role, default: Any = _EMPTY, aliases: tuple[str, ...] = ()) -> Param:
-    return Param(name, role, default, aliases)
-
-
-_A = _param("a", Role.INPUT)
-_B = _param("b", Role.WEIGHT)  # the experts' weights (and their scales)
-_D = _param("d", Role.OUTPUT)
-_LAYOUT = _param("grouped_layout", Role.ROUTING, aliases=("m_indices",))
-_MASKED_M = _param("masked_m", Role.ROUTING)
-_EXPECTED_M = _param("expected_m", Role.HINT)
-_RECIPES = (
-    _param("recipe", Role.SCALAR, None),
-    _param("recipe_a", Role.SCALAR, None),
-    _param("recipe_b", Role.SCALAR, None),
-)
-_COMPILED_DIMS = _param("compiled_dims", Role.HINT, "nk")
-_NO_CAST = _param("disable_ue8m0_cast", Role.SCALAR, False)
-_PSUM = (
-    _param("use_psum_layout", Role.SCALAR, False),
-    _param("ensure_zero_padding", Role.SCALAR, True),
-    _param("expected_m_for_psum_layout", Role.HINT, None),
-)
-
-
-class _MGroupedSpec(KernelSpec):
+class _MGroupedSpec(RuntimeBound, KernelSpec):
     """Shared logic of the m-grouped specs; subclasses name the entry point (`function`), which
-    gives their id, aliases and signature (FP8 or bf16, masked or contiguous, NN or NT)."""
+    gives their id, aliases, parameters and signature (FP8 or bf16, masked or contiguous, NN or
+    NT). FP8 signatures also take packed FP4 operands (the m_grouped_fp4_* aliases)."""
 
     function: str = ""
     mk_alignment: int = DEFAULT_MK_ALIGNMENT
@@ -106,6 +80,7 @@ class _MGroupedSpec(KernelSpec):
         cls.id = deepgemm_id(cls.function)
         cls.aliases = DEEPGEMM_ENTRY_POINTS.get(cls.function, ())
         cls.sig = SIGNATURES[cls.function]
+        cls.params = params_of(cls.function)
 
     sig: Signature = Signature()
 
@@ -178,7 +153,16 @@ class _MGroupedSpec(KernelSpec):
 
     def reference(self, bound: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """{"d": expected D}: float32 products of the dequantised operands per group, rounded to
-        bf16; rows outside every group are 0. Invalid labels are skipped, counts clamped."""
+        bf16; rows outside every group are 0. Invalid labels are skipped, counts clamped. A call
+        with an epilogue has none: the reference does not model epilogues."""
+        why = self.refusal(bound)
+        if why:
+            raise CannotRunError(why)
+        if bound.get("epilogue") is not None:
+            raise CannotRunError(
+                f"{self.id}: the torch reference does not model the epilogue "
+                f"{visible(repr(bound['epilogue']), 80)}; replay with --backend deep_gemm"
+            )
         call = self._call(bound)
         a, b = self._operands(call)
         return {"d": ref_.grouped_gemm(a, b, call.d, self._group_rows(call))}
@@ -452,32 +436,26 @@ def _mutations(spec: _MGroupedSpec, call: Call, seed: int, count: int) -> Iterat
 
 class MGroupedFP8NTContiguous(_MGroupedSpec):
     function = "m_grouped_fp8_gemm_nt_contiguous"
-    params = (_A, _B, _D, _LAYOUT, *_RECIPES, _COMPILED_DIMS, _NO_CAST, *_PSUM)
 
 
 class MGroupedFP8NNContiguous(_MGroupedSpec):
     function = "m_grouped_fp8_gemm_nn_contiguous"
-    params = (_A, _B, _D, _LAYOUT, *_RECIPES, _COMPILED_DIMS, _NO_CAST, *_PSUM)
 
 
 class MGroupedFP8NTMasked(_MGroupedSpec):
     function = "m_grouped_fp8_gemm_nt_masked"
-    params = (_A, _B, _D, _MASKED_M, _EXPECTED_M, *_RECIPES, _COMPILED_DIMS, _NO_CAST)
 
 
 class MGroupedBF16NTContiguous(_MGroupedSpec):
     function = "m_grouped_bf16_gemm_nt_contiguous"
-    params = (_A, _B, _D, _LAYOUT, _COMPILED_DIMS, *_PSUM)
 
 
 class MGroupedBF16NNContiguous(_MGroupedSpec):
     function = "m_grouped_bf16_gemm_nn_contiguous"
-    params = (_A, _B, _D, _LAYOUT, _COMPILED_DIMS, *_PSUM)
 
 
 class MGroupedBF16NTMasked(_MGroupedSpec):
     function = "m_grouped_bf16_gemm_nt_masked"
-    params = (_A, _B, _D, _MASKED_M, _EXPECTED_M, _COMPILED_DIMS)
 
 
 SPEC_CLASSES: tuple[type[_MGroupedSpec], ...] = (
