@@ -1,7 +1,10 @@
 """The environment manifest a bundle carries: machine, software, GPU, and kernel-library state.
 
-Kernel-library plug-ins provide their process-global settings (KernelPlugin.state, e.g. DeepGEMM's
-num_sms, tc_util, pdl, mk alignment); `register_state_provider` adds others.
+Kernel-library plug-ins provide their process-global settings and which build of the library ran
+(KernelPlugin.state, e.g. DeepGEMM's num_sms, tc_util, pdl, mk alignment, block size multiple,
+locality-domain calls, JIT settings, and its distribution, version, commit and file: the lines
+number their versions independently, so a version alone does not say which code ran; see
+docs/deepgemm-lines.md); `register_state_provider` adds others.
 """
 
 from __future__ import annotations

@@ -396,9 +396,9 @@ def _line_module(tmp_path: Path, deepjit: bool) -> tuple[types.ModuleType, dict[
     folder = tmp_path / "dg_line" / "deep_gemm"
     folder.mkdir(parents=True)
     (folder / "__init__.py").write_text("")
-    (folder / "_C.cpython-311-x86_64-linux-gnu.so").write_bytes(
-        b"\x7fELF...DG_JIT_CACHE_DIR\0" + (b"DJ_JIT_CACHE_DIR\0" if deepjit else b"") + b"..."
-    )
+    # DeepJIT composes DJ_JIT_<X> at run time: its binary holds its namespace, not the names
+    jit = b"_ZN8deep_jit3Env3getE\0JIT_CACHE_DIR\0.dj\0" if deepjit else b"/.deep_gemm\0"
+    (folder / "_C.cpython-311-x86_64-linux-gnu.so").write_bytes(b"\x7fELF\0DG_JIT_\0" + jit)
     st: dict[str, Any] = {"block": None, "deterministic": False, "localized": 0}
     spec = registry.spec_for(FP8_CONTIG)
 

@@ -91,7 +91,8 @@ def locality_notes(recorded: Mapping[str, Any] | None, module: Any) -> list[str]
     """What the recording's locality-domain calls mean for this replay."""
     if not isinstance(recorded, Mapping):
         return []
-    localize = setters_of(recorded).get("localize")
+    setters = setters_of(recorded)
+    localize = setters.get("localize") or setters.get("localize_rows")
     if not isinstance(localize, Mapping):
         return []
     last = localize.get("last") if isinstance(localize.get("last"), Mapping) else {}
@@ -101,7 +102,8 @@ def locality_notes(recorded: Mapping[str, Any] | None, module: Any) -> list[str]
     text = (
         f"the recording placed weights in the GPU's locality domains (deep_gemm.localize "
         f"called {visible(str(localize.get('calls', '?')), 20)} time(s), last on shape "
-        f"{visible(str(shape), 60)} along dim {visible(str(last.get('dim', '?')), 10)}"
+        f"{visible(str(shape), 60)}"
+        + (f" along dim {visible(str(last['dim']), 10)}" if "dim" in last else "")
         + (f", {visible(str(domains), 20)} domains" if _is_int(domains) else "")
         + "); this replay's tensors are ordinary device memory"
     )

@@ -245,16 +245,19 @@ def same(recorded: dict[str, Any] | None, here: dict[str, Any] | None) -> bool |
     return not (rc and hc and str(rc)[:12] != str(hc)[:12])
 
 
-# Strings a DeepJIT-based build's extension holds: it reads DJ_JIT_* as the fallback of its own
-# prefix, and its cache defaults to $HOME/.dj; older builds know only DG_JIT_* ($HOME/.deep_gemm).
-_DEEPJIT_MARK = b"DJ_JIT_"
+# What a DeepJIT-based build's extension holds: DeepJIT composes DJ_JIT_<X> at run time from
+# its prefix, so the names themselves are not in the binary, but its namespace (in mangled
+# symbols) and its assertion texts are. An older build's JIT holds its own cache default.
+_DEEPJIT_MARKS = (b"8deep_jit", b"DJ is reserved for global environment variables", b"DJ_JIT_")
+_LEGACY_MARKS = (b".deep_gemm",)
 _EXTENSION_GLOBS = ("_C*.so", "_C_extension*.so", "deep_gemm_cpp*.so", "*.so")
 _MAX_SCAN = 1 << 30
 
 
 def jit_line(module: Any) -> str:
-    """ "deepjit" when the module's extension reads DJ_JIT_* settings, "legacy" when it has an
-    extension that does not, "unknown" when no extension was found (a Python-only module)."""
+    """ "deepjit" when the module's extension is built on DeepJIT (DG_JIT_* settings fall back
+    to DJ_JIT_*, cache in $HOME/.dj), "legacy" when it is DeepGEMM's own older JIT (cache in
+    $HOME/.deep_gemm), "unknown" when no extension says which (a Python-only module)."""
     file = getattr(module, "__file__", None)
     if not isinstance(file, str):
         return "unknown"
@@ -273,7 +276,6 @@ def jit_line(module: Any) -> str:
 def _scan_extensions(folder: Path) -> str:
     import mmap
 
-    seen = False
     for pattern in _EXTENSION_GLOBS:
         for path in sorted(folder.glob(pattern)):
             try:
@@ -281,11 +283,10 @@ def _scan_extensions(folder: Path) -> str:
                 if not 0 < size <= _MAX_SCAN:
                     continue
                 with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                    seen = True
-                    if m.find(_DEEPJIT_MARK) >= 0:
+                    if any(m.find(mark) >= 0 for mark in _DEEPJIT_MARKS):
                         return "deepjit"
+                    if any(m.find(mark) >= 0 for mark in _LEGACY_MARKS):
+                        return "legacy"
             except (OSError, ValueError):
                 continue
-        if seen:
-            return "legacy"
     return "unknown"

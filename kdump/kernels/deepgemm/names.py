@@ -52,7 +52,7 @@ MEGA_MOE_POINTER_PARAMS: tuple[str, ...] = ("sym_buffer_ptrs",)
 # DeepGEMM's process-global setters: hooked so that bundles know the settings in force. The
 # locality-domain calls place weights in the GPU's locality domains (and start or stop the
 # MLOPart localizer): global state too, noted by a summary of their arguments.
-DEEPGEMM_LOCALITY_CALLS: tuple[str, ...] = ("localize", "destroy_localizer")
+DEEPGEMM_LOCALITY_CALLS: tuple[str, ...] = ("localize", "localize_rows", "destroy_localizer")
 DEEPGEMM_SETTERS: tuple[str, ...] = (
     "set_num_sms",
     "set_tc_util",
@@ -115,15 +115,17 @@ DEEPGEMM_PARAMS: dict[str, tuple[str, ...]] = {
         *("a", "b", "d", "ks", "grouped_layout", "c", "compiled_dims", "use_psum_layout"),
         *("use_padded_sf_layout", "epilogue"),
     ),
-    # upstream's Python-level mega-MoE functions (the symmetric buffer object); builds that
-    # pass the buffer's parts (sym_buffer, sym_buffer_ptrs, rank_idx, ...) bind by their names
+    # the Python-level mega-MoE functions of the 2.8.2 lines (the symmetric buffer object);
+    # builds that pass the buffer's parts (sym_buffer, sym_buffer_ptrs, rank_idx, ...) and
+    # newer keywords bind by their runtime names
     "mega_moe": (
-        *("y", "l1_weights", "l2_weights", "sym_buffer", "cumulative_local_expert_recv_stats"),
-        *("recipe", "activation", "activation_clamp", "fast_math"),
+        *("y", "l1_weights", "l2_weights", "sym_buffer", "shared_l1_weights", "shared_l2_weights"),
+        *("cumulative_local_expert_recv_stats", "recipe", "activation", "activation_clamp"),
+        "fast_math",
     ),
     "bf16_mega_moe": (
-        *("y", "l1_weights", "l2_weights", "sym_buffer", "cumulative_local_expert_recv_stats"),
-        *("activation", "activation_clamp", "fast_math"),
+        *("y", "l1_weights", "l2_weights", "sym_buffer", "shared_l1_weights", "shared_l2_weights"),
+        *("cumulative_local_expert_recv_stats", "activation", "activation_clamp", "fast_math"),
     ),
 }
 

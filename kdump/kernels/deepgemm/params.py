@@ -71,6 +71,8 @@ _BY_FAMILY: dict[tuple[str, str], Param] = {
             _p("l1_weights", Role.WEIGHT, None),
             _p("l2_weights", Role.WEIGHT, None),
             _p("sym_buffer", Role.INPUT, None),
+            _p("shared_l1_weights", Role.WEIGHT, None),
+            _p("shared_l2_weights", Role.WEIGHT, None),
             _p("cumulative_local_expert_recv_stats", Role.INPUT, None),
             _p("recipe", Role.SCALAR, None),
             _p("activation", Role.SCALAR, "swiglu"),

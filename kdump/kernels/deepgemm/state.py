@@ -9,7 +9,8 @@ DeepGEMM: when no binding module is loaded it reports nothing. Reported:
   DJ_JIT_*, cache in $HOME/.dj) or older, and each setting with the variable that gave it;
 * the getters of names.DEEPGEMM_GETTERS that exist, and the latest arguments of every hooked
   setter (setters without a getter, such as `set_ignore_compile_dims`, are only known this way);
-* the locality-domain calls: `localize` and `destroy_localizer`, by a summary of their arguments
+* the locality-domain calls: `localize`, `localize_rows` (sgl-deep-gemm) and
+  `destroy_localizer`, by a summary of their arguments
   (never the tensors), and the number of locality domains once the program localized weights
   (asked only then: the query may start DeepGEMM's MLOPart localizer).
 """
@@ -21,7 +22,11 @@ from typing import Any
 
 from kdump import config
 from kdump.kernels.deepgemm import build
-from kdump.kernels.deepgemm.names import DEEPGEMM_ENTRY_POINTS, DEEPGEMM_GETTERS
+from kdump.kernels.deepgemm.names import (
+    DEEPGEMM_ENTRY_POINTS,
+    DEEPGEMM_GETTERS,
+    DEEPGEMM_LOCALITY_CALLS,
+)
 from kdump.kernels.deepgemm.runtime_bound import loaded_module
 from kdump.kernels.deepgemm.signature import runtime_signature, unwrap_hooked
 
@@ -52,14 +57,17 @@ def _tensor_summary(t: Any) -> dict[str, Any] | str:
 
 
 def _locality_note(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """`localize(t, dim=-2)` and `destroy_localizer()`: how often, and the last arguments."""
+    """`localize(t, dim=-2)`, `localize_rows(t)` and `destroy_localizer()`: how often, and the
+    last arguments (a tensor by its shape and dtype)."""
     previous = _SETTINGS.get(name)
     calls = previous.get("calls", 0) if isinstance(previous, dict) else 0
     note: dict[str, Any] = {"calls": int(calls) + 1}
-    if name == "localize":
+    if name in ("localize", "localize_rows"):
         tensor = args[0] if args else kwargs.get("t")
-        dim = args[1] if len(args) > 1 else kwargs.get("dim", -2)
-        note["last"] = {"tensor": _tensor_summary(tensor), "dim": _json_safe(dim)}
+        last: dict[str, Any] = {"tensor": _tensor_summary(tensor)}
+        if name == "localize":
+            last["dim"] = _json_safe(args[1] if len(args) > 1 else kwargs.get("dim", -2))
+        note["last"] = last
     return note
 
 
@@ -67,7 +75,7 @@ def note_setter(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Non
     """Keep the latest value of a setter call: the one argument, or {args, kwargs}; for the
     locality-domain calls, a summary (deepgemm/names.DEEPGEMM_LOCALITY_CALLS)."""
     with _lock:
-        if name in ("localize", "destroy_localizer"):
+        if name in DEEPGEMM_LOCALITY_CALLS:
             _SETTINGS[name] = _locality_note(name, args, kwargs)
             return
         if len(args) == 1 and not kwargs:
@@ -137,7 +145,7 @@ def state() -> dict[str, Any] | None:
     }
     _getters(module, out)
     count = getattr(module, "get_num_locality_domains", None)
-    if "localize" in seen and count is not None:
+    if ("localize" in seen or "localize_rows" in seen) and count is not None:
         try:
             out["locality_domains"] = _json_safe(getattr(count, "__wrapped__", count)())
         except Exception as exc:
