@@ -52,6 +52,7 @@ def test_params_mirror_deepgemm_signatures():
         "use_psum_layout",
         "ensure_zero_padding",
         "expected_m_for_psum_layout",
+        "epilogue",
     ]
     assert spec.names_with_role(Role.ROUTING) == ["grouped_layout"]
     assert spec.names_with_role(Role.OUTPUT) == ["d"]
@@ -95,7 +96,7 @@ def test_spec_for_unknown_is_generic_and_settings_apply():
     assert isinstance(spec, GenericSpec) and spec.id == "mylib.ops:fancy_gemm"
     assert spec.bind([1, 2, 3], {}) == {"x": 1, "y": 2, "args[2]": 3}
     ids = [s.id for s in all_specs()]
-    assert len(ids) == len(set(ids)) == 6
+    assert len(ids) == len(set(ids)) == 15  # m-grouped 6, k-grouped 4, mega-MoE 5
     spec64 = spec_for("deep_gemm:m_grouped_fp8_gemm_nt_contiguous", settings={"mk_alignment": 64})
     assert spec64.mk_alignment == 64
     assert spec_for("deep_gemm:m_grouped_fp8_gemm_nt_contiguous").mk_alignment == 128

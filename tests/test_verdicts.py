@@ -521,7 +521,7 @@ def test_graph_chain_inbounds_and_atomics_stay_clean(tmp_path: Path, cpu_graphs:
         [v] = replay([path], mode="graph", device="cpu", isolate=False)
         assert v.exit_code == 0, v.headline()
         diffs = [st for st in v.steps if st.name.endswith("/halo differential")]
-        assert len(diffs) == 2 and all(st.status == "ok" for st in diffs), diffs
+        assert len(diffs) == 3 and all(st.status == "ok" for st in diffs), diffs
 
 
 def test_where_names_the_elements_read() -> None:

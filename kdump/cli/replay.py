@@ -164,6 +164,13 @@ Examples:
     help="Seconds before a replay counts as a hang and is killed.",
 )
 @click.option(
+    "--interpreter-budget",
+    type=click.FloatRange(min=0, min_open=True),
+    default=120.0,
+    show_default=True,
+    help="Seconds Triton's interpreter may run one launch as the oracle of a GPU replay.",
+)
+@click.option(
     "--jobs", type=click.IntRange(1, 64), default=1, help="Replays at once (one per GPU)."
 )
 @click.option("--in-process", is_flag=True, help="Do not isolate replays in a child process.")

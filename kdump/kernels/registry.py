@@ -343,7 +343,7 @@ def spec_for(
     spec = p.spec(canon) if p is not None else None
     if spec is None:
         return GenericSpec(target, names)
-    return spec.with_settings(settings)
+    return spec.with_settings(settings).with_names(names)
 
 
 def recorded_state(

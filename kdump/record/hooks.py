@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kdump.errors import UsageError
+from kdump.format.argtree import Pointer
 from kdump.kernels.plugin import TargetSpec
 from kdump.kernels.triton import launch as triton_launch
 from kdump.log import log_once
@@ -154,7 +155,11 @@ class HookState:
         """Positional parameter names from the real signature, else the spec's table."""
         if not self._names_known:
             self._names_known = True
-            self.param_names = _signature_names(self.original) or self.spec.param_names
+            self.param_names = (
+                _signature_names(self.original)
+                or plugin_names(self.spec.id, self.original)
+                or self.spec.param_names
+            )
         return self.param_names
 
     def disarm(self) -> None:
@@ -170,6 +175,18 @@ def _signature_names(fn: Any) -> tuple[str, ...] | None:
         return None
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return tuple(p.name for p in sig.parameters.values() if p.kind in kinds)
+
+
+def plugin_names(target_id: str, fn: Any) -> tuple[str, ...] | None:
+    """Positional names the target's plug-in reads from the running build (pybind docstrings,
+    torch.ops schemas) where `inspect.signature` cannot; None when it has none or fails."""
+    try:
+        from kdump.kernels import registry
+
+        p = registry.plugin_for(target_id)
+        return p.param_names(target_id, fn) if p is not None else None
+    except Exception:
+        return None
 
 
 @dataclass(eq=False)
@@ -200,6 +217,9 @@ def make_call_wrapper(st: HookState, called_as: str, fn: Callable[..., Any]) -> 
             if st.consider(i) and not busy.flag:
                 busy.flag = True  # hooked calls made inside this one pass through unrecorded
                 try:
+                    if st.spec.pointer_params:
+                        run, a, kw = mark_pointer_params(st, fn, args, kwargs)
+                        return handler(st, i, called_as, run, a, kw)  # type: ignore[call-arg]
                     return handler(st, i, called_as, fn, args, kwargs)  # type: ignore[call-arg]
                 finally:
                     busy.flag = False
@@ -208,6 +228,46 @@ def make_call_wrapper(st: HookState, called_as: str, fn: Callable[..., Any]) -> 
     _copy_metadata(kdump_hook, fn)
     kdump_hook.__kdump_state__ = st  # type: ignore[attr-defined]
     return kdump_hook
+
+
+def _as_pointers(value: Any) -> Any:
+    """Integers (also inside a list or tuple) as `Pointer`s; anything else unchanged."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return Pointer(value)
+    if isinstance(value, (list, tuple)):
+        items = [_as_pointers(v) for v in value]
+        return tuple(items) if isinstance(value, tuple) else items
+    return value
+
+
+def mark_pointer_params(
+    st: HookState, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    """The call with the raw addresses of the spec's `pointer_params` (another rank's symmetric
+    memory) wrapped in `Pointer`, so the recorder writes `$pointer` nodes, and the function that
+    runs it with the values the program passed."""
+    wanted = set(st.spec.pointer_params)
+    names = st.names() or ()
+    real: dict[int, Any] = {}
+
+    def mark(name: str, v: Any) -> Any:
+        if name not in wanted:
+            return v
+        marked = _as_pointers(v)
+        if marked is not v:
+            real[id(marked)] = v
+        return marked
+
+    a = tuple(mark(names[k] if k < len(names) else "", v) for k, v in enumerate(args))
+    kw = {k: mark(k, v) for k, v in kwargs.items()}
+    if not real:
+        return fn, args, kwargs
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        args = tuple(real.get(id(v), v) for v in args)
+        return fn(*args, **{k: real.get(id(v), v) for k, v in kwargs.items()})
+
+    return run, a, kw
 
 
 def make_setter_wrapper(

@@ -129,6 +129,10 @@ def _spec_of(fn: Any) -> TargetSpec | None:
 
 
 def _names_for(fn: Any, spec: TargetSpec | None) -> tuple[str, ...] | None:
-    from kdump.record.hooks import _signature_names
+    from kdump.record.hooks import _signature_names, plugin_names
 
-    return _signature_names(fn) or (spec.param_names if spec else None)
+    if (names := _signature_names(fn)) is not None:
+        return names
+    if spec is not None and (names := plugin_names(spec.id, fn)) is not None:
+        return names
+    return spec.param_names if spec else None

@@ -106,7 +106,15 @@ def run_eager(req: Request, progress: Progress, fresh: oracle.Fresh) -> Verdict:
         s.compare_runs(step, bound, actual, runs[0], "run 1", explained)
     _judge_repeats(s, bound, runs, explained)
     if wants_interpreter(s) and runs and outputs:
-        triton_oracle.check(s, "eager/run 1", outputs, poisoned, runs[0], explained)
+        triton_oracle.check(
+            s,
+            "eager/run 1",
+            outputs,
+            poisoned,
+            runs[0],
+            explained,
+            budget=s.req.options.interpreter_budget,
+        )
     if prelude and runs and outputs:
         _fresh_oracle(s, mc, outputs, pristine, runs[0], reproduced, fresh)
     if not outputs and not s.call.has_returned:

@@ -67,6 +67,7 @@ class ReplayOptions:
     oracle: str = "auto"  # see ORACLES
     force: bool = False  # launch even when the call violates the contract
     timeout: float | None = 600.0  # seconds before a replay counts as a hang
+    interpreter_budget: float = 120.0  # seconds the Triton interpreter oracle may run a launch
     halo: int = DEFAULT_HALO  # bytes of poisoned guard (0 = off)
     placement: str = "halo"  # flush_end: storages end flush with their allocation (sanitizer)
     reference: bool = True  # compare with the torch reference where the spec has one
@@ -207,6 +208,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "repeat": ("", "repeat"),
     "force": ("", "force"),
     "timeout": ("", "timeout"),
+    "interpreter_budget": ("", "interpreter_budget"),
     "isolate": ("", "isolate"),
     "jobs": ("", "jobs"),
     "halo": ("", "halo"),

@@ -121,6 +121,18 @@ def runs_interpreted(call: Call, device: str) -> bool:
         return False
 
 
+def refuse_by_spec(spec: KernelSpec, call: Call) -> None:
+    """The spec's own one-line reason a call cannot be replayed (a callable epilogue, another
+    rank's memory), asked of the recorded argument trees before anything is materialised."""
+    try:
+        bound = spec.bind(call.encoded_args, call.encoded_kwargs)
+    except KdumpError:
+        return  # the contract check names what is wrong with the arguments
+    why = spec.refusal(bound)
+    if why:
+        raise CannotRunError(why)
+
+
 def refuse_pointers(call: Call) -> None:
     """A call given raw device addresses cannot run: the memory behind them is not recorded."""
     from kdump.format.argtree import pointer_paths
@@ -161,6 +173,7 @@ class Session:
         if self.plugin is not None:
             spec = spec.with_settings(self.plugin.settings(self.library_state))
         self.spec = spec
+        refuse_by_spec(spec, self.call)
         refuse_pointers(self.call)
         self.device = resolve_device(req.device, self.call, isinstance(spec, GenericSpec))
         self.verdict = Verdict(
