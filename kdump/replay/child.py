@@ -22,11 +22,10 @@ reused only for the next bundle whose applied environment and library settings a
 (`reuse_key`), and only after a clean verdict; a worker that dies, hangs or reports anything is
 ended, so the bundle it was running is judged as above and the next one gets a fresh process.
 
-Every process started here runs in a process group of its own (a hang kills the whole group) and
-is registered, with the temporary folders made for it, until it is reaped. SIGINT and SIGTERM
-end them all (`end_children`: SIGTERM to each group, SIGKILL after GRACE_S) and remove the
-folders before kdump itself stops: SIGINT then goes on as KeyboardInterrupt (exit 130), SIGTERM
-as exit 143. A replay child does the same for the processes it started (the fresh-eager oracle).
+Every process started here runs in a process group of its own (a hang kills the whole group),
+registered with its temporary folders until it is reaped, and SIGINT / SIGTERM end them all
+before kdump stops (kdump.replay.procs: how, and what keeps that from depending on timing). A
+replay child started directly gets `--parent PID`: it dies with the process that started it.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ import select
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -48,6 +46,17 @@ from pathlib import Path
 from typing import Any
 
 from kdump.errors import FindingKind, KdumpError
+from kdump.replay.procs import (
+    CHILD_GRACE_S,
+    die_with_parent,
+    forget,
+    install_signal_handlers,
+    make_temp,
+    nest_temps_in,
+    remove_temp,
+    signal_group,
+    spawn,
+)
 from kdump.replay.session import Request
 from kdump.replay.verdict import Finding, Step, Verdict
 
@@ -88,9 +97,14 @@ class ChildRun:
     events: list[dict[str, Any]] = field(default_factory=list)
 
 
-def child_command(folder: Path) -> list[str]:
-    """The replay child's command line."""
-    return [sys.executable, "-m", "kdump.replay.child", str(folder)]
+MODULE = [sys.executable, "-m", "kdump.replay.child"]
+
+
+def child_command(folder: Path, parent: int | None = None) -> list[str]:
+    """The replay child's command line; with `parent` (this process, when it starts the child
+    itself rather than through a wrapper) the child dies with it."""
+    dies = ["--parent", str(parent)] if parent is not None else []
+    return [*MODULE, *dies, str(folder)]
 
 
 def child_environment(base: dict[str, str] | None, **extra: str) -> dict[str, str]:
@@ -143,129 +157,7 @@ def module_origin(module: str, paths: Sequence[str] = ()) -> str | None:
     return _origins[key]
 
 
-# --- the processes and folders kdump started for replays --------------------------------------
-
-GRACE_S = 0.5  # SIGTERM, then this long for a group's processes to clean up, then SIGKILL
-CHILD_GRACE_S = 0.2  # the same inside a replay child, for its own children (within GRACE_S)
-TERM_EXIT = 128 + signal.SIGTERM
-
-_live_lock = threading.Lock()
-_live: dict[int, subprocess.Popen[Any]] = {}  # process group id (= pid) -> its leader
-_live_dirs: set[str] = set()
-_ending = threading.Event()
-
-
-class Interrupted(KeyboardInterrupt):
-    """kdump is ending (SIGINT or SIGTERM): no new replay process starts."""
-
-
-def _spawn(cmd: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
-    """Popen in a new session (so a group kill reaches a sanitizer's child too), registered
-    until `_forget`."""
-    if _ending.is_set():
-        raise Interrupted
-    install_signal_handlers()
-    proc = subprocess.Popen(cmd, start_new_session=True, **kwargs)
-    with _live_lock:
-        _live[proc.pid] = proc
-    if _ending.is_set():  # the signal came while it started: it goes too
-        end_children()
-        raise Interrupted
-    return proc
-
-
-def _forget(proc: subprocess.Popen[Any]) -> None:
-    with _live_lock:
-        _live.pop(proc.pid, None)
-
-
-def _make_temp(prefix: str) -> Path:
-    folder = tempfile.mkdtemp(prefix=prefix)
-    with _live_lock:
-        _live_dirs.add(folder)
-    return Path(folder)
-
-
-def _remove_temp(folder: Path) -> None:
-    import shutil
-
-    shutil.rmtree(folder, ignore_errors=True)
-    with _live_lock:
-        _live_dirs.discard(str(folder))
-
-
-def end_children(grace: float = GRACE_S) -> None:
-    """End every registered process group (SIGTERM, then SIGKILL after `grace` seconds), reap
-    the leaders and remove the registered folders; no new one starts afterwards. Safe to call
-    from a signal handler and more than once."""
-    import shutil
-
-    _ending.set()
-    with _live_lock:
-        procs = list(_live.values())
-        _live.clear()
-        folders = list(_live_dirs)
-        _live_dirs.clear()
-    for p in procs:
-        _signal_group(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(timeout=max(deadline - time.monotonic(), 0.0))
-        except (subprocess.TimeoutExpired, OSError):
-            pass
-    for p in procs:  # also what a leader that exited left running in its group
-        _signal_group(p.pid, signal.SIGKILL)
-    for p in procs:
-        try:
-            p.wait(timeout=1.0)
-        except (subprocess.TimeoutExpired, OSError):
-            pass
-    for folder in folders:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def install_signal_handlers(grace: float = GRACE_S) -> None:
-    """On SIGINT and SIGTERM, end the registered processes first (main thread only; a signal
-    that is ignored stays ignored). SIGINT then does what it did before (KeyboardInterrupt by
-    default); SIGTERM calls the previous handler, or exits with 143 through SystemExit, so
-    `finally` blocks (temporary folders) still run."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            previous = signal.getsignal(sig)
-        except (ValueError, OSError):
-            continue
-        if previous == signal.SIG_IGN or getattr(previous, "_kdump_ends_children", False):
-            continue
-        try:
-            signal.signal(sig, _handler(previous, grace))
-        except (ValueError, OSError):
-            continue
-
-
-def _handler(previous: Any, grace: float) -> Any:
-    def handler(signum: int, frame: Any) -> None:
-        end_children(grace)
-        if callable(previous):
-            previous(signum, frame)
-        elif signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        else:
-            with contextlib.suppress(OSError, ValueError):
-                sys.stderr.write("kdump: terminated\n")
-            raise SystemExit(TERM_EXIT)
-
-    handler._kdump_ends_children = True  # type: ignore[attr-defined]
-    return handler
+# --- one replay in a child process -----------------------------------------------------------
 
 
 def launch(
@@ -275,12 +167,12 @@ def launch(
     wrapper: Sequence[str] = (),
 ) -> Ended:
     """Run the child for `req` (under `wrapper`, e.g. compute-sanitizer and its flags)."""
-    folder = _make_temp("kdump-replay-")
+    folder = make_temp("kdump-replay-")
     try:
         (folder / REQUEST).write_text(json.dumps(req.to_dict()))
-        rc, err = run_group(
-            [*wrapper, *child_command(folder)], env or child_environment(None), timeout
-        )
+        # Under a wrapper the child's parent is the wrapper, whose way of starting it is its own.
+        cmd = [*wrapper, *child_command(folder, None if wrapper else os.getpid())]
+        rc, err = run_group(cmd, env or child_environment(None), timeout)
         result = None
         if (folder / RESULT).exists():
             try:
@@ -290,27 +182,27 @@ def launch(
         fault = (folder / FAULT).read_text(errors="replace") if (folder / FAULT).exists() else ""
         return Ended(rc, err, read_events(folder / PROGRESS), result, fault)
     finally:
-        _remove_temp(folder)
+        remove_temp(folder)
 
 
 def run_group(cmd: list[str], env: dict[str, str], timeout: float | None) -> tuple[int | None, str]:
     """Run `cmd` in its own process group; (exit status, stderr), status None after a hang (the
     whole group is killed: a sanitizer's child too)."""
-    proc = _spawn(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    proc = spawn(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     try:
         _, err = proc.communicate(timeout=timeout)
         return proc.returncode, err or ""
     except subprocess.TimeoutExpired:
-        _signal_group(proc.pid, signal.SIGKILL)
+        signal_group(proc.pid, signal.SIGKILL)
         _, err = proc.communicate()
         return None, err or ""
     except BaseException:  # interrupted: the replay must not outlive kdump
-        _signal_group(proc.pid, signal.SIGKILL)
+        signal_group(proc.pid, signal.SIGKILL)
         with contextlib.suppress(Exception):
             proc.wait(timeout=5)
         raise
     finally:
-        _forget(proc)
+        forget(proc)
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
@@ -449,12 +341,14 @@ class Worker:
     """One replay worker process (`--serve`), its job pipe and its stderr file."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.folder = _make_temp("kdump-worker-")
+        self.folder = make_temp("kdump-worker-")
         self._stderr = open(self.folder / "stderr", "w+", errors="replace")  # noqa: SIM115
         read_fd, write_fd = os.pipe()
         try:
-            self.proc = _spawn(
-                [sys.executable, "-m", "kdump.replay.child", "--serve", str(write_fd)],
+            self.proc = spawn(
+                # --parent: the kernel ends it with the thread starting it here, a slot thread
+                # of replay() (--jobs) that outlives every job, or the main thread
+                [*MODULE, "--parent", str(os.getpid()), "--serve", str(write_fd)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,
                 stderr=self._stderr,
@@ -465,7 +359,7 @@ class Worker:
         except BaseException:
             os.close(read_fd)
             self._stderr.close()
-            _remove_temp(self.folder)
+            remove_temp(self.folder)
             raise
         finally:
             os.close(write_fd)
@@ -524,9 +418,9 @@ class Worker:
                 return self.proc.wait(timeout=30)  # it closed the pipe: it is exiting
             except subprocess.TimeoutExpired:
                 pass  # closed the pipe but lives on: stop it as a hang
-        _signal_group(self.proc.pid, signal.SIGKILL)
+        signal_group(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
-        _forget(self.proc)
+        forget(self.proc)
         return None
 
     def close(self) -> None:
@@ -537,10 +431,10 @@ class Worker:
                 self.proc.wait(timeout=10)
             except (OSError, subprocess.TimeoutExpired):
                 self._end(hung=True)
-        _forget(self.proc)
+        forget(self.proc)
         self._done.close()
         self._stderr.close()
-        _remove_temp(self.folder)
+        remove_temp(self.folder)
 
 
 class WorkerPool:
@@ -719,6 +613,7 @@ def run_job(folder: Path) -> None:
     """Run the request in `folder` and write its result there (atomically)."""
     import faulthandler
 
+    nest_temps_in(folder)  # e.g. the fresh-eager oracle's folder: removed with this one
     fault = open(folder / FAULT, "w")  # noqa: SIM115 (open until the next job or the end)
     faulthandler.enable(file=fault, all_threads=False)
     _faults.append(fault)
@@ -752,15 +647,22 @@ def serve(done_fd: int) -> None:
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["--parent"]:
+        die_with_parent(int(argv[1]))
+        argv = argv[2:]
     # kdump's end (SIGTERM to this group) ends the oracle processes this replay started, too
     install_signal_handlers(CHILD_GRACE_S)
-    if argv[:1] == ["--serve"]:
-        serve(int(argv[1]))
-    else:
-        (folder_arg,) = argv
-        run_job(Path(folder_arg))
+    try:
+        if argv[:1] == ["--serve"]:
+            serve(int(argv[1]))
+        else:
+            (folder_arg,) = argv
+            run_job(Path(folder_arg))
+    except SystemExit as end:  # SIGTERM: the stack is unwound (its folders removed); out now
+        os._exit(end.code if isinstance(end.code, int) else 1)
     # Skip interpreter teardown: after a sticky CUDA error torch aborts at exit, which would hide
-    # nothing (the verdict is written) but pollutes stderr.
+    # nothing (the verdict is written) but pollutes stderr; after SIGTERM it would outlast the
+    # parent's grace (torch's takes most of a second on a loaded machine).
     os._exit(0)
 
 
