@@ -57,7 +57,7 @@ from kdump.replay.procs import (
     signal_group,
     spawn,
 )
-from kdump.replay.session import Request
+from kdump.replay.session import Request, runs_interpreted
 from kdump.replay.verdict import Finding, Step, Verdict
 
 STDERR_TAIL = 1500
@@ -320,18 +320,21 @@ def run_child(req: Request, timeout: float | None, env: dict[str, str] | None = 
 
 
 def reuse_key(req: Request, env: dict[str, str] | None) -> str:
-    """What a worker process keeps from one replay to the next: the recorded DG_* variables it
-    applied, the library settings recorded with the bundle and the call, and its environment.
-    Bundles with equal keys may share a worker."""
+    """What a worker process keeps from one replay to the next: the recorded DG_* / DJ_*
+    variables it applied, whether it runs Triton kernels in the interpreter, the library
+    settings recorded with the bundle and the call, and its environment. Bundles with equal
+    keys may share a worker."""
     from kdump.bundle import load_bundle
 
     bundle = load_bundle(req.bundle)
     recorded = bundle.env.get("env_vars", {}) or {}
-    applied = {k: v for k, v in recorded.items() if k.startswith("DG_")}
-    state = bundle.call(req.call).meta.get("library_state")
+    applied = {k: v for k, v in recorded.items() if k.startswith(("DG_", "DJ_"))}
+    call = bundle.call(req.call)
+    state = call.meta.get("library_state")
     environ = child_environment(env)
+    interpreted = runs_interpreted(call, req.device)  # TRITON_INTERPRET stays set in a worker
     return json.dumps(
-        [applied, bundle.env.get("libraries"), state, sorted(environ.items())],
+        [applied, bundle.env.get("libraries"), state, interpreted, sorted(environ.items())],
         sort_keys=True,
         default=str,
     )

@@ -8,14 +8,11 @@ production), and the call's result is then compared with a fresh process's run o
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import torch
 
 from kdump.bundle import Call, MaterializedCall
 from kdump.bundle.tensors import clone_layout
-from kdump.replay import oracle, triton_oracle
+from kdump.replay import oracle, procs, triton_oracle
 from kdump.replay.compare import _expand_mask, distinct_results
 from kdump.replay.overreads import Differential, differential, report
 from kdump.replay.session import Progress, Request, Session, poison_outputs
@@ -172,9 +169,9 @@ def _fresh_oracle(
     reproduced: dict[str, bool],
     fresh: oracle.Fresh,
 ) -> None:
-    with tempfile.TemporaryDirectory(prefix="kdump-oracle-") as tmp:
+    with procs.temp_folder("kdump-oracle-") as tmp:
         path = oracle.save_inputs(
-            s, mc, pristine, {idx: result[n] for n, idx in outputs.items()}, Path(tmp, "o.kdump")
+            s, mc, pristine, {idx: result[n] for n, idx in outputs.items()}, tmp / "o.kdump"
         )
         result = oracle.run_fresh(s, {"eager/run 1": path}, fresh)["eager/run 1"]
     rep = all(reproduced.values()) if reproduced else None

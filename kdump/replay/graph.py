@@ -19,7 +19,6 @@ step in a fresh one (child.py).
 
 from __future__ import annotations
 
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from kdump.bundle import Call, MaterializedCall, capture_call, load_bundle, save
 from kdump.bundle.capture import capture
 from kdump.bundle.tensors import clone_layout
 from kdump.errors import CannotRunError, UsageError, error_line
-from kdump.replay import graph_routing, graph_steps, oracle
+from kdump.replay import graph_routing, graph_steps, oracle, procs
 from kdump.replay.graph_steps import CHANGED, CHANGED_EAGER, IDENTICAL, SHRINKING
 from kdump.replay.overreads import Differential, differential, report
 from kdump.replay.session import Progress, Request, Session, poison_outputs
@@ -204,7 +203,7 @@ class _GraphRun:
             + [(f"graph/replay {i + 1} ({p.name})", p) for i, p in enumerate(phases)]
             + [(f"graph/replay {p.name}", p) for p in shrinking]
         )
-        oracle_dir = tempfile.TemporaryDirectory(prefix="kdump-oracle-") if self.fresh else None
+        oracle_dir = procs.make_temp("kdump-oracle-") if self.fresh else None
         try:
             for step, phase in steps:
                 if step in self.skip:
@@ -224,7 +223,7 @@ class _GraphRun:
                     oracle.judge(self.s, step, results[step], rep)
         finally:
             if oracle_dir is not None:
-                oracle_dir.cleanup()
+                procs.remove_temp(oracle_dir)
 
     # --- the pieces every step uses -------------------------------------------------------------
     def expected_now(self) -> dict[str, torch.Tensor] | None:
@@ -382,7 +381,7 @@ class _GraphRun:
         self,
         step: str,
         phase: Phase | None,
-        oracle_dir: tempfile.TemporaryDirectory[str] | None,
+        oracle_dir: Path | None,
         against: tuple[str, dict[str, torch.Tensor]] | None = None,
         said: str = "",
     ) -> bool:
@@ -423,7 +422,7 @@ class _GraphRun:
         if oracle_dir is not None:
             # After the halo differential: saving writes the replay's inputs back into the buffers.
             replayed = {idx: actual[name] for name, idx in self.outputs.items()}
-            path = Path(oracle_dir.name, f"{len(self.oracles)}.kdump")
+            path = oracle_dir / f"{len(self.oracles)}.kdump"
             self.oracles[step] = (oracle.save_inputs(s, mc, inputs, replayed, path), reproduced)
         if len(s.verdict.findings) > n_before:
             _keep_pending(save_dir, step)
@@ -440,7 +439,7 @@ class _GraphRun:
         self.s.progress("begin", step)
         self.s.step(step, "skipped", why)
 
-    def changed_addresses(self, oracle_dir: tempfile.TemporaryDirectory[str] | None) -> bool:
+    def changed_addresses(self, oracle_dir: Path | None) -> bool:
         """An eager call on new allocations holding other values, then a replay on the captured
         inputs, compared with the identical replay (graph_steps); False when the context is
         gone."""

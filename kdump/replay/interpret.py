@@ -19,6 +19,7 @@ from typing import Any
 
 from kdump.errors import error_line
 from kdump.kernels.triton import replay as triton_replay
+from kdump.replay import procs
 
 ERROR = "error.json"  # kdump.replay.triton_oracle.ERROR
 
@@ -63,7 +64,8 @@ def run(job: dict[str, Any]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    (job_path,) = argv
+    job_path, parent = argv  # the replay process that started this one: end with it
+    procs.die_with_parent(int(parent))
     folder = Path(job_path).parent
     try:
         run(json.loads(Path(job_path).read_text()))

@@ -27,7 +27,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,10 +39,12 @@ from kdump.bundle import load_bundle
 from kdump.errors import BundleError
 from kdump.kernels.triton import launch as tl_launch
 from kdump.kernels.triton import replay as triton_replay
+from kdump.replay import procs
 from kdump.replay.compare import _expand_mask, agree, interpreter_tolerance, unwritten
 from kdump.replay.session import Session
 
 ORACLE = "interpreter"
+TRITON_ALIGN = 16  # the pointer divisibility Triton specialises a kernel on
 BUDGET_S = 120.0  # seconds the interpreter may run one launch
 CACHE_ENTRIES = 256  # newest cached results kept
 ENTRY = "kdump.replay.interpret"  # the oracle process's module
@@ -96,7 +97,19 @@ def cache_key(s: Session, job: dict[str, Any]) -> str:
     key = {
         "target": call.target,
         "storages": storages,
-        "tensors": [repr(t) for t in call.tensors],
+        # a tensor's layout and its address modulo the alignment a replay keeps (Triton
+        # specialises on 16-byte alignment: TRITON_ALIGN), not the address itself
+        "tensors": [
+            [
+                t.storage,
+                t.dtype,
+                list(t.shape),
+                list(t.stride),
+                t.storage_offset,
+                t.data_ptr % TRITON_ALIGN,
+            ]
+            for t in call.tensors
+        ],
         "args": call.encoded_args,
         "kwargs": call.encoded_kwargs,
         "launch": triton_replay.launch_key(launch),
@@ -173,7 +186,7 @@ def run_interpreter(job: dict[str, Any], folder: Path, budget: float) -> str:
     """Run the oracle process for `job` in `folder`; '' when it wrote its outputs, else why
     not (one line)."""
     (folder / JOB).write_text(json.dumps(job))
-    cmd = [sys.executable, "-m", ENTRY, str(folder / JOB)]
+    cmd = [sys.executable, "-m", ENTRY, str(folder / JOB), str(os.getpid())]
     # Same process group as this replay: whatever ends the replay ends the oracle too.
     proc = subprocess.Popen(
         cmd,
@@ -212,8 +225,7 @@ def interpreter_outputs(
     s: Session, outputs: dict[str, int], poisoned: list[str], budget: float = BUDGET_S
 ) -> InterpreterRun:
     """The interpreter's outputs for the call `s` replays (from the cache when it has them)."""
-    with tempfile.TemporaryDirectory(prefix="kdump-interpret-") as tmp:
-        folder = Path(tmp)
+    with procs.temp_folder("kdump-interpret-") as folder:
         job = job_for(s, outputs, poisoned, folder / RESULT)
         path = cache_dir() / f"{cache_key(s, job)}.kdump"
         found = _cached(path, s.device)
