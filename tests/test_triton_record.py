@@ -345,3 +345,25 @@ def test_a_glob_allows_the_triton_kernels_its_module_defines(kernels):
     assert not registry.defined_in(m.add_kernel, "elsewhere")
     with pytest.raises(UntrustedTargetError):
         registry.resolve_allowed("torch:nn.functional.relu", [f"{kernels}:*"])
+
+
+def test_a_second_autotuner_over_a_hooked_kernel_still_benchmarks_unrecorded(tmp_path, kernels):
+    """Two autotuners of one module wrapping the same JITFunction (or a target naming the inner
+    kernel beside its autotuner): the launch is hooked once, but each autotuner's benchmark
+    launches must still pass through unrecorded."""
+    m = _import(kernels)
+    import triton
+
+    second = triton.autotune(
+        configs=[triton.Config({"BLOCK": 16}, num_warps=2), triton.Config({"BLOCK": 128})],
+        key=["n"],
+        do_bench=m._bench,
+    )(m.scale_kernel.fn)
+    m.scale_again = second
+    x, _, out = _data()
+    with kdump.recording(f"{kernels}:*", out=tmp_path / "out", mode="sync") as rec:
+        second[lambda meta: (-(-meta["n"] // meta["BLOCK"]),)](x, out, 100, 2.0)
+        assert torch.equal(out, 2 * x)
+        written = list(rec.written)
+    assert len(_calls(written)) == 1  # the benchmark launches of both configs pass through
+    assert "_bench" not in vars(second)

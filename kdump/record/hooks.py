@@ -558,6 +558,9 @@ class PatchSet:
         if st is not None:
             if st.owner is not self:
                 raise UsageError(f"target {spec.text} is already being recorded")
+            # another wrapper of a hooked kernel: its autotuner's benchmarks stay unrecorded
+            made = launch_hook.bench_hooks(kernel)
+            st.refs.extend(_Ref(obj, attr, ours, _MISSING) for obj, attr, ours in made)
             return
         called_as = _display(container, name)
         st = HookState(spec, kernel, self.on_call, owner=self, launch=True)

@@ -112,6 +112,14 @@ def install(
     hook = _run_hook(st, called_as, jit, original, busy)
     jit.run = hook
     made.append((jit, "run", hook))
+    return made + bench_hooks(kernel)
+
+
+def bench_hooks(kernel: Any) -> list[tuple[Any, str, Callable[..., Any]]]:
+    """Mark the benchmark launches of each autotuner in `kernel`'s chain (its `_bench` wrapped
+    on the instance); also for a kernel whose innermost launch is hooked already through
+    another wrapper of it (two autotuners over one JITFunction). Returns what `install` does."""
+    made: list[tuple[Any, str, Callable[..., Any]]] = []
     for obj in tl_launch.chain(kernel)[:-1]:
         bench = obj.__dict__.get("_bench") if hasattr(obj, "__dict__") else None
         real_bench = getattr(obj, "_bench", None)
