@@ -345,3 +345,34 @@ def test_the_oracle_process_keeps_the_trust_rule(kernels: dict[str, Path], tmp_p
     why = triton_oracle.run_interpreter(job, folder, 300)
     assert "UntrustedTargetError" in why and "--allow-target" in why
     assert not (tmp_path / "o.kdump").exists()
+
+
+def test_a_launch_option_the_installed_triton_rejects_cannot_run() -> None:
+    """Recorded options are checked against the installed kernel (an option that names one of
+    its parameters does not fit it), and a compiled Triton's refusal of an option it does not
+    know (recorded with another Triton) is 'cannot run here', not the kernel's error."""
+    from kdump.errors import CannotRunError
+    from kdump.format.records import LaunchRecord
+    from kdump.kernels.triton import replay as triton_replay
+
+    class FakeJIT:  # shaped like a JITFunction of another Triton: rejects `future_option`
+        arg_names = ("x", "BLOCK")
+
+        def run(self, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+            for k in kwargs:
+                if k not in ("num_warps", "BLOCK"):
+                    raise KeyError(f"Keyword argument {k} was specified but unrecognised")
+
+        def __getitem__(self, grid: Any) -> Any:
+            return self.run
+
+    FakeJIT.__module__ = "triton.runtime.jit"
+
+    def record(options: dict[str, Any]) -> LaunchRecord:
+        return LaunchRecord("triton", (1,), options, ("BLOCK",), "0" * 64, "9.9.9")
+
+    triton_replay.runner(FakeJIT(), record({"num_warps": 4}))(1, BLOCK=2)
+    with pytest.raises(CannotRunError, match="rejects a recorded launch option"):
+        triton_replay.runner(FakeJIT(), record({"future_option": 1}))(1, BLOCK=2)
+    with pytest.raises(CannotRunError, match="'BLOCK'"):
+        triton_replay.runner(FakeJIT(), record({"BLOCK": 4}))

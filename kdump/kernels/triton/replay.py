@@ -99,8 +99,29 @@ def runner(kernel: Any, launch: LaunchRecord) -> Callable[..., None]:
     recorded grid and launch options. A launch returns a handle (the compiled kernel), not a
     result: the runner returns None."""
 
+    jit = tl_launch.innermost(kernel)
+    clash = sorted(set(launch.options) & {*tl_launch.param_names(jit), "grid", "warmup"})
+    if clash:
+        raise CannotRunError(
+            f"the bundle's launch options name {', '.join(map(repr, clash[:3]))[:200]}, which "
+            "the installed kernel takes as its own parameters (or Triton as the launch's): the "
+            "launch record does not fit this kernel"
+        )
+
     def run(*args: Any, **kwargs: Any) -> None:
-        tl_launch.launch_again(kernel, launch, args, kwargs)
+        try:
+            tl_launch.launch_again(kernel, launch, args, kwargs)
+        except KeyError as exc:
+            # Triton's own check of the keywords of a compiled launch: an option the recording's
+            # Triton had and this one does not is no fault of the kernel
+            said = str(exc.args[0]) if exc.args else ""
+            if "specified but unrecognised" not in said:
+                raise
+            raise CannotRunError(
+                f"the installed Triton {installed_version()} rejects a recorded launch option "
+                f"({said[:200]}; recorded with Triton {launch.version[:40]}); replay with the "
+                "Triton the recording used"
+            ) from None
 
     run.__name__ = getattr(tl_launch.innermost(kernel), "__name__", "triton_kernel")
     return run
