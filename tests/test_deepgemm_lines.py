@@ -214,6 +214,23 @@ def test_k_grouped_tail_binds_by_each_line_order(monkeypatch) -> None:
     assert up["ks"] == [256, 128] and up["epilogue"] is True and up["use_padded_sf_layout"] is False
 
 
+def test_a_call_recorded_in_another_argument_order_is_refused_not_misplaced(monkeypatch) -> None:
+    """Recorded on sgl-deep-gemm, replayed through an upstream build: position 9 is
+    use_padded_sf_layout there and epilogue here, so passing it on by position would misplace
+    it; the backend says so in one line (cannot run) before launching anything."""
+    from kdump.errors import CannotRunError
+    from kdump.kernels.deepgemm.backend import _same_order
+
+    _no_deep_gemm_loaded(monkeypatch)
+    spec = registry.spec_for("deep_gemm:k_grouped_fp8_gemm_tn_contiguous")
+    recorded = spec.with_names(signature.positional_names(sgl_k_grouped))
+    upstream = PybindFn("k_grouped_fp8_gemm_tn_contiguous", UPSTREAM_KGROUPED_DOC)
+    _same_order(recorded, upstream, 5)  # a, b, d, ks, grouped_layout: the same places
+    with pytest.raises(CannotRunError, match="argument 9: use_padded_sf_layout there, epilogue"):
+        _same_order(recorded, upstream, 10)
+    _same_order(recorded, sgl_k_grouped, 10)  # the recording build itself
+
+
 def test_k_grouped_keywords_and_old_names() -> None:
     spec = registry.spec_for("deep_gemm:k_grouped_fp8_gemm_nt_contiguous")
     d = torch.zeros(2, 64, 64, dtype=torch.bfloat16)

@@ -15,7 +15,9 @@ from typing import Any
 import torch
 
 from kdump.errors import CannotRunError
+from kdump.kernels.deepgemm.binding import Binder
 from kdump.kernels.deepgemm.names import DEEPGEMM_MODULES, aliases_of
+from kdump.kernels.deepgemm.signature import positional_names
 from kdump.kernels.plugin import Backend, KernelSpec
 
 
@@ -77,6 +79,7 @@ class DeepGemmBackend(Backend):
             why = spec.refusal(spec.bind(args, kwargs))
             if why:
                 raise CannotRunError(why)
+            _same_order(spec, fn, len(args))
             return fn(*args, **kwargs)
 
         return run
@@ -87,3 +90,23 @@ class DeepGemmBackend(Backend):
         except CannotRunError:
             return None
         return str(getattr(mod, "__version__", "unknown"))
+
+
+def _same_order(spec: KernelSpec, fn: Any, n_args: int) -> None:
+    """Refuse (cannot run) a call whose positional arguments would land elsewhere in the
+    installed build than in the build that recorded them (sgl-deep-gemm's k-grouped tail against
+    upstream's): the recorded values are passed as they were, by position."""
+    recorded = getattr(spec, "positional_names", lambda: None)()
+    live = positional_names(fn)
+    params = getattr(spec, "params", None)
+    if not recorded or not live or params is None:
+        return
+    was = Binder(spec.id, params, recorded).slots[:n_args]
+    now = Binder(spec.id, params, live).slots[:n_args]
+    for i, (a, b) in enumerate(zip(was, now)):
+        if a != b:
+            raise CannotRunError(
+                f"{spec.id}: the installed DeepGEMM orders its arguments differently from the "
+                f"build that recorded the call (argument {i}: {a} there, {b} here); replay with "
+                "the recorded build, or with --backend reference"
+            )
