@@ -155,6 +155,10 @@ def test_generic_routing_needs_the_option_and_says_so() -> None:
     assert "no argument 'labels'" in missing and "groups, out, x" in missing
     floats = find_routing(spec, bound, ("x", "labels"))
     assert isinstance(floats, str) and "not an integer tensor" in floats
+    bytes_ = spec.bind([torch.zeros(4), torch.zeros(4, dtype=torch.uint8), torch.zeros(4)], {})
+    unsigned = find_routing(spec, bytes_, ("groups", "labels"))  # -1 would wrap to 255
+    assert isinstance(unsigned, str) and "signed integer" in unsigned
+    assert isinstance(find_routing(spec, bytes_, ("groups", "counts")), RoutingArg)
 
 
 def test_rotate_moves_values_of_every_float_width_only() -> None:

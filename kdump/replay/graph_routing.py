@@ -70,6 +70,9 @@ def find_routing(
         return f"routing argument {arg.name} is {what}, not an integer tensor"
     if value.dtype == torch.bool:
         return f"routing argument {arg.name} is a bool tensor, not an integer tensor"
+    if arg.layout == "labels" and not value.dtype.is_signed:
+        # -1 marks an invalid row: an unsigned tensor would wrap it into a valid label
+        return f"routing argument {arg.name} is {value.dtype}: labels need a signed integer type"
     if arg.layout == "psum" and value.dim() != 1:
         return f"routing argument {arg.name}: a psum layout is 1-D, not {list(value.shape)}"
     return arg
