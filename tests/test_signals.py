@@ -280,6 +280,7 @@ _SECTION = """
 import os, signal, time
 from pathlib import Path
 from kdump.replay import procs
+signal.signal(signal.SIGINT, signal.SIG_DFL)  # a suite started as `pytest &` ignores SIGINT
 procs.install_signal_handlers(0.1)
 folder = procs.make_temp("kdump-section-")
 try:
