@@ -19,6 +19,7 @@ callable none of these describe gives None, and the caller falls back to its tab
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,20 +146,30 @@ def _pybind_doc_line(fn: Any) -> str | None:
     return None
 
 
-def split_top_level(text: str) -> list[str]:
-    """`text` split at commas outside brackets and quotes."""
-    parts, depth, quote, start = [], 0, "", 0
-    for i, ch in enumerate(text):
+def _outside_quotes(text: str, start: int = 0) -> Iterator[tuple[int, str, int]]:
+    """(index, character, bracket depth after it) of each character of `text` from `start`
+    that is not inside a quoted string (quotes themselves included)."""
+    depth, quote = 0, ""
+    for i in range(start, len(text)):
+        ch = text[i]
         if quote:
             if ch == quote and text[i - 1] != "\\":
                 quote = ""
-        elif ch in "'\"":
+            continue
+        if ch in "'\"":
             quote = ch
         elif ch in _OPEN:
             depth += 1
         elif ch in _CLOSE:
             depth = max(0, depth - 1)
-        elif ch == "," and depth == 0:
+        yield i, ch, depth
+
+
+def split_top_level(text: str) -> list[str]:
+    """`text` split at commas outside brackets and quotes."""
+    parts, start = [], 0
+    for i, ch, depth in _outside_quotes(text):
+        if ch == "," and depth == 0:
             parts.append(text[start:i].strip())
             start = i + 1
     tail = text[start:].strip()
@@ -172,20 +183,9 @@ def _inside_parens(line: str) -> str | None:
     start = line.find("(")
     if start < 0:
         return None
-    depth, quote = 0, ""
-    for i in range(start, len(line)):
-        ch = line[i]
-        if quote:
-            if ch == quote and line[i - 1] != "\\":
-                quote = ""
-        elif ch in "'\"":
-            quote = ch
-        elif ch in _OPEN:
-            depth += 1
-        elif ch in _CLOSE:
-            depth -= 1
-            if depth == 0:
-                return line[start + 1 : i]
+    for i, ch, depth in _outside_quotes(line, start):
+        if ch in _CLOSE and depth == 0:
+            return line[start + 1 : i]
     return None
 
 
