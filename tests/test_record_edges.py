@@ -165,6 +165,24 @@ def test_a_target_importable_anywhere_gets_no_path(work, monkeypatch) -> None:
     assert got == f"kdump replay b.kdump --allow-target mymod:myfn --path {tmp_path}"
 
 
+def test_a_glob_target_allows_what_it_expanded_to_once(work, monkeypatch) -> None:
+    tmp_path, _ = work
+    monkeypatch.setenv("PYTHONPATH", "")
+    row = {"module": "tkern", "state": "patched", "root": str(tmp_path)}
+    status = launcher.RunStatus(
+        rows=[
+            {**row, "target": "tkern:*", "id": "tkern:*"},
+            {**row, "target": "tkern:add_kernel", "id": "tkern:add_kernel"},
+            {**row, "target": "other:fn", "id": "other:fn", "module": "other"},
+        ],
+        processes=1,
+    )
+    got = launcher.next_command(Path("b.kdump"), status)
+    want = f"kdump replay b.kdump --allow-target 'tkern:*' --path {tmp_path}"
+    want += " --allow-target other:fn"
+    assert got == want
+
+
 def test_a_killed_writers_temporary_is_removed_at_the_end_of_the_run(work) -> None:
     tmp_path, _ = work
     dead = subprocess.run(

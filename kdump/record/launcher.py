@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import os
 import shlex
@@ -541,6 +542,7 @@ def next_command(bundle: Path, status: RunStatus) -> str:
 
     words = ["kdump", "replay", str(bundle)]
     seen: set[str] = set()
+    globs = [r["id"] for r in status.rows if r["state"] == "patched" and "*" in r["id"]]
     for row in status.rows:
         if row["state"] != "patched" or row["id"] in seen:
             continue
@@ -551,7 +553,9 @@ def next_command(bundle: Path, status: RunStatus) -> str:
             allowed = False
         if allowed:
             continue
-        words += ["--allow-target", row["id"]]
+        covered = row["id"] not in globs and any(fnmatch.fnmatchcase(row["id"], g) for g in globs)
+        if not covered:  # (a 'mod:*' given as well allows it)
+            words += ["--allow-target", row["id"]]
         root = row.get("root")
         if isinstance(root, str) and not _replay_imports_from(row["module"], root):
             if root not in words:
